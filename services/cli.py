@@ -1,0 +1,38 @@
+"""The ``kvmesh`` command: one entry point for every service and tool."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("services.up", "start a whole mesh on this machine (NATS, indexer, router, workers, frontend)"),
+    "frontend": ("services.frontend.server", "run the OpenAI-compatible HTTP facade"),
+    "router": ("services.router.server", "run a router replica"),
+    "indexer": ("services.indexer.server", "run an indexer replica"),
+    "worker": ("services.worker.server", "run an inference worker"),
+    "gen-protos": ("services.common.protogen", "regenerate the Python gRPC code from protos/"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: kvmesh <command> [options]", "", "commands:"]
+    lines += [f"  {name:<12} {summary}" for name, (_module, summary) in COMMANDS.items()]
+    lines += ["", "Run `kvmesh <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        sys.exit(0 if args else 2)
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"kvmesh: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        sys.exit(2)
+    module = importlib.import_module(COMMANDS[name][0])
+    result = module.main(rest)
+    if isinstance(result, int):
+        sys.exit(result)

@@ -1,0 +1,130 @@
+"""Typed service configuration built from flags and environment variables.
+
+Each service declares one dataclass whose fields are made with :func:`option`. :func:`parse_config`
+turns it into an ``argparse`` parser (so ``--help`` documents every knob and its environment
+variable), reads ``KVMESH_<FIELD>`` environment variables as defaults, and returns the typed object.
+Precedence: command-line flag, then environment variable, then the declared default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+ENV_PREFIX = "KVMESH_"
+
+ConfigT = TypeVar("ConfigT")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message says which and why."""
+
+
+def option(default: Any, help: str, *, flag: str | None = None, choices: Sequence[Any] | None = None) -> Any:
+    """Declare one configuration field: its default, its help text and optionally its flag name."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
+
+
+def env_var_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _base_type(annotation: Any) -> tuple[type, bool]:
+    """(scalar type, optional?) of a field annotation such as ``int``, ``str | None``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], True
+    return annotation, False
+
+
+def _convert(raw: str, kind: type, name: str) -> Any:
+    if kind is bool:
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{env_var_name(name)}={raw!r} is not a boolean (use true or false)")
+    try:
+        return kind(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{env_var_name(name)}={raw!r} is not a valid {kind.__name__}") from exc
+
+
+def build_parser(cls: type, prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind, _optional = _base_type(hints[f.name])
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata.get('help', '')} [env {env_var_name(f.name)}]"
+        if kind is bool:
+            parser.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
+        else:
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                type=kind,
+                default=f.default,
+                choices=f.metadata.get("choices"),
+                help=help_text,
+            )
+    return parser
+
+
+def parse_config(
+    cls: type[ConfigT],
+    argv: Sequence[str] | None,
+    *,
+    prog: str,
+    description: str,
+    environ: Mapping[str, str] | None = None,
+) -> ConfigT:
+    """Parse ``argv`` over environment defaults into an instance of the dataclass ``cls``."""
+    environ = os.environ if environ is None else environ
+    parser = build_parser(cls, prog, description)
+    hints = typing.get_type_hints(cls)
+    env_defaults: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        raw = environ.get(env_var_name(f.name))
+        if raw is not None:
+            kind, _ = _base_type(hints[f.name])
+            try:
+                env_defaults[f.name] = _convert(raw, kind, f.name)
+            except ConfigError as exc:
+                parser.error(str(exc))
+    parser.set_defaults(**env_defaults)
+    namespace = parser.parse_args(argv)
+    config = cls(**vars(namespace))
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ConfigError as exc:
+            parser.error(str(exc))
+    return config
+
+
+def describe(config: Any) -> dict[str, Any]:
+    """The configuration as a flat dict, for the start-up log line."""
+    return dataclasses.asdict(config)
+
+
+@dataclasses.dataclass
+class CommonConfig:
+    """Options every service shares."""
+
+    nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL")
+    namespace: str = option("default", "namespace that isolates one mesh's subjects and keys")
+    log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_json: bool | None = option(None, "JSON logs (default: JSON unless stderr is a terminal)")

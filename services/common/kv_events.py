@@ -1,0 +1,132 @@
+"""KV event wire format (DESIGN §3): one msgpack map per message, a batch of one worker's events.
+
+    {worker_id, dp_rank, ts, events: [{event_id, tier, data}, ...]}
+
+with ``data`` one of ``{type: "stored", parent_hash, blocks: [{block_hash, tokens_hash, num_tokens}]}``,
+``{type: "removed", block_hashes: [...]}`` or ``{type: "cleared"}``. ``block_hash`` is the engine's
+own opaque id (used for parent links and removals); ``tokens_hash`` is our local hash (used for
+matching). ``event_id`` increases by one per (worker, dp_rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+DEVICE_TIER = "device"
+
+
+class EventDecodeError(ValueError):
+    """A message on the event stream is not a valid KV event batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    block_hash: int
+    tokens_hash: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksStored:
+    parent_hash: int | None
+    blocks: tuple[StoredBlock, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksRemoved:
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+EventData = BlocksStored | BlocksRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvent:
+    event_id: int
+    data: EventData
+    tier: str = DEVICE_TIER
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventBatch:
+    """Consecutive events of one (worker, dp_rank), as carried by one stream message."""
+
+    worker_id: int
+    dp_rank: int
+    ts: float
+    events: tuple[KvEvent, ...] = field(default_factory=tuple)
+
+    @property
+    def first_event_id(self) -> int:
+        return self.events[0].event_id if self.events else -1
+
+
+def _data_to_wire(data: EventData) -> dict[str, Any]:
+    if isinstance(data, BlocksStored):
+        return {
+            "type": "stored",
+            "parent_hash": data.parent_hash,
+            "blocks": [
+                {"block_hash": b.block_hash, "tokens_hash": b.tokens_hash, "num_tokens": b.num_tokens}
+                for b in data.blocks
+            ],
+        }
+    if isinstance(data, BlocksRemoved):
+        return {"type": "removed", "block_hashes": list(data.block_hashes)}
+    return {"type": "cleared"}
+
+
+def _data_from_wire(raw: dict[str, Any]) -> EventData:
+    kind = raw.get("type")
+    if kind == "stored":
+        blocks = tuple(
+            StoredBlock(int(b["block_hash"]), int(b["tokens_hash"]), int(b["num_tokens"]))
+            for b in raw["blocks"]
+        )
+        parent = raw.get("parent_hash")
+        return BlocksStored(None if parent is None else int(parent), blocks)
+    if kind == "removed":
+        return BlocksRemoved(tuple(int(h) for h in raw["block_hashes"]))
+    if kind == "cleared":
+        return AllBlocksCleared()
+    raise EventDecodeError(f"unknown KV event type {kind!r}")
+
+
+def encode_batch(batch: KvEventBatch) -> bytes:
+    return msgpack.packb(
+        {
+            "worker_id": batch.worker_id,
+            "dp_rank": batch.dp_rank,
+            "ts": batch.ts,
+            "events": [
+                {"event_id": e.event_id, "tier": e.tier, "data": _data_to_wire(e.data)} for e in batch.events
+            ],
+        }
+    )
+
+
+def decode_batch(payload: bytes) -> KvEventBatch:
+    """Decode one stream message; raises :class:`EventDecodeError` on anything malformed."""
+    try:
+        raw = msgpack.unpackb(payload)
+        return KvEventBatch(
+            worker_id=int(raw["worker_id"]),
+            dp_rank=int(raw.get("dp_rank", 0)),
+            ts=float(raw.get("ts", 0.0)),
+            events=tuple(
+                KvEvent(int(e["event_id"]), _data_from_wire(e["data"]), str(e.get("tier", DEVICE_TIER)))
+                for e in raw["events"]
+            ),
+        )
+    except EventDecodeError:
+        raise
+    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+        raise EventDecodeError(f"malformed KV event batch: {exc}") from exc

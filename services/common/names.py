@@ -1,0 +1,41 @@
+"""Every NATS name kvmesh uses, in one place (DESIGN §3, §4, §5, §6)."""
+
+from __future__ import annotations
+
+KV_EVENTS_STREAM = "KVMESH_KV_EVENTS"
+INSTANCES_BUCKET = "KVMESH_INSTANCES"
+INDEX_SNAPSHOTS_BUCKET = "KVMESH_INDEX_SNAPSHOTS"
+
+DEFAULT_NAMESPACE = "default"
+
+
+def kv_events_subject(namespace: str, worker_id: int | str) -> str:
+    """Subject a worker publishes its KV events on."""
+    return f"kvmesh.{namespace}.kv.{worker_id}"
+
+
+def kv_events_wildcard(namespace: str) -> str:
+    """Subject filter covering every worker's KV events in a namespace."""
+    return f"kvmesh.{namespace}.kv.*"
+
+
+def router_sync_subject(namespace: str) -> str:
+    return f"kvmesh.{namespace}.router.sync"
+
+
+def instance_key(namespace: str, component: str, instance_id: int | str) -> str:
+    """Key of one instance's record in the discovery bucket."""
+    return f"{namespace}.{component}.{instance_id}"
+
+
+def instance_key_prefix(namespace: str, component: str) -> str:
+    return f"{namespace}.{component}."
+
+
+def indexer_durable_name(replica_id: str) -> str:
+    return f"indexer-{replica_id}"
+
+
+def kv_event_msg_id(worker_id: int, dp_rank: int, first_event_id: int) -> str:
+    """JetStream de-duplication id of a batch: a retried publish is stored once."""
+    return f"{worker_id}:{dp_rank}:{first_event_id}"

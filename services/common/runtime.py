@@ -1,0 +1,49 @@
+"""Running a service process: asyncio loop, clean shutdown on SIGINT / SIGTERM, NATS connection."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+
+import nats
+import structlog
+from nats.aio.client import Client as NatsClient
+
+log = structlog.get_logger(__name__)
+
+
+async def connect_nats(url: str, name: str, connect_timeout: float = 10.0) -> NatsClient:
+    """Connect with reconnects enabled; a clear error when the server is not there at all."""
+
+    async def on_disconnect() -> None:
+        log.warning("NATS disconnected", url=url)
+
+    async def on_reconnect() -> None:
+        log.info("NATS reconnected", url=url)
+
+    try:
+        return await nats.connect(
+            url,
+            name=name,
+            connect_timeout=connect_timeout,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+        )
+    except Exception as exc:
+        raise SystemExit(f"{name}: cannot connect to NATS at {url}: {exc}") from exc
+
+
+def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run ``serve(stop_event)``; SIGINT / SIGTERM set the event and ``serve`` shuts down cleanly."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(stop)
+
+    asyncio.run(main())

@@ -1,0 +1,24 @@
+"""Frontend configuration: one typed object, from flags and ``KVMESH_*`` environment variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import CommonConfig, ConfigError, option
+from services.common.tiny_model import MODEL_DIR, MODEL_NAME
+
+
+@dataclass
+class FrontendConfig(CommonConfig):
+    http_host: str = option("127.0.0.1", "address the HTTP server binds")
+    http_port: int = option(8000, "HTTP port of the OpenAI-compatible API")
+    model_name: str = option(MODEL_NAME, "model name clients use in `model`")
+    model_path: str = option(str(MODEL_DIR), "model directory with tokenizer.json and tokenizer_config.json")
+    router_address: str | None = option(None, "fixed router host:port (default: discover routers over NATS)")
+    default_max_tokens: int = option(64, "max_tokens when a request gives none")
+
+    def validate(self) -> None:
+        if not 0 <= self.http_port < 65536:
+            raise ConfigError("--http-port must be between 0 and 65535")
+        if self.default_max_tokens <= 0:
+            raise ConfigError("--default-max-tokens must be positive")

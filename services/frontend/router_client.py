@@ -1,0 +1,53 @@
+"""How the frontend reaches the routers: discovered replicas (or one fixed address), used in turn."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.common.discovery import DiscoveryWatcher
+from services.common.grpc_server import insecure_channel
+from services.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+
+
+class NoRouterError(RuntimeError):
+    """No router replica is registered."""
+
+
+class RouterClient:
+    """Streams ``Router.Generate`` from a router replica, spreading requests over the replicas."""
+
+    def __init__(self, watcher: DiscoveryWatcher | None = None, fixed_address: str | None = None) -> None:
+        if watcher is None and fixed_address is None:
+            raise ValueError("need a discovery watcher or a fixed router address")
+        self._watcher = watcher
+        self._fixed = fixed_address
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._counter = itertools.count()
+
+    def addresses(self) -> list[str]:
+        if self._fixed:
+            return [self._fixed]
+        assert self._watcher is not None
+        return sorted(r.address for r in self._watcher.instances())
+
+    def _stub(self) -> router_pb2_grpc.RouterStub:
+        addresses = self.addresses()
+        if not addresses:
+            raise NoRouterError("no router is available")
+        address = addresses[next(self._counter) % len(addresses)]
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = insecure_channel(address)
+        return router_pb2_grpc.RouterStub(channel)
+
+    def generate(self, request: common_pb2.PreprocessedRequest) -> AsyncIterator[common_pb2.GenerateOutput]:
+        """The router's stream; raises ``NoRouterError`` or ``grpc.aio.AioRpcError``."""
+        return self._stub().Generate(request)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

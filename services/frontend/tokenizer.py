@@ -1,0 +1,119 @@
+"""A model's tokenizer and chat template, loaded from its directory (``tokenizer.json`` +
+``tokenizer_config.json``), and incremental detokenisation for streaming."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered with the model's chat template."""
+
+
+class ModelTokenizer:
+    """Tokenises prompts and renders chat messages the way the model was trained to see them."""
+
+    def __init__(self, model_dir: Path) -> None:
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"{tokenizer_file} not found: --model-path must be a model directory")
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        config_file = model_dir / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.special_tokens = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+        template = config.get("chat_template")
+        self._template = None
+        if template:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
+            self._template = env.from_string(template)
+        eos = self.special_tokens.get("eos_token")
+        self.eos_token_id = self.tokenizer.token_to_id(eos) if eos else None
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        try:
+            return self._template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"cannot render the chat template: {exc}") from exc
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: ModelTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._emitted = ""
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        self._ids.extend(token_ids)
+        text = self._tokenizer.decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""  # a multi-byte character is not complete yet
+        delta = text[len(self._emitted) :]
+        self._emitted = text
+        return delta
+
+    @property
+    def text(self) -> str:
+        return self._emitted
+
+
+class StopStringMatcher:
+    """Finds the first stop string in streamed text without ever emitting part of one.
+
+    ``feed`` returns the text that is safe to send now and whether a stop string was hit; text that
+    could still be the beginning of a stop string is held back until it is disambiguated.
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self._stop = [s for s in stop if s]
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self._stop:
+            return delta, False
+        text = self._held + delta
+        hits = [(text.find(s), s) for s in self._stop if s in text]
+        if hits:
+            position = min(h[0] for h in hits)
+            self.stopped = True
+            self._held = ""
+            return text[:position], True
+        keep = 0
+        for s in self._stop:
+            for length in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:length]):
+                    keep = max(keep, length)
+                    break
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.stopped else held

@@ -1,0 +1,3 @@
+from services.indexer.server import main
+
+main()

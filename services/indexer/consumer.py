@@ -1,0 +1,153 @@
+"""Feeds the prefix index from the KV event stream through a durable pull consumer (DESIGN §4).
+
+Restart semantics. The index lives in memory, so a restarted replica must rebuild it before its
+durable consumer is useful. On start the replica
+
+1. reads its durable consumer's acknowledgement floor ``A`` (0 if the consumer is new);
+2. replays the stream's messages ``1..A`` through a short-lived ordered read, without acks;
+3. resumes the durable consumer, which delivers from ``A + 1`` (and redelivers anything that was
+   delivered but never acknowledged).
+
+So a replica acknowledges only what it applied, resumes from its durable consumer after a restart,
+and still ends with exactly the state of a replica that never stopped. Snapshots (issue 4) shorten
+step 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from services.common import names
+from services.common.kv_events import EventDecodeError, decode_batch
+from services.indexer.prefix_index import PrefixIndex
+
+log = structlog.get_logger(__name__)
+
+FETCH_BATCH = 256
+
+
+class EventStreamConsumer:
+    """Applies stream messages to ``index`` in stream order and acks each one after applying it."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        namespace: str,
+        replica_id: str,
+        index: PrefixIndex,
+        on_applied: Callable[[int], None] | None = None,
+    ) -> None:
+        self._js = js
+        self._subject = names.kv_events_wildcard(namespace)
+        self.durable = names.indexer_durable_name(replica_id)
+        self._index = index
+        self._on_applied = on_applied
+        self.applied_sequence = 0
+        self.malformed_messages = 0
+        self._task: asyncio.Task[None] | None = None
+        self._sub = None
+
+    async def start(self, reset: bool = False) -> None:
+        """Rebuild from the stream up to the durable's ack floor, then follow the durable."""
+        if reset:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await self._js.delete_consumer(names.KV_EVENTS_STREAM, self.durable)
+        ack_floor = await self._ack_floor()
+        if ack_floor > 0:
+            await self._replay_until(ack_floor)
+        if ack_floor == 0:
+            await self._js.add_consumer(
+                names.KV_EVENTS_STREAM,
+                ConsumerConfig(
+                    durable_name=self.durable,
+                    ack_policy=AckPolicy.EXPLICIT,
+                    deliver_policy=DeliverPolicy.ALL,
+                    filter_subject=self._subject,
+                    max_ack_pending=-1,
+                    ack_wait=30,
+                ),
+            )
+        self._sub = await self._js.pull_subscribe_bind(self.durable, stream=names.KV_EVENTS_STREAM)
+        self._task = asyncio.create_task(self._follow(), name=f"consume-{self.durable}")
+        log.info("following the event stream", durable=self.durable, resumed_after=ack_floor)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _ack_floor(self) -> int:
+        try:
+            info = await self._js.consumer_info(names.KV_EVENTS_STREAM, self.durable)
+        except nats.js.errors.NotFoundError:
+            return 0
+        return info.ack_floor.stream_seq if info.ack_floor else 0
+
+    async def _replay_until(self, last_sequence: int) -> None:
+        """Apply messages 1..last_sequence with an ephemeral consumer that needs no acks."""
+        sub = await self._js.pull_subscribe(
+            self._subject,
+            stream=names.KV_EVENTS_STREAM,
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30
+            ),
+        )
+        try:
+            done = False
+            while not done and self.applied_sequence < last_sequence:
+                try:
+                    msgs = await sub.fetch(FETCH_BATCH, timeout=2)
+                except nats.errors.TimeoutError:
+                    break  # the stream holds less than the ack floor (messages aged out)
+                for msg in msgs:
+                    seq = msg.metadata.sequence.stream
+                    if seq > last_sequence:
+                        done = True
+                        break
+                    self._apply(msg.data, seq)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        log.info("replayed stream into the index", up_to=self.applied_sequence)
+
+    async def _follow(self) -> None:
+        assert self._sub is not None
+        while True:
+            try:
+                msgs = await self._sub.fetch(FETCH_BATCH, timeout=1)
+            except nats.errors.TimeoutError:
+                continue
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
+                log.warning("event stream unavailable; retrying", error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                seq = msg.metadata.sequence.stream
+                if seq > self.applied_sequence:
+                    self._apply(msg.data, seq)
+                await msg.ack()
+
+    def _apply(self, payload: bytes, sequence: int) -> None:
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as exc:
+            # A poison message must not stall the replica: count it, log it, move on.
+            self.malformed_messages += 1
+            log.error("skipping malformed KV event message", sequence=sequence, error=str(exc))
+        else:
+            self._index.apply_batch(batch)
+        self.applied_sequence = sequence
+        if self._on_applied is not None:
+            self._on_applied(sequence)

@@ -1,0 +1,3 @@
+from services.router.server import main
+
+main()

@@ -1,0 +1,298 @@
+"""The router service: picks a worker per request and streams that worker's answer back."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import structlog
+
+from services.common.config import describe, parse_config
+from services.common.discovery import DiscoveryWatcher, InstanceRecord, Registration, new_instance_id
+from services.common.grpc_server import insecure_channel, start_grpc_server
+from services.common.hashing import local_block_hashes, sequence_hashes
+from services.common.logging import configure_logging
+from services.common.proto.kvmesh.v1 import (
+    common_pb2,
+    indexer_pb2,
+    indexer_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2_grpc,
+)
+from services.common.runtime import connect_nats, run_until_signalled
+from services.router.active_sequences import ActiveSequences
+from services.router.config import RouterConfig
+from services.router.scheduler import Candidate, KvSelector, RandomSelector, RoundRobinSelector
+
+log = structlog.get_logger(__name__)
+
+WorkerKey = tuple[int, int]
+
+
+class RoutingError(Exception):
+    """A request cannot be routed; carries the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ChannelPool:
+    """One gRPC channel per address, reused across requests."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = insecure_channel(address)
+        return channel
+
+    async def drop(self, address: str) -> None:
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        for address in list(self._channels):
+            await self.drop(address)
+
+
+class Router:
+    """Routing decisions plus the load picture they rely on. One per router process."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        workers: DiscoveryWatcher,
+        indexers: DiscoveryWatcher | None,
+        channels: ChannelPool,
+    ) -> None:
+        self.config = config
+        self.workers = workers
+        self.indexers = indexers
+        self.channels = channels
+        rng = random.Random(config.seed)
+        self._rng = rng
+        self._round_robin = RoundRobinSelector()
+        self._random = RandomSelector(rng)
+        self._kv_selectors: dict[int, KvSelector] = {}
+        self._active: dict[int, ActiveSequences] = {}
+
+    def active_sequences(self, block_size: int) -> ActiveSequences:
+        active = self._active.get(block_size)
+        if active is None:
+            active = self._active[block_size] = ActiveSequences(block_size)
+        return active
+
+    def worker_left(self, record: InstanceRecord) -> None:
+        for active in self._active.values():
+            active.remove_worker(record.instance_id)
+
+    def candidates(self, model: str) -> list[InstanceRecord]:
+        return [r for r in self.workers.instances() if not model or r.model == model]
+
+    async def overlaps(self, local_hashes: list[int]) -> tuple[dict[WorkerKey, int], dict[WorkerKey, int]]:
+        """(matched blocks, tree size) per worker from an indexer replica; empty if none answers."""
+        replicas = self.indexers.instances() if self.indexers else []
+        self._rng.shuffle(replicas)
+        timeout = self.config.indexer_timeout_ms / 1000.0
+        for replica in replicas:
+            stub = indexer_pb2_grpc.IndexerStub(self.channels.get(replica.address))
+            try:
+                response = await stub.FindMatches(
+                    indexer_pb2.FindMatchesRequest(local_hashes=local_hashes), timeout=timeout
+                )
+            except grpc.aio.AioRpcError as exc:
+                log.warning("indexer replica did not answer", address=replica.address, code=exc.code().name)
+                continue
+            matched = {(w.worker_id, w.dp_rank): w.matched_blocks for w in response.workers}
+            sizes = {(w.worker_id, w.dp_rank): w.total_blocks for w in response.workers}
+            return matched, sizes
+        if self.config.router_mode == "kv":
+            log.warning("no indexer answered; routing on load alone")
+        return {}, {}
+
+    async def choose(self, request: common_pb2.PreprocessedRequest) -> tuple[InstanceRecord, int, list[int]]:
+        """Pick the worker; returns (worker record, overlap blocks, full-block sequence hashes)."""
+        candidates = self.candidates(request.model)
+        if not candidates:
+            raise RoutingError(
+                grpc.StatusCode.UNAVAILABLE, f"no worker available for model {request.model!r}"
+            )
+        by_id = {r.instance_id: r for r in candidates}
+        block_size = candidates[0].block_size
+        lora = request.lora_name if request.HasField("lora_name") else None
+        local_hashes = local_block_hashes(request.token_ids, block_size, lora)
+        block_hashes = sequence_hashes(local_hashes)
+
+        forced = request.routing.worker_id if request.routing.HasField("worker_id") else None
+        if forced is not None or self.config.router_mode == "direct":
+            if forced is None:
+                raise RoutingError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "router mode 'direct' needs routing.worker_id in the request",
+                )
+            record = by_id.get(forced)
+            if record is None:
+                raise RoutingError(
+                    grpc.StatusCode.NOT_FOUND, f"worker {forced} is not registered for this model"
+                )
+            return record, 0, block_hashes
+
+        keys: list[WorkerKey] = [(r.instance_id, 0) for r in candidates]
+        if self.config.router_mode == "round-robin":
+            return by_id[self._round_robin.select(keys)[0]], 0, block_hashes
+        if self.config.router_mode == "random":
+            return by_id[self._random.select(keys)[0]], 0, block_hashes
+
+        matched, sizes = await self.overlaps(local_hashes)
+        override = request.routing.router_config_override
+        weight = (
+            override.overlap_score_weight
+            if override.HasField("overlap_score_weight")
+            else self.config.kv_overlap_score_weight
+        )
+        temperature = (
+            override.router_temperature
+            if override.HasField("router_temperature")
+            else self.config.router_temperature
+        )
+        loads = self.active_sequences(block_size).potential_loads(
+            keys, block_hashes, len(request.token_ids), matched
+        )
+        selector = self._kv_selectors.get(block_size)
+        if selector is None:
+            selector = self._kv_selectors[block_size] = KvSelector(block_size, self._rng)
+        choice = selector.select(
+            [
+                Candidate(
+                    load.worker,
+                    load.prefill_tokens,
+                    load.decode_blocks,
+                    matched.get(load.worker, 0),
+                    sizes.get(load.worker, 0),
+                )
+                for load in loads
+            ],
+            weight,
+            temperature,
+        )
+        return by_id[choice.worker[0]], choice.overlap_blocks, block_hashes
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """``Generate``: route, track the load (add, prefill completed, free) and relay the stream."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Generate(
+        self, request: common_pb2.PreprocessedRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GenerateOutput]:
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        request_id = request.request_id
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        if not request.token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
+        try:
+            record, overlap, block_hashes = await self.router.choose(request)
+        except RoutingError as exc:
+            await context.abort(exc.code, str(exc))
+        active = self.router.active_sequences(record.block_size)
+        worker_key = (record.instance_id, 0)
+        active.add(request_id, worker_key, block_hashes, len(request.token_ids), overlap)
+        log.info(
+            "routed",
+            worker_id=record.instance_id,
+            overlap_blocks=overlap,
+            mode=self.router.config.router_mode,
+        )
+        stub = worker_pb2_grpc.WorkerStub(self.router.channels.get(record.address))
+        first = True
+        try:
+            async for output in stub.Generate(request):
+                if first:
+                    active.mark_prefill_completed(request_id)
+                    first = False
+                yield output
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+                code = grpc.StatusCode.UNAVAILABLE
+                message = f"worker {record.instance_id} failed: {exc.details()}"
+            else:
+                message = exc.details() or code.name
+            log.warning("worker stream failed", worker_id=record.instance_id, code=exc.code().name)
+            await context.abort(code, message)
+        finally:
+            active.free(request_id)
+            structlog.contextvars.unbind_contextvars("request_id")
+
+
+async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
+    instance_id = new_instance_id()
+    nc = await connect_nats(config.nats_url, name=f"kvmesh-router-{instance_id}")
+    js = nc.jetstream()
+    channels = ChannelPool()
+    router_ref: list[Router] = []
+
+    async def worker_left(record: InstanceRecord) -> None:
+        if router_ref:
+            router_ref[0].worker_left(record)
+        await channels.drop(record.address)
+
+    workers = DiscoveryWatcher(js, config.namespace, "worker", on_removed=worker_left)
+    indexers = DiscoveryWatcher(js, config.namespace, "indexer")
+    await workers.start()
+    await indexers.start()
+    router = Router(config, workers, indexers, channels)
+    router_ref.append(router)
+    servicer = RouterServicer(router)
+    grpc_service = await start_grpc_server(
+        lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
+        [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name],
+        host=config.host,
+        port=config.port,
+    )
+    address = f"{config.host}:{grpc_service.port}"
+    registration = Registration(
+        js,
+        InstanceRecord(
+            component="router",
+            instance_id=instance_id,
+            address=address,
+            namespace=config.namespace,
+            lease_ttl=config.lease_ttl,
+            extra={"mode": config.router_mode},
+        ),
+    )
+    await registration.start()
+    log.info("router ready", address=address, mode=config.router_mode)
+    try:
+        await stop.wait()
+    finally:
+        await registration.stop()
+        await grpc_service.stop()
+        await workers.stop()
+        await indexers.stop()
+        await channels.close()
+        await nc.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = parse_config(
+        RouterConfig,
+        argv,
+        prog="kvmesh router",
+        description="Run a router (kvmesh.v1.Router): sends each request to the cheapest worker.",
+    )
+    configure_logging(config.log_level, config.log_json, service="router")
+    log.info("starting router", config=describe(config))
+    run_until_signalled(lambda stop: serve(config, stop))

@@ -1,0 +1,259 @@
+"""``kvmesh up``: a whole working mesh on one machine, one process per service.
+
+Starts an embedded NATS server (or uses ``--nats-url``), the indexer replicas, the router, the mock
+workers and the frontend; waits until every one has registered and the HTTP API answers; says where
+to send requests. Ctrl-C or SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period),
+and the children are also tied to this process's life by the kernel (``PR_SET_PDEATHSIG``), so even
+a ``kill -9`` of ``kvmesh up`` leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+import structlog
+
+from services.common.config import CommonConfig, ConfigError, describe, option, parse_config
+from services.common.discovery import DiscoveryWatcher
+from services.common.logging import configure_logging
+from services.common.nats_server import EmbeddedNatsServer
+from services.common.runtime import connect_nats
+from services.common.tiny_model import MODEL_DIR, MODEL_NAME
+from services.router.config import ROUTER_MODES
+
+log = structlog.get_logger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class UpConfig(CommonConfig):
+    nats_url: str | None = option(None, "use this NATS server instead of starting an embedded one")
+    http_host: str = option("127.0.0.1", "address of the HTTP API")
+    http_port: int = option(8000, "port of the OpenAI-compatible HTTP API")
+    workers: int = option(2, "number of mock workers")
+    indexers: int = option(1, "number of indexer replicas")
+    router_mode: str = option("kv", "how the router chooses workers", choices=ROUTER_MODES)
+    kv_overlap_score_weight: float = option(1.0, "weight of prefill work in the KV cost")
+    router_temperature: float = option(0.0, "router softmax temperature (0: deterministic)")
+    block_size: int = option(16, "tokens per KV block of the mock workers")
+    num_gpu_blocks: int = option(16384, "KV blocks per mock worker", flag="--num-gpu-blocks-override")
+    speedup_ratio: float = option(1.0, "mock engine speed-up (divides simulated step times)")
+    model_name: str = option(MODEL_NAME, "model name served")
+    model_path: str = option(str(MODEL_DIR), "model directory (tokenizer.json, tokenizer_config.json)")
+    startup_timeout: float = option(60.0, "seconds to wait for every service to come up")
+
+    def validate(self) -> None:
+        if self.workers < 1:
+            raise ConfigError("--workers must be at least 1")
+        if self.indexers < 1:
+            raise ConfigError("--indexers must be at least 1")
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask the kernel to SIGTERM us when kvmesh up dies."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ServiceProcess:
+    """One child service process."""
+
+    def __init__(self, name: str, module: str, args: list[str]) -> None:
+        self.name = name
+        self.argv = [sys.executable, "-m", module, *args]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.argv, preexec_fn=_die_with_parent)
+        log.info("started", service=self.name, pid=self.process.pid)
+
+    def exited(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def terminate(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+
+    def wait_or_kill(self, deadline: float) -> None:
+        if self.process is None:
+            return
+        try:
+            self.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("did not stop in time; killing", service=self.name)
+            self.process.kill()
+            self.process.wait()
+
+
+def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
+    common = ["--nats-url", nats_url, "--namespace", config.namespace, "--log-level", config.log_level]
+    if config.log_json is not None:
+        common.append("--log-json" if config.log_json else "--no-log-json")
+    services = [
+        ServiceProcess(f"indexer-{i}", "services.indexer", [*common, "--replica-id", str(i)])
+        for i in range(config.indexers)
+    ]
+    services.append(
+        ServiceProcess(
+            "router",
+            "services.router",
+            [
+                *common,
+                "--router-mode",
+                config.router_mode,
+                "--kv-overlap-score-weight",
+                str(config.kv_overlap_score_weight),
+                "--router-temperature",
+                str(config.router_temperature),
+            ],
+        )
+    )
+    worker_args = [
+        *common,
+        "--model-name",
+        config.model_name,
+        "--block-size",
+        str(config.block_size),
+        "--num-gpu-blocks-override",
+        str(config.num_gpu_blocks),
+        "--speedup-ratio",
+        str(config.speedup_ratio),
+    ]
+    services += [ServiceProcess(f"worker-{i}", "services.worker", worker_args) for i in range(config.workers)]
+    services.append(
+        ServiceProcess(
+            "frontend",
+            "services.frontend",
+            [
+                *common,
+                "--http-host",
+                config.http_host,
+                "--http-port",
+                str(config.http_port),
+                "--model-name",
+                config.model_name,
+                "--model-path",
+                config.model_path,
+            ],
+        )
+    )
+    return services
+
+
+async def wait_until_ready(config: UpConfig, nats_url: str, services: list[ServiceProcess]) -> None:
+    """Wait for every instance to register and for the HTTP API to answer /health."""
+    nc = await connect_nats(nats_url, name="kvmesh-up")
+    js = nc.jetstream()
+    expected = {"worker": config.workers, "indexer": config.indexers, "router": 1}
+    watchers = {c: DiscoveryWatcher(js, config.namespace, c) for c in expected}
+    deadline = time.monotonic() + config.startup_timeout
+    try:
+        for watcher in watchers.values():
+            await watcher.start()
+        while True:
+            for service in services:
+                code = service.exited()
+                if code is not None:
+                    raise RuntimeError(f"{service.name} exited with code {code} during start-up")
+            counts = {c: len(w.instances()) for c, w in watchers.items()}
+            if all(counts[c] >= n for c, n in expected.items()) and await _http_healthy(config):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mesh not ready after {config.startup_timeout}s: registered {counts}")
+            await asyncio.sleep(0.1)
+    finally:
+        for watcher in watchers.values():
+            await watcher.stop()
+        await nc.close()
+
+
+async def _http_healthy(config: UpConfig) -> bool:
+    try:
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            response = await client.get(f"http://{config.http_host}:{config.http_port}/health")
+            return response.status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _ready_banner(config: UpConfig) -> str:
+    base = f"http://{config.http_host}:{config.http_port}"
+    return (
+        f"kvmesh is up: {config.workers} worker(s), {config.indexers} indexer(s), "
+        f"router mode {config.router_mode}\n"
+        f"  OpenAI API: {base}/v1   model: {config.model_name}\n"
+        f"  try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{config.model_name}", "messages": [{{"role": "user", "content": "hi"}}]}}\'\n'
+        f"  stop with Ctrl-C"
+    )
+
+
+async def run(config: UpConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    nats_server: EmbeddedNatsServer | None = None
+    nats_url = config.nats_url
+    if nats_url is None:
+        nats_server = await EmbeddedNatsServer().start()
+        nats_url = nats_server.url
+        log.info("embedded NATS server started", url=nats_url, store=nats_server.store_dir)
+    services = plan_services(config, nats_url)
+    exit_code = 0
+    try:
+        for service in services:
+            service.start()
+        ready = asyncio.create_task(wait_until_ready(config, nats_url, services))
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            ready.cancel()
+            return 0
+        ready.result()
+        print(_ready_banner(config), flush=True)
+        while not stop.is_set():
+            for service in services:
+                code = service.exited()
+                if code is not None:
+                    log.error("a service exited; stopping the mesh", service=service.name, code=code)
+                    return 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+        log.info("stopping the mesh")
+    except RuntimeError as exc:
+        log.error("start-up failed", error=str(exc))
+        exit_code = 1
+    finally:
+        for service in reversed(services):
+            service.terminate()
+        deadline = time.monotonic() + 10.0
+        for service in reversed(services):
+            service.wait_or_kill(deadline)
+        if nats_server is not None:
+            nats_server.stop()
+        log.info("all services stopped")
+    return exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = parse_config(
+        UpConfig,
+        argv,
+        prog="kvmesh up",
+        description="Start a whole kvmesh on this machine: NATS, indexer, router, mock workers, frontend.",
+    )
+    configure_logging(config.log_level, config.log_json, service="up")
+    log.info("starting kvmesh", config=describe(config))
+    sys.exit(asyncio.run(run(config)))

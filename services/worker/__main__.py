@@ -1,0 +1,3 @@
+from services.worker.server import main
+
+main()

@@ -1,0 +1,168 @@
+"""A paged KV block pool with prefix caching, reference counts and LRU eviction (sans-I/O).
+
+The pool holds a fixed number of blocks. A block is either
+
+- *free*: holds nothing;
+- *active*: referenced by at least one running sequence (``ref_count > 0``);
+- *cached and inactive*: registered under its sequence hash, referenced by nobody, kept for reuse
+  and evicted least-recently-released first when a new block is needed.
+
+Full, computed blocks are *registered* under their sequence hash so later requests can reuse them.
+Two sequences may compute the same block concurrently; the second copy is not registered (it stays
+private and is freed on release), so every hash maps to exactly one block and the events we emit
+describe the cache exactly.
+
+Events are produced here, at the single place the cache changes: registering emits ``stored``,
+evicting emits ``removed``, :meth:`clear` emits ``cleared``. The engine's block id in the events is
+the sequence hash, which is unique per cached block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventData, StoredBlock
+
+
+class OutOfBlocksError(RuntimeError):
+    """An allocation asked for more blocks than are free or evictable."""
+
+
+@dataclass(slots=True, eq=False)
+class KvBlock:
+    """One block of the pool. ``sequence_hash`` is set once the block is registered in the cache."""
+
+    ref_count: int = 0
+    sequence_hash: int | None = None
+
+
+class BlockManager:
+    """Fixed-capacity block pool; guarantees ``free + active + inactive == num_blocks`` at all times."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._cached: dict[int, KvBlock] = {}
+        # Inactive cached blocks in eviction order: the first entry is the least recently released.
+        self._inactive: OrderedDict[int, KvBlock] = OrderedDict()
+        self._num_active = 0
+        self._events: list[EventData] = []
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks holding nothing."""
+        return self.num_blocks - self._num_active - len(self._inactive)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can get: free ones plus evictable cached ones."""
+        return self.num_blocks - self._num_active
+
+    @property
+    def num_active(self) -> int:
+        return self._num_active
+
+    @property
+    def num_cached(self) -> int:
+        """Registered blocks, active or not (what the indexer should see for this worker)."""
+        return len(self._cached)
+
+    def cached_hashes(self) -> set[int]:
+        return set(self._cached)
+
+    def cached_prefix_length(self, sequence_hashes: Sequence[int]) -> int:
+        """How many leading blocks of a sequence the cache holds."""
+        for i, h in enumerate(sequence_hashes):
+            if h not in self._cached:
+                return i
+        return len(sequence_hashes)
+
+    def inactive_count(self, sequence_hashes: Sequence[int]) -> int:
+        """How many of these cached blocks are inactive (acquiring them uses up evictable space)."""
+        return sum(1 for h in sequence_hashes if h in self._inactive)
+
+    def drain_events(self) -> list[EventData]:
+        events, self._events = self._events, []
+        return events
+
+    # ---- changes -------------------------------------------------------------------------
+    def acquire_cached(self, sequence_hashes: Sequence[int]) -> list[KvBlock]:
+        """Reference cached blocks for a new sequence (all must be cached)."""
+        blocks = []
+        for h in sequence_hashes:
+            block = self._cached[h]
+            if block.ref_count == 0:
+                del self._inactive[h]
+                self._num_active += 1
+            block.ref_count += 1
+            blocks.append(block)
+        return blocks
+
+    def allocate(self, count: int) -> list[KvBlock]:
+        """Take ``count`` fresh blocks, evicting least-recently-used cached blocks if needed."""
+        if count > self.num_available:
+            raise OutOfBlocksError(f"need {count} blocks, {self.num_available} available")
+        shortfall = count - self.num_free
+        if shortfall > 0:
+            evicted = []
+            for _ in range(shortfall):
+                h, _block = self._inactive.popitem(last=False)
+                del self._cached[h]
+                evicted.append(h)
+            self._events.append(BlocksRemoved(tuple(evicted)))
+        self._num_active += count
+        return [KvBlock(ref_count=1) for _ in range(count)]
+
+    def register(
+        self,
+        blocks: Sequence[KvBlock],
+        sequence_hashes: Sequence[int],
+        local_hashes: Sequence[int],
+        parent_hash: int | None,
+    ) -> None:
+        """Register consecutive full blocks of one sequence in the cache and emit ``stored``.
+
+        ``parent_hash`` is the sequence hash of the block before ``blocks[0]`` (None at the start).
+        A block whose hash is already cached stays private, which splits the stored run there.
+        """
+        run: list[StoredBlock] = []
+        run_parent = parent_hash
+        for block, seq_hash, local_hash in zip(blocks, sequence_hashes, local_hashes, strict=True):
+            if seq_hash in self._cached:
+                if run:
+                    self._events.append(BlocksStored(run_parent, tuple(run)))
+                    run = []
+                run_parent = seq_hash
+                continue
+            block.sequence_hash = seq_hash
+            self._cached[seq_hash] = block
+            run.append(StoredBlock(seq_hash, local_hash, self.block_size))
+        if run:
+            self._events.append(BlocksStored(run_parent, tuple(run)))
+
+    def release(self, blocks: Sequence[KvBlock]) -> None:
+        """Drop one reference to each block. Registered blocks become evictable, private ones free.
+
+        Blocks are released last-to-first so that a sequence's tail is evicted before its prefix.
+        """
+        for block in reversed(blocks):
+            block.ref_count -= 1
+            if block.ref_count > 0:
+                continue
+            self._num_active -= 1
+            h = block.sequence_hash
+            if h is not None and self._cached.get(h) is block:
+                self._inactive[h] = block
+
+    def clear(self) -> None:
+        """Forget every inactive cached block (active ones stay usable but unregistered)."""
+        for h in list(self._cached):
+            self._cached[h].sequence_hash = None
+        self._cached.clear()
+        self._inactive.clear()
+        self._events.append(AllBlocksCleared())

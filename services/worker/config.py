@@ -1,0 +1,34 @@
+"""Worker configuration: one typed object, from flags and ``KVMESH_*`` environment variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import CommonConfig, ConfigError, option
+
+DEFAULT_MODEL_NAME = "kvmesh-tiny"
+
+
+@dataclass
+class WorkerConfig(CommonConfig):
+    host: str = option("127.0.0.1", "address the gRPC server binds and advertises")
+    port: int = option(0, "gRPC port (0 picks a free one)")
+    engine: str = option("mock", "inference engine", choices=("mock",))
+    role: str = option("aggregated", "worker role", choices=("aggregated", "prefill", "decode"))
+    model_name: str = option(DEFAULT_MODEL_NAME, "model name served (what clients put in `model`)")
+    block_size: int = option(16, "tokens per KV block")
+    num_gpu_blocks: int = option(16384, "KV blocks in the cache (capacity)", flag="--num-gpu-blocks-override")
+    max_num_seqs: int = option(256, "most sequences running at once")
+    max_num_batched_tokens: int = option(8192, "token budget of one engine step (chunked prefill)")
+    speedup_ratio: float = option(1.0, "divide simulated step times by this (>1 runs faster than real)")
+    lease_ttl: float = option(6.0, "discovery lease in seconds; the worker refreshes it every third")
+
+    def validate(self) -> None:
+        if self.block_size <= 0:
+            raise ConfigError("--block-size must be positive")
+        if self.num_gpu_blocks <= 0:
+            raise ConfigError("--num-gpu-blocks-override must be positive")
+        if self.speedup_ratio <= 0:
+            raise ConfigError("--speedup-ratio must be positive")
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be positive")

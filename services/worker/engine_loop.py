@@ -1,0 +1,82 @@
+"""Drives the sans-I/O mock engine in real time and hands its tokens to waiting streams."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+
+import structlog
+
+from services.worker.event_publisher import KvEventPublisher
+from services.worker.mock_engine import EngineRequest, MockEngine, TokenOutput
+
+log = structlog.get_logger(__name__)
+
+
+class EngineLoop:
+    """Runs engine steps back to back while there is work, sleeping each step's simulated duration.
+
+    Tokens of a step are delivered, and its KV events queued for publishing, at the end of the step,
+    which is when a real engine would have produced them.
+    """
+
+    def __init__(self, engine: MockEngine, publisher: KvEventPublisher | None) -> None:
+        self.engine = engine
+        self._publisher = publisher
+        self._streams: dict[str, asyncio.Queue[TokenOutput]] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        stop_token_ids: Sequence[int],
+        seed: int,
+        lora_name: str | None,
+    ) -> tuple[EngineRequest, asyncio.Queue[TokenOutput]]:
+        """Queue a request; raises ``EngineRequestError`` for one the engine can never serve."""
+        request = self.engine.add_request(request_id, prompt, max_tokens, stop_token_ids, seed, lora_name)
+        queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._wakeup.set()
+        return request, queue
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if self.engine.abort(request_id):
+            log.info("request aborted", request_id=request_id)
+            self._publish_events()
+
+    async def _run(self) -> None:
+        while True:
+            if not self.engine.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            result = self.engine.step()
+            if result.duration_ms > 0:
+                await asyncio.sleep(result.duration_ms / 1000.0)
+            self._publish_events()
+            for output in result.outputs:
+                queue = self._streams.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+                if output.finish_reason is not None:
+                    self._streams.pop(output.request_id, None)
+
+    def _publish_events(self) -> None:
+        events = self.engine.drain_events()
+        if events and self._publisher is not None:
+            self._publisher.enqueue(events)

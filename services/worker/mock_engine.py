@@ -1,0 +1,332 @@
+"""The mock engine: a continuous-batching scheduler over a real paged KV block pool (sans-I/O).
+
+It models what a vLLM-style engine does with time and memory, without a model:
+
+- each :meth:`MockEngine.step` is one engine iteration with a token budget
+  (``max_num_batched_tokens``) and at most ``max_num_seqs`` running sequences;
+- running sequences are scheduled before waiting ones (FCFS); a long prompt is prefilled in chunks;
+- a sequence's KV needs ``ceil(tokens / block_size)`` blocks; when blocks run out the most recently
+  admitted running sequence is preempted (LIFO) and later recomputed;
+- a request's prompt prefix already in the cache is not recomputed;
+- the step that computes a sequence's last pending token samples its next token, so the first
+  token lands at the end of the step that finishes the prefill;
+- output tokens are deterministic pseudo-random ids, a function of the seed, the prompt and the
+  position (the same request gives the same answer on any worker).
+
+It never sleeps or does I/O: the caller runs steps, waits ``StepResult.duration_ms`` (really or in
+virtual time) and then delivers the step's outputs and KV events.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import xxhash
+
+from services.common.hashing import hash_block_tokens, local_block_hashes, lora_seed, sequence_hashes
+from services.common.kv_events import EventData
+from services.worker.block_manager import BlockManager, KvBlock
+from services.worker.timing import TimingModel
+
+# Printable ASCII byte ids: with the bundled byte-level tokenizer they decode to readable text.
+DEFAULT_OUTPUT_VOCAB: tuple[int, ...] = (*range(97, 123), 32, 32, 32, 46)
+
+
+class FinishReason(Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    CANCELLED = "cancelled"
+
+
+class EngineRequestError(ValueError):
+    """A request the engine can never serve (for instance a prompt larger than the whole cache)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int = 16384
+    block_size: int = 64
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    timing: TimingModel = field(default_factory=TimingModel)
+    output_vocab: tuple[int, ...] = DEFAULT_OUTPUT_VOCAB
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One sequence inside the engine: its tokens, its blocks and how far its KV is computed."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    seed: int = 0
+    lora_name: str | None = None
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    blocks: list[KvBlock] = field(default_factory=list)
+    num_registered: int = 0
+    cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
+    prompt_key: int = 0
+    local_hashes: list[int] = field(default_factory=list)
+    seq_hashes: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[index] if index < n else self.output[index - n]
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """A token produced for a request in one step; ``finish_reason`` is set on its last one."""
+
+    request_id: str
+    token_id: int
+    finish_reason: FinishReason | None
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    duration_ms: float
+    outputs: list[TokenOutput]
+    prefill_tokens: int
+    decoding_requests: int
+
+
+class MockEngine:
+    """The engine's scheduler and memory. Guarantees: every admitted request eventually finishes or is
+    aborted; cached-token counts and KV events describe exactly what the block pool did."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self._by_id: dict[str, EngineRequest] = {}
+        self.capacity_tokens = config.num_blocks * config.block_size
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        stop_token_ids: Sequence[int] = (),
+        seed: int = 0,
+        lora_name: str | None = None,
+    ) -> EngineRequest:
+        if request_id in self._by_id:
+            raise EngineRequestError(f"request {request_id!r} is already in the engine")
+        if not prompt:
+            raise EngineRequestError("the prompt is empty")
+        if max_tokens <= 0:
+            raise EngineRequestError("max_tokens must be at least 1")
+        needed = -(-(len(prompt) + max_tokens) // self.block_size)
+        if needed > self.config.num_blocks:
+            raise EngineRequestError(
+                f"prompt + max_tokens needs {needed} KV blocks; this worker has {self.config.num_blocks}"
+            )
+        prompt = list(prompt)
+        local = local_block_hashes(prompt, self.block_size, lora_name)
+        request = EngineRequest(
+            request_id=request_id,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stop_token_ids=frozenset(stop_token_ids),
+            seed=seed,
+            lora_name=lora_name,
+            prompt_key=hash_block_tokens(prompt),
+            local_hashes=local,
+            seq_hashes=sequence_hashes(local),
+        )
+        self.waiting.append(request)
+        self._by_id[request_id] = request
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Remove a request wherever it is and free its blocks; False if it is unknown."""
+        request = self._by_id.pop(request_id, None)
+        if request is None:
+            return False
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._free(request)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._by_id)
+
+    def drain_events(self) -> list[EventData]:
+        return self.blocks.drain_events()
+
+    def cached_prefix_tokens(self, prompt: Sequence[int], lora_name: str | None = None) -> int:
+        """Prompt tokens this engine's cache would serve right now (for tests and inspection)."""
+        hashes = sequence_hashes(local_block_hashes(prompt, self.block_size, lora_name))
+        return self.blocks.cached_prefix_length(hashes) * self.block_size
+
+    # ---- one iteration -------------------------------------------------------------------
+    def step(self) -> StepResult:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[EngineRequest, int]] = []
+
+        # Running sequences first, oldest first; a sequence that cannot get a block preempts the
+        # youngest running one (possibly itself).
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = self._tokens_this_step(request, budget)
+            while not self._grow(request, request.num_computed + count):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, count))
+                budget -= count
+                index += 1
+                continue
+            # the request preempted itself; the list shrank under the index
+
+        # Then waiting sequences, FCFS, while there is budget, room and memory.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not self._admit(request, budget):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            count = self._tokens_this_step(request, budget)
+            scheduled.append((request, count))
+            budget -= count
+
+        return self._execute(scheduled)
+
+    @staticmethod
+    def _tokens_this_step(request: EngineRequest, budget: int) -> int:
+        # Chunked prefill: a long prompt takes what is left of the step's budget.
+        return min(request.num_pending, budget)
+
+    def _grow(self, request: EngineRequest, num_tokens: int) -> bool:
+        """Give the request blocks for ``num_tokens`` tokens; False if the pool cannot."""
+        needed = -(-num_tokens // self.block_size) - len(request.blocks)
+        if needed <= 0:
+            return True
+        if needed > self.blocks.num_available:
+            return False
+        request.blocks.extend(self.blocks.allocate(needed))
+        return True
+
+    def _admit(self, request: EngineRequest, budget: int) -> bool:
+        """Attach the cached prefix and the blocks of the first chunk; False if memory is short."""
+        all_hashes = self._full_block_hashes(request)
+        cached = self.blocks.cached_prefix_length(all_hashes)
+        # At least one token is always computed, so the step has a token to sample from.
+        cached = min(cached, (request.num_tokens - 1) // self.block_size)
+        prefix = all_hashes[:cached]
+        computed = cached * self.block_size
+        first_chunk = min(request.num_tokens - computed, budget)
+        fresh = -(-(computed + first_chunk) // self.block_size) - cached
+        if fresh + self.blocks.inactive_count(prefix) > self.blocks.num_available:
+            return False
+        request.blocks = self.blocks.acquire_cached(prefix)
+        request.blocks.extend(self.blocks.allocate(fresh))
+        request.num_computed = computed
+        request.num_registered = cached
+        if request.cached_tokens is None:
+            request.cached_tokens = min(computed, len(request.prompt))
+        return True
+
+    def _full_block_hashes(self, request: EngineRequest) -> list[int]:
+        """Sequence hashes of every full block of prompt + output so far."""
+        full = request.num_tokens // self.block_size
+        hashes = request.seq_hashes
+        if full > len(hashes):
+            seed = lora_seed(request.lora_name)
+            for b in range(len(hashes), full):
+                start = b * self.block_size
+                tokens = [request.token_at(i) for i in range(start, start + self.block_size)]
+                local = hash_block_tokens(tokens, seed)
+                request.local_hashes.append(local)
+                hashes.extend(sequence_hashes([local], hashes[-1] if hashes else None))
+        return hashes[:full]
+
+    def _preempt(self, request: EngineRequest) -> None:
+        self.running.remove(request)
+        self._free(request)
+        request.num_computed = 0
+        request.num_registered = 0
+        self.waiting.appendleft(request)
+
+    def _free(self, request: EngineRequest) -> None:
+        self.blocks.release(request.blocks)
+        request.blocks = []
+
+    def _execute(self, scheduled: list[tuple[EngineRequest, int]]) -> StepResult:
+        prefill_tokens = 0
+        decode_context = 0
+        decoding = 0
+        for request, count in scheduled:
+            if request.num_pending == 1 and request.output:
+                decoding += 1
+                decode_context += request.num_tokens
+            else:
+                prefill_tokens += count
+        duration = self.config.timing.step_ms(
+            prefill_tokens, decode_context, self.capacity_tokens, decoding > 0
+        )
+
+        outputs: list[TokenOutput] = []
+        for request, count in scheduled:
+            request.num_computed += count
+            self._register_full_blocks(request)
+            if request.num_pending == 0:
+                outputs.append(self._sample(request))
+        return StepResult(duration, outputs, prefill_tokens, decoding)
+
+    def _register_full_blocks(self, request: EngineRequest) -> None:
+        full = request.num_computed // self.block_size
+        if full <= request.num_registered:
+            return
+        hashes = self._full_block_hashes(request)
+        start = request.num_registered
+        parent = hashes[start - 1] if start > 0 else None
+        self.blocks.register(
+            request.blocks[start:full], hashes[start:full], request.local_hashes[start:full], parent
+        )
+        request.num_registered = full
+
+    def _sample(self, request: EngineRequest) -> TokenOutput:
+        position = len(request.output)
+        digest = xxhash.xxh3_64_intdigest(struct.pack("<QQ", request.seed, position), seed=request.prompt_key)
+        vocab = self.config.output_vocab
+        token = vocab[digest % len(vocab)]
+        request.output.append(token)
+        finish: FinishReason | None = None
+        if token in request.stop_token_ids:
+            finish = FinishReason.STOP
+        elif len(request.output) >= request.max_tokens:
+            finish = FinishReason.LENGTH
+        if finish is not None:
+            self.running.remove(request)
+            self._by_id.pop(request.request_id, None)
+            self._free(request)
+        return TokenOutput(request.request_id, token, finish, request.cached_tokens or 0)

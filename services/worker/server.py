@@ -1,0 +1,175 @@
+"""The worker service: ``kvmesh.v1.Worker`` over the mock engine, KV events, discovery."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import structlog
+
+from services.common.config import describe, parse_config
+from services.common.discovery import InstanceRecord, Registration, new_instance_id
+from services.common.grpc_server import start_grpc_server
+from services.common.logging import configure_logging
+from services.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.runtime import connect_nats, run_until_signalled
+from services.common.streams import ensure_kv_events_stream
+from services.worker.config import WorkerConfig
+from services.worker.engine_loop import EngineLoop
+from services.worker.event_publisher import KvEventPublisher
+from services.worker.mock_engine import EngineConfig, EngineRequestError, FinishReason, MockEngine
+from services.worker.timing import TimingModel
+
+log = structlog.get_logger(__name__)
+
+_FINISH = {
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+def build_engine(config: WorkerConfig) -> MockEngine:
+    return MockEngine(
+        EngineConfig(
+            num_blocks=config.num_gpu_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            timing=TimingModel(speedup_ratio=config.speedup_ratio),
+        )
+    )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves ``Generate`` from the engine loop; a cancelled stream aborts its request and frees blocks."""
+
+    def __init__(self, worker_id: int, config: WorkerConfig, loop: EngineLoop) -> None:
+        self.worker_id = worker_id
+        self.config = config
+        self.loop = loop
+
+    async def Generate(
+        self, request: common_pb2.PreprocessedRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GenerateOutput]:
+        request_id = request.request_id
+        if not request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        if request.model and request.model != self.config.model_name:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"this worker serves model {self.config.model_name!r}, not {request.model!r}",
+            )
+        max_tokens = request.stop.max_tokens or 16
+        seed = request.sampling.seed if request.sampling.HasField("seed") else 0
+        lora = request.lora_name if request.HasField("lora_name") else None
+        try:
+            engine_request, queue = self.loop.submit(
+                request_id, list(request.token_ids), max_tokens, list(request.stop.stop_token_ids), seed, lora
+            )
+        except EngineRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.info("request accepted", request_id=request_id, prompt_tokens=len(request.token_ids))
+        completion = 0
+        try:
+            while True:
+                output = await queue.get()
+                completion += 1
+                # Usage rides on every piece, so a client that stops early still knows its cached tokens.
+                message = common_pb2.GenerateOutput(
+                    token_ids=[output.token_id],
+                    worker_id=self.worker_id,
+                    dp_rank=0,
+                    usage=common_pb2.Usage(
+                        prompt_tokens=len(engine_request.prompt),
+                        completion_tokens=completion,
+                        cached_prompt_tokens=output.cached_tokens,
+                    ),
+                )
+                if output.finish_reason is not None:
+                    message.finish_reason = _FINISH[output.finish_reason]
+                    yield message
+                    log.info(
+                        "request finished",
+                        request_id=request_id,
+                        completion_tokens=completion,
+                        cached_tokens=output.cached_tokens,
+                    )
+                    return
+                yield message
+        finally:
+            # Runs on normal end too, where it is a no-op; on cancellation it frees the blocks.
+            self.loop.abort(request_id)
+
+    async def GetStatus(
+        self, request: worker_pb2.WorkerStatusRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStatus:
+        engine = self.loop.engine
+        return worker_pb2.WorkerStatus(
+            worker_id=self.worker_id,
+            model=self.config.model_name,
+            block_size=engine.block_size,
+            total_blocks=engine.config.num_blocks,
+            cached_blocks=engine.blocks.num_cached,
+            active_blocks=engine.blocks.num_active,
+            running_requests=len(engine.running),
+            waiting_requests=len(engine.waiting),
+        )
+
+
+async def serve(config: WorkerConfig, stop: asyncio.Event, worker_id: int | None = None) -> None:
+    worker_id = worker_id if worker_id is not None else new_instance_id()
+    structlog.contextvars.bind_contextvars(worker_id=worker_id)
+    nc = await connect_nats(config.nats_url, name=f"kvmesh-worker-{worker_id}")
+    js = nc.jetstream()
+    await ensure_kv_events_stream(js)
+    publisher = KvEventPublisher(js, config.namespace, worker_id)
+    publisher.start()
+    loop = EngineLoop(build_engine(config), publisher)
+    loop.start()
+    servicer = WorkerServicer(worker_id, config, loop)
+    grpc_service = await start_grpc_server(
+        lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server),
+        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
+        host=config.host,
+        port=config.port,
+    )
+    address = f"{config.host}:{grpc_service.port}"
+    registration = Registration(
+        js,
+        InstanceRecord(
+            component="worker",
+            instance_id=worker_id,
+            address=address,
+            namespace=config.namespace,
+            role=config.role,
+            model=config.model_name,
+            block_size=config.block_size,
+            capacity_blocks=config.num_gpu_blocks,
+            lease_ttl=config.lease_ttl,
+        ),
+    )
+    await registration.start()
+    log.info("worker ready", address=address, engine=config.engine, role=config.role)
+    try:
+        await stop.wait()
+    finally:
+        log.info("worker shutting down")
+        await registration.stop()
+        await grpc_service.stop()
+        await loop.stop()
+        await publisher.stop()
+        await nc.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = parse_config(
+        WorkerConfig,
+        argv,
+        prog="kvmesh worker",
+        description="Run an inference worker (kvmesh.v1.Worker) that publishes its KV cache events.",
+    )
+    configure_logging(config.log_level, config.log_json, service="worker")
+    log.info("starting worker", config=describe(config))
+    run_until_signalled(lambda stop: serve(config, stop))
