@@ -128,3 +128,16 @@ class CommonConfig:
     namespace: str = option("default", "namespace that isolates one mesh's subjects and keys")
     log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
     log_json: bool | None = option(None, "JSON logs (default: JSON unless stderr is a terminal)")
+
+
+@dataclasses.dataclass
+class GrpcEndpointConfig(CommonConfig):
+    """Options of a service that serves gRPC and registers its address in discovery."""
+
+    host: str = option("127.0.0.1", "address the gRPC server binds")
+    port: int = option(0, "gRPC port (0 picks a free one)")
+    advertise_host: str | None = option(None, "host name others use to reach this service (default: --host)")
+    lease_ttl: float = option(6.0, "discovery lease in seconds; refreshed every third of it")
+
+    def advertised_address(self, bound_port: int) -> str:
+        return f"{self.advertise_host or self.host}:{bound_port}"

@@ -50,6 +50,9 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, type[OpenAIError]] = {
 }
 
 
+WORKER_ID_HEADER = "x-kvmesh-worker-id"
+
+
 @dataclass(frozen=True)
 class ServedModel:
     name: str
@@ -67,9 +70,12 @@ class Piece:
 
 @dataclass
 class UsageCounter:
+    """Token accounting of one request, and the worker that served it."""
+
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
+    worker_id: int | None = None
 
     def body(self) -> dict[str, object]:
         return {
@@ -164,6 +170,7 @@ class Frontend:
         try:
             async for output in call:
                 usage.completion_tokens += len(output.token_ids)
+                usage.worker_id = output.worker_id
                 if output.usage.cached_prompt_tokens:
                     usage.cached_tokens = output.usage.cached_prompt_tokens
                 text, stopped = matcher.feed(detokenizer.add(output.token_ids))
@@ -333,7 +340,8 @@ async def _respond(
                 "model": body.model,
                 "choices": [choice],
                 "usage": usage.body(),
-            }
+            },
+            headers=_served_by(usage),
         )
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -385,4 +393,9 @@ async def _respond(
         finally:
             await pieces.aclose()
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return StreamingResponse(events(), media_type="text/event-stream", headers=_served_by(usage))
+
+
+def _served_by(usage: UsageCounter) -> dict[str, str]:
+    """Response headers naming the worker that served the request (known once the first token came)."""
+    return {WORKER_ID_HEADER: str(usage.worker_id)} if usage.worker_id is not None else {}

@@ -4,21 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import CommonConfig, ConfigError, option
+from services.common.config import ConfigError, GrpcEndpointConfig, option
 
 ROUTER_MODES = ("kv", "round-robin", "random", "direct")
 
 
 @dataclass
-class RouterConfig(CommonConfig):
-    host: str = option("127.0.0.1", "address the gRPC server binds and advertises")
-    port: int = option(0, "gRPC port (0 picks a free one)")
+class RouterConfig(GrpcEndpointConfig):
     router_mode: str = option("kv", "how workers are chosen", choices=ROUTER_MODES)
     kv_overlap_score_weight: float = option(1.0, "weight of prefill work in the KV cost (0: load only)")
     router_temperature: float = option(0.0, "softmax temperature over normalised costs (0: pick the minimum)")
     indexer_timeout_ms: float = option(500.0, "deadline of one overlap query to an indexer replica")
     seed: int | None = option(None, "seed for tie-breaking and sampling (default: random)")
-    lease_ttl: float = option(6.0, "discovery lease in seconds")
 
     def validate(self) -> None:
         if self.kv_overlap_score_weight < 0:

@@ -261,7 +261,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         host=config.host,
         port=config.port,
     )
-    address = f"{config.host}:{grpc_service.port}"
+    address = config.advertised_address(grpc_service.port)
     registration = Registration(
         js,
         InstanceRecord(

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import CommonConfig, ConfigError, option
+from services.common.config import ConfigError, GrpcEndpointConfig, option
 
 DEFAULT_MODEL_NAME = "kvmesh-tiny"
 
 
 @dataclass
-class WorkerConfig(CommonConfig):
-    host: str = option("127.0.0.1", "address the gRPC server binds and advertises")
-    port: int = option(0, "gRPC port (0 picks a free one)")
+class WorkerConfig(GrpcEndpointConfig):
     engine: str = option("mock", "inference engine", choices=("mock",))
     role: str = option("aggregated", "worker role", choices=("aggregated", "prefill", "decode"))
     model_name: str = option(DEFAULT_MODEL_NAME, "model name served (what clients put in `model`)")
@@ -21,7 +19,6 @@ class WorkerConfig(CommonConfig):
     max_num_seqs: int = option(256, "most sequences running at once")
     max_num_batched_tokens: int = option(8192, "token budget of one engine step (chunked prefill)")
     speedup_ratio: float = option(1.0, "divide simulated step times by this (>1 runs faster than real)")
-    lease_ttl: float = option(6.0, "discovery lease in seconds; the worker refreshes it every third")
 
     def validate(self) -> None:
         if self.block_size <= 0:

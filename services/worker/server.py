@@ -135,7 +135,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event, worker_id: int | None
         host=config.host,
         port=config.port,
     )
-    address = f"{config.host}:{grpc_service.port}"
+    address = config.advertised_address(grpc_service.port)
     registration = Registration(
         js,
         InstanceRecord(

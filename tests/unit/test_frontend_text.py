@@ -1,0 +1,83 @@
+import pytest
+
+from services.common.tiny_model import MODEL_DIR
+from services.frontend.app import parse_body
+from services.frontend.errors import BadRequestError
+from services.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from services.frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ModelTokenizer:
+    return ModelTokenizer(MODEL_DIR)
+
+
+def test_chat_template_renders_chatml(tokenizer):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.encode(text)
+    assert ids[0] == 257 and tokenizer.decode(ids) == "user\nhi\nassistant\n"
+
+
+def test_shared_text_prefix_gives_shared_token_prefix(tokenizer):
+    a = tokenizer.encode("the same long system prompt, then question one")
+    b = tokenizer.encode("the same long system prompt, then another question")
+    common = len("the same long system prompt, then ")
+    assert a[:common] == b[:common]
+
+
+def test_incremental_detokenizer_holds_back_partial_utf8(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer)
+    e_acute = "é".encode()
+    assert detok.add([e_acute[0]]) == ""
+    assert detok.add([e_acute[1]]) == "é"
+    assert detok.add([ord("x")]) == "x"
+
+
+def test_stop_strings_cut_the_text_and_never_leak_a_partial_stop():
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("hello ST") == ("hello ", False)
+    assert matcher.feed("O") == ("", False)
+    assert matcher.feed("P and more") == ("", True)
+
+
+def test_held_text_is_released_when_it_is_not_a_stop():
+    matcher = StopStringMatcher(["abc"])
+    assert matcher.feed("xa") == ("x", False)
+    assert matcher.feed("b!") == ("ab!", False)
+    assert matcher.flush() == ""
+    matcher = StopStringMatcher(["abc"])
+    matcher.feed("ab")
+    assert matcher.flush() == "ab"
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'{"model": "m"}', "messages"),
+        (b'{"model": "m", "messages": []}', "messages"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}', "n=1"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 5}', "temperature"),
+        (b'{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}', "role"),
+    ],
+)
+def test_invalid_chat_bodies_are_400_naming_the_problem(raw, fragment):
+    with pytest.raises(BadRequestError) as info:
+        parse_body(ChatCompletionRequest, raw)
+    assert fragment in info.value.message
+    assert info.value.status_code == 400
+
+
+def test_valid_bodies_parse_and_ignore_unknown_fields():
+    chat = parse_body(
+        ChatCompletionRequest,
+        b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],'
+        b' "user": "someone", "stop": "x", "kvmesh": {"worker_id": 5}}',
+    )
+    assert chat.template_messages() == [{"role": "user", "content": "hi"}]
+    assert chat.stop_strings() == ["x"] and chat.kvmesh.worker_id == 5
+    completion = parse_body(CompletionRequest, b'{"model": "m", "prompt": [1, 2, 3], "max_tokens": 4}')
+    assert completion.prompt == [1, 2, 3] and completion.requested_max_tokens() == 4

@@ -1,0 +1,83 @@
+import random
+from collections import Counter
+
+import pytest
+
+from services.router.active_sequences import ActiveSequences
+from services.router.scheduler import Candidate, KvSelector, RoundRobinSelector, candidate_cost, kv_cost
+
+BLOCK = 16
+
+
+def candidate(worker: int, prefill_blocks: float, decode_blocks: int, tree: int = 0) -> Candidate:
+    return Candidate((worker, 0), int(prefill_blocks * BLOCK), decode_blocks, tree_size=tree)
+
+
+def test_worked_example_from_the_design():
+    # overlap weight 1; (prefill blocks, decode blocks) = (8, 10), (5, 5), (2, 9) cost 18, 10, 11
+    candidates = [candidate(1, 8, 10), candidate(2, 5, 5), candidate(3, 2, 9)]
+    assert [candidate_cost(c, BLOCK, 1.0) for c in candidates] == [18, 10, 11]
+    assert KvSelector(BLOCK).select(candidates, 1.0, 0.0).worker == (2, 0)
+
+
+def test_overlap_weight_scales_prefill_only():
+    assert kv_cost(4, 3, 2.0) == 11
+    assert kv_cost(4, 3, 0.0) == 3
+
+
+def test_temperature_zero_is_deterministic_and_ties_prefer_the_smaller_tree():
+    selector = KvSelector(BLOCK, random.Random(0))
+    tied = [candidate(1, 2, 2, tree=50), candidate(2, 2, 2, tree=10), candidate(3, 2, 2, tree=30)]
+    assert {selector.select(tied, 1.0, 0.0).worker for _ in range(50)} == {(2, 0)}
+
+
+def test_high_temperature_spreads_load():
+    selector = KvSelector(BLOCK, random.Random(1))
+    candidates = [candidate(1, 0, 10), candidate(2, 0, 12), candidate(3, 0, 14)]
+    picks = Counter(selector.select(candidates, 1.0, 10.0).worker for _ in range(3000))
+    assert set(picks) == {(1, 0), (2, 0), (3, 0)}
+    assert picks[(1, 0)] > picks[(3, 0)]  # still biased toward the cheapest
+    assert min(picks.values()) > 600
+
+
+def test_round_robin_cycles_in_a_stable_order():
+    rr = RoundRobinSelector()
+    workers = [(3, 0), (1, 0), (2, 0)]
+    assert [rr.select(workers)[0] for _ in range(6)] == [1, 2, 3, 1, 2, 3]
+
+
+def test_no_candidates_is_an_error():
+    with pytest.raises(ValueError):
+        KvSelector(BLOCK).select([], 1.0, 0.0)
+
+
+class TestActiveSequences:
+    def test_prefill_completion_lowers_a_workers_cost(self):
+        active = ActiveSequences(BLOCK)
+        active.add("r1", (1, 0), block_hashes=[11, 12, 13, 14], prompt_tokens=64, overlap_blocks=1)
+        assert active.load((1, 0)) == (48, 4)
+        active.mark_prefill_completed("r1")
+        assert active.load((1, 0)) == (0, 4)
+        active.free("r1")
+        assert active.load((1, 0)) == (0, 0)
+
+    def test_a_shared_prefix_counts_once(self):
+        active = ActiveSequences(BLOCK)
+        active.add("a", (1, 0), [1, 2, 3], prompt_tokens=50, overlap_blocks=0)  # 3 full + 1 partial
+        active.add("b", (1, 0), [1, 2, 4], prompt_tokens=50, overlap_blocks=2)
+        assert active.load((1, 0)) == (50 + 18, 4 + 2)
+        active.free("a")
+        assert active.load((1, 0)) == (18, 4)
+
+    def test_potential_loads_add_only_new_blocks(self):
+        active = ActiveSequences(BLOCK)
+        active.add("a", (1, 0), [1, 2], prompt_tokens=32, overlap_blocks=0)
+        loads = active.potential_loads([(1, 0), (2, 0)], [1, 2, 3], 48, {(1, 0): 2})
+        assert [(p.prefill_tokens, p.decode_blocks) for p in loads] == [(32 + 16, 3), (48, 3)]
+
+    def test_removing_a_worker_drops_its_requests(self):
+        active = ActiveSequences(BLOCK)
+        active.add("a", (1, 0), [1], 16, 0)
+        active.remove_worker(1)
+        assert active.load((1, 0)) == (0, 0) and len(active) == 0
+        active.free("a")  # freeing a forgotten request is harmless
