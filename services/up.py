@@ -186,12 +186,13 @@ async def _http_healthy(config: UpConfig) -> bool:
         return False
 
 
-def _ready_banner(config: UpConfig) -> str:
+def _ready_banner(config: UpConfig, nats_url: str) -> str:
     base = f"http://{config.http_host}:{config.http_port}"
     return (
         f"kvmesh is up: {config.workers} worker(s), {config.indexers} indexer(s), "
         f"router mode {config.router_mode}\n"
         f"  OpenAI API: {base}/v1   model: {config.model_name}\n"
+        f"  NATS: {nats_url}   namespace: {config.namespace}\n"
         f"  try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
         f'-d \'{{"model": "{config.model_name}", "messages": [{{"role": "user", "content": "hi"}}]}}\'\n'
         f"  stop with Ctrl-C"
@@ -222,7 +223,7 @@ async def run(config: UpConfig) -> int:
             ready.cancel()
             return 0
         ready.result()
-        print(_ready_banner(config), flush=True)
+        print(_ready_banner(config, nats_url), flush=True)
         while not stop.is_set():
             for service in services:
                 code = service.exited()

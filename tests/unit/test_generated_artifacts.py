@@ -62,5 +62,7 @@ def test_docker_compose_file_is_valid():
 def test_docker_compose_check_rejects_a_broken_file(tmp_path):
     broken = tmp_path / "docker-compose.yml"
     broken.write_text("services:\n  frontend:\n    ports: 8000\n")
-    result = subprocess.run([*COMPOSE, "-f", str(broken), "config", "--quiet"], capture_output=True, timeout=60)
+    result = subprocess.run(
+        [*COMPOSE, "-f", str(broken), "config", "--quiet"], capture_output=True, timeout=60
+    )
     assert result.returncode != 0

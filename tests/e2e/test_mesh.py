@@ -1,0 +1,136 @@
+"""End to end over ``kvmesh up``'s processes, with the official openai client and generated gRPC stubs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import nats
+import openai
+import pytest
+
+from services.common.discovery import DiscoveryWatcher
+from services.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from services.frontend.app import WORKER_ID_HEADER
+
+pytestmark = pytest.mark.e2e
+MODEL = "kvmesh-tiny"
+BLOCK = 16
+# Long enough for at least 8 full blocks of 16 tokens with the byte-level tokenizer.
+LONG_PROMPT = "Explain how a KV-cache aware router decides where to send a request. " * 3
+
+
+def client(mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.api, api_key="unused", max_retries=0, timeout=30)
+
+
+def chat(mesh, content: str, **kwargs):
+    raw = client(mesh).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], **kwargs
+    )
+    return raw.parse(), int(raw.headers[WORKER_ID_HEADER])
+
+
+def test_non_streaming_chat(kv_mesh):
+    completion, _worker = chat(kv_mesh, "hello", max_tokens=7)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    assert len(choice.message.content) == 7  # one byte-level token per character
+    assert completion.usage.completion_tokens == 7
+    # ChatML: three special tokens plus one byte-level token per character of the rest
+    assert completion.usage.prompt_tokens == 3 + len("user\nhello\nassistant\n")
+
+
+def test_streaming_chat_with_usage(kv_mesh):
+    stream = client(kv_mesh).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "stream please"}],
+        max_tokens=9,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(text) == 9 and finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+
+
+def test_completions_endpoint_streaming_and_not(kv_mesh):
+    api = client(kv_mesh)
+    whole = api.completions.create(model=MODEL, prompt="once upon a time", max_tokens=6, seed=3)
+    parts = api.completions.create(model=MODEL, prompt="once upon a time", max_tokens=6, seed=3, stream=True)
+    streamed = "".join(p.choices[0].text for p in parts)
+    assert streamed == whole.choices[0].text and len(streamed) == 6  # deterministic for a seed
+
+
+def test_stop_string_ends_the_answer(kv_mesh):
+    api = client(kv_mesh)
+    full = api.completions.create(model=MODEL, prompt="stop test", max_tokens=40, seed=11).choices[0].text
+    stop = full[10:12]
+    cut = api.completions.create(model=MODEL, prompt="stop test", max_tokens=40, seed=11, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full[: full.index(stop)]
+
+
+def test_same_long_prompt_lands_on_the_same_worker_and_reuses_its_cache(kv_mesh):
+    first, first_worker = chat(kv_mesh, LONG_PROMPT, max_tokens=4)
+    assert first.usage.prompt_tokens >= 8 * BLOCK
+
+    async def second_until_indexed():
+        # the first request's KV events travel worker → JetStream → indexer; wait for them, not a sleep
+        for _ in range(100):
+            second, worker = await asyncio.to_thread(chat, kv_mesh, LONG_PROMPT, max_tokens=4)
+            if second.usage.prompt_tokens_details.cached_tokens >= 8 * BLOCK:
+                return second, worker
+            await asyncio.sleep(0.05)
+        raise AssertionError("the repeated prompt never reported cached tokens")
+
+    second, second_worker = asyncio.run(second_until_indexed())
+    assert second_worker == first_worker
+    assert second.usage.prompt_tokens_details.cached_tokens >= 8 * BLOCK
+
+
+def test_round_robin_sends_the_pair_to_different_workers(round_robin_mesh):
+    _, first = chat(round_robin_mesh, LONG_PROMPT, max_tokens=2)
+    second, second_worker = chat(round_robin_mesh, LONG_PROMPT, max_tokens=2)
+    assert first != second_worker
+    assert second.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_openai_errors(kv_mesh):
+    api = client(kv_mesh)
+    with pytest.raises(openai.NotFoundError) as not_found:
+        api.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert not_found.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+    raw = httpx.post(f"{kv_mesh.api}/chat/completions", content=b"{broken", timeout=10)
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    assert api.models.list().data[0].id == MODEL
+    assert httpx.get(f"{kv_mesh.base_url}/health", timeout=10).status_code == 200
+    assert "kvmesh_frontend_requests" in httpx.get(f"{kv_mesh.base_url}/metrics", timeout=10).text
+
+
+def test_router_grpc_api_with_generated_stubs(kv_mesh):
+    async def call() -> list[common_pb2.GenerateOutput]:
+        nc = await nats.connect(kv_mesh.nats_url)
+        watcher = DiscoveryWatcher(nc.jetstream(), "default", "router")
+        await watcher.start()
+        address = watcher.instances()[0].address
+        await watcher.stop()
+        await nc.close()
+        async with grpc.aio.insecure_channel(address) as channel:
+            request = common_pb2.PreprocessedRequest(model=MODEL, token_ids=list(range(60)))
+            request.stop.max_tokens = 5
+            outputs = [o async for o in router_pb2_grpc.RouterStub(channel).Generate(request)]
+            empty = common_pb2.PreprocessedRequest(model=MODEL)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                [o async for o in router_pb2_grpc.RouterStub(channel).Generate(empty)]
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            return outputs
+
+    outputs = asyncio.run(call())
+    assert sum(len(o.token_ids) for o in outputs) == 5
+    assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH

@@ -1,0 +1,64 @@
+"""The facade's answers when the mesh behind it cannot serve: real router, real frontend, no worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import httpx
+import pytest
+
+from services.common.config import parse_config
+from services.frontend import server as frontend_server
+from services.frontend.config import FrontendConfig
+from services.router import server as router_server
+from services.router.config import RouterConfig
+from tests.support import free_port, wait_until_async
+
+pytestmark = pytest.mark.integration
+
+
+@contextlib.asynccontextmanager
+async def running(serve, config):
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(config, stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=15)
+
+
+async def test_no_worker_is_503_and_no_router_is_503(nats_url: str):
+    port = free_port()
+    common = ["--nats-url", nats_url, "--namespace", "empty"]
+    router_config = parse_config(RouterConfig, common, prog="r", description="", environ={})
+    frontend_config = parse_config(
+        FrontendConfig, [*common, "--http-port", str(port)], prog="f", description="", environ={}
+    )
+    body = {"model": "kvmesh-tiny", "messages": [{"role": "user", "content": "anyone there?"}]}
+    async with (
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as http,
+        running(frontend_server.serve, frontend_config),
+    ):
+
+        async def answering() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return (await http.get("/health")).status_code in (200, 503)
+            return False
+
+        await wait_until_async(answering, what="frontend listening")
+        no_router = await http.post("/v1/chat/completions", json=body)
+        assert no_router.status_code == 503
+        assert no_router.json()["error"]["type"] == "service_unavailable"
+
+        async with running(router_server.serve, router_config):
+
+            async def router_seen() -> bool:
+                return (await http.get("/health")).status_code == 200
+
+            await wait_until_async(router_seen, what="frontend discovers the router")
+            for stream in (False, True):
+                response = await http.post("/v1/chat/completions", json={**body, "stream": stream})
+                assert response.status_code == 503
+                assert "no worker available" in response.json()["error"]["message"]

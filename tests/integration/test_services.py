@@ -1,0 +1,168 @@
+"""Service shells over real NATS and real gRPC: discovery leases, the worker and indexer servers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from nats.aio.client import Client as NatsClient
+
+from services.common.config import parse_config
+from services.common.discovery import DiscoveryWatcher, InstanceRecord, Registration
+from services.common.hashing import local_block_hashes
+from services.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc, worker_pb2_grpc
+from services.indexer import server as indexer_server
+from services.indexer.config import IndexerConfig
+from services.worker import server as worker_server
+from services.worker.config import WorkerConfig
+from tests.support import wait_until_async
+
+pytestmark = pytest.mark.integration
+NAMESPACE = "svc"
+
+
+@contextlib.asynccontextmanager
+async def running(serve, config):
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(config, stop))
+    try:
+        yield task
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=15)
+
+
+async def watcher_for(nc: NatsClient, component: str) -> DiscoveryWatcher:
+    watcher = DiscoveryWatcher(nc.jetstream(), NAMESPACE, component)
+    await watcher.start()
+    return watcher
+
+
+async def test_a_crashed_instance_disappears_after_its_lease(nc: NatsClient):
+    watcher = await watcher_for(nc, "worker")
+    record = InstanceRecord("worker", 12345, "127.0.0.1:1", namespace=NAMESPACE, lease_ttl=1.0)
+    registration = Registration(nc.jetstream(), record)
+    await registration.start()
+    try:
+        await wait_until_async(lambda: watcher.get(12345) is not None, what="registration seen")
+        registration._task.cancel()  # the process "crashes": no refresh, no delete
+        await wait_until_async(lambda: watcher.get(12345) is None, timeout=5, what="lease expiry")
+    finally:
+        await watcher.stop()
+
+
+async def test_a_graceful_stop_deregisters_at_once(nc: NatsClient):
+    watcher = await watcher_for(nc, "router")
+    registration = Registration(nc.jetstream(), InstanceRecord("router", 7, "h:1", namespace=NAMESPACE))
+    await registration.start()
+    await wait_until_async(lambda: len(watcher.instances()) == 1, what="registered")
+    await registration.stop()
+    await wait_until_async(lambda: not watcher.instances(), timeout=2, what="deregistered")
+    await watcher.stop()
+
+
+async def test_worker_serves_generate_health_and_reflection(nats_url: str, nc: NatsClient):
+    config = parse_config(
+        WorkerConfig,
+        ["--nats-url", nats_url, "--namespace", NAMESPACE, "--speedup-ratio", "100", "--block-size", "16"],
+        prog="w",
+        description="",
+        environ={},
+    )
+    watcher = await watcher_for(nc, "worker")
+    async with running(worker_server.serve, config):
+        await wait_until_async(lambda: len(watcher.instances()) == 1, what="worker registered")
+        record = watcher.instances()[0]
+        assert (record.model, record.block_size, record.role) == ("kvmesh-tiny", 16, "aggregated")
+        async with grpc.aio.insecure_channel(record.address) as channel:
+            request = common_pb2.PreprocessedRequest(
+                request_id="a", model="kvmesh-tiny", token_ids=list(range(40))
+            )
+            request.stop.max_tokens = 5
+            outputs = [o async for o in worker_pb2_grpc.WorkerStub(channel).Generate(request)]
+            assert sum(len(o.token_ids) for o in outputs) == 5
+            assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert outputs[-1].usage.prompt_tokens == 40 and outputs[-1].worker_id == record.instance_id
+
+            request.request_id = "b"
+            outputs = [o async for o in worker_pb2_grpc.WorkerStub(channel).Generate(request)]
+            assert outputs[-1].usage.cached_prompt_tokens == 32
+
+            bad = common_pb2.PreprocessedRequest(request_id="c", model="other", token_ids=[1])
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                [o async for o in worker_pb2_grpc.WorkerStub(channel).Generate(bad)]
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="kvmesh.v1.Worker")
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            services = await _reflected_services(channel)
+            assert {"kvmesh.v1.Worker", "grpc.health.v1.Health"} <= services
+    await wait_until_async(lambda: not watcher.instances(), what="worker deregistered on shutdown")
+    await watcher.stop()
+
+
+async def _reflected_services(channel: grpc.aio.Channel) -> set[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+    async def requests():
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+    async for response in stub.ServerReflectionInfo(requests()):
+        return {s.name for s in response.list_services_response.service}
+    return set()
+
+
+async def test_indexer_answers_and_forgets_a_departed_worker(nats_url: str, nc: NatsClient):
+    worker_config = parse_config(
+        WorkerConfig,
+        ["--nats-url", nats_url, "--namespace", NAMESPACE, "--speedup-ratio", "100", "--lease-ttl", "1.5"],
+        prog="w",
+        description="",
+        environ={},
+    )
+    indexer_config = parse_config(
+        IndexerConfig,
+        ["--nats-url", nats_url, "--namespace", NAMESPACE],
+        prog="i",
+        description="",
+        environ={},
+    )
+    workers = await watcher_for(nc, "worker")
+    indexers = await watcher_for(nc, "indexer")
+    prompt = list(range(100))
+    async with running(indexer_server.serve, indexer_config):
+        await wait_until_async(lambda: len(indexers.instances()) == 1, what="indexer registered")
+        index_channel = grpc.aio.insecure_channel(indexers.instances()[0].address)
+        index_stub = indexer_pb2_grpc.IndexerStub(index_channel)
+        query = indexer_pb2.FindMatchesRequest(local_hashes=local_block_hashes(prompt, 16))
+
+        async with running(worker_server.serve, worker_config):
+            await wait_until_async(lambda: len(workers.instances()) == 1, what="worker registered")
+            worker = workers.instances()[0]
+            async with grpc.aio.insecure_channel(worker.address) as channel:
+                request = common_pb2.PreprocessedRequest(request_id="x", token_ids=prompt)
+                request.stop.max_tokens = 2
+                [o async for o in worker_pb2_grpc.WorkerStub(channel).Generate(request)]
+
+            async def indexed() -> bool:
+                response = await index_stub.FindMatches(query)
+                return any(
+                    w.worker_id == worker.instance_id and w.matched_blocks == 6 for w in response.workers
+                )
+
+            await wait_until_async(indexed, what="the worker's blocks reach the index")
+
+        async def forgotten() -> bool:
+            response = await index_stub.FindMatches(query)
+            return all(w.worker_id != worker.instance_id or w.total_blocks == 0 for w in response.workers)
+
+        await wait_until_async(forgotten, what="a departed worker loses its blocks")
+        await index_channel.close()
+    await workers.stop()
+    await indexers.stop()
