@@ -1,0 +1,80 @@
+"""A client that walks away mid-stream frees the request everywhere: router → worker → engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from services.common.config import parse_config
+from services.common.discovery import DiscoveryWatcher
+from services.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.router import server as router_server
+from services.router.config import RouterConfig
+from services.worker import server as worker_server
+from services.worker.config import WorkerConfig
+from tests.support import wait_until_async
+
+pytestmark = pytest.mark.integration
+NAMESPACE = "cancel"
+
+
+@contextlib.asynccontextmanager
+async def running(serve, config):
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(config, stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=15)
+
+
+async def test_cancelling_a_stream_frees_the_workers_blocks(nats_url: str, nc: NatsClient):
+    common = ["--nats-url", nats_url, "--namespace", NAMESPACE]
+    worker_config = parse_config(WorkerConfig, common, prog="w", description="", environ={})
+    router_config = parse_config(
+        RouterConfig, [*common, "--router-mode", "round-robin"], prog="r", description="", environ={}
+    )
+    workers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "worker")
+    routers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "router")
+    await workers.start()
+    await routers.start()
+    async with running(worker_server.serve, worker_config), running(router_server.serve, router_config):
+        await wait_until_async(
+            lambda: workers.instances() and routers.instances(), what="services registered"
+        )
+        async with (
+            grpc.aio.insecure_channel(routers.instances()[0].address) as router_channel,
+            grpc.aio.insecure_channel(workers.instances()[0].address) as worker_channel,
+        ):
+            router_stub = router_pb2_grpc.RouterStub(router_channel)
+            worker_stub = worker_pb2_grpc.WorkerStub(worker_channel)
+
+            async def worker_status() -> worker_pb2.WorkerStatus:
+                return await worker_stub.GetStatus(worker_pb2.WorkerStatusRequest())
+
+            await wait_until_async(lambda: routers.instances(), what="router up")
+            request = common_pb2.PreprocessedRequest(request_id="long", token_ids=list(range(200)))
+            request.stop.max_tokens = 100_000 // 2  # far more than we will read (real-time speed)
+            call = router_stub.Generate(request)
+            received = 0
+            async for output in call:
+                received += len(output.token_ids)
+                if received >= 2:
+                    break
+            status = await worker_status()
+            assert status.running_requests == 1 and status.active_blocks > 0
+            call.cancel()
+
+            async def freed() -> bool:
+                status = await worker_status()
+                return status.running_requests == 0 and status.active_blocks == 0
+
+            await wait_until_async(freed, what="the cancelled request's blocks are freed")
+            assert (await worker_status()).cached_blocks >= 200 // 16  # computed blocks stay cached
+    await workers.stop()
+    await routers.stop()
