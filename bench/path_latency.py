@@ -147,9 +147,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(
-        f"{args.requests} non-streaming requests, {MAX_TOKENS} output tokens, speed-up {args.speedup_ratio}"
-    )
+    print(f"{args.requests} non-streaming requests, {MAX_TOKENS} output tokens, speed-up {args.speedup_ratio}")
     print(f"{'path':<24}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}")
     for name, figures in results.items():
         print(f"{name:<24}{figures['p50_ms']:>10.2f}{figures['p99_ms']:>10.2f}{figures['mean_ms']:>10.2f}")

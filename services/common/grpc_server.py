@@ -19,9 +19,7 @@ CHANNEL_OPTIONS = [
 class GrpcService:
     """A running gRPC server: its bound port and the health servicer to flip to NOT_SERVING."""
 
-    def __init__(
-        self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer
-    ) -> None:
+    def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer) -> None:
         self.server = server
         self.port = port
         self.health = health_servicer

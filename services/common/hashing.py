@@ -15,11 +15,14 @@ adapters never share a block even for identical tokens.
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 import xxhash
 
 HASH_SEED = 1337
+_LITTLE_ENDIAN = sys.byteorder == "little"
 _U64_PAIR = struct.Struct("<QQ")
 
 
@@ -30,9 +33,16 @@ def lora_seed(lora_name: str | None) -> int:
     return xxhash.xxh3_64_intdigest(lora_name.encode("utf-8"), seed=HASH_SEED)
 
 
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes (zero-copy for an ``array('I')`` on little-endian hosts)."""
+    if isinstance(tokens, array) and tokens.typecode == "I" and tokens.itemsize == 4 and _LITTLE_ENDIAN:
+        return tokens.tobytes()
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
 def hash_block_tokens(tokens: Sequence[int], seed: int = HASH_SEED) -> int:
-    """Local hash of one block of token ids."""
-    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(tokens)}I", *tokens), seed=seed)
+    """Local hash of one block of token ids (also used to key a whole prompt)."""
+    return xxhash.xxh3_64_intdigest(token_bytes(tokens), seed=seed)
 
 
 def local_block_hashes(tokens: Sequence[int], block_size: int, lora_name: str | None = None) -> list[int]:
@@ -41,11 +51,10 @@ def local_block_hashes(tokens: Sequence[int], block_size: int, lora_name: str | 
         raise ValueError(f"block_size must be positive, got {block_size}")
     seed = lora_seed(lora_name)
     full = len(tokens) - len(tokens) % block_size
-    packed = struct.pack(f"<{full}I", *tokens[:full])
+    packed = token_bytes(tokens[:full])
     width = 4 * block_size
     return [
-        xxhash.xxh3_64_intdigest(packed[start : start + width], seed=seed)
-        for start in range(0, len(packed), width)
+        xxhash.xxh3_64_intdigest(packed[start : start + width], seed=seed) for start in range(0, len(packed), width)
     ]
 
 

@@ -88,8 +88,7 @@ def _data_from_wire(raw: dict[str, Any]) -> EventData:
     kind = raw.get("type")
     if kind == "stored":
         blocks = tuple(
-            StoredBlock(int(b["block_hash"]), int(b["tokens_hash"]), int(b["num_tokens"]))
-            for b in raw["blocks"]
+            StoredBlock(int(b["block_hash"]), int(b["tokens_hash"]), int(b["num_tokens"])) for b in raw["blocks"]
         )
         parent = raw.get("parent_hash")
         return BlocksStored(None if parent is None else int(parent), blocks)
@@ -106,9 +105,7 @@ def encode_batch(batch: KvEventBatch) -> bytes:
             "worker_id": batch.worker_id,
             "dp_rank": batch.dp_rank,
             "ts": batch.ts,
-            "events": [
-                {"event_id": e.event_id, "tier": e.tier, "data": _data_to_wire(e.data)} for e in batch.events
-            ],
+            "events": [{"event_id": e.event_id, "tier": e.tier, "data": _data_to_wire(e.data)} for e in batch.events],
         }
     )
 

@@ -53,9 +53,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedNatsServer:
     """A child ``nats-server -js`` process on a loopback port; stopped and cleaned up by :meth:`stop`."""
 
-    def __init__(
-        self, port: int | None = None, store_dir: str | None = None, host: str = "127.0.0.1"
-    ) -> None:
+    def __init__(self, port: int | None = None, store_dir: str | None = None, host: str = "127.0.0.1") -> None:
         self.host = host
         self.port = port or free_port(host)
         self._own_store = store_dir is None
@@ -87,9 +85,7 @@ class EmbeddedNatsServer:
         last_error: Exception | None = None
         while time.monotonic() < deadline:
             if self._process is not None and self._process.poll() is not None:
-                raise NatsServerError(
-                    f"nats-server exited with {self._process.returncode}: {self._log_tail()}"
-                )
+                raise NatsServerError(f"nats-server exited with {self._process.returncode}: {self._log_tail()}")
             try:
                 nc = await nats.connect(self.url, connect_timeout=1, allow_reconnect=False)
                 try:

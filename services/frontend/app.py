@@ -150,9 +150,7 @@ class Frontend:
             override = body.kvmesh.router_config_override
             if override is not None:
                 if override.overlap_score_weight is not None:
-                    request.routing.router_config_override.overlap_score_weight = (
-                        override.overlap_score_weight
-                    )
+                    request.routing.router_config_override.overlap_score_weight = override.overlap_score_weight
                 if override.router_temperature is not None:
                     request.routing.router_config_override.router_temperature = override.router_temperature
         return request
@@ -277,9 +275,7 @@ def create_app(frontend: Frontend) -> FastAPI:
         else:
             vocab = frontend.model.tokenizer.vocab_size
             if any(t >= vocab for t in body.prompt):
-                raise BadRequestError(
-                    f"prompt token ids must be below the vocabulary size {vocab}", param="prompt"
-                )
+                raise BadRequestError(f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
             token_ids = list(body.prompt)
         return await _respond(frontend, body, token_ids, chat=False)
 
@@ -303,9 +299,7 @@ async def _respond(
     except StopAsyncIteration as exc:
         raise UpstreamError("the router returned no output") from exc
     frontend.metrics.ttft.observe(time.monotonic() - started)
-    log.info(
-        "first token", prompt_tokens=len(token_ids), ttft_ms=round((time.monotonic() - started) * 1000, 2)
-    )
+    log.info("first token", prompt_tokens=len(token_ids), ttft_ms=round((time.monotonic() - started) * 1000, 2))
 
     def finished() -> None:
         frontend.metrics.latency.observe(time.monotonic() - started)

@@ -51,9 +51,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
     port = sock.getsockname()[1]
     log.info("frontend ready", url=f"http://{config.http_host}:{port}/v1", model=config.model_name)
     try:
-        done, _ = await asyncio.wait(
-            {task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
-        )
+        done, _ = await asyncio.wait({task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             task.result()
     finally:

@@ -36,9 +36,7 @@ class ModelTokenizer:
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id = self.tokenizer.token_to_id(eos) if eos else None
 
-    def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:

@@ -100,9 +100,7 @@ class EventStreamConsumer:
         sub = await self._js.pull_subscribe(
             self._subject,
             stream=names.KV_EVENTS_STREAM,
-            config=ConsumerConfig(
-                ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30
-            ),
+            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30),
         )
         try:
             done = False

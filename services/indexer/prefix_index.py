@@ -155,10 +155,7 @@ class PrefixIndex:
                 break
             for key in active:
                 matched[key] = depth
-        return [
-            WorkerOverlap(key, matched.get(key, 0), len(worker.copies))
-            for key, worker in self._workers.items()
-        ]
+        return [WorkerOverlap(key, matched.get(key, 0), len(worker.copies)) for key, worker in self._workers.items()]
 
     def worker_blocks(self, key: WorkerKey) -> set[int]:
         """Sequence hashes a worker holds (for convergence checks)."""

@@ -33,9 +33,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         self, request: indexer_pb2.FindMatchesRequest, context: grpc.aio.ServicerContext
     ) -> indexer_pb2.FindMatchesResponse:
         if len(request.local_hashes) > MAX_QUERY_BLOCKS:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"query longer than {MAX_QUERY_BLOCKS} blocks"
-            )
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"query longer than {MAX_QUERY_BLOCKS} blocks")
         overlaps = self.index.find_matches(request.local_hashes)
         return indexer_pb2.FindMatchesResponse(
             workers=[

@@ -124,9 +124,7 @@ class ActiveSequences:
             new_blocks = sum(1 for h in block_hashes if h not in load.block_refs)
             prefill = max(0, prompt_tokens - overlaps.get(worker, 0) * self.block_size)
             result.append(
-                PotentialLoad(
-                    worker, load.prefill_tokens + prefill, load.decode_blocks + new_blocks + partial
-                )
+                PotentialLoad(worker, load.prefill_tokens + prefill, load.decode_blocks + new_blocks + partial)
             )
         return result
 

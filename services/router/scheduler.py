@@ -52,18 +52,14 @@ class KvSelector:
         self.block_size = block_size
         self._rng = rng or random.Random()
 
-    def select(
-        self, candidates: Sequence[Candidate], overlap_score_weight: float, temperature: float
-    ) -> Candidate:
+    def select(self, candidates: Sequence[Candidate], overlap_score_weight: float, temperature: float) -> Candidate:
         if not candidates:
             raise ValueError("no candidate workers")
         costs = [candidate_cost(c, self.block_size, overlap_score_weight) for c in candidates]
         if temperature > 0:
             return candidates[softmax_sample(costs, temperature, self._rng)]
         best = min(costs)
-        tied = [
-            c for c, cost in zip(candidates, costs, strict=True) if math.isclose(cost, best, abs_tol=1e-9)
-        ]
+        tied = [c for c, cost in zip(candidates, costs, strict=True) if math.isclose(cost, best, abs_tol=1e-9)]
         smallest_tree = min(c.tree_size for c in tied)
         tied = [c for c in tied if c.tree_size == smallest_tree]
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)

@@ -24,9 +24,8 @@ from services.common.proto.kvmesh.v1 import (
     worker_pb2_grpc,
 )
 from services.common.runtime import connect_nats, run_until_signalled
-from services.router.active_sequences import ActiveSequences
 from services.router.config import RouterConfig
-from services.router.scheduler import Candidate, KvSelector, RandomSelector, RoundRobinSelector
+from services.router.policy import RoutingPolicy
 
 log = structlog.get_logger(__name__)
 
@@ -77,22 +76,26 @@ class Router:
         self.workers = workers
         self.indexers = indexers
         self.channels = channels
-        rng = random.Random(config.seed)
-        self._rng = rng
-        self._round_robin = RoundRobinSelector()
-        self._random = RandomSelector(rng)
-        self._kv_selectors: dict[int, KvSelector] = {}
-        self._active: dict[int, ActiveSequences] = {}
+        self._rng = random.Random(config.seed)
+        self._policies: dict[int, RoutingPolicy] = {}
 
-    def active_sequences(self, block_size: int) -> ActiveSequences:
-        active = self._active.get(block_size)
-        if active is None:
-            active = self._active[block_size] = ActiveSequences(block_size)
-        return active
+    def policy(self, block_size: int) -> RoutingPolicy:
+        """The policy (and load picture) of workers with this block size."""
+        policy = self._policies.get(block_size)
+        if policy is None:
+            mode = "kv" if self.config.router_mode == "direct" else self.config.router_mode
+            policy = self._policies[block_size] = RoutingPolicy(
+                mode,
+                block_size,
+                self.config.kv_overlap_score_weight,
+                self.config.router_temperature,
+                self._rng,
+            )
+        return policy
 
     def worker_left(self, record: InstanceRecord) -> None:
-        for active in self._active.values():
-            active.remove_worker(record.instance_id)
+        for policy in self._policies.values():
+            policy.active.remove_worker(record.instance_id)
 
     def candidates(self, model: str) -> list[InstanceRecord]:
         return [r for r in self.workers.instances() if not model or r.model == model]
@@ -114,17 +117,14 @@ class Router:
             matched = {(w.worker_id, w.dp_rank): w.matched_blocks for w in response.workers}
             sizes = {(w.worker_id, w.dp_rank): w.total_blocks for w in response.workers}
             return matched, sizes
-        if self.config.router_mode == "kv":
-            log.warning("no indexer answered; routing on load alone")
+        log.warning("no indexer answered; routing on load alone")
         return {}, {}
 
     async def choose(self, request: common_pb2.PreprocessedRequest) -> tuple[InstanceRecord, int, list[int]]:
         """Pick the worker; returns (worker record, overlap blocks, full-block sequence hashes)."""
         candidates = self.candidates(request.model)
         if not candidates:
-            raise RoutingError(
-                grpc.StatusCode.UNAVAILABLE, f"no worker available for model {request.model!r}"
-            )
+            raise RoutingError(grpc.StatusCode.UNAVAILABLE, f"no worker available for model {request.model!r}")
         by_id = {r.instance_id: r for r in candidates}
         block_size = candidates[0].block_size
         lora = request.lora_name if request.HasField("lora_name") else None
@@ -140,50 +140,25 @@ class Router:
                 )
             record = by_id.get(forced)
             if record is None:
-                raise RoutingError(
-                    grpc.StatusCode.NOT_FOUND, f"worker {forced} is not registered for this model"
-                )
+                raise RoutingError(grpc.StatusCode.NOT_FOUND, f"worker {forced} is not registered for this model")
             return record, 0, block_hashes
 
-        keys: list[WorkerKey] = [(r.instance_id, 0) for r in candidates]
-        if self.config.router_mode == "round-robin":
-            return by_id[self._round_robin.select(keys)[0]], 0, block_hashes
-        if self.config.router_mode == "random":
-            return by_id[self._random.select(keys)[0]], 0, block_hashes
-
-        matched, sizes = await self.overlaps(local_hashes)
+        policy = self.policy(block_size)
+        matched: dict[WorkerKey, int] = {}
+        sizes: dict[WorkerKey, int] = {}
+        if policy.needs_overlaps:
+            matched, sizes = await self.overlaps(local_hashes)
         override = request.routing.router_config_override
-        weight = (
-            override.overlap_score_weight
-            if override.HasField("overlap_score_weight")
-            else self.config.kv_overlap_score_weight
+        decision = policy.choose(
+            [(r.instance_id, 0) for r in candidates],
+            block_hashes,
+            len(request.token_ids),
+            matched,
+            sizes,
+            override.overlap_score_weight if override.HasField("overlap_score_weight") else None,
+            override.router_temperature if override.HasField("router_temperature") else None,
         )
-        temperature = (
-            override.router_temperature
-            if override.HasField("router_temperature")
-            else self.config.router_temperature
-        )
-        loads = self.active_sequences(block_size).potential_loads(
-            keys, block_hashes, len(request.token_ids), matched
-        )
-        selector = self._kv_selectors.get(block_size)
-        if selector is None:
-            selector = self._kv_selectors[block_size] = KvSelector(block_size, self._rng)
-        choice = selector.select(
-            [
-                Candidate(
-                    load.worker,
-                    load.prefill_tokens,
-                    load.decode_blocks,
-                    matched.get(load.worker, 0),
-                    sizes.get(load.worker, 0),
-                )
-                for load in loads
-            ],
-            weight,
-            temperature,
-        )
-        return by_id[choice.worker[0]], choice.overlap_blocks, block_hashes
+        return by_id[decision.worker[0]], decision.overlap_blocks, block_hashes
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -205,7 +180,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             record, overlap, block_hashes = await self.router.choose(request)
         except RoutingError as exc:
             await context.abort(exc.code, str(exc))
-        active = self.router.active_sequences(record.block_size)
+        active = self.router.policy(record.block_size).active
         worker_key = (record.instance_id, 0)
         active.add(request_id, worker_key, block_hashes, len(request.token_ids), overlap)
         log.info(

@@ -20,6 +20,7 @@ virtual time) and then delivers the step's outputs and KV events.
 from __future__ import annotations
 
 import struct
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ class EngineRequest:
     """One sequence inside the engine: its tokens, its blocks and how far its KV is computed."""
 
     request_id: str
-    prompt: list[int]
+    prompt: Sequence[int]
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     seed: int = 0
@@ -128,7 +129,10 @@ class MockEngine:
         stop_token_ids: Sequence[int] = (),
         seed: int = 0,
         lora_name: str | None = None,
+        local_hashes: Sequence[int] | None = None,
     ) -> EngineRequest:
+        """Queue a request. ``local_hashes`` may carry the prompt's precomputed local block hashes
+        (the trace replay computes them once per trace block); they must match the prompt."""
         if request_id in self._by_id:
             raise EngineRequestError(f"request {request_id!r} is already in the engine")
         if not prompt:
@@ -140,8 +144,14 @@ class MockEngine:
             raise EngineRequestError(
                 f"prompt + max_tokens needs {needed} KV blocks; this worker has {self.config.num_blocks}"
             )
-        prompt = list(prompt)
-        local = local_block_hashes(prompt, self.block_size, lora_name)
+        if not isinstance(prompt, list | array):
+            prompt = list(prompt)
+        if local_hashes is None:
+            local = local_block_hashes(prompt, self.block_size, lora_name)
+        else:
+            local = list(local_hashes)
+            if len(local) != len(prompt) // self.block_size:
+                raise EngineRequestError("local_hashes does not match the prompt's full blocks")
         request = EngineRequest(
             request_id=request_id,
             prompt=prompt,
@@ -290,9 +300,7 @@ class MockEngine:
                 decode_context += request.num_tokens
             else:
                 prefill_tokens += count
-        duration = self.config.timing.step_ms(
-            prefill_tokens, decode_context, self.capacity_tokens, decoding > 0
-        )
+        duration = self.config.timing.step_ms(prefill_tokens, decode_context, self.capacity_tokens, decoding > 0)
 
         outputs: list[TokenOutput] = []
         for request, count in scheduled:
@@ -309,9 +317,7 @@ class MockEngine:
         hashes = self._full_block_hashes(request)
         start = request.num_registered
         parent = hashes[start - 1] if start > 0 else None
-        self.blocks.register(
-            request.blocks[start:full], hashes[start:full], request.local_hashes[start:full], parent
-        )
+        self.blocks.register(request.blocks[start:full], hashes[start:full], request.local_hashes[start:full], parent)
         request.num_registered = full
 
     def _sample(self, request: EngineRequest) -> TokenOutput:

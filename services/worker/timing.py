@@ -37,10 +37,6 @@ class TimingModel:
         u = min(1.0, decode_context_tokens / capacity_tokens)
         return max(1.0, self.decode_a * u * u + self.decode_b * u + self.decode_c)
 
-    def step_ms(
-        self, prefill_tokens: int, decode_context_tokens: int, capacity_tokens: int, decoding: bool
-    ) -> float:
-        raw = self.prefill_ms(prefill_tokens) + self.decode_ms(
-            decode_context_tokens, capacity_tokens, decoding
-        )
+    def step_ms(self, prefill_tokens: int, decode_context_tokens: int, capacity_tokens: int, decoding: bool) -> float:
+        raw = self.prefill_ms(prefill_tokens) + self.decode_ms(decode_context_tokens, capacity_tokens, decoding)
         return raw / self.speedup_ratio

@@ -44,9 +44,7 @@ async def test_cancelling_a_stream_frees_the_workers_blocks(nats_url: str, nc: N
     await workers.start()
     await routers.start()
     async with running(worker_server.serve, worker_config), running(router_server.serve, router_config):
-        await wait_until_async(
-            lambda: workers.instances() and routers.instances(), what="services registered"
-        )
+        await wait_until_async(lambda: workers.instances() and routers.instances(), what="services registered")
         async with (
             grpc.aio.insecure_channel(routers.instances()[0].address) as router_channel,
             grpc.aio.insecure_channel(workers.instances()[0].address) as worker_channel,

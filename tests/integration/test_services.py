@@ -79,9 +79,7 @@ async def test_worker_serves_generate_health_and_reflection(nats_url: str, nc: N
         record = watcher.instances()[0]
         assert (record.model, record.block_size, record.role) == ("kvmesh-tiny", 16, "aggregated")
         async with grpc.aio.insecure_channel(record.address) as channel:
-            request = common_pb2.PreprocessedRequest(
-                request_id="a", model="kvmesh-tiny", token_ids=list(range(40))
-            )
+            request = common_pb2.PreprocessedRequest(request_id="a", model="kvmesh-tiny", token_ids=list(range(40)))
             request.stop.max_tokens = 5
             outputs = [o async for o in worker_pb2_grpc.WorkerStub(channel).Generate(request)]
             assert sum(len(o.token_ids) for o in outputs) == 5
@@ -152,9 +150,7 @@ async def test_indexer_answers_and_forgets_a_departed_worker(nats_url: str, nc: 
 
             async def indexed() -> bool:
                 response = await index_stub.FindMatches(query)
-                return any(
-                    w.worker_id == worker.instance_id and w.matched_blocks == 6 for w in response.workers
-                )
+                return any(w.worker_id == worker.instance_id and w.matched_blocks == 6 for w in response.workers)
 
             await wait_until_async(indexed, what="the worker's blocks reach the index")
 

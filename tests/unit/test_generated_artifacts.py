@@ -28,9 +28,7 @@ def test_stale_code_is_detected(tmp_path):
 def test_bundled_tiny_model_matches_its_builder(tmp_path):
     tiny_model.write_model(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert json.loads((tmp_path / name).read_text()) == json.loads(
-            (tiny_model.MODEL_DIR / name).read_text()
-        )
+        assert json.loads((tmp_path / name).read_text()) == json.loads((tiny_model.MODEL_DIR / name).read_text())
 
 
 def _compose_command() -> list[str] | None:
@@ -62,7 +60,5 @@ def test_docker_compose_file_is_valid():
 def test_docker_compose_check_rejects_a_broken_file(tmp_path):
     broken = tmp_path / "docker-compose.yml"
     broken.write_text("services:\n  frontend:\n    ports: 8000\n")
-    result = subprocess.run(
-        [*COMPOSE, "-f", str(broken), "config", "--quiet"], capture_output=True, timeout=60
-    )
+    result = subprocess.run([*COMPOSE, "-f", str(broken), "config", "--quiet"], capture_output=True, timeout=60)
     assert result.returncode != 0

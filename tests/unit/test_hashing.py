@@ -68,3 +68,10 @@ def test_block_size_must_be_positive():
 
 def test_blocks_needed_counts_partial_blocks():
     assert [blocks_needed(n, 16) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
+
+
+def test_token_arrays_hash_like_lists():
+    from array import array
+
+    assert local_block_hashes(array("I", TOKENS), 16) == GOLDEN_LOCAL
+    assert hash_block_tokens(array("I", TOKENS[:16])) == GOLDEN_LOCAL[0]

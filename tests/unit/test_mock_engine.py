@@ -112,9 +112,7 @@ def test_running_sequences_are_preempted_last_in_first_out_when_memory_runs_out(
 
 
 def test_token_budget_and_sequence_limit_bound_a_step():
-    engine = MockEngine(
-        EngineConfig(num_blocks=256, block_size=16, max_num_seqs=2, max_num_batched_tokens=100)
-    )
+    engine = MockEngine(EngineConfig(num_blocks=256, block_size=16, max_num_seqs=2, max_num_batched_tokens=100))
     for i in range(3):
         engine.add_request(f"r{i}", [i] * 80, max_tokens=2)
     first = engine.step()

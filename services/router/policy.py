@@ -1,0 +1,89 @@
+"""The routing decision for one block size, without I/O: the router service and ``kvmesh replay``
+both drive this class, so what the replay measures is what the service does.
+
+It owns the load picture (:class:`ActiveSequences`) and the selectors. Given the candidate workers,
+the request's block hashes and, in KV mode, each worker's cached overlap and tree size, it returns
+the chosen worker and records the request on it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from services.router.active_sequences import ActiveSequences
+from services.router.scheduler import Candidate, KvSelector, RandomSelector, RoundRobinSelector
+
+WorkerKey = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker: WorkerKey
+    overlap_blocks: int
+
+
+class RoutingPolicy:
+    """Chooses workers in one of the modes ``kv``, ``round-robin`` or ``random``."""
+
+    def __init__(
+        self,
+        mode: str,
+        block_size: int,
+        overlap_score_weight: float = 1.0,
+        temperature: float = 0.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        if mode not in ("kv", "round-robin", "random"):
+            raise ValueError(f"unknown routing mode {mode!r}")
+        self.mode = mode
+        self.block_size = block_size
+        self.overlap_score_weight = overlap_score_weight
+        self.temperature = temperature
+        self._rng = rng or random.Random()
+        self.active = ActiveSequences(block_size)
+        self._kv = KvSelector(block_size, self._rng)
+        self._round_robin = RoundRobinSelector()
+        self._random = RandomSelector(self._rng)
+
+    @property
+    def needs_overlaps(self) -> bool:
+        return self.mode == "kv"
+
+    def choose(
+        self,
+        workers: Sequence[WorkerKey],
+        block_hashes: Sequence[int],
+        prompt_tokens: int,
+        overlaps: Mapping[WorkerKey, int] | None = None,
+        tree_sizes: Mapping[WorkerKey, int] | None = None,
+        overlap_score_weight: float | None = None,
+        temperature: float | None = None,
+    ) -> Decision:
+        """Pick a worker (per-request weight / temperature override the defaults when given)."""
+        if not workers:
+            raise ValueError("no candidate workers")
+        if self.mode == "round-robin":
+            return Decision(self._round_robin.select(workers), 0)
+        if self.mode == "random":
+            return Decision(self._random.select(workers), 0)
+        overlaps = overlaps or {}
+        tree_sizes = tree_sizes or {}
+        loads = self.active.potential_loads(workers, block_hashes, prompt_tokens, dict(overlaps))
+        candidates = [
+            Candidate(
+                load.worker,
+                load.prefill_tokens,
+                load.decode_blocks,
+                overlaps.get(load.worker, 0),
+                tree_sizes.get(load.worker, 0),
+            )
+            for load in loads
+        ]
+        choice = self._kv.select(
+            candidates,
+            self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight,
+            self.temperature if temperature is None else temperature,
+        )
+        return Decision(choice.worker, choice.overlap_blocks)
