@@ -43,6 +43,7 @@ class UpConfig(CommonConfig):
     workers: int = option(2, "number of mock workers")
     indexers: int = option(1, "number of indexer replicas")
     router_mode: str = option("kv", "how the router chooses workers", choices=ROUTER_MODES)
+    kv_cost: str = option("ttft", "KV cost model of the router (ttft or Dynamo's blocks)", choices=("ttft", "blocks"))
     kv_overlap_score_weight: float = option(1.0, "weight of prefill work in the KV cost")
     router_temperature: float = option(0.0, "router softmax temperature (0: deterministic)")
     block_size: int = option(16, "tokens per KV block of the mock workers")
@@ -111,6 +112,8 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
                 *common,
                 "--router-mode",
                 config.router_mode,
+                "--kv-cost",
+                config.kv_cost,
                 "--kv-overlap-score-weight",
                 str(config.kv_overlap_score_weight),
                 "--router-temperature",

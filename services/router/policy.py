@@ -13,7 +13,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.router.active_sequences import ActiveSequences
-from services.router.scheduler import Candidate, KvSelector, RandomSelector, RoundRobinSelector
+from services.router.scheduler import (
+    BlockCost,
+    Candidate,
+    CostModel,
+    KvSelector,
+    RandomSelector,
+    RoundRobinSelector,
+)
 
 WorkerKey = tuple[int, int]
 
@@ -34,7 +41,9 @@ class RoutingPolicy:
         overlap_score_weight: float = 1.0,
         temperature: float = 0.0,
         rng: random.Random | None = None,
+        cost_model: CostModel | None = None,
     ) -> None:
+        """``cost_model`` defaults to Dynamo's block cost; the service and replay pass the one configured."""
         if mode not in ("kv", "round-robin", "random"):
             raise ValueError(f"unknown routing mode {mode!r}")
         self.mode = mode
@@ -43,7 +52,7 @@ class RoutingPolicy:
         self.temperature = temperature
         self._rng = rng or random.Random()
         self.active = ActiveSequences(block_size)
-        self._kv = KvSelector(block_size, self._rng)
+        self._kv = KvSelector(cost_model or BlockCost(block_size), self._rng)
         self._round_robin = RoundRobinSelector()
         self._random = RandomSelector(self._rng)
 

@@ -1,10 +1,17 @@
-"""Worker selection: the KV cost function and the simple policies (sans-I/O).
+"""Worker selection: the KV cost models and the simple policies (sans-I/O).
 
-KV mode (DESIGN §5): ``cost = overlap_score_weight × prefill_blocks + decode_blocks`` where
-``prefill_blocks`` is the predicted prefill work left after the cached prefix, including prefill
-already queued on the worker (in blocks, fractional), and ``decode_blocks`` the predicted active
-blocks after adding the request. Lowest cost wins; ``temperature > 0`` samples from a softmax over
-costs normalised by their range; ties break toward the worker with the smaller tree, then at random.
+Two cost models, both fed the same prediction of each worker's load (prefill tokens queued there
+including this request's uncached part, and active KV blocks after adding it):
+
+- ``blocks`` (DESIGN §5, NVIDIA Dynamo's formula):
+  ``cost = overlap_score_weight × prefill_blocks + decode_blocks``;
+- ``ttft`` (the default, docs/decisions/0005): the predicted time to this request's first token —
+  the queued prefill cut into engine steps of ``max_num_batched_tokens`` and costed with the timing
+  model, plus the decode work each of those steps carries:
+  ``cost = overlap_score_weight × Σ prefill_ms(chunk) + steps × decode_ms(active blocks)``.
+
+Lowest cost wins; ``temperature > 0`` samples from a softmax over costs normalised by their range;
+ties break toward the worker with the smaller tree, then at random.
 """
 
 from __future__ import annotations
@@ -12,7 +19,10 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.common.timing import TimingModel
 
 WorkerKey = tuple[int, int]
 
@@ -29,11 +39,68 @@ class Candidate:
 
 
 def kv_cost(prefill_blocks: float, decode_blocks: float, overlap_score_weight: float) -> float:
+    """Dynamo's KV cost in blocks."""
     return overlap_score_weight * prefill_blocks + decode_blocks
 
 
+class CostModel(Protocol):
+    name: str
+
+    def cost(self, candidate: Candidate, overlap_score_weight: float) -> float: ...
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """``overlap_score_weight × prefill_blocks + decode_blocks`` (DESIGN §5, Dynamo's formula)."""
+
+    block_size: int
+    name: str = "blocks"
+
+    def cost(self, candidate: Candidate, overlap_score_weight: float) -> float:
+        return kv_cost(candidate.prefill_tokens / self.block_size, candidate.decode_blocks, overlap_score_weight)
+
+
+@dataclass(frozen=True)
+class PredictedTtftCost:
+    """Predicted milliseconds to this request's first token on the candidate worker.
+
+    Assumes the engine drains queued prefill in steps of ``max_num_batched_tokens`` (chunked
+    prefill, FCFS) and that every such step also advances the worker's decoding requests.
+    """
+
+    block_size: int
+    max_num_batched_tokens: int
+    capacity_tokens: int
+    timing: TimingModel = field(default_factory=TimingModel)
+    name: str = "ttft"
+
+    def cost(self, candidate: Candidate, overlap_score_weight: float) -> float:
+        full_steps, remainder = divmod(candidate.prefill_tokens, self.max_num_batched_tokens)
+        prefill_ms = full_steps * self.timing.prefill_ms(self.max_num_batched_tokens) + self.timing.prefill_ms(
+            remainder
+        )
+        steps = max(1, full_steps + (1 if remainder else 0))
+        decode_ms = self.timing.decode_ms(
+            candidate.decode_blocks * self.block_size, self.capacity_tokens, candidate.decode_blocks > 0
+        )
+        return overlap_score_weight * prefill_ms + steps * decode_ms
+
+
+COST_MODELS = ("ttft", "blocks")
+
+
+def make_cost_model(name: str, block_size: int, max_num_batched_tokens: int, capacity_blocks: int) -> CostModel:
+    """The named cost model for workers of this shape."""
+    if name == "blocks":
+        return BlockCost(block_size)
+    if name == "ttft":
+        return PredictedTtftCost(block_size, max_num_batched_tokens, capacity_blocks * block_size)
+    raise ValueError(f"unknown KV cost model {name!r}; choose one of {', '.join(COST_MODELS)}")
+
+
 def candidate_cost(candidate: Candidate, block_size: int, overlap_score_weight: float) -> float:
-    return kv_cost(candidate.prefill_tokens / block_size, candidate.decode_blocks, overlap_score_weight)
+    """Dynamo's block cost of a candidate (kept for readers comparing with the design's example)."""
+    return BlockCost(block_size).cost(candidate, overlap_score_weight)
 
 
 def softmax_sample(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
@@ -48,14 +115,14 @@ def softmax_sample(costs: Sequence[float], temperature: float, rng: random.Rando
 class KvSelector:
     """Chooses the lowest-cost candidate (or samples one at ``temperature > 0``)."""
 
-    def __init__(self, block_size: int, rng: random.Random | None = None) -> None:
-        self.block_size = block_size
+    def __init__(self, cost_model: CostModel, rng: random.Random | None = None) -> None:
+        self.cost_model = cost_model
         self._rng = rng or random.Random()
 
     def select(self, candidates: Sequence[Candidate], overlap_score_weight: float, temperature: float) -> Candidate:
         if not candidates:
             raise ValueError("no candidate workers")
-        costs = [candidate_cost(c, self.block_size, overlap_score_weight) for c in candidates]
+        costs = [self.cost_model.cost(c, overlap_score_weight) for c in candidates]
         if temperature > 0:
             return candidates[softmax_sample(costs, temperature, self._rng)]
         best = min(costs)

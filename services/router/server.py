@@ -26,10 +26,13 @@ from services.common.proto.kvmesh.v1 import (
 from services.common.runtime import connect_nats, run_until_signalled
 from services.router.config import RouterConfig
 from services.router.policy import RoutingPolicy
+from services.router.scheduler import make_cost_model
 
 log = structlog.get_logger(__name__)
 
 WorkerKey = tuple[int, int]
+# Assumed when a worker does not advertise its step token budget.
+DEFAULT_MAX_BATCHED_TOKENS = 8192
 
 
 class RoutingError(Exception):
@@ -79,17 +82,28 @@ class Router:
         self._rng = random.Random(config.seed)
         self._policies: dict[int, RoutingPolicy] = {}
 
-    def policy(self, block_size: int) -> RoutingPolicy:
-        """The policy (and load picture) of workers with this block size."""
-        policy = self._policies.get(block_size)
+    def policy(self, worker: InstanceRecord) -> RoutingPolicy:
+        """The policy (and load picture) of workers shaped like ``worker`` (same block size).
+
+        The cost model takes the engine shape (capacity, step token budget) from the first worker of
+        that block size it meets: a fleet serving one model is assumed homogeneous.
+        """
+        policy = self._policies.get(worker.block_size)
         if policy is None:
             mode = "kv" if self.config.router_mode == "direct" else self.config.router_mode
-            policy = self._policies[block_size] = RoutingPolicy(
+            cost_model = make_cost_model(
+                self.config.kv_cost,
+                worker.block_size,
+                int(worker.extra.get("max_num_batched_tokens", DEFAULT_MAX_BATCHED_TOKENS)),
+                worker.capacity_blocks,
+            )
+            policy = self._policies[worker.block_size] = RoutingPolicy(
                 mode,
-                block_size,
+                worker.block_size,
                 self.config.kv_overlap_score_weight,
                 self.config.router_temperature,
                 self._rng,
+                cost_model,
             )
         return policy
 
@@ -143,7 +157,7 @@ class Router:
                 raise RoutingError(grpc.StatusCode.NOT_FOUND, f"worker {forced} is not registered for this model")
             return record, 0, block_hashes
 
-        policy = self.policy(block_size)
+        policy = self.policy(candidates[0])
         matched: dict[WorkerKey, int] = {}
         sizes: dict[WorkerKey, int] = {}
         if policy.needs_overlaps:
@@ -180,7 +194,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             record, overlap, block_hashes = await self.router.choose(request)
         except RoutingError as exc:
             await context.abort(exc.code, str(exc))
-        active = self.router.policy(record.block_size).active
+        active = self.router.policy(record).active
         worker_key = (record.instance_id, 0)
         active.add(request_id, worker_key, block_hashes, len(request.token_ids), overlap)
         log.info(

@@ -30,8 +30,8 @@ import xxhash
 
 from services.common.hashing import hash_block_tokens, local_block_hashes, lora_seed, sequence_hashes
 from services.common.kv_events import EventData
+from services.common.timing import TimingModel
 from services.worker.block_manager import BlockManager, KvBlock
-from services.worker.timing import TimingModel
 
 # Printable ASCII byte ids: with the bundled byte-level tokenizer they decode to readable text.
 DEFAULT_OUTPUT_VOCAB: tuple[int, ...] = (*range(97, 123), 32, 32, 32, 46)

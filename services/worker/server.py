@@ -15,11 +15,11 @@ from services.common.logging import configure_logging
 from services.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.runtime import connect_nats, run_until_signalled
 from services.common.streams import ensure_kv_events_stream
+from services.common.timing import TimingModel
 from services.worker.config import WorkerConfig
 from services.worker.engine_loop import EngineLoop
 from services.worker.event_publisher import KvEventPublisher
 from services.worker.mock_engine import EngineConfig, EngineRequestError, FinishReason, MockEngine
-from services.worker.timing import TimingModel
 
 log = structlog.get_logger(__name__)
 
@@ -148,6 +148,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event, worker_id: int | None
             block_size=config.block_size,
             capacity_blocks=config.num_gpu_blocks,
             lease_ttl=config.lease_ttl,
+            extra={"max_num_batched_tokens": config.max_num_batched_tokens, "engine": config.engine},
         ),
     )
     await registration.start()

@@ -3,8 +3,18 @@ from collections import Counter
 
 import pytest
 
+from services.common.timing import TimingModel
 from services.router.active_sequences import ActiveSequences
-from services.router.scheduler import Candidate, KvSelector, RoundRobinSelector, candidate_cost, kv_cost
+from services.router.scheduler import (
+    BlockCost,
+    Candidate,
+    KvSelector,
+    PredictedTtftCost,
+    RoundRobinSelector,
+    candidate_cost,
+    kv_cost,
+    make_cost_model,
+)
 
 BLOCK = 16
 
@@ -17,7 +27,7 @@ def test_worked_example_from_the_design():
     # overlap weight 1; (prefill blocks, decode blocks) = (8, 10), (5, 5), (2, 9) cost 18, 10, 11
     candidates = [candidate(1, 8, 10), candidate(2, 5, 5), candidate(3, 2, 9)]
     assert [candidate_cost(c, BLOCK, 1.0) for c in candidates] == [18, 10, 11]
-    assert KvSelector(BLOCK).select(candidates, 1.0, 0.0).worker == (2, 0)
+    assert KvSelector(BlockCost(BLOCK)).select(candidates, 1.0, 0.0).worker == (2, 0)
 
 
 def test_overlap_weight_scales_prefill_only():
@@ -26,13 +36,13 @@ def test_overlap_weight_scales_prefill_only():
 
 
 def test_temperature_zero_is_deterministic_and_ties_prefer_the_smaller_tree():
-    selector = KvSelector(BLOCK, random.Random(0))
+    selector = KvSelector(BlockCost(BLOCK), random.Random(0))
     tied = [candidate(1, 2, 2, tree=50), candidate(2, 2, 2, tree=10), candidate(3, 2, 2, tree=30)]
     assert {selector.select(tied, 1.0, 0.0).worker for _ in range(50)} == {(2, 0)}
 
 
 def test_high_temperature_spreads_load():
-    selector = KvSelector(BLOCK, random.Random(1))
+    selector = KvSelector(BlockCost(BLOCK), random.Random(1))
     candidates = [candidate(1, 0, 10), candidate(2, 0, 12), candidate(3, 0, 14)]
     picks = Counter(selector.select(candidates, 1.0, 10.0).worker for _ in range(3000))
     assert set(picks) == {(1, 0), (2, 0), (3, 0)}
@@ -46,9 +56,39 @@ def test_round_robin_cycles_in_a_stable_order():
     assert [rr.select(workers)[0] for _ in range(6)] == [1, 2, 3, 1, 2, 3]
 
 
+class TestPredictedTtftCost:
+    model = PredictedTtftCost(BLOCK, max_num_batched_tokens=1000, capacity_tokens=100 * BLOCK)
+    timing = TimingModel()
+
+    def test_queued_prefill_is_costed_in_engine_steps(self):
+        busy = Candidate((1, 0), prefill_tokens=2500, decode_blocks=0)
+        expected = 2 * self.timing.prefill_ms(1000) + self.timing.prefill_ms(500)
+        assert self.model.cost(busy, 1.0) == pytest.approx(expected)
+
+    def test_each_step_carries_the_decode_work(self):
+        decoding = Candidate((1, 0), prefill_tokens=2500, decode_blocks=50)
+        idle = Candidate((1, 0), prefill_tokens=2500, decode_blocks=0)
+        per_step = self.timing.decode_ms(50 * BLOCK, 100 * BLOCK, True)
+        assert self.model.cost(decoding, 1.0) - self.model.cost(idle, 1.0) == pytest.approx(3 * per_step)
+
+    def test_a_cached_prefix_beats_a_big_decode_load_unlike_the_block_cost(self):
+        # worker 1 holds most of the prompt but runs many requests; worker 2 is idle and cold
+        model = PredictedTtftCost(BLOCK, max_num_batched_tokens=1000, capacity_tokens=1000 * BLOCK)
+        warm_busy = Candidate((1, 0), prefill_tokens=200, decode_blocks=300)
+        cold_idle = Candidate((2, 0), prefill_tokens=3000, decode_blocks=0)
+        assert KvSelector(model).select([warm_busy, cold_idle], 1.0, 0.0).worker == (1, 0)
+        assert KvSelector(BlockCost(BLOCK)).select([warm_busy, cold_idle], 1.0, 0.0).worker == (2, 0)
+
+    def test_factory_knows_both_models(self):
+        assert make_cost_model("blocks", 16, 8192, 100).name == "blocks"
+        assert make_cost_model("ttft", 16, 8192, 100).name == "ttft"
+        with pytest.raises(ValueError):
+            make_cost_model("magic", 16, 8192, 100)
+
+
 def test_no_candidates_is_an_error():
     with pytest.raises(ValueError):
-        KvSelector(BLOCK).select([], 1.0, 0.0)
+        KvSelector(BlockCost(BLOCK)).select([], 1.0, 0.0)
 
 
 class TestActiveSequences:

@@ -1,4 +1,4 @@
-"""The mock engine's step-time model.
+"""The engine step-time model: the mock engine runs on it and the router predicts with it.
 
 Defaults are the published constants of NVIDIA Dynamo's mocker, so our simulations compare with its:
 

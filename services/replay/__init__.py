@@ -1,0 +1,1 @@
+"""``kvmesh replay``: the real routing, indexing and mock-engine code driven in virtual time."""

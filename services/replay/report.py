@@ -1,0 +1,90 @@
+"""Summary figures of a replay: prefix reuse, TTFT, TPOT, ITL, end-to-end latency, throughput."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from services.replay.simulator import RequestRecord
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method) of finite values."""
+    ordered = sorted(v for v in values if not math.isnan(v))
+    if not ordered:
+        return math.nan
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _mean(values: Sequence[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def _distribution(values: Sequence[float]) -> dict[str, float]:
+    return {
+        "mean": _mean(values),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+    }
+
+
+def summarise(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    done = [r for r in records if r.tokens == r.output_length]
+    prompt_tokens = sum(r.input_length for r in records)
+    cached = sum(r.cached_tokens for r in done)
+    start = min((r.arrival_ms for r in records), default=0.0)
+    end = max((r.last_token_ms for r in done), default=start)
+    duration_s = (end - start) / 1000
+    output_tokens = sum(r.tokens for r in done)
+    itl = [gap for r in done for gap in r.inter_token_ms]
+    return {
+        "requests": len(records),
+        "completed": len(done),
+        "prefix_reuse": cached / prompt_tokens if prompt_tokens else 0.0,
+        "ttft_ms": _distribution([r.ttft_ms for r in done]),
+        "tpot_ms": _distribution([r.tpot_ms for r in done]),
+        "itl_ms": _distribution(itl),
+        "e2e_ms": {"mean": _mean([r.e2e_ms for r in done]), "p99": percentile([r.e2e_ms for r in done], 99)},
+        "output_tokens_per_s": output_tokens / duration_s if duration_s > 0 else 0.0,
+        "simulated_duration_s": duration_s,
+    }
+
+
+def write_csv(records: Sequence[RequestRecord], path: Path) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(
+            [
+                "index",
+                "arrival_ms",
+                "worker",
+                "input_length",
+                "output_length",
+                "cached_tokens",
+                "ttft_ms",
+                "tpot_ms",
+                "e2e_ms",
+            ]
+        )
+        for r in records:
+            writer.writerow(
+                [
+                    r.index,
+                    f"{r.arrival_ms:.3f}",
+                    r.worker,
+                    r.input_length,
+                    r.output_length,
+                    r.cached_tokens,
+                    f"{r.ttft_ms:.3f}",
+                    f"{r.tpot_ms:.3f}",
+                    f"{r.e2e_ms:.3f}",
+                ]
+            )

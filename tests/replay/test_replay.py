@@ -1,0 +1,152 @@
+"""``kvmesh replay``: determinism, exact figures on a hand-made trace, and the fidelity table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.common.timing import TimingModel
+from services.replay import cli
+from services.replay.report import percentile, summarise
+from services.replay.simulator import ReplayConfig, ReplaySimulator
+from services.replay.trace import PromptBuilder, TraceError, TraceRequest, read_trace
+
+SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+TIMING = TimingModel()
+
+
+def write_trace(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_prompts_share_tokens_exactly_where_hash_ids_repeat():
+    builder = PromptBuilder(trace_block_size=32, block_size=16)
+    a = TraceRequest(0, 70, 1, (5, 6, 7))
+    b = TraceRequest(0, 64, 1, (5, 6))
+    c = TraceRequest(0, 64, 1, (9, 6))
+    ta, tb, tc = builder.tokens(a), builder.tokens(b), builder.tokens(c)
+    assert len(ta) == 70 and ta[:64] == tb and tb[32:] == tc[32:] and tb[:32] != tc[:32]
+    assert builder.local_hashes(a, ta)[:4] == builder.local_hashes(b, tb)
+    with pytest.raises(TraceError):
+        builder.tokens(TraceRequest(0, 100, 1, (1,)))
+
+
+def test_hand_made_trace_gives_exact_reuse_and_ttft(tmp_path):
+    # one worker; the second request repeats the first's 64-token prompt long after it finished
+    trace = read_trace(
+        write_trace(
+            tmp_path / "t.jsonl",
+            [
+                {"timestamp": 0, "input_length": 64, "output_length": 2, "hash_ids": [0, 1]},
+                {"timestamp": 10_000, "input_length": 64, "output_length": 1, "hash_ids": [0, 1]},
+            ],
+        )
+    )
+    config = ReplayConfig(workers=1, block_size=16, num_blocks=100, trace_block_size=32, router_mode="round-robin")
+    first, second = ReplaySimulator(config).run(trace)
+    assert first.ttft_ms == pytest.approx(TIMING.prefill_ms(64))
+    # its second token: one decode step over a 65-token context
+    assert first.tpot_ms == pytest.approx(TIMING.decode_ms(65, 100 * 16, True))
+    # 4 full blocks cached, but one token is always computed: 3 blocks (48 tokens) reused
+    assert second.cached_tokens == 48
+    assert second.ttft_ms == pytest.approx(TIMING.prefill_ms(16))
+    assert summarise([first, second])["prefix_reuse"] == pytest.approx(48 / 128)
+
+
+def test_kv_routing_follows_the_cache_where_round_robin_does_not(tmp_path):
+    rows = [
+        {"timestamp": i * 1000, "input_length": 512, "output_length": 2, "hash_ids": [0, 1, 2, 3]} for i in range(4)
+    ]
+    trace = read_trace(write_trace(tmp_path / "t.jsonl", rows))
+    base = {"workers": 2, "block_size": 16, "num_blocks": 1000, "trace_block_size": 128}
+    kv = ReplaySimulator(ReplayConfig(**base, router_mode="kv")).run(trace)
+    rr = ReplaySimulator(ReplayConfig(**base, router_mode="round-robin")).run(trace)
+    assert len({r.worker for r in kv}) == 1 and summarise(kv)["prefix_reuse"] == pytest.approx(3 * 496 / 2048)
+    assert len({r.worker for r in rr}) == 2 and summarise(rr)["prefix_reuse"] == pytest.approx(2 * 496 / 2048)
+
+
+def test_replay_is_deterministic_for_a_seed(tmp_path):
+    rows = [
+        {"timestamp": i * 37, "input_length": 200 + 9 * i, "output_length": 5 + i % 7, "hash_ids": [i % 3, i % 5, i]}
+        for i in range(60)
+    ]
+    trace = read_trace(write_trace(tmp_path / "t.jsonl", rows))
+
+    def run(seed: int) -> list[tuple[int, float]]:
+        config = ReplayConfig(workers=3, block_size=16, trace_block_size=256, router_temperature=0.5, seed=seed)
+        return [(r.worker, r.ttft_ms) for r in ReplaySimulator(config).run(trace)]
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)  # the temperature makes the seed matter
+
+
+def test_percentile_interpolates_like_numpy():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([10], 99) == 10
+    assert percentile(list(range(101)), 99) == 99
+
+
+def test_cli_prints_a_summary_and_writes_csv(tmp_path, capsys):
+    path = write_trace(
+        tmp_path / "t.jsonl", [{"timestamp": 0, "input_length": 40, "output_length": 3, "hash_ids": [1]}]
+    )
+    csv_path = tmp_path / "r.csv"
+    assert (
+        cli.main(
+            [str(path), "--workers", "2", "--block-size", "16", "--trace-block-size", "64", "--csv", str(csv_path)]
+        )
+        == 0
+    )
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["completed"] == 1 and summary["ttft_ms"]["p50"] == pytest.approx(TIMING.prefill_ms(40))
+    assert csv_path.read_text().count("\n") == 2
+
+
+def test_cli_rejects_a_broken_trace(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 5}\n')
+    with pytest.raises(SystemExit):
+        cli.main([str(path)])
+    assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+# ---- fidelity against NVIDIA Dynamo 1.6.1's run_trace_replay on the shared trace ---------------
+# 8 workers, 64-token blocks, 16,384 blocks each, 256 sequences, 8,192 batched tokens (the defaults).
+DYNAMO_ROUND_ROBIN = {4: (0.1105, 653, 407, 4199), 6: (0.0974, 3905, 1505, 19649)}
+DYNAMO_KV = {4: (0.367, 72, 1210), 6: (0.305, 308, 1589)}
+
+needs_trace = pytest.mark.skipif(not SHARED_TRACE.is_file(), reason="../shared/data trace not present")
+
+
+@pytest.fixture(scope="module")
+def shared_trace():
+    return read_trace(SHARED_TRACE)
+
+
+@needs_trace
+@pytest.mark.parametrize("speedup", [4, 6])
+def test_round_robin_matches_dynamos_engine_model(shared_trace, speedup):
+    summary = summarise(
+        ReplaySimulator(ReplayConfig(router_mode="round-robin", arrival_speedup_ratio=speedup)).run(shared_trace)
+    )
+    reuse, mean, p50, p99 = DYNAMO_ROUND_ROBIN[speedup]
+    assert summary["completed"] == len(shared_trace)
+    assert summary["prefix_reuse"] == pytest.approx(reuse, abs=0.01)
+    assert summary["ttft_ms"]["mean"] == pytest.approx(mean, rel=0.15)
+    assert summary["ttft_ms"]["p50"] == pytest.approx(p50, rel=0.15)
+    assert summary["ttft_ms"]["p99"] == pytest.approx(p99, rel=0.15)
+
+
+@needs_trace
+@pytest.mark.parametrize("speedup", [4, 6])
+def test_kv_routing_beats_dynamos_kv_router(shared_trace, speedup):
+    summary = summarise(
+        ReplaySimulator(ReplayConfig(router_mode="kv", arrival_speedup_ratio=speedup)).run(shared_trace)
+    )
+    reuse, p50, p99 = DYNAMO_KV[speedup]
+    assert summary["prefix_reuse"] > reuse
+    assert summary["ttft_ms"]["p50"] < p50
+    assert summary["ttft_ms"]["p99"] < p99
