@@ -1,0 +1,1 @@
+"""``kvmesh bench``: a live load generator for any OpenAI-compatible endpoint."""

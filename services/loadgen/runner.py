@@ -1,0 +1,131 @@
+"""Sends a workload to an OpenAI-compatible endpoint with streaming, and times every token."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import openai
+
+from services.loadgen.workload import BenchRequest
+
+
+@dataclass
+class RequestResult:
+    """Timings of one request, in seconds from the start of the run."""
+
+    index: int
+    sent_s: float
+    prompt_tokens: int
+    first_token_s: float | None = None
+    done_s: float | None = None
+    chunk_times_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.sent_s
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.done_s is None else self.done_s - self.sent_s
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        times = self.chunk_times_s
+        return [b - a for a, b in itertools.pairwise(times)]
+
+
+class LoadRunner:
+    """Runs a workload open-loop (each request at its ``send_at_s`` or at a fixed rate) or closed-loop
+    (``concurrency`` clients back to back). Errors are recorded per request, never raised."""
+
+    def __init__(
+        self,
+        client: openai.AsyncOpenAI,
+        model: str,
+        endpoint: str = "completions",
+        on_done: Callable[[RequestResult], None] | None = None,
+    ) -> None:
+        if endpoint not in ("completions", "chat"):
+            raise ValueError("endpoint must be 'completions' or 'chat'")
+        self.client = client
+        self.model = model
+        self.endpoint = endpoint
+        self._on_done = on_done
+        self._start = 0.0
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._start
+
+    async def run(
+        self,
+        requests: Sequence[BenchRequest],
+        request_rate: float | None = None,
+        concurrency: int | None = None,
+    ) -> list[RequestResult]:
+        self._start = time.perf_counter()
+        if concurrency is not None:
+            return await self._closed_loop(requests, concurrency)
+        tasks = []
+        for position, request in enumerate(requests):
+            send_at = position / request_rate if request_rate else (request.send_at_s or 0.0)
+            delay = send_at - self._now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(self._send(request)))
+        return list(await asyncio.gather(*tasks))
+
+    async def _closed_loop(self, requests: Sequence[BenchRequest], concurrency: int) -> list[RequestResult]:
+        queue = iter(requests)
+        results: list[RequestResult] = []
+
+        async def client_loop() -> None:
+            for request in queue:
+                results.append(await self._send(request))
+
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        return sorted(results, key=lambda r: r.index)
+
+    async def _send(self, request: BenchRequest) -> RequestResult:
+        result = RequestResult(request.index, self._now(), request.prompt_tokens)
+        common = {
+            "model": self.model,
+            "max_tokens": request.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        try:
+            if self.endpoint == "chat":
+                stream = await self.client.chat.completions.create(
+                    messages=[{"role": "user", "content": request.prompt}], **common
+                )
+            else:
+                stream = await self.client.completions.create(prompt=request.prompt, **common)
+            async for chunk in stream:
+                if chunk.choices:
+                    choice = chunk.choices[0]
+                    text = choice.delta.content if self.endpoint == "chat" else choice.text
+                    if text:
+                        now = self._now()
+                        if result.first_token_s is None:
+                            result.first_token_s = now
+                        result.chunk_times_s.append(now)
+                if chunk.usage is not None:
+                    result.output_tokens = chunk.usage.completion_tokens
+                    result.prompt_tokens = chunk.usage.prompt_tokens
+                    details = chunk.usage.prompt_tokens_details
+                    result.cached_tokens = (details.cached_tokens or 0) if details else 0
+            result.done_s = self._now()
+            if not result.output_tokens:
+                result.output_tokens = len(result.chunk_times_s)
+        except openai.APIError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+        if self._on_done is not None:
+            self._on_done(result)
+        return result

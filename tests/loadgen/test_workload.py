@@ -1,0 +1,55 @@
+import dataclasses
+
+import pytest
+
+from services.common.tiny_model import MODEL_DIR
+from services.frontend.tokenizer import ModelTokenizer
+from services.loadgen.workload import (
+    TracePromptBuilder,
+    check_shared_prefixes,
+    synthetic_workload,
+    trace_workload,
+)
+from services.replay.trace import TraceRequest
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ModelTokenizer:
+    return ModelTokenizer(MODEL_DIR)
+
+
+TRACE = [
+    TraceRequest(0, 150, 4, (1, 2, 3)),
+    TraceRequest(500, 100, 4, (1, 2)),
+    TraceRequest(900, 120, 4, (7, 2, 3)),
+]
+
+
+def test_trace_prompts_tokenise_to_shared_blocks(tokenizer):
+    builder = TracePromptBuilder(tokenizer, trace_block_size=64)
+    requests = trace_workload(TRACE, builder, arrival_speedup_ratio=2.0, max_output_tokens=None)
+    ids = [tokenizer.encode(r.prompt) for r in requests]
+    assert [len(i) for i in ids] == [150, 100, 120] == [r.prompt_tokens for r in requests]
+    assert ids[0][:100] == ids[1]  # hash ids (1, 2) shared
+    assert ids[0][64:120] == ids[2][64:120] and ids[0][:64] != ids[2][:64]  # block 2 same, prefix differs
+    assert [r.send_at_s for r in requests] == [0.0, 0.25, 0.45]
+    assert check_shared_prefixes(tokenizer, requests, 64).mismatched == 0
+
+
+def test_prefix_check_catches_prompts_that_do_not_line_up(tokenizer):
+    builder = TracePromptBuilder(tokenizer, trace_block_size=64)
+    requests = trace_workload(TRACE, builder, 1.0, max_output_tokens=2)
+    broken = dataclasses.replace(requests[1], prompt="x" + requests[1].prompt)
+    check = check_shared_prefixes(tokenizer, [requests[0], broken], 64)
+    assert check.mismatched == 1 and check.first_mismatch == broken.index
+    assert all(r.max_tokens == 2 for r in requests)
+
+
+def test_synthetic_workload_shares_a_prefix_per_group(tokenizer):
+    requests = synthetic_workload(
+        tokenizer, 12, num_prefixes=3, prefix_tokens=128, suffix_tokens=16, output_tokens=5, seed=1
+    )
+    groups = {r.hash_ids[0] for r in requests}
+    assert groups <= {0, 1, 2} and len(groups) > 1
+    assert all(r.prompt_tokens == 144 and len(tokenizer.encode(r.prompt)) == 144 for r in requests)
+    assert check_shared_prefixes(tokenizer, requests, 128).mismatched == 0
