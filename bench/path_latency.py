@@ -13,12 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
-import signal
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -27,10 +22,10 @@ import httpx
 import nats
 
 from services.common.discovery import DiscoveryWatcher
-from services.common.nats_server import free_port
 from services.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
 from services.common.tiny_model import MODEL_DIR, MODEL_NAME
 from services.frontend.tokenizer import ModelTokenizer
+from services.up import MeshProcess
 
 MAX_TOKENS = 4
 
@@ -102,48 +97,17 @@ async def run(args: argparse.Namespace, base_url: str, nats_url: str) -> dict[st
     return results
 
 
-def start_mesh(speedup: float) -> tuple[subprocess.Popen[str], str, str, list[str]]:
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services",
-            "up",
-            "--http-port",
-            str(port),
-            "--speedup-ratio",
-            str(speedup),
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True).start()
-    deadline = time.monotonic() + 60
-    while not any("kvmesh is up" in line for line in lines):
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit("kvmesh up did not start:\n" + "".join(lines))
-        time.sleep(0.1)
-    nats_url = next(m.group(1) for line in lines if (m := re.search(r"NATS: (\S+)", line)))
-    return process, f"http://127.0.0.1:{port}", nats_url, lines
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=500, help="requests per configuration")
     parser.add_argument("--speedup-ratio", type=float, default=1000.0, help="mock engine speed-up")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
-    process, base_url, nats_url, _lines = start_mesh(args.speedup_ratio)
+    mesh = MeshProcess("--speedup-ratio", str(args.speedup_ratio), "--log-level", "warning").start()
     try:
-        results = asyncio.run(run(args, base_url, nats_url))
+        results = asyncio.run(run(args, mesh.base_url, mesh.nats_url))
     finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
+        mesh.stop()
     if args.json:
         print(json.dumps(results, indent=2))
         return

@@ -261,3 +261,57 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(config.log_level, config.log_json, service="up")
     log.info("starting kvmesh", config=describe(config))
     sys.exit(asyncio.run(run(config)))
+
+
+class MeshProcess:
+    """``kvmesh up`` as a child process, for tests and benchmarks: start it, wait for its banner,
+    read where it listens, stop it with SIGTERM."""
+
+    def __init__(self, *args: str, http_port: int | None = None) -> None:
+        from services.common.nats_server import free_port
+
+        self.http_port = http_port or free_port()
+        self.argv = [sys.executable, "-m", "services", "up", "--http-port", str(self.http_port), *args]
+        self.output: list[str] = []
+        self.process: subprocess.Popen[str] | None = None
+        self.nats_url = ""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def api(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def start(self, timeout: float = 60.0) -> MeshProcess:
+        import os
+        import re
+        import threading
+
+        self.process = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        stdout = self.process.stdout
+        threading.Thread(target=lambda: self.output.extend(iter(stdout.readline, "")), daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not any("kvmesh is up" in line for line in self.output):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("kvmesh up did not start:\n" + "".join(self.output[-40:]))
+            time.sleep(0.05)
+        match = next(m for line in self.output if (m := re.search(r"NATS: (\S+)", line)))
+        self.nats_url = match.group(1)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM ``kvmesh up`` and return its exit code (it stops its children first)."""
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from services.common.nats_server import free_port
 
-__all__ = ["free_port", "wait_until", "wait_until_async"]
+__all__ = ["free_port", "running", "wait_until", "wait_until_async"]
 
 
 async def wait_until_async(
@@ -33,3 +35,15 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def running(serve: Callable[[Any, asyncio.Event], Awaitable[None]], config: Any) -> AsyncIterator[None]:
+    """Run a service's ``serve(config, stop)`` in this event loop; stop it cleanly on exit."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(config, stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=15)

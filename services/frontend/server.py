@@ -12,10 +12,9 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from services.common.config import describe, parse_config
 from services.common.discovery import DiscoveryWatcher
-from services.common.logging import configure_logging
-from services.common.runtime import connect_nats, run_until_signalled
+from services.common.runtime import connect_nats
+from services.common.service import service_main
 from services.frontend.app import Frontend, ServedModel, create_app
 from services.frontend.config import FrontendConfig
 from services.frontend.router_client import RouterClient
@@ -65,12 +64,10 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config = parse_config(
+    service_main(
         FrontendConfig,
         argv,
-        prog="kvmesh frontend",
+        service="frontend",
         description="Run the OpenAI-compatible HTTP facade (/v1/chat/completions, /v1/completions, ...).",
+        serve=serve,
     )
-    configure_logging(config.log_level, config.log_json, service="frontend")
-    log.info("starting frontend", config=describe(config))
-    run_until_signalled(lambda stop: serve(config, stop))

@@ -8,12 +8,10 @@ from collections.abc import Sequence
 import grpc
 import structlog
 
-from services.common.config import describe, parse_config
-from services.common.discovery import DiscoveryWatcher, InstanceRecord, Registration, new_instance_id
-from services.common.grpc_server import start_grpc_server
-from services.common.logging import configure_logging
+from services.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
 from services.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
-from services.common.runtime import connect_nats, run_until_signalled
+from services.common.runtime import connect_nats
+from services.common.service import registered_grpc_service, service_main
 from services.common.streams import ensure_kv_events_stream
 from services.indexer.config import IndexerConfig
 from services.indexer.consumer import EventStreamConsumer
@@ -65,43 +63,29 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
     consumer = EventStreamConsumer(js, config.namespace, config.replica_id, index)
     await consumer.start(reset=config.router_reset_states)
     servicer = IndexerServicer(index, consumer)
-    grpc_service = await start_grpc_server(
-        lambda server: indexer_pb2_grpc.add_IndexerServicer_to_server(servicer, server),
-        [indexer_pb2.DESCRIPTOR.services_by_name["Indexer"].full_name],
-        host=config.host,
-        port=config.port,
-    )
-    address = config.advertised_address(grpc_service.port)
-    registration = Registration(
-        js,
-        InstanceRecord(
+    try:
+        async with registered_grpc_service(
+            js,
+            config,
             component="indexer",
             instance_id=instance_id,
-            address=address,
-            namespace=config.namespace,
-            lease_ttl=config.lease_ttl,
+            service_name=indexer_pb2.DESCRIPTOR.services_by_name["Indexer"].full_name,
+            add_servicer=lambda server: indexer_pb2_grpc.add_IndexerServicer_to_server(servicer, server),
             extra={"replica_id": config.replica_id},
-        ),
-    )
-    await registration.start()
-    log.info("indexer ready", address=address, replica_id=config.replica_id)
-    try:
-        await stop.wait()
+        ) as record:
+            log.info("indexer ready", address=record.address, replica_id=config.replica_id)
+            await stop.wait()
     finally:
-        await registration.stop()
-        await grpc_service.stop()
         await consumer.stop()
         await workers.stop()
         await nc.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config = parse_config(
+    service_main(
         IndexerConfig,
         argv,
-        prog="kvmesh indexer",
+        service="indexer",
         description="Run an indexer replica: consumes KV events from JetStream, answers overlap queries.",
+        serve=serve,
     )
-    configure_logging(config.log_level, config.log_json, service="indexer")
-    log.info("starting indexer", config=describe(config))
-    run_until_signalled(lambda stop: serve(config, stop))

@@ -10,11 +10,9 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import structlog
 
-from services.common.config import describe, parse_config
-from services.common.discovery import DiscoveryWatcher, InstanceRecord, Registration, new_instance_id
-from services.common.grpc_server import insecure_channel, start_grpc_server
+from services.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
+from services.common.grpc_server import insecure_channel
 from services.common.hashing import local_block_hashes, sequence_hashes
-from services.common.logging import configure_logging
 from services.common.proto.kvmesh.v1 import (
     common_pb2,
     indexer_pb2,
@@ -23,7 +21,8 @@ from services.common.proto.kvmesh.v1 import (
     router_pb2_grpc,
     worker_pb2_grpc,
 )
-from services.common.runtime import connect_nats, run_until_signalled
+from services.common.runtime import connect_nats
+from services.common.service import registered_grpc_service, service_main
 from services.router.config import RouterConfig
 from services.router.policy import RoutingPolicy
 from services.router.scheduler import make_cost_model
@@ -244,31 +243,19 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
     router = Router(config, workers, indexers, channels)
     router_ref.append(router)
     servicer = RouterServicer(router)
-    grpc_service = await start_grpc_server(
-        lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
-        [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name],
-        host=config.host,
-        port=config.port,
-    )
-    address = config.advertised_address(grpc_service.port)
-    registration = Registration(
-        js,
-        InstanceRecord(
+    try:
+        async with registered_grpc_service(
+            js,
+            config,
             component="router",
             instance_id=instance_id,
-            address=address,
-            namespace=config.namespace,
-            lease_ttl=config.lease_ttl,
+            service_name=router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
+            add_servicer=lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
             extra={"mode": config.router_mode},
-        ),
-    )
-    await registration.start()
-    log.info("router ready", address=address, mode=config.router_mode)
-    try:
-        await stop.wait()
+        ) as record:
+            log.info("router ready", address=record.address, mode=config.router_mode)
+            await stop.wait()
     finally:
-        await registration.stop()
-        await grpc_service.stop()
         await workers.stop()
         await indexers.stop()
         await channels.close()
@@ -276,12 +263,10 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config = parse_config(
+    service_main(
         RouterConfig,
         argv,
-        prog="kvmesh router",
+        service="router",
         description="Run a router (kvmesh.v1.Router): sends each request to the cheapest worker.",
+        serve=serve,
     )
-    configure_logging(config.log_level, config.log_json, service="router")
-    log.info("starting router", config=describe(config))
-    run_until_signalled(lambda stop: serve(config, stop))

@@ -8,12 +8,10 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import structlog
 
-from services.common.config import describe, parse_config
-from services.common.discovery import InstanceRecord, Registration, new_instance_id
-from services.common.grpc_server import start_grpc_server
-from services.common.logging import configure_logging
+from services.common.discovery import new_instance_id
 from services.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.runtime import connect_nats, run_until_signalled
+from services.common.runtime import connect_nats
+from services.common.service import registered_grpc_service, service_main
 from services.common.streams import ensure_kv_events_stream
 from services.common.timing import TimingModel
 from services.worker.config import WorkerConfig
@@ -129,48 +127,34 @@ async def serve(config: WorkerConfig, stop: asyncio.Event, worker_id: int | None
     loop = EngineLoop(build_engine(config), publisher)
     loop.start()
     servicer = WorkerServicer(worker_id, config, loop)
-    grpc_service = await start_grpc_server(
-        lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server),
-        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
-        host=config.host,
-        port=config.port,
-    )
-    address = config.advertised_address(grpc_service.port)
-    registration = Registration(
-        js,
-        InstanceRecord(
+    try:
+        async with registered_grpc_service(
+            js,
+            config,
             component="worker",
             instance_id=worker_id,
-            address=address,
-            namespace=config.namespace,
+            service_name=worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
+            add_servicer=lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server),
             role=config.role,
             model=config.model_name,
             block_size=config.block_size,
             capacity_blocks=config.num_gpu_blocks,
-            lease_ttl=config.lease_ttl,
             extra={"max_num_batched_tokens": config.max_num_batched_tokens, "engine": config.engine},
-        ),
-    )
-    await registration.start()
-    log.info("worker ready", address=address, engine=config.engine, role=config.role)
-    try:
-        await stop.wait()
+        ) as record:
+            log.info("worker ready", address=record.address, engine=config.engine, role=config.role)
+            await stop.wait()
+            log.info("worker shutting down")
     finally:
-        log.info("worker shutting down")
-        await registration.stop()
-        await grpc_service.stop()
         await loop.stop()
         await publisher.stop()
         await nc.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config = parse_config(
+    service_main(
         WorkerConfig,
         argv,
-        prog="kvmesh worker",
+        service="worker",
         description="Run an inference worker (kvmesh.v1.Worker) that publishes its KV cache events.",
+        serve=serve,
     )
-    configure_logging(config.log_level, config.log_json, service="worker")
-    log.info("starting worker", config=describe(config))
-    run_until_signalled(lambda stop: serve(config, stop))

@@ -2,31 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.support import free_port, wait_until
-
-
-@dataclass
-class Mesh:
-    base_url: str
-    nats_url: str
-    process: subprocess.Popen[str]
-    output: list[str]
-
-    @property
-    def api(self) -> str:
-        return f"{self.base_url}/v1"
+from services.up import MeshProcess
+from tests.support import wait_until
 
 
 def _children(pid: int) -> set[int]:
@@ -56,54 +38,25 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def start_mesh(*extra: str) -> Iterator[Mesh]:
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services",
-            "up",
-            "--http-port",
-            str(port),
-            "--speedup-ratio",
-            "50",
-            "--log-level",
-            "warning",
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    output: list[str] = []
-    threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True).start()
+def start_mesh(*extra: str) -> Iterator[MeshProcess]:
+    mesh = MeshProcess("--speedup-ratio", "50", "--log-level", "warning", *extra).start()
+    assert mesh.process is not None
+    children = _children(mesh.process.pid)
     try:
-        wait_until(
-            lambda: any("kvmesh is up" in line for line in output) or process.poll() is not None,
-            timeout=60,
-            what="kvmesh up banner",
-        )
-        assert process.poll() is None, "kvmesh up exited:\n" + "".join(output)
-        nats_url = next(m.group(1) for line in output if (m := re.search(r"NATS: (\S+)", line)))
-        mesh = Mesh(f"http://127.0.0.1:{port}", nats_url, process, output)
-        children = _children(process.pid)
         assert len(children) >= 6  # nats, indexer, router, 2 workers, frontend
         yield mesh
     finally:
-        children = _children(process.pid)
-        process.send_signal(signal.SIGTERM)
-        code = process.wait(timeout=30)
-    assert code == 0, "kvmesh up did not stop cleanly:\n" + "".join(output[-50:])
+        children = _children(mesh.process.pid) or children
+        code = mesh.stop()
+    assert code == 0, "kvmesh up did not stop cleanly:\n" + "".join(mesh.output[-50:])
     wait_until(lambda: not any(_alive(pid) for pid in children), timeout=10, what="no orphan processes")
 
 
 @pytest.fixture(scope="module")
-def kv_mesh() -> Iterator[Mesh]:
+def kv_mesh() -> Iterator[MeshProcess]:
     yield from start_mesh("--router-mode", "kv")
 
 
 @pytest.fixture(scope="module")
-def round_robin_mesh() -> Iterator[Mesh]:
+def round_robin_mesh() -> Iterator[MeshProcess]:
     yield from start_mesh("--router-mode", "round-robin")

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 import grpc
 import pytest
 from nats.aio.client import Client as NatsClient
@@ -16,21 +13,10 @@ from services.router import server as router_server
 from services.router.config import RouterConfig
 from services.worker import server as worker_server
 from services.worker.config import WorkerConfig
-from tests.support import wait_until_async
+from tests.support import running, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "cancel"
-
-
-@contextlib.asynccontextmanager
-async def running(serve, config):
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(config, stop))
-    try:
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, timeout=15)
 
 
 async def test_cancelling_a_stream_frees_the_workers_blocks(nats_url: str, nc: NatsClient):

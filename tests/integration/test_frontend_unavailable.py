@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 import httpx
@@ -13,20 +12,9 @@ from services.frontend import server as frontend_server
 from services.frontend.config import FrontendConfig
 from services.router import server as router_server
 from services.router.config import RouterConfig
-from tests.support import free_port, wait_until_async
+from tests.support import free_port, running, wait_until_async
 
 pytestmark = pytest.mark.integration
-
-
-@contextlib.asynccontextmanager
-async def running(serve, config):
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(config, stop))
-    try:
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, timeout=15)
 
 
 async def test_no_worker_is_503_and_no_router_is_503(nats_url: str):

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,21 +16,10 @@ from services.indexer import server as indexer_server
 from services.indexer.config import IndexerConfig
 from services.worker import server as worker_server
 from services.worker.config import WorkerConfig
-from tests.support import wait_until_async
+from tests.support import running, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "svc"
-
-
-@contextlib.asynccontextmanager
-async def running(serve, config):
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(config, stop))
-    try:
-        yield task
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, timeout=15)
 
 
 async def watcher_for(nc: NatsClient, component: str) -> DiscoveryWatcher:
