@@ -1,46 +1,70 @@
 """The global prefix index of cached KV blocks (sans-I/O).
 
-The radix tree of cached prefixes is stored flat: a node is identified by its *sequence hash*
-(DESIGN §2), which names a block together with its whole prefix, so "the child of node P with local
-hash L" is simply the node ``next_sequence_hash(P, L)``. Walking a query down the tree is then one
-hash-map lookup per block, and no node ever holds pointers that need fixing when a worker leaves.
+The radix tree of cached prefixes is stored flat (docs/decisions/0001): a node is named by its
+*sequence hash* (DESIGN §2), which identifies a block together with its whole prefix, so "the child
+of node P with local hash L" is the node ``next_sequence_hash(P, L)``. Each node maps to a bitmask of
+the workers holding it (one bit per (worker_id, dp_rank)), so walking a query down the tree is one
+dictionary lookup and one integer AND per block.
 
-Workers are keyed by (worker_id, dp_rank). Engines name their blocks with their own opaque ids; the
-index keeps, per worker, a map from the engine's id to our sequence hash, used to resolve a stored
-event's parent and to apply removals. Our matching never depends on the engine's hashing.
+Engines name their blocks with their own opaque ids; the index keeps, per worker, a map from the
+engine's id to our sequence hash, used to resolve a stored event's parent and to apply removals. Our
+matching never depends on the engine's hashing.
 
-Guarantees: applying the same event twice is a no-op (events at or below the last applied
-``event_id`` of a worker are skipped); a store whose parent the index does not know is dropped and
-counted, never guessed; a removed or unknown worker holds nothing.
+Guarantees:
+
+- applying an event twice is a no-op: events at or below a worker's last applied ``event_id`` are
+  skipped (redelivery, publisher retries, replays);
+- a store whose parent the index does not know is dropped and counted, never guessed; a removal of
+  an unknown block is counted and ignored;
+- a gap in a worker's ``event_id`` sequence (including a first event that is not event 0) puts the
+  worker in recovery: its events from the gap on are held back, the worker is listed in
+  :attr:`PrefixIndex.gaps_pending`, and :meth:`PrefixIndex.replace_worker` with the worker's own
+  dump rebuilds it exactly and then applies the held-back events newer than the dump;
+- a removed worker holds nothing and its late events are ignored.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import struct
+from bisect import bisect_right
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, repeat
+from operator import and_, neg
 
-from services.common.hashing import next_sequence_hash
-from services.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEventBatch
+import xxhash
+
+from services.common.hashing import HASH_SEED, sequence_hashes
+from services.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch
 
 WorkerKey = tuple[int, int]  # (worker_id, dp_rank)
+_pack_pair = struct.Struct("<QQ").pack
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
 @dataclass
 class _WorkerBlocks:
-    """One worker's blocks: engine block id -> sequence hash, and how many engine blocks per hash."""
+    """One worker's blocks: engine block id -> sequence hash, plus duplicate copies per hash."""
 
+    bit: int
     by_engine_id: dict[int, int] = field(default_factory=dict)
-    copies: dict[int, int] = field(default_factory=dict)
+    # Engines that keep two blocks with the same content (vLLM does not de-duplicate) hold a hash
+    # more than once; only the extra copies are counted, so the common case costs nothing.
+    extra_copies: dict[int, int] = field(default_factory=dict)
+    unique_blocks: int = 0
     last_event_id: int = -1
 
 
 @dataclass
 class ApplyStats:
     events_applied: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
     duplicates_skipped: int = 0
     unknown_parent: int = 0
     unknown_removals: int = 0
     gaps: int = 0
+    recoveries: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,122 +74,281 @@ class WorkerOverlap:
     total_blocks: int
 
 
+@dataclass(frozen=True)
+class DumpedBlock:
+    """One cached block of a worker's own state dump (gap recovery).
+
+    ``sequence_hash``, when the worker gives it, places the block directly; without it the block is
+    placed under its parent, and a block whose parent is not in the dump cannot be placed.
+    """
+
+    block_hash: int
+    tokens_hash: int
+    parent_hash: int | None
+    sequence_hash: int | None = None
+
+
 class PrefixIndex:
     """Which worker holds which prefix. See the module docstring for the guarantees."""
 
     def __init__(self) -> None:
-        self._holders: dict[int, set[WorkerKey]] = {}
+        self._holders: dict[int, int] = {}
         self._workers: dict[WorkerKey, _WorkerBlocks] = {}
+        self._key_of_bit: dict[int, WorkerKey] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 0
         self._removed_workers: set[int] = set()
+        self._tree_sizes: dict[WorkerKey, int] = {}
+        self.gaps_pending: set[WorkerKey] = set()
+        self._held_back: dict[WorkerKey, list[KvEvent]] = {}
         self.stats = ApplyStats()
+
+    # ---- workers -------------------------------------------------------------------------
+    def _worker(self, key: WorkerKey) -> _WorkerBlocks:
+        worker = self._workers.get(key)
+        if worker is None:
+            if self._free_bits:
+                bit = self._free_bits.pop()
+            else:
+                bit = 1 << self._next_bit
+                self._next_bit += 1
+            worker = self._workers[key] = _WorkerBlocks(bit)
+            self._key_of_bit[bit] = key
+            self._tree_sizes[key] = 0
+        return worker
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget every block of a worker (all its dp ranks) and ignore its late events."""
+        self._removed_workers.add(worker_id)
+        for key in [k for k in self._workers if k[0] == worker_id]:
+            worker = self._workers.pop(key)
+            self._clear(worker)
+            del self._key_of_bit[worker.bit]
+            del self._tree_sizes[key]
+            self._free_bits.append(worker.bit)
+            self.gaps_pending.discard(key)
+            self._held_back.pop(key, None)
+
+    def is_removed(self, worker_id: int) -> bool:
+        return worker_id in self._removed_workers
 
     # ---- events --------------------------------------------------------------------------
     def apply_batch(self, batch: KvEventBatch) -> None:
         if batch.worker_id in self._removed_workers:
             return  # late events of a worker that has left must not resurrect its blocks
         key = (batch.worker_id, batch.dp_rank)
-        worker = self._workers.get(key)
-        if worker is None:
-            worker = self._workers[key] = _WorkerBlocks()
-        for event in batch.events:
+        worker = self._worker(key)
+        self._apply_events(key, worker, batch.events)
+        self._tree_sizes[key] = worker.unique_blocks
+
+    def _apply_events(self, key: WorkerKey, worker: _WorkerBlocks, events: Sequence[KvEvent]) -> None:
+        held = self._held_back.get(key)
+        if held is not None:
+            held.extend(events)  # in recovery: wait for the worker's dump
+            return
+        for position, event in enumerate(events):
             if event.event_id <= worker.last_event_id:
                 self.stats.duplicates_skipped += 1
                 continue
             if event.event_id != worker.last_event_id + 1:
+                # Events were lost: stop here and hold back the rest until the worker's dump arrives.
                 self.stats.gaps += 1
+                self.gaps_pending.add(key)
+                self._held_back[key] = list(events[position:])
+                return
             worker.last_event_id = event.event_id
             data = event.data
             if isinstance(data, BlocksStored):
-                self._store(key, worker, data)
+                self._store(worker, data.parent_hash, [(b.block_hash, b.tokens_hash) for b in data.blocks])
             elif isinstance(data, BlocksRemoved):
-                self._remove(key, worker, data.block_hashes)
+                self._remove(worker, data.block_hashes)
             elif isinstance(data, AllBlocksCleared):
-                self._clear(key, worker)
+                self._clear(worker)
             self.stats.events_applied += 1
 
-    def _store(self, key: WorkerKey, worker: _WorkerBlocks, data: BlocksStored) -> None:
-        if data.parent_hash is None:
+    def in_recovery(self, key: WorkerKey) -> bool:
+        return key in self._held_back
+
+    def _store(self, worker: _WorkerBlocks, parent_hash: int | None, blocks: Sequence[tuple[int, int]]) -> None:
+        by_engine_id = worker.by_engine_id
+        if parent_hash is None:
             parent: int | None = None
         else:
-            parent = worker.by_engine_id.get(data.parent_hash)
+            parent = by_engine_id.get(parent_hash)
             if parent is None:
                 self.stats.unknown_parent += 1
                 return
-        for block in data.blocks:
-            seq = block.tokens_hash if parent is None else next_sequence_hash(parent, block.tokens_hash)
-            previous = worker.by_engine_id.get(block.block_hash)
+        holders = self._holders
+        bit = worker.bit
+        for block_hash, tokens_hash in blocks:
+            # next_sequence_hash, inlined: this loop is the indexer's hot path
+            seq = tokens_hash if parent is None else _xxh3(_pack_pair(parent, tokens_hash), HASH_SEED)
+            previous = by_engine_id.get(block_hash)
             if previous != seq:
                 if previous is not None:
-                    self._drop_copy(key, worker, previous)
-                worker.by_engine_id[block.block_hash] = seq
-                count = worker.copies.get(seq, 0)
-                worker.copies[seq] = count + 1
-                if count == 0:
-                    self._holders.setdefault(seq, set()).add(key)
+                    self._drop(worker, previous)
+                by_engine_id[block_hash] = seq
+                mask = holders.get(seq, 0)
+                if mask & bit:
+                    worker.extra_copies[seq] = worker.extra_copies.get(seq, 0) + 1
+                else:
+                    holders[seq] = mask | bit
+                    worker.unique_blocks += 1
             parent = seq
+        self.stats.blocks_stored += len(blocks)
 
-    def _remove(self, key: WorkerKey, worker: _WorkerBlocks, engine_ids: Iterable[int]) -> None:
+    def _remove(self, worker: _WorkerBlocks, engine_ids: Iterable[int]) -> None:
+        by_engine_id = worker.by_engine_id
         for engine_id in engine_ids:
-            seq = worker.by_engine_id.pop(engine_id, None)
+            seq = by_engine_id.pop(engine_id, None)
             if seq is None:
                 self.stats.unknown_removals += 1
                 continue
-            self._drop_copy(key, worker, seq)
+            self._drop(worker, seq)
+            self.stats.blocks_removed += 1
 
-    def _drop_copy(self, key: WorkerKey, worker: _WorkerBlocks, seq: int) -> None:
-        count = worker.copies[seq] - 1
-        if count > 0:
-            worker.copies[seq] = count
+    def _drop(self, worker: _WorkerBlocks, seq: int) -> None:
+        extra = worker.extra_copies.get(seq)
+        if extra:
+            if extra == 1:
+                del worker.extra_copies[seq]
+            else:
+                worker.extra_copies[seq] = extra - 1
             return
-        del worker.copies[seq]
-        holders = self._holders[seq]
-        holders.discard(key)
-        if not holders:
+        mask = self._holders[seq] & ~worker.bit
+        if mask:
+            self._holders[seq] = mask
+        else:
             del self._holders[seq]
+        worker.unique_blocks -= 1
 
-    def _clear(self, key: WorkerKey, worker: _WorkerBlocks) -> None:
-        for seq in worker.copies:
-            holders = self._holders[seq]
-            holders.discard(key)
-            if not holders:
-                del self._holders[seq]
-        worker.copies.clear()
+    def _clear(self, worker: _WorkerBlocks) -> None:
+        holders = self._holders
+        keep = ~worker.bit
+        for seq in set(worker.by_engine_id.values()):
+            mask = holders[seq] & keep
+            if mask:
+                holders[seq] = mask
+            else:
+                del holders[seq]
         worker.by_engine_id.clear()
+        worker.extra_copies.clear()
+        worker.unique_blocks = 0
 
-    def remove_worker(self, worker_id: int) -> None:
-        """Forget every block of a worker (all its dp ranks) and ignore its late events."""
-        self._removed_workers.add(worker_id)
-        for key in [k for k in self._workers if k[0] == worker_id]:
-            self._clear(key, self._workers.pop(key))
+    # ---- whole-worker state (gap recovery, snapshots) -------------------------------------
+    def export_worker(self, key: WorkerKey) -> tuple[int, dict[int, int]]:
+        """(last applied event id, engine block id -> sequence hash) of one worker, for snapshots."""
+        worker = self._workers[key]
+        return worker.last_event_id, dict(worker.by_engine_id)
+
+    def import_worker(self, key: WorkerKey, last_event_id: int, by_engine_id: Mapping[int, int]) -> None:
+        """Load one worker's exported state (replacing whatever the index held for it)."""
+        worker = self._worker(key)
+        self._clear(worker)
+        self._load(worker, by_engine_id)
+        worker.last_event_id = last_event_id
+        self._tree_sizes[key] = worker.unique_blocks
+
+    def _load(self, worker: _WorkerBlocks, by_engine_id: Mapping[int, int]) -> None:
+        holders = self._holders
+        bit = worker.bit
+        for engine_id, seq in by_engine_id.items():
+            previous = worker.by_engine_id.get(engine_id)
+            if previous is not None:
+                self._drop(worker, previous)
+            worker.by_engine_id[engine_id] = seq
+            mask = holders.get(seq, 0)
+            if mask & bit:
+                worker.extra_copies[seq] = worker.extra_copies.get(seq, 0) + 1
+            else:
+                holders[seq] = mask | bit
+                worker.unique_blocks += 1
+
+    def replace_worker(self, key: WorkerKey, last_event_id: int, blocks: Sequence[DumpedBlock]) -> None:
+        """Make the index hold exactly ``blocks`` for this worker as of ``last_event_id`` (its own
+        dump), then apply the events held back since the gap that are newer than the dump.
+
+        Blocks may come in any order; each is placed once its parent is placed.
+        """
+        if key[0] in self._removed_workers:
+            return
+        worker = self._worker(key)
+        self._clear(worker)
+        placed = {b.block_hash: b.sequence_hash for b in blocks if b.sequence_hash is not None}
+        if placed:
+            self._load(worker, placed)
+        pending = [b for b in blocks if b.sequence_hash is None]
+        while pending:
+            waiting = []
+            for block in pending:
+                if block.parent_hash is not None and block.parent_hash not in worker.by_engine_id:
+                    waiting.append(block)
+                    continue
+                self._store(worker, block.parent_hash, [(block.block_hash, block.tokens_hash)])
+            if len(waiting) == len(pending):
+                self.stats.unknown_parent += len(waiting)  # orphans without a sequence hash: dropped
+                break
+            pending = waiting
+        worker.last_event_id = last_event_id
+        self.gaps_pending.discard(key)
+        self.stats.recoveries += 1
+        held = self._held_back.pop(key, [])
+        self._apply_events(key, worker, held)
+        self._tree_sizes[key] = worker.unique_blocks
 
     # ---- queries -------------------------------------------------------------------------
-    def find_matches(self, local_hashes: Sequence[int]) -> list[WorkerOverlap]:
-        """Per known worker: leading blocks of the query it holds, and all blocks it holds."""
+    def find_matches_by_sequence(self, seq_hashes: Sequence[int]) -> dict[WorkerKey, int]:
+        """Leading blocks of the query each worker holds (workers with none are left out).
+
+        The running AND of the holder masks along the query only loses bits, so it never grows as an
+        integer either; each worker's depth is where its bit disappears, found by bisection. The
+        lookups and ANDs run inside ``map`` / ``accumulate``, not in Python bytecode.
+        """
+        n = len(seq_hashes)
+        if n == 0:
+            return {}
+        still_held = list(accumulate(map(self._holders.get, seq_hashes, repeat(0, n)), and_))
         matched: dict[WorkerKey, int] = {}
-        active: set[WorkerKey] | None = None
-        parent: int | None = None
-        for depth, local in enumerate(local_hashes, start=1):
-            seq = local if parent is None else next_sequence_hash(parent, local)
-            parent = seq
-            holders = self._holders.get(seq)
-            if not holders:
+        key_of_bit = self._key_of_bit
+        start = 0
+        while start < n:
+            mask = still_held[start]
+            if not mask:
                 break
-            active = set(holders) if active is None else active & holders
-            if not active:
-                break
-            for key in active:
-                matched[key] = depth
-        return [WorkerOverlap(key, matched.get(key, 0), len(worker.copies)) for key, worker in self._workers.items()]
+            end = bisect_right(still_held, -mask, lo=start, key=neg)  # first position holding fewer
+            dropped = mask & ~(still_held[end] if end < n else 0)
+            while dropped:
+                low = dropped & -dropped
+                matched[key_of_bit[low]] = end
+                dropped ^= low
+            start = end
+        return matched
+
+    def find_matches(self, local_hashes: Sequence[int]) -> dict[WorkerKey, int]:
+        return self.find_matches_by_sequence(sequence_hashes(local_hashes))
+
+    def tree_sizes(self) -> Mapping[WorkerKey, int]:
+        """Blocks each known worker holds (a live view; do not mutate)."""
+        return self._tree_sizes
+
+    def overlaps(self, local_hashes: Sequence[int]) -> list[WorkerOverlap]:
+        """Per known worker: matched leading blocks and total blocks (for the gRPC answer)."""
+        matched = self.find_matches(local_hashes)
+        return [WorkerOverlap(k, matched.get(k, 0), size) for k, size in self._tree_sizes.items()]
 
     def worker_blocks(self, key: WorkerKey) -> set[int]:
         """Sequence hashes a worker holds (for convergence checks)."""
         worker = self._workers.get(key)
-        return set(worker.copies) if worker else set()
+        return set(worker.by_engine_id.values()) if worker else set()
 
     def workers(self) -> list[WorkerKey]:
         return list(self._workers)
 
+    def last_event_id(self, key: WorkerKey) -> int:
+        worker = self._workers.get(key)
+        return worker.last_event_id if worker else -1
+
     @property
     def num_blocks(self) -> int:
         """(worker, block) pairs indexed."""
-        return sum(len(w.copies) for w in self._workers.values())
+        return sum(self._tree_sizes.values())

@@ -30,18 +30,18 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
     async def FindMatches(
         self, request: indexer_pb2.FindMatchesRequest, context: grpc.aio.ServicerContext
     ) -> indexer_pb2.FindMatchesResponse:
-        if len(request.local_hashes) > MAX_QUERY_BLOCKS:
+        if max(len(request.local_hashes), len(request.sequence_hashes)) > MAX_QUERY_BLOCKS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"query longer than {MAX_QUERY_BLOCKS} blocks")
-        overlaps = self.index.find_matches(request.local_hashes)
+        if request.sequence_hashes:
+            matched = self.index.find_matches_by_sequence(request.sequence_hashes)
+        else:
+            matched = self.index.find_matches(request.local_hashes)
         return indexer_pb2.FindMatchesResponse(
             workers=[
                 indexer_pb2.WorkerMatch(
-                    worker_id=o.worker[0],
-                    dp_rank=o.worker[1],
-                    matched_blocks=o.matched_blocks,
-                    total_blocks=o.total_blocks,
+                    worker_id=key[0], dp_rank=key[1], matched_blocks=matched.get(key, 0), total_blocks=size
                 )
-                for o in overlaps
+                for key, size in self.index.tree_sizes().items()
             ],
             applied_sequence=self.consumer.applied_sequence,
         )

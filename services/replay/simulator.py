@@ -138,12 +138,11 @@ class ReplaySimulator:
         local = self._builder.local_hashes(request, prompt)
         block_hashes = sequence_hashes(local)
         overlaps: dict[tuple[int, int], int] = {}
-        sizes: dict[tuple[int, int], int] = {}
         if self.policy.needs_overlaps:
-            for match in self.index.find_matches(local):
-                overlaps[match.worker] = match.matched_blocks
-                sizes[match.worker] = match.total_blocks
-        decision = self.policy.choose(self._workers, block_hashes, request.input_length, overlaps, sizes)
+            overlaps = self.index.find_matches_by_sequence(block_hashes)
+        decision = self.policy.choose(
+            self._workers, block_hashes, request.input_length, overlaps, self.index.tree_sizes()
+        )
         request_id = f"r{record.index}"
         worker = decision.worker[0]
         self.engines[worker].add_request(request_id, prompt, request.output_length, local_hashes=local)

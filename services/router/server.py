@@ -113,7 +113,7 @@ class Router:
     def candidates(self, model: str) -> list[InstanceRecord]:
         return [r for r in self.workers.instances() if not model or r.model == model]
 
-    async def overlaps(self, local_hashes: list[int]) -> tuple[dict[WorkerKey, int], dict[WorkerKey, int]]:
+    async def overlaps(self, block_hashes: list[int]) -> tuple[dict[WorkerKey, int], dict[WorkerKey, int]]:
         """(matched blocks, tree size) per worker from an indexer replica; empty if none answers."""
         replicas = self.indexers.instances() if self.indexers else []
         self._rng.shuffle(replicas)
@@ -122,7 +122,7 @@ class Router:
             stub = indexer_pb2_grpc.IndexerStub(self.channels.get(replica.address))
             try:
                 response = await stub.FindMatches(
-                    indexer_pb2.FindMatchesRequest(local_hashes=local_hashes), timeout=timeout
+                    indexer_pb2.FindMatchesRequest(sequence_hashes=block_hashes), timeout=timeout
                 )
             except grpc.aio.AioRpcError as exc:
                 log.warning("indexer replica did not answer", address=replica.address, code=exc.code().name)
@@ -160,7 +160,7 @@ class Router:
         matched: dict[WorkerKey, int] = {}
         sizes: dict[WorkerKey, int] = {}
         if policy.needs_overlaps:
-            matched, sizes = await self.overlaps(local_hashes)
+            matched, sizes = await self.overlaps(block_hashes)
         override = request.routing.router_config_override
         decision = policy.choose(
             [(r.instance_id, 0) for r in candidates],

@@ -32,10 +32,12 @@ class OutOfBlocksError(RuntimeError):
 
 @dataclass(slots=True, eq=False)
 class KvBlock:
-    """One block of the pool. ``sequence_hash`` is set once the block is registered in the cache."""
+    """One block of the pool. The hashes are set once the block is registered in the cache."""
 
     ref_count: int = 0
     sequence_hash: int | None = None
+    local_hash: int = 0
+    parent_hash: int | None = None
 
 
 class BlockManager:
@@ -85,6 +87,10 @@ class BlockManager:
     def inactive_count(self, sequence_hashes: Sequence[int]) -> int:
         """How many of these cached blocks are inactive (acquiring them uses up evictable space)."""
         return sum(1 for h in sequence_hashes if h in self._inactive)
+
+    def cached_blocks(self) -> list[tuple[int, int, int | None]]:
+        """(engine block id, local hash, parent engine id) of every registered block."""
+        return [(h, b.local_hash, b.parent_hash) for h, b in self._cached.items()]
 
     def drain_events(self) -> list[EventData]:
         events, self._events = self._events, []
@@ -140,6 +146,8 @@ class BlockManager:
                 run_parent = seq_hash
                 continue
             block.sequence_hash = seq_hash
+            block.local_hash = local_hash
+            block.parent_hash = run_parent if not run else run[-1].block_hash
             self._cached[seq_hash] = block
             run.append(StoredBlock(seq_hash, local_hash, self.block_size))
         if run:

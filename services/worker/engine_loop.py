@@ -76,6 +76,16 @@ class EngineLoop:
                 if output.finish_reason is not None:
                     self._streams.pop(output.request_id, None)
 
+    def dump_state(self) -> tuple[int, list[tuple[int, int, int | None]]]:
+        """(last event id, cached blocks) as one consistent picture.
+
+        Events the current step produced are numbered first, so the dump reflects exactly the
+        events up to the returned id; runs without awaiting, so no step can interleave.
+        """
+        self._publish_events()
+        last = self._publisher.last_event_id if self._publisher is not None else -1
+        return last, self.engine.blocks.cached_blocks()
+
     def _publish_events(self) -> None:
         events = self.engine.drain_events()
         if events and self._publisher is not None:

@@ -39,6 +39,11 @@ class KvEventPublisher:
         self._task: asyncio.Task[None] | None = None
         self.published_events = 0
 
+    @property
+    def last_event_id(self) -> int:
+        """Id of the last event numbered so far (-1 before the first)."""
+        return self._next_event_id - 1
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"kv-publisher-{self.worker_id}")
 

@@ -33,7 +33,8 @@ class Feed:
 
 
 def matches(index: PrefixIndex, tokens: list[int]) -> dict[int, int]:
-    return {o.worker[0]: o.matched_blocks for o in index.find_matches(local_block_hashes(tokens, BLOCK))}
+    """Matched blocks per known worker (0 for those holding none of the prefix)."""
+    return {o.worker[0]: o.matched_blocks for o in index.overlaps(local_block_hashes(tokens, BLOCK))}
 
 
 PROMPT = list(range(16))  # 4 blocks
@@ -46,7 +47,7 @@ def test_matched_prefix_per_worker():
     feed.send(2, stored_chain(PROMPT[:8]))
     feed.send(3, stored_chain([99] * 8))
     assert matches(index, PROMPT) == {1: 4, 2: 2, 3: 0}
-    sizes = {o.worker[0]: o.total_blocks for o in index.find_matches([])}
+    sizes = {k[0]: v for k, v in index.tree_sizes().items()}
     assert sizes == {1: 4, 2: 2, 3: 2}
 
 
@@ -107,3 +108,60 @@ def test_a_block_shared_by_two_workers_survives_one_removal():
     feed.send(2, stored_chain(PROMPT))
     feed.send(1, BlocksRemoved(tuple(seq)))
     assert matches(index, PROMPT) == {1: 0, 2: 4}
+
+
+def _dump(tokens: list[int]) -> list:
+    from services.indexer.prefix_index import DumpedBlock
+
+    local = local_block_hashes(tokens, BLOCK)
+    seq = sequence_hashes(local)
+    return [DumpedBlock(seq[i], local[i], seq[i - 1] if i else None) for i in range(len(seq))]
+
+
+def test_a_gap_holds_back_events_until_the_workers_dump_rebuilds_it():
+    index = PrefixIndex()
+    seq = sequence_hashes(local_block_hashes(PROMPT, BLOCK))
+    index.apply_batch(KvEventBatch(1, 0, 0.0, (KvEvent(0, stored_chain(PROMPT[:8])),)))
+    # events 1..2 are lost; event 3 removes block 0 and event 4 stores an unrelated prefix
+    other = [77] * 8
+    index.apply_batch(KvEventBatch(1, 0, 0.0, (KvEvent(3, BlocksRemoved((seq[0],))), KvEvent(4, stored_chain(other)))))
+    assert index.gaps_pending == {(1, 0)} and index.in_recovery((1, 0))
+    assert matches(index, PROMPT) == {1: 2}  # nothing after the gap was applied
+    # the worker's dump as of event 2: it had stored the whole prompt by then
+    index.replace_worker((1, 0), 2, list(reversed(_dump(PROMPT))))  # any order
+    assert not index.gaps_pending and not index.in_recovery((1, 0))
+    assert matches(index, PROMPT) == {1: 0}  # held-back removal (event 3) applied on top
+    assert matches(index, other) == {1: 2}  # and the held-back store (event 4)
+    assert index.last_event_id((1, 0)) == 4 and index.stats.recoveries == 1
+
+
+def test_a_dump_newer_than_held_back_events_skips_them():
+    index = PrefixIndex()
+    index.apply_batch(KvEventBatch(1, 0, 0.0, (KvEvent(5, stored_chain([3] * 8)),)))  # first seen: 5
+    assert index.gaps_pending == {(1, 0)}
+    index.replace_worker((1, 0), 9, _dump(PROMPT))
+    assert matches(index, PROMPT) == {1: 4} and matches(index, [3] * 8) == {1: 0}
+    assert index.stats.duplicates_skipped == 1
+
+
+def test_removing_a_worker_in_recovery_drops_its_held_back_events():
+    index = PrefixIndex()
+    index.apply_batch(KvEventBatch(1, 0, 0.0, (KvEvent(3, stored_chain(PROMPT)),)))
+    index.remove_worker(1)
+    assert not index.gaps_pending and index.workers() == []
+    index.replace_worker((1, 0), 4, _dump(PROMPT))  # a late dump of a departed worker is ignored
+    assert index.num_blocks == 0
+
+
+def test_snapshot_export_import_round_trip():
+    index = PrefixIndex()
+    feed = Feed(index)
+    feed.send(1, stored_chain(PROMPT))
+    feed.send(2, stored_chain(PROMPT[:8]))
+    restored = PrefixIndex()
+    for key in index.workers():
+        last, blocks = index.export_worker(key)
+        restored.import_worker(key, last, blocks)
+    assert matches(restored, PROMPT) == {1: 4, 2: 2}
+    assert dict(restored.tree_sizes()) == dict(index.tree_sizes())
+    assert restored.last_event_id((1, 0)) == 0

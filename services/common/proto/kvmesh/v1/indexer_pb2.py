@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/indexer.proto\x12\tkvmesh.v1\"*\n\x12\x46indMatchesRequest\x12\x14\n\x0clocal_hashes\x18\x01 \x03(\x04\"_\n\x0bWorkerMatch\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\"X\n\x13\x46indMatchesResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerMatch\x12\x18\n\x10\x61pplied_sequence\x18\x02 \x01(\x04\x32W\n\x07Indexer\x12L\n\x0b\x46indMatches\x12\x1d.kvmesh.v1.FindMatchesRequest\x1a\x1e.kvmesh.v1.FindMatchesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/indexer.proto\x12\tkvmesh.v1\"C\n\x12\x46indMatchesRequest\x12\x14\n\x0clocal_hashes\x18\x01 \x03(\x04\x12\x17\n\x0fsequence_hashes\x18\x02 \x03(\x04\"_\n\x0bWorkerMatch\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\"X\n\x13\x46indMatchesResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerMatch\x12\x18\n\x10\x61pplied_sequence\x18\x02 \x01(\x04\x32W\n\x07Indexer\x12L\n\x0b\x46indMatches\x12\x1d.kvmesh.v1.FindMatchesRequest\x1a\x1e.kvmesh.v1.FindMatchesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.indexer_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FINDMATCHESREQUEST']._serialized_start=38
-  _globals['_FINDMATCHESREQUEST']._serialized_end=80
-  _globals['_WORKERMATCH']._serialized_start=82
-  _globals['_WORKERMATCH']._serialized_end=177
-  _globals['_FINDMATCHESRESPONSE']._serialized_start=179
-  _globals['_FINDMATCHESRESPONSE']._serialized_end=267
-  _globals['_INDEXER']._serialized_start=269
-  _globals['_INDEXER']._serialized_end=356
+  _globals['_FINDMATCHESREQUEST']._serialized_end=105
+  _globals['_WORKERMATCH']._serialized_start=107
+  _globals['_WORKERMATCH']._serialized_end=202
+  _globals['_FINDMATCHESRESPONSE']._serialized_start=204
+  _globals['_FINDMATCHESRESPONSE']._serialized_end=292
+  _globals['_INDEXER']._serialized_start=294
+  _globals['_INDEXER']._serialized_end=381
 # @@protoc_insertion_point(module_scope)

@@ -7,10 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FindMatchesRequest(_message.Message):
-    __slots__ = ("local_hashes",)
+    __slots__ = ("local_hashes", "sequence_hashes")
     LOCAL_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_HASHES_FIELD_NUMBER: _ClassVar[int]
     local_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, local_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    sequence_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, local_hashes: _Optional[_Iterable[int]] = ..., sequence_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerMatch(_message.Message):
     __slots__ = ("worker_id", "dp_rank", "matched_blocks", "total_blocks")

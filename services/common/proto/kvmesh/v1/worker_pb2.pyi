@@ -1,9 +1,41 @@
 from services.common.proto.kvmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class DumpKvStateRequest(_message.Message):
+    __slots__ = ("dp_rank",)
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    dp_rank: int
+    def __init__(self, dp_rank: _Optional[int] = ...) -> None: ...
+
+class CachedBlock(_message.Message):
+    __slots__ = ("block_hash", "tokens_hash", "parent_hash", "sequence_hash")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_HASH_FIELD_NUMBER: _ClassVar[int]
+    block_hash: int
+    tokens_hash: int
+    parent_hash: int
+    sequence_hash: int
+    def __init__(self, block_hash: _Optional[int] = ..., tokens_hash: _Optional[int] = ..., parent_hash: _Optional[int] = ..., sequence_hash: _Optional[int] = ...) -> None: ...
+
+class KvStateDump(_message.Message):
+    __slots__ = ("worker_id", "dp_rank", "last_event_id", "blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    dp_rank: int
+    last_event_id: int
+    blocks: _containers.RepeatedCompositeFieldContainer[CachedBlock]
+    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., last_event_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ...) -> None: ...
 
 class WorkerStatusRequest(_message.Message):
     __slots__ = ()

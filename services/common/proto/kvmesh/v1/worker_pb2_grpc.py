@@ -46,6 +46,11 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.WorkerStatusRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.DumpKvState = channel.unary_unary(
+                '/kvmesh.v1.Worker/DumpKvState',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.DumpKvStateRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.KvStateDump.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -64,6 +69,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DumpKvState(self, request, context):
+        """Every cached block the worker holds, with the last KV event id that state reflects. Indexer
+        replicas call it to rebuild their view of this worker exactly after a gap in its events.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +89,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.WorkerStatusRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'DumpKvState': grpc.unary_unary_rpc_method_handler(
+                    servicer.DumpKvState,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.DumpKvStateRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.KvStateDump.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +151,33 @@ class Worker:
             '/kvmesh.v1.Worker/GetStatus',
             kvmesh_dot_v1_dot_worker__pb2.WorkerStatusRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DumpKvState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/DumpKvState',
+            kvmesh_dot_v1_dot_worker__pb2.DumpKvStateRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.KvStateDump.FromString,
             options,
             channel_credentials,
             insecure,
