@@ -12,6 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("services.router.server", "run a router replica"),
     "indexer": ("services.indexer.server", "run an indexer replica"),
     "worker": ("services.worker.server", "run an inference worker"),
+    "inspect": ("services.inspect", "show what indexer replicas or workers hold (via discovery)"),
     "replay": ("services.replay.cli", "replay a request trace offline in virtual time (routing quality)"),
     "bench": ("services.loadgen.cli", "load an OpenAI-compatible endpoint and report latency, throughput, cache hits"),
     "gen-protos": ("services.common.protogen", "regenerate the Python gRPC code from protos/"),

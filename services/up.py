@@ -42,6 +42,7 @@ class UpConfig(CommonConfig):
     http_port: int = option(8000, "port of the OpenAI-compatible HTTP API")
     workers: int = option(2, "number of mock workers")
     indexers: int = option(1, "number of indexer replicas")
+    router_snapshot_threshold: int = option(1_000_000, "indexer snapshot threshold (stream messages)")
     router_mode: str = option("kv", "how the router chooses workers", choices=ROUTER_MODES)
     kv_cost: str = option("ttft", "KV cost model of the router (ttft or Dynamo's blocks)", choices=("ttft", "blocks"))
     kv_overlap_score_weight: float = option(1.0, "weight of prefill work in the KV cost")
@@ -101,7 +102,11 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
     if config.log_json is not None:
         common.append("--log-json" if config.log_json else "--no-log-json")
     services = [
-        ServiceProcess(f"indexer-{i}", "services.indexer", [*common, "--replica-id", str(i)])
+        ServiceProcess(
+            f"indexer-{i}",
+            "services.indexer",
+            [*common, "--replica-id", str(i), "--router-snapshot-threshold", str(config.router_snapshot_threshold)],
+        )
         for i in range(config.indexers)
     ]
     services.append(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import xxhash
 
@@ -76,3 +76,12 @@ def sequence_hashes(local_hashes: Sequence[int], parent_sequence_hash: int | Non
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """Blocks that hold ``num_tokens`` tokens, counting a partial last block."""
     return -(-num_tokens // block_size)
+
+
+def block_set_digest(hashes: Iterable[int]) -> int:
+    """Order-independent digest of a *set* of block hashes (XOR of their xxh3), to compare two
+    views of a cache block for block without shipping the blocks."""
+    digest = 0
+    for h in hashes:
+        digest ^= xxhash.xxh3_64_intdigest(struct.pack("<Q", h), seed=HASH_SEED)
+    return digest

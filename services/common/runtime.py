@@ -15,15 +15,18 @@ log = structlog.get_logger(__name__)
 
 async def connect_nats(url: str, name: str, connect_timeout: float = 10.0) -> NatsClient:
     """Connect with reconnects enabled; a clear error when the server is not there at all."""
+    client: list[NatsClient] = []
 
     async def on_disconnect() -> None:
+        if client and (client[0].is_closed or client[0].is_draining):
+            return  # we are closing it ourselves
         log.warning("NATS disconnected", url=url)
 
     async def on_reconnect() -> None:
         log.info("NATS reconnected", url=url)
 
     try:
-        return await nats.connect(
+        nc = await nats.connect(
             url,
             name=name,
             connect_timeout=connect_timeout,
@@ -34,6 +37,8 @@ async def connect_nats(url: str, name: str, connect_timeout: float = 10.0) -> Na
         )
     except Exception as exc:
         raise SystemExit(f"{name}: cannot connect to NATS at {url}: {exc}") from exc
+    client.append(nc)
+    return nc
 
 
 def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> None:

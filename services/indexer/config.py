@@ -10,4 +10,9 @@ from services.common.config import GrpcEndpointConfig, option
 @dataclass
 class IndexerConfig(GrpcEndpointConfig):
     replica_id: str = option("0", "stable replica name; its durable consumer is `indexer-<replica-id>`")
-    router_reset_states: bool = option(False, "drop this replica's durable consumer and start clean")
+    router_reset_states: bool = option(False, "start clean: ignore the snapshot, drop this replica's durable consumer")
+    router_snapshot_threshold: int = option(
+        1_000_000, "take a snapshot and purge once the event stream holds more messages than this"
+    )
+    snapshot_check_interval: float = option(5.0, "seconds between checks of the stream size")
+    metrics_port: int = option(0, "Prometheus /metrics port (0: a free port, advertised in discovery; -1: off)")

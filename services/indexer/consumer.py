@@ -1,16 +1,16 @@
 """Feeds the prefix index from the KV event stream through a durable pull consumer (DESIGN §4).
 
-Restart semantics. The index lives in memory, so a restarted replica must rebuild it before its
-durable consumer is useful. On start the replica
+Restart semantics (docs/decisions/0002). The index lives in memory, so a restarted replica must
+rebuild it before its durable consumer is useful. On start the replica
 
-1. reads its durable consumer's acknowledgement floor ``A`` (0 if the consumer is new);
-2. replays the stream's messages ``1..A`` through a short-lived ordered read, without acks;
-3. resumes the durable consumer, which delivers from ``A + 1`` (and redelivers anything that was
-   delivered but never acknowledged).
+1. restores the latest snapshot, if any, which covers the stream up to its sequence ``S`` (else S=0);
+2. reads its durable consumer's acknowledgement floor ``A`` (0 if the consumer is new);
+3. replays the stream's messages ``S+1..A`` through a short-lived read without acks;
+4. resumes the durable consumer, which delivers from ``A + 1`` (and redelivers anything that was
+   delivered but never acknowledged); a new durable starts at ``S + 1``.
 
 So a replica acknowledges only what it applied, resumes from its durable consumer after a restart,
-and still ends with exactly the state of a replica that never stopped. Snapshots (issue 4) shorten
-step 2.
+and still ends with exactly the state of a replica that never stopped.
 """
 
 from __future__ import annotations
@@ -55,29 +55,32 @@ class EventStreamConsumer:
         self._task: asyncio.Task[None] | None = None
         self._sub = None
 
-    async def start(self, reset: bool = False) -> None:
-        """Rebuild from the stream up to the durable's ack floor, then follow the durable."""
+    async def start(self, reset: bool = False, start_after: int = 0) -> None:
+        """Catch up to the durable's ack floor, then follow the durable.
+
+        ``start_after`` is the stream sequence the index already reflects (a restored snapshot).
+        """
         if reset:
             with contextlib.suppress(nats.js.errors.NotFoundError):
                 await self._js.delete_consumer(names.KV_EVENTS_STREAM, self.durable)
+        self.applied_sequence = start_after
         ack_floor = await self._ack_floor()
-        if ack_floor > 0:
-            await self._replay_until(ack_floor)
-        if ack_floor == 0:
-            await self._js.add_consumer(
-                names.KV_EVENTS_STREAM,
-                ConsumerConfig(
-                    durable_name=self.durable,
-                    ack_policy=AckPolicy.EXPLICIT,
-                    deliver_policy=DeliverPolicy.ALL,
-                    filter_subject=self._subject,
-                    max_ack_pending=-1,
-                    ack_wait=30,
-                ),
+        if ack_floor is not None and ack_floor > start_after:
+            await self._replay(start_after + 1, ack_floor)
+        if ack_floor is None:
+            config = ConsumerConfig(
+                durable_name=self.durable,
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE if start_after else DeliverPolicy.ALL,
+                opt_start_seq=start_after + 1 if start_after else None,
+                filter_subject=self._subject,
+                max_ack_pending=-1,
+                ack_wait=30,
             )
+            await self._js.add_consumer(names.KV_EVENTS_STREAM, config)
         self._sub = await self._js.pull_subscribe_bind(self.durable, stream=names.KV_EVENTS_STREAM)
         self._task = asyncio.create_task(self._follow(), name=f"consume-{self.durable}")
-        log.info("following the event stream", durable=self.durable, resumed_after=ack_floor)
+        log.info("following the event stream", durable=self.durable, snapshot=start_after, resumed_after=ack_floor)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -88,19 +91,25 @@ class EventStreamConsumer:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
 
-    async def _ack_floor(self) -> int:
+    async def _ack_floor(self) -> int | None:
+        """The durable consumer's ack floor, or None when it does not exist yet."""
         try:
             info = await self._js.consumer_info(names.KV_EVENTS_STREAM, self.durable)
         except nats.js.errors.NotFoundError:
-            return 0
+            return None
         return info.ack_floor.stream_seq if info.ack_floor else 0
 
-    async def _replay_until(self, last_sequence: int) -> None:
-        """Apply messages 1..last_sequence with an ephemeral consumer that needs no acks."""
+    async def _replay(self, first_sequence: int, last_sequence: int) -> None:
+        """Apply messages first..last with an ephemeral consumer that needs no acks."""
         sub = await self._js.pull_subscribe(
             self._subject,
             stream=names.KV_EVENTS_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30),
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.NONE,
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=first_sequence,
+                inactive_threshold=30,
+            ),
         )
         try:
             done = False
@@ -108,7 +117,7 @@ class EventStreamConsumer:
                 try:
                     msgs = await sub.fetch(FETCH_BATCH, timeout=2)
                 except nats.errors.TimeoutError:
-                    break  # the stream holds less than the ack floor (messages aged out)
+                    break  # the stream holds less than the ack floor (messages purged or aged out)
                 for msg in msgs:
                     seq = msg.metadata.sequence.stream
                     if seq > last_sequence:

@@ -132,6 +132,14 @@ class PrefixIndex:
     def is_removed(self, worker_id: int) -> bool:
         return worker_id in self._removed_workers
 
+    def removed_workers(self) -> list[int]:
+        return sorted(self._removed_workers)
+
+    @property
+    def recovering(self) -> list[WorkerKey]:
+        """Workers whose events are held back until their dump arrives."""
+        return sorted(self._held_back)
+
     # ---- events --------------------------------------------------------------------------
     def apply_batch(self, batch: KvEventBatch) -> None:
         if batch.worker_id in self._removed_workers:

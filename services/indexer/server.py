@@ -1,21 +1,33 @@
-"""The indexer service: a prefix index fed from JetStream, answering ``kvmesh.v1.Indexer``."""
+"""The indexer service: a prefix index fed from JetStream, answering ``kvmesh.v1.Indexer``.
+
+Around the sans-I/O :class:`PrefixIndex` it runs: the durable event consumer (restored from the
+latest snapshot), gap recovery from workers' dumps, the snapshotter, a reconciler that drops workers
+absent from discovery, and a Prometheus endpoint.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Sequence
 
 import grpc
 import structlog
+from prometheus_client import Histogram, start_http_server
 
 from services.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
+from services.common.hashing import block_set_digest
 from services.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
 from services.common.runtime import connect_nats
 from services.common.service import registered_grpc_service, service_main
 from services.common.streams import ensure_kv_events_stream
+from services.indexer import snapshot as snapshots
 from services.indexer.config import IndexerConfig
 from services.indexer.consumer import EventStreamConsumer
+from services.indexer.metrics import IndexerState, build_registry
 from services.indexer.prefix_index import PrefixIndex
+from services.indexer.recovery import GapRecovery
 
 log = structlog.get_logger(__name__)
 
@@ -23,19 +35,31 @@ MAX_QUERY_BLOCKS = 1 << 20
 
 
 class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
-    def __init__(self, index: PrefixIndex, consumer: EventStreamConsumer) -> None:
+    def __init__(
+        self,
+        replica_id: str,
+        index: PrefixIndex,
+        consumer: EventStreamConsumer,
+        state: IndexerState,
+        query_latency: Histogram,
+    ) -> None:
+        self.replica_id = replica_id
         self.index = index
         self.consumer = consumer
+        self.state = state
+        self.query_latency = query_latency
 
     async def FindMatches(
         self, request: indexer_pb2.FindMatchesRequest, context: grpc.aio.ServicerContext
     ) -> indexer_pb2.FindMatchesResponse:
         if max(len(request.local_hashes), len(request.sequence_hashes)) > MAX_QUERY_BLOCKS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"query longer than {MAX_QUERY_BLOCKS} blocks")
+        started = time.perf_counter()
         if request.sequence_hashes:
             matched = self.index.find_matches_by_sequence(request.sequence_hashes)
         else:
             matched = self.index.find_matches(request.local_hashes)
+        self.query_latency.observe(time.perf_counter() - started)
         return indexer_pb2.FindMatchesResponse(
             workers=[
                 indexer_pb2.WorkerMatch(
@@ -46,6 +70,50 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             applied_sequence=self.consumer.applied_sequence,
         )
 
+    async def GetStatus(
+        self, request: indexer_pb2.IndexerStatusRequest, context: grpc.aio.ServicerContext
+    ) -> indexer_pb2.IndexerStatus:
+        recovering = set(self.index.recovering)
+        stats = self.index.stats
+        return indexer_pb2.IndexerStatus(
+            replica_id=self.replica_id,
+            applied_sequence=self.consumer.applied_sequence,
+            stream_last_sequence=self.state.stream_last_sequence,
+            workers=[
+                indexer_pb2.IndexedWorker(
+                    worker_id=key[0],
+                    dp_rank=key[1],
+                    blocks=size,
+                    last_event_id=self.index.last_event_id(key),
+                    recovering=key in recovering,
+                    blocks_digest=block_set_digest(self.index.worker_blocks(key)),
+                )
+                for key, size in self.index.tree_sizes().items()
+            ],
+            events_applied=stats.events_applied,
+            gaps=stats.gaps,
+            recoveries=stats.recoveries,
+            snapshot_sequence=self.state.snapshot_sequence,
+            snapshots_taken=self.state.snapshots_taken,
+        )
+
+
+async def reconcile_forever(index: PrefixIndex, workers: DiscoveryWatcher, grace_s: float) -> None:
+    """Drop workers the index knows but discovery has not listed for ``grace_s`` (for instance the
+    events of long-gone workers replayed from the stream)."""
+    absent_since: dict[int, float] = {}
+    while True:
+        await asyncio.sleep(grace_s / 4)
+        now = time.monotonic()
+        live = {r.instance_id for r in workers.instances()}
+        for worker_id in {key[0] for key in index.workers()}:
+            if worker_id in live:
+                absent_since.pop(worker_id, None)
+            elif now - absent_since.setdefault(worker_id, now) >= grace_s:
+                index.remove_worker(worker_id)
+                absent_since.pop(worker_id, None)
+                log.info("dropped a worker absent from discovery", worker_id=worker_id)
+
 
 async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
     instance_id = new_instance_id()
@@ -53,6 +121,8 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
     js = nc.jetstream()
     await ensure_kv_events_stream(js)
     index = PrefixIndex()
+    state = IndexerState()
+    registry, query_latency = build_registry(index, state)
 
     def worker_left(record: InstanceRecord) -> None:
         index.remove_worker(record.instance_id)
@@ -60,9 +130,53 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
 
     workers = DiscoveryWatcher(js, config.namespace, "worker", on_removed=worker_left)
     await workers.start()
-    consumer = EventStreamConsumer(js, config.namespace, config.replica_id, index)
-    await consumer.start(reset=config.router_reset_states)
-    servicer = IndexerServicer(index, consumer)
+    recovery = GapRecovery(index, workers)
+
+    start_after = 0
+    if not config.router_reset_states:
+        try:
+            restored = await snapshots.load(js, config.namespace)
+        except snapshots.SnapshotError as exc:
+            log.error("ignoring an unreadable snapshot", error=str(exc))
+            restored = None
+        if restored is not None:
+            started = time.perf_counter()
+            snapshots.restore(index, restored)
+            start_after = state.snapshot_sequence = restored.stream_sequence
+            log.info(
+                "restored snapshot",
+                stream_sequence=start_after,
+                blocks=restored.num_blocks,
+                seconds=round(time.perf_counter() - started, 3),
+            )
+
+    def applied(sequence: int) -> None:
+        state.applied_sequence = sequence
+        if index.gaps_pending:
+            recovery.poke()
+
+    consumer = EventStreamConsumer(js, config.namespace, config.replica_id, index, on_applied=applied)
+    await consumer.start(reset=config.router_reset_states, start_after=start_after)
+    snapshotter = snapshots.Snapshotter(
+        js,
+        config.namespace,
+        f"{config.replica_id}:{instance_id}",
+        index,
+        lambda: consumer.applied_sequence,
+        state,
+        config.router_snapshot_threshold,
+        config.snapshot_check_interval,
+    )
+    tasks = [
+        asyncio.create_task(snapshotter.run_forever(), name="snapshotter"),
+        asyncio.create_task(reconcile_forever(index, workers, grace_s=2 * config.lease_ttl), name="reconcile"),
+    ]
+    extra: dict[str, object] = {"replica_id": config.replica_id}
+    metrics_server = None
+    if config.metrics_port >= 0:
+        metrics_server, _thread = start_http_server(config.metrics_port, addr=config.host, registry=registry)
+        extra["metrics"] = f"{config.advertise_host or config.host}:{metrics_server.server_port}"
+    servicer = IndexerServicer(config.replica_id, index, consumer, state, query_latency)
     try:
         async with registered_grpc_service(
             js,
@@ -71,13 +185,23 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
             instance_id=instance_id,
             service_name=indexer_pb2.DESCRIPTOR.services_by_name["Indexer"].full_name,
             add_servicer=lambda server: indexer_pb2_grpc.add_IndexerServicer_to_server(servicer, server),
-            extra={"replica_id": config.replica_id},
+            extra=extra,
         ) as record:
-            log.info("indexer ready", address=record.address, replica_id=config.replica_id)
+            log.info(
+                "indexer ready", address=record.address, replica_id=config.replica_id, metrics=extra.get("metrics")
+            )
             await stop.wait()
     finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await recovery.stop()
         await consumer.stop()
         await workers.stop()
+        if metrics_server is not None:
+            metrics_server.shutdown()
         await nc.close()
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import openai
 
+from services.common.logging import configure_logging
 from services.common.tiny_model import MODEL_DIR, MODEL_NAME
 from services.frontend.tokenizer import ModelTokenizer
 from services.loadgen.report import build_report, compare, write_outputs
@@ -119,6 +120,7 @@ async def run_load(args: argparse.Namespace, requests: list[BenchRequest]) -> li
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging("warning", service="bench")  # results go to stdout, logs to stderr
     if args.compare:
         missing = [p for p in args.compare if not p.is_file()]
         if missing:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.common.logging import configure_logging
 from services.replay.report import summarise, write_csv
 from services.replay.simulator import ReplayConfig, ReplaySimulator
 from services.replay.trace import TraceError, read_trace
@@ -95,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging("warning", service="replay")  # results go to stdout, logs to stderr
     for name in (
         "workers",
         "block_size",

@@ -116,13 +116,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
 
 
-async def serve(config: WorkerConfig, stop: asyncio.Event, worker_id: int | None = None) -> None:
+async def serve(
+    config: WorkerConfig,
+    stop: asyncio.Event,
+    worker_id: int | None = None,
+    publisher_class: type[KvEventPublisher] = KvEventPublisher,
+) -> None:
+    """Run a worker until ``stop`` is set. ``publisher_class`` lets a failure drill swap in a lossy
+    publisher; the service itself always uses :class:`KvEventPublisher`."""
     worker_id = worker_id if worker_id is not None else new_instance_id()
     structlog.contextvars.bind_contextvars(worker_id=worker_id)
     nc = await connect_nats(config.nats_url, name=f"kvmesh-worker-{worker_id}")
     js = nc.jetstream()
     await ensure_kv_events_stream(js)
-    publisher = KvEventPublisher(js, config.namespace, worker_id)
+    publisher = publisher_class(js, config.namespace, worker_id)
     publisher.start()
     loop = EngineLoop(build_engine(config), publisher)
     loop.start()

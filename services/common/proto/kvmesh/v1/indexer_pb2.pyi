@@ -6,6 +6,48 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class IndexerStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IndexedWorker(_message.Message):
+    __slots__ = ("worker_id", "dp_rank", "blocks", "last_event_id", "recovering", "blocks_digest")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RECOVERING_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    dp_rank: int
+    blocks: int
+    last_event_id: int
+    recovering: bool
+    blocks_digest: int
+    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., blocks: _Optional[int] = ..., last_event_id: _Optional[int] = ..., recovering: _Optional[bool] = ..., blocks_digest: _Optional[int] = ...) -> None: ...
+
+class IndexerStatus(_message.Message):
+    __slots__ = ("replica_id", "applied_sequence", "stream_last_sequence", "workers", "events_applied", "gaps", "recoveries", "snapshot_sequence", "snapshots_taken")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    GAPS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_TAKEN_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    applied_sequence: int
+    stream_last_sequence: int
+    workers: _containers.RepeatedCompositeFieldContainer[IndexedWorker]
+    events_applied: int
+    gaps: int
+    recoveries: int
+    snapshot_sequence: int
+    snapshots_taken: int
+    def __init__(self, replica_id: _Optional[str] = ..., applied_sequence: _Optional[int] = ..., stream_last_sequence: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[IndexedWorker, _Mapping]]] = ..., events_applied: _Optional[int] = ..., gaps: _Optional[int] = ..., recoveries: _Optional[int] = ..., snapshot_sequence: _Optional[int] = ..., snapshots_taken: _Optional[int] = ...) -> None: ...
+
 class FindMatchesRequest(_message.Message):
     __slots__ = ("local_hashes", "sequence_hashes")
     LOCAL_HASHES_FIELD_NUMBER: _ClassVar[int]

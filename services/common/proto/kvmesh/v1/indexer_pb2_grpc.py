@@ -40,6 +40,11 @@ class IndexerStub:
                 request_serializer=kvmesh_dot_v1_dot_indexer__pb2.FindMatchesRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_indexer__pb2.FindMatchesResponse.FromString,
                 _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/kvmesh.v1.Indexer/GetStatus',
+                request_serializer=kvmesh_dot_v1_dot_indexer__pb2.IndexerStatusRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_indexer__pb2.IndexerStatus.FromString,
+                _registered_method=True)
 
 
 class IndexerServicer:
@@ -52,6 +57,13 @@ class IndexerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStatus(self, request, context):
+        """What this replica has applied and holds, for operators (`kvmesh inspect indexer`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IndexerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +71,11 @@ def add_IndexerServicer_to_server(servicer, server):
                     servicer.FindMatches,
                     request_deserializer=kvmesh_dot_v1_dot_indexer__pb2.FindMatchesRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_indexer__pb2.FindMatchesResponse.SerializeToString,
+            ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=kvmesh_dot_v1_dot_indexer__pb2.IndexerStatusRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_indexer__pb2.IndexerStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +106,33 @@ class Indexer:
             '/kvmesh.v1.Indexer/FindMatches',
             kvmesh_dot_v1_dot_indexer__pb2.FindMatchesRequest.SerializeToString,
             kvmesh_dot_v1_dot_indexer__pb2.FindMatchesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Indexer/GetStatus',
+            kvmesh_dot_v1_dot_indexer__pb2.IndexerStatusRequest.SerializeToString,
+            kvmesh_dot_v1_dot_indexer__pb2.IndexerStatus.FromString,
             options,
             channel_credentials,
             insecure,

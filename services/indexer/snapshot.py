@@ -1,0 +1,292 @@
+"""Index snapshots in the JetStream object store, taken by one replica at a time (DESIGN §4).
+
+A snapshot is the whole index as of one stream sequence: for each worker its last applied event id
+and its engine-id → sequence-hash map, as two packed uint64 arrays (16 bytes a block), plus the
+workers that have left. It is stored under ``<namespace>/index`` in ``KVMESH_INDEX_SNAPSHOTS``.
+
+Taking one (when the stream holds more than the threshold):
+
+1. take the lock ``<namespace>.index-snapshot`` in the KV bucket ``KVMESH_LOCKS`` (a key with a
+   lease: the bucket's max age), so one replica works at a time;
+2. upload, unless the stored snapshot is already as new;
+3. purge the stream below ``min(snapshot sequence, every durable consumer's ack floor) + 1``: only
+   messages that every replica has acknowledged *and* that the snapshot covers go;
+4. release the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgpack
+import nats.js.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
+
+from services.common import names
+from services.indexer.metrics import IndexerState
+from services.indexer.prefix_index import PrefixIndex
+
+log = structlog.get_logger(__name__)
+
+SNAPSHOT_FORMAT = 1
+LOCKS_BUCKET = "KVMESH_LOCKS"
+LOCK_LEASE_S = 30.0
+
+
+class SnapshotError(ValueError):
+    """A stored snapshot cannot be read (unknown format or corrupt)."""
+
+
+@dataclass
+class Snapshot:
+    stream_sequence: int
+    workers: list[tuple[int, int, int, dict[int, int]]] = field(default_factory=list)
+    removed_workers: list[int] = field(default_factory=list)
+    created: float = 0.0
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(w[3]) for w in self.workers)
+
+
+def _u64(values: list[int]) -> bytes:
+    packed = array("Q", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _from_u64(data: bytes) -> array:
+    values = array("Q")
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values
+
+
+def capture(index: PrefixIndex, stream_sequence: int) -> Snapshot:
+    workers = []
+    for key in index.workers():
+        last_event_id, by_engine_id = index.export_worker(key)
+        workers.append((key[0], key[1], last_event_id, by_engine_id))
+    return Snapshot(stream_sequence, workers, index.removed_workers(), time.time())
+
+
+def encode(snapshot: Snapshot) -> bytes:
+    return msgpack.packb(
+        {
+            "format": SNAPSHOT_FORMAT,
+            "stream_sequence": snapshot.stream_sequence,
+            "created": snapshot.created,
+            "removed_workers": snapshot.removed_workers,
+            "workers": [
+                {
+                    "worker_id": worker_id,
+                    "dp_rank": dp_rank,
+                    "last_event_id": last_event_id,
+                    "engine_ids": _u64(list(blocks.keys())),
+                    "sequence_hashes": _u64(list(blocks.values())),
+                }
+                for worker_id, dp_rank, last_event_id, blocks in snapshot.workers
+            ],
+        }
+    )
+
+
+def decode(payload: bytes) -> Snapshot:
+    try:
+        raw = msgpack.unpackb(payload)
+        if raw.get("format") != SNAPSHOT_FORMAT:
+            raise SnapshotError(f"unknown snapshot format {raw.get('format')!r}")
+        workers = [
+            (
+                int(w["worker_id"]),
+                int(w["dp_rank"]),
+                int(w["last_event_id"]),
+                dict(zip(_from_u64(w["engine_ids"]), _from_u64(w["sequence_hashes"]), strict=True)),
+            )
+            for w in raw["workers"]
+        ]
+        return Snapshot(
+            int(raw["stream_sequence"]),
+            workers,
+            [int(w) for w in raw["removed_workers"]],
+            float(raw.get("created", 0.0)),
+        )
+    except SnapshotError:
+        raise
+    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+        raise SnapshotError(f"corrupt snapshot: {exc}") from exc
+
+
+def restore(index: PrefixIndex, snapshot: Snapshot) -> None:
+    for worker_id in snapshot.removed_workers:
+        index.remove_worker(worker_id)
+    for worker_id, dp_rank, last_event_id, blocks in snapshot.workers:
+        index.import_worker((worker_id, dp_rank), last_event_id, blocks)
+
+
+def snapshot_key(namespace: str) -> str:
+    return f"{namespace}/index"
+
+
+async def _object_store(js: JetStreamContext):
+    try:
+        return await js.object_store(names.INDEX_SNAPSHOTS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        try:
+            return await js.create_object_store(
+                names.INDEX_SNAPSHOTS_BUCKET, config=ObjectStoreConfig(storage=StorageType.FILE)
+            )
+        except nats.js.errors.BadRequestError:
+            return await js.object_store(names.INDEX_SNAPSHOTS_BUCKET)
+
+
+async def load(js: JetStreamContext, namespace: str) -> Snapshot | None:
+    """The stored snapshot of this namespace, or None if there is none."""
+    store = await _object_store(js)
+    try:
+        result = await store.get(snapshot_key(namespace))
+    except nats.js.errors.ObjectNotFoundError:
+        return None
+    return decode(result.data)
+
+
+async def upload(js: JetStreamContext, namespace: str, snapshot: Snapshot) -> int:
+    """Store ``snapshot`` unless the stored one is as new; returns the bytes written (0 if skipped)."""
+    current = await load(js, namespace)
+    if current is not None and current.stream_sequence >= snapshot.stream_sequence:
+        return 0
+    payload = encode(snapshot)
+    store = await _object_store(js)
+    await store.put(snapshot_key(namespace), payload)
+    return len(payload)
+
+
+async def _locks(js: JetStreamContext):
+    try:
+        return await js.key_value(LOCKS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        try:
+            return await js.create_key_value(KeyValueConfig(bucket=LOCKS_BUCKET, history=1, ttl=LOCK_LEASE_S))
+        except nats.js.errors.BadRequestError:
+            return await js.key_value(LOCKS_BUCKET)
+
+
+class SnapshotLock:
+    """A lease lock on a KV key: held by whoever created the key; it lapses with the bucket's max age."""
+
+    def __init__(self, js: JetStreamContext, namespace: str, owner: str) -> None:
+        self._js = js
+        self.key = f"{namespace}.index-snapshot"
+        self.owner = owner
+        self._kv = None
+
+    async def acquire(self) -> bool:
+        self._kv = await _locks(self._js)
+        try:
+            await self._kv.create(self.key, self.owner.encode())
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+        return True
+
+    async def release(self) -> None:
+        if self._kv is not None:
+            try:
+                entry = await self._kv.get(self.key)
+            except nats.js.errors.KeyNotFoundError:
+                return
+            if entry.value == self.owner.encode():
+                await self._kv.delete(self.key, last=entry.revision)
+
+
+async def purge_covered(js: JetStreamContext, snapshot_sequence: int) -> int:
+    """Purge messages every durable consumer acknowledged and the snapshot covers; returns the new
+    first sequence kept (0 when nothing could be purged)."""
+    floor = snapshot_sequence
+    for info in await js.consumers_info(names.KV_EVENTS_STREAM):
+        if info.config.durable_name:
+            floor = min(floor, info.ack_floor.stream_seq if info.ack_floor else 0)
+    if floor <= 0:
+        return 0
+    await js.purge_stream(names.KV_EVENTS_STREAM, seq=floor + 1)
+    return floor + 1
+
+
+class Snapshotter:
+    """Checks the stream every ``interval_s``; past ``threshold`` messages, takes a snapshot and purges.
+
+    Skips while a worker is in gap recovery (its held-back events are not in the index yet).
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        namespace: str,
+        owner: str,
+        index: PrefixIndex,
+        applied_sequence: Callable[[], int],
+        state: IndexerState,
+        threshold: int,
+        interval_s: float = 5.0,
+    ) -> None:
+        self._js = js
+        self._namespace = namespace
+        self._lock = SnapshotLock(js, namespace, owner)
+        self._index = index
+        self._applied_sequence = applied_sequence
+        self._state = state
+        self.threshold = threshold
+        self.interval_s = interval_s
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                await self.check()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a NATS hiccup must not end the loop
+                log.warning("snapshot check failed", error=str(exc))
+            await asyncio.sleep(self.interval_s)
+
+    async def check(self) -> bool:
+        """One check; True when a snapshot was taken."""
+        info = await self._js.stream_info(names.KV_EVENTS_STREAM)
+        self._state.stream_last_sequence = info.state.last_seq
+        if info.state.messages <= self.threshold or self._index.recovering:
+            return False
+        return await self.take()
+
+    async def take(self) -> bool:
+        if not await self._lock.acquire():
+            return False  # another replica is at it
+        try:
+            started = time.perf_counter()
+            snapshot = capture(self._index, self._applied_sequence())
+            written = await upload(self._js, self._namespace, snapshot)
+            purged_below = await purge_covered(self._js, snapshot.stream_sequence)
+            state = self._state
+            state.last_snapshot_seconds = time.perf_counter() - started
+            if written:
+                state.snapshots_taken += 1
+                state.last_snapshot_bytes = written
+                state.snapshot_sequence = snapshot.stream_sequence
+            state.last_purged_below = purged_below
+            log.info(
+                "snapshot taken",
+                stream_sequence=snapshot.stream_sequence,
+                blocks=snapshot.num_blocks,
+                bytes=written,
+                seconds=round(state.last_snapshot_seconds, 3),
+                purged_below=purged_below,
+            )
+            return bool(written)
+        finally:
+            await self._lock.release()
