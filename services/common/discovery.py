@@ -121,8 +121,13 @@ class Registration:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self._kv is not None:
-            with contextlib.suppress(Exception):
-                await self._kv.delete(self.record.key)
+            # Deleting tells watchers at once; if NATS is slow, the lease expiring does the same later,
+            # so shutdown never waits long for it.
+            try:
+                await asyncio.wait_for(self._kv.delete(self.record.key), timeout=2.0)
+            except Exception as exc:
+                log.warning("could not deregister; the lease will expire", key=self.record.key, error=str(exc))
+                return
         log.info("deregistered", key=self.record.key)
 
 

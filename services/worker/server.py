@@ -100,6 +100,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # Runs on normal end too, where it is a no-op; on cancellation it frees the blocks.
             self.loop.abort(request_id)
 
+    async def DumpKvState(
+        self, request: worker_pb2.DumpKvStateRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KvStateDump:
+        if request.dp_rank != 0:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"this worker has only dp rank 0, not {request.dp_rank}")
+        last_event_id, blocks = self.loop.dump_state()
+        log.info("dumped KV state", last_event_id=last_event_id, blocks=len(blocks))
+        cached = []
+        for block_hash, tokens_hash, parent_hash in blocks:
+            # the mock engine's block id is our sequence hash
+            block = worker_pb2.CachedBlock(block_hash=block_hash, tokens_hash=tokens_hash, sequence_hash=block_hash)
+            if parent_hash is not None:
+                block.parent_hash = parent_hash
+            cached.append(block)
+        return worker_pb2.KvStateDump(worker_id=self.worker_id, dp_rank=0, last_event_id=last_event_id, blocks=cached)
+
     async def GetStatus(
         self, request: worker_pb2.WorkerStatusRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStatus:

@@ -1,0 +1,270 @@
+"""Indexer replicas against real NATS, real mock workers and real gRPC: convergence under load,
+kill -9 and restart, snapshot + purge + restore, and recovery from lost events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from services.common import names
+from services.common.config import parse_config
+from services.common.discovery import DiscoveryWatcher
+from services.common.hashing import block_set_digest
+from services.common.proto.kvmesh.v1 import (
+    common_pb2,
+    indexer_pb2,
+    indexer_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from services.indexer import server as indexer_server
+from services.indexer import snapshot as snapshots
+from services.indexer.config import IndexerConfig
+from services.worker import server as worker_server
+from services.worker.config import WorkerConfig
+from services.worker.event_publisher import KvEventPublisher
+from tests.support import running, wait_until_async
+
+pytestmark = pytest.mark.integration
+NAMESPACE = "replicas"
+# A small cache so that the load evicts blocks and the event stream carries removals too.
+WORKER_ARGS = ["--speedup-ratio", "100", "--block-size", "16", "--num-gpu-blocks-override", "48", "--lease-ttl", "2"]
+
+
+def worker_config(nats_url: str) -> WorkerConfig:
+    return parse_config(
+        WorkerConfig,
+        ["--nats-url", nats_url, "--namespace", NAMESPACE, *WORKER_ARGS],
+        prog="w",
+        description="",
+        environ={},
+    )
+
+
+def indexer_config(nats_url: str, replica: str, *extra: str) -> IndexerConfig:
+    return parse_config(
+        IndexerConfig,
+        ["--nats-url", nats_url, "--namespace", NAMESPACE, "--replica-id", replica, "--lease-ttl", "2", *extra],
+        prog="i",
+        description="",
+        environ={},
+    )
+
+
+async def watcher(nc: NatsClient, component: str) -> DiscoveryWatcher:
+    w = DiscoveryWatcher(nc.jetstream(), NAMESPACE, component)
+    await w.start()
+    return w
+
+
+async def truth(workers: DiscoveryWatcher) -> dict[int, tuple[int, int]]:
+    """Each worker's real cache: (block count, digest) from its own dump."""
+    result = {}
+    for record in workers.instances():
+        async with grpc.aio.insecure_channel(record.address) as channel:
+            dump = await worker_pb2_grpc.WorkerStub(channel).DumpKvState(worker_pb2.DumpKvStateRequest())
+        result[record.instance_id] = (len(dump.blocks), block_set_digest(b.sequence_hash for b in dump.blocks))
+    return result
+
+
+async def view(address: str) -> indexer_pb2.IndexerStatus:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await indexer_pb2_grpc.IndexerStub(channel).GetStatus(indexer_pb2.IndexerStatusRequest(), timeout=5)
+
+
+def as_truth(status: indexer_pb2.IndexerStatus) -> dict[int, tuple[int, int]]:
+    return {w.worker_id: (w.blocks, w.blocks_digest) for w in status.workers if w.blocks}
+
+
+async def converged(workers: DiscoveryWatcher, address: str) -> bool:
+    try:
+        expected = {k: v for k, v in (await truth(workers)).items() if v[0]}
+        return as_truth(await view(address)) == expected
+    except grpc.aio.AioRpcError:
+        return False
+
+
+async def load(workers: DiscoveryWatcher, requests: int, concurrency: int = 8, seed: int = 0) -> None:
+    """Requests with shared prefixes straight to the workers (no router needed for indexer drills)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(256) for _ in range(48)] for _ in range(6)]
+    queue = list(range(requests))
+
+    async def client() -> None:
+        while queue:
+            i = queue.pop()
+            record = rng.choice(workers.instances())
+            prompt = rng.choice(prefixes) + [rng.randrange(256) for _ in range(rng.randrange(1, 40))]
+            request = common_pb2.PreprocessedRequest(request_id=f"load-{seed}-{i}", token_ids=prompt)
+            request.stop.max_tokens = rng.randrange(1, 20)
+            async with grpc.aio.insecure_channel(record.address) as channel:
+                async for _ in worker_pb2_grpc.WorkerStub(channel).Generate(request):
+                    pass
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+
+
+@contextlib.asynccontextmanager
+async def two_workers(nats_url: str, nc: NatsClient, publisher_class=KvEventPublisher):
+    workers = await watcher(nc, "worker")
+    config = worker_config(nats_url)
+    stops = [asyncio.Event(), asyncio.Event()]
+    tasks = [asyncio.create_task(worker_server.serve(config, stop, publisher_class=publisher_class)) for stop in stops]
+    try:
+        await wait_until_async(lambda: len(workers.instances()) == 2, what="two workers registered")
+        yield workers
+    finally:
+        for stop in stops:
+            stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=15)
+        await workers.stop()
+
+
+def indexer_process(nats_url: str, replica: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.indexer",
+            "--nats-url",
+            nats_url,
+            "--namespace",
+            NAMESPACE,
+            "--replica-id",
+            replica,
+            "--lease-ttl",
+            "2",
+            "--log-level",
+            "warning",
+        ],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+async def test_two_replicas_converge_exactly_under_load(nats_url: str, nc: NatsClient):
+    indexers = await watcher(nc, "indexer")
+    async with (
+        two_workers(nats_url, nc) as workers,
+        running(indexer_server.serve, indexer_config(nats_url, "a")),
+        running(indexer_server.serve, indexer_config(nats_url, "b")),
+    ):
+        await wait_until_async(lambda: len(indexers.instances()) == 2, what="two replicas registered")
+        await load(workers, requests=150)
+        for record in indexers.instances():
+            await wait_until_async(
+                lambda r=record: converged(workers, r.address),
+                timeout=20,
+                what=f"replica {record.extra['replica_id']} converges",
+            )
+        statuses = [await view(r.address) for r in indexers.instances()]
+        assert all(s.gaps == 0 for s in statuses)
+        assert as_truth(statuses[0]) == as_truth(statuses[1])
+        assert sum(b for b, _ in as_truth(statuses[0]).values()) > 0
+    await indexers.stop()
+
+
+async def test_a_replica_killed_mid_stream_converges_after_restart(nats_url: str, nc: NatsClient):
+    indexers = await watcher(nc, "indexer")
+    async with two_workers(nats_url, nc) as workers:
+        process = indexer_process(nats_url, "k")
+        try:
+            await wait_until_async(lambda: len(indexers.instances()) == 1, what="replica registered")
+            background = asyncio.create_task(load(workers, requests=200, concurrency=4, seed=1))
+            await wait_until_async(lambda: len(workers.instances()) and True, what="load running")
+            await asyncio.sleep(0)  # let the load start before the kill
+            first = indexers.instances()[0]
+            await wait_until_async(lambda: _applied_some(first.address), what="replica applied events")
+            process.send_signal(signal.SIGKILL)
+            process.wait(timeout=10)
+            await background  # the workers keep going while the replica is dead
+            process = indexer_process(nats_url, "k")
+            await wait_until_async(
+                lambda: any(r.instance_id != first.instance_id for r in indexers.instances()),
+                what="restarted replica registered",
+            )
+            restarted = next(r for r in indexers.instances() if r.instance_id != first.instance_id)
+            await wait_until_async(
+                lambda: converged(workers, restarted.address), timeout=20, what="restarted replica converges"
+            )
+        finally:
+            process.kill()
+            process.wait(timeout=10)
+    await indexers.stop()
+
+
+async def _applied_some(address: str) -> bool:
+    try:
+        return (await view(address)).applied_sequence > 5
+    except grpc.aio.AioRpcError:
+        return False
+
+
+async def test_snapshot_purge_and_a_new_replica_restores_it(nats_url: str, nc: NatsClient):
+    js = nc.jetstream()
+    indexers = await watcher(nc, "indexer")
+    snapshotting = indexer_config(
+        nats_url, "s", "--router-snapshot-threshold", "10", "--snapshot-check-interval", "0.2"
+    )
+    async with two_workers(nats_url, nc) as workers, running(indexer_server.serve, snapshotting):
+        await load(workers, requests=80)
+
+        async def snapshot_taken_and_purged() -> bool:
+            info = await js.stream_info(names.KV_EVENTS_STREAM)
+            stored = await snapshots.load(js, NAMESPACE)
+            return stored is not None and info.state.first_seq > 1
+
+        await wait_until_async(snapshot_taken_and_purged, timeout=20, what="snapshot written and stream purged")
+        stored = await snapshots.load(js, NAMESPACE)
+        first_seq = (await js.stream_info(names.KV_EVENTS_STREAM)).state.first_seq
+        assert first_seq <= stored.stream_sequence + 1  # nothing the snapshot does not cover was purged
+        await load(workers, requests=20, seed=2)  # more events after the snapshot
+
+        async with running(indexer_server.serve, indexer_config(nats_url, "fresh")):
+            await wait_until_async(lambda: len(indexers.instances()) == 2, what="fresh replica registered")
+            fresh = next(r for r in indexers.instances() if r.extra["replica_id"] == "fresh")
+            status = await view(fresh.address)
+            assert status.snapshot_sequence >= stored.stream_sequence > 0  # it started from the snapshot
+            await wait_until_async(
+                lambda: converged(workers, fresh.address), timeout=20, what="restored replica converges"
+            )
+            assert (await view(fresh.address)).gaps == 0
+    await indexers.stop()
+
+
+class LossyPublisher(KvEventPublisher):
+    """Numbers events like the real publisher but loses every fifth message on the way."""
+
+    lost = 0
+
+    async def _publish(self, batch) -> None:
+        if batch.first_event_id > 0 and self.published_events % 5 == 4:
+            LossyPublisher.lost += 1
+            return
+        await super()._publish(batch)
+
+
+async def test_lost_events_are_detected_and_recovered_exactly(nats_url: str, nc: NatsClient):
+    indexers = await watcher(nc, "indexer")
+    async with (
+        two_workers(nats_url, nc, publisher_class=LossyPublisher) as workers,
+        running(indexer_server.serve, indexer_config(nats_url, "g")),
+    ):
+        await wait_until_async(lambda: len(indexers.instances()) == 1, what="replica registered")
+        await load(workers, requests=120)
+        await load(workers, requests=10, concurrency=1, seed=3)  # later events reveal any trailing loss
+        address = indexers.instances()[0].address
+        await wait_until_async(lambda: converged(workers, address), timeout=20, what="recovered replica converges")
+        status = await view(address)
+        assert LossyPublisher.lost > 0
+        assert status.gaps > 0 and status.recoveries > 0
+        assert not any(w.recovering for w in status.workers)
+    await indexers.stop()
