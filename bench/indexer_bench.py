@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from services.common.hashing import sequence_hashes
 from services.common.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock
-from services.indexer.prefix_index import PrefixIndex
+from services.common.prefix_index import PrefixIndex
 
 CHAIN_BLOCKS = 128  # one cached "conversation": 128 blocks, the first half shared within its family
 QUERY_BLOCKS = 64

@@ -46,6 +46,7 @@ class UpConfig(CommonConfig):
     router_mode: str = option("kv", "how the router chooses workers", choices=ROUTER_MODES)
     kv_cost: str = option("ttft", "KV cost model of the router (ttft or Dynamo's blocks)", choices=("ttft", "blocks"))
     kv_overlap_score_weight: float = option(1.0, "weight of prefill work in the KV cost")
+    kv_events: bool = option(True, "route on KV events through the indexers (--no-kv-events: approximate mode)")
     router_temperature: float = option(0.0, "router softmax temperature (0: deterministic)")
     block_size: int = option(16, "tokens per KV block of the mock workers")
     num_gpu_blocks: int = option(16384, "KV blocks per mock worker", flag="--num-gpu-blocks-override")
@@ -119,6 +120,7 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
                 config.router_mode,
                 "--kv-cost",
                 config.kv_cost,
+                "--kv-events" if config.kv_events else "--no-kv-events",
                 "--kv-overlap-score-weight",
                 str(config.kv_overlap_score_weight),
                 "--router-temperature",

@@ -27,7 +27,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from services.common import names
 from services.common.kv_events import EventDecodeError, decode_batch
-from services.indexer.prefix_index import PrefixIndex
+from services.common.prefix_index import PrefixIndex
 
 log = structlog.get_logger(__name__)
 

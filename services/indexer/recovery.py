@@ -16,8 +16,8 @@ import structlog
 
 from services.common.discovery import DiscoveryWatcher
 from services.common.grpc_server import insecure_channel
+from services.common.prefix_index import DumpedBlock, PrefixIndex, WorkerKey
 from services.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.indexer.prefix_index import DumpedBlock, PrefixIndex, WorkerKey
 
 log = structlog.get_logger(__name__)
 

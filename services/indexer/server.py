@@ -18,6 +18,7 @@ from prometheus_client import Histogram, start_http_server
 
 from services.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
 from services.common.hashing import block_set_digest
+from services.common.prefix_index import PrefixIndex
 from services.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
 from services.common.runtime import connect_nats
 from services.common.service import registered_grpc_service, service_main
@@ -26,7 +27,6 @@ from services.indexer import snapshot as snapshots
 from services.indexer.config import IndexerConfig
 from services.indexer.consumer import EventStreamConsumer
 from services.indexer.metrics import IndexerState, build_registry
-from services.indexer.prefix_index import PrefixIndex
 from services.indexer.recovery import GapRecovery
 
 log = structlog.get_logger(__name__)

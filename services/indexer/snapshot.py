@@ -30,8 +30,8 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
 
 from services.common import names
+from services.common.prefix_index import PrefixIndex
 from services.indexer.metrics import IndexerState
-from services.indexer.prefix_index import PrefixIndex
 
 log = structlog.get_logger(__name__)
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from services.common.hashing import sequence_hashes
 from services.common.kv_events import KvEvent, KvEventBatch
+from services.common.prefix_index import PrefixIndex
 from services.common.timing import TimingModel
-from services.indexer.prefix_index import PrefixIndex
 from services.replay.trace import PromptBuilder, TraceRequest
 from services.router.policy import RoutingPolicy
 from services.router.scheduler import make_cost_model

@@ -17,6 +17,11 @@ class RouterConfig(GrpcEndpointConfig):
     )
     kv_overlap_score_weight: float = option(1.0, "weight of prefill work in the KV cost (0: load only)")
     router_temperature: float = option(0.0, "softmax temperature over normalised costs (0: pick the minimum)")
+    kv_events: bool = option(
+        True, "use the indexers' view built from KV events; --no-kv-events predicts caches from routing decisions"
+    )
+    router_ttl_secs: float = option(120.0, "approximate mode: seconds a routed block is assumed cached")
+    router_max_tree_size: int = option(1 << 20, "approximate mode: most (worker, block) pairs remembered")
     indexer_timeout_ms: float = option(500.0, "deadline of one overlap query to an indexer replica")
     seed: int | None = option(None, "seed for tie-breaking and sampling (default: random)")
 
@@ -25,3 +30,5 @@ class RouterConfig(GrpcEndpointConfig):
             raise ConfigError("--kv-overlap-score-weight must be >= 0")
         if self.router_temperature < 0:
             raise ConfigError("--router-temperature must be >= 0")
+        if self.router_ttl_secs <= 0 or self.router_max_tree_size <= 0:
+            raise ConfigError("--router-ttl-secs and --router-max-tree-size must be positive")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
@@ -23,6 +24,7 @@ from services.common.proto.kvmesh.v1 import (
 )
 from services.common.runtime import connect_nats
 from services.common.service import registered_grpc_service, service_main
+from services.router.approximate_index import ApproximateIndex
 from services.router.config import RouterConfig
 from services.router.policy import RoutingPolicy
 from services.router.scheduler import make_cost_model
@@ -80,6 +82,16 @@ class Router:
         self.channels = channels
         self._rng = random.Random(config.seed)
         self._policies: dict[int, RoutingPolicy] = {}
+        self._approximate: dict[int, ApproximateIndex] = {}
+
+    def approximate_index(self, block_size: int) -> ApproximateIndex:
+        """Approximate mode's view of the caches of workers with this block size."""
+        index = self._approximate.get(block_size)
+        if index is None:
+            index = self._approximate[block_size] = ApproximateIndex(
+                block_size, self.config.router_ttl_secs, self.config.router_max_tree_size
+            )
+        return index
 
     def policy(self, worker: InstanceRecord) -> RoutingPolicy:
         """The policy (and load picture) of workers shaped like ``worker`` (same block size).
@@ -109,6 +121,8 @@ class Router:
     def worker_left(self, record: InstanceRecord) -> None:
         for policy in self._policies.values():
             policy.active.remove_worker(record.instance_id)
+        for index in self._approximate.values():
+            index.remove_worker(record.instance_id)
 
     def candidates(self, model: str) -> list[InstanceRecord]:
         return [r for r in self.workers.instances() if not model or r.model == model]
@@ -159,8 +173,13 @@ class Router:
         policy = self.policy(candidates[0])
         matched: dict[WorkerKey, int] = {}
         sizes: dict[WorkerKey, int] = {}
+        approximate = None if self.config.kv_events else self.approximate_index(block_size)
         if policy.needs_overlaps:
-            matched, sizes = await self.overlaps(block_hashes)
+            if approximate is None:
+                matched, sizes = await self.overlaps(block_hashes)
+            else:
+                matched = approximate.find_matches_by_sequence(block_hashes, time.monotonic())
+                sizes = dict(approximate.tree_sizes())
         override = request.routing.router_config_override
         decision = policy.choose(
             [(r.instance_id, 0) for r in candidates],
@@ -171,6 +190,8 @@ class Router:
             override.overlap_score_weight if override.HasField("overlap_score_weight") else None,
             override.router_temperature if override.HasField("router_temperature") else None,
         )
+        if approximate is not None:
+            approximate.record(decision.worker, local_hashes, block_hashes, time.monotonic())
         return by_id[decision.worker[0]], decision.overlap_blocks, block_hashes
 
 

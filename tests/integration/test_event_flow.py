@@ -7,9 +7,9 @@ from nats.aio.client import Client as NatsClient
 
 from services.common import names
 from services.common.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, encode_batch
+from services.common.prefix_index import PrefixIndex
 from services.common.streams import ensure_kv_events_stream
 from services.indexer.consumer import EventStreamConsumer
-from services.indexer.prefix_index import PrefixIndex
 from services.worker.event_publisher import KvEventPublisher
 from services.worker.mock_engine import EngineConfig, MockEngine
 from tests.support import wait_until_async

@@ -7,7 +7,7 @@ from services.common.kv_events import (
     KvEventBatch,
     StoredBlock,
 )
-from services.indexer.prefix_index import PrefixIndex
+from services.common.prefix_index import PrefixIndex
 
 BLOCK = 4
 
@@ -111,7 +111,7 @@ def test_a_block_shared_by_two_workers_survives_one_removal():
 
 
 def _dump(tokens: list[int]) -> list:
-    from services.indexer.prefix_index import DumpedBlock
+    from services.common.prefix_index import DumpedBlock
 
     local = local_block_hashes(tokens, BLOCK)
     seq = sequence_hashes(local)

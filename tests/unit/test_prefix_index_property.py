@@ -18,7 +18,7 @@ from services.common.kv_events import (
     KvEventBatch,
     StoredBlock,
 )
-from services.indexer.prefix_index import DumpedBlock, PrefixIndex
+from services.common.prefix_index import DumpedBlock, PrefixIndex
 
 WORKERS = (1, 2, 3)
 ALPHABET = (11, 22, 33, 44)  # few local hashes, so workers share prefixes often
