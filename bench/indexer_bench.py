@@ -10,17 +10,31 @@ and 1M indexed blocks spread over 8 and 64 workers, with 64-block queries. Print
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import random
 import statistics
+import subprocess
+import sys
 import time
 import tracemalloc
 from dataclasses import dataclass
 
-from services.common.hashing import sequence_hashes
-from services.common.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock
-from services.common.prefix_index import PrefixIndex
+import grpc
 
+from services.common import names
+from services.common.discovery import DiscoveryWatcher
+from services.common.hashing import sequence_hashes
+from services.common.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, encode_batch
+from services.common.nats_server import EmbeddedNatsServer
+from services.common.prefix_index import PrefixIndex
+from services.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
+from services.common.runtime import connect_nats
+from services.common.streams import ensure_kv_events_stream
+from services.indexer import snapshot as snapshots
+from services.indexer.consumer import EventStreamConsumer
+
+NAMESPACE = "bench"
 CHAIN_BLOCKS = 128  # one cached "conversation": 128 blocks, the first half shared within its family
 QUERY_BLOCKS = 64
 
@@ -108,6 +122,151 @@ def memory_per_block(total_blocks: int, workers: int) -> float:
     return current / workload.blocks
 
 
+def to_messages(workload: Workload, events_per_message: int = 16) -> list[tuple[str, bytes, str]]:
+    """(subject, payload, Nats-Msg-Id) messages, as workers would publish the workload."""
+    messages = []
+    for batch in workload.batches:
+        for start in range(0, len(batch.events), events_per_message):
+            chunk = KvEventBatch(batch.worker_id, 0, 0.0, batch.events[start : start + events_per_message])
+            messages.append(
+                (
+                    names.kv_events_subject(NAMESPACE, batch.worker_id),
+                    encode_batch(chunk),
+                    names.kv_event_msg_id(batch.worker_id, 0, chunk.first_event_id),
+                )
+            )
+    return messages
+
+
+async def preload(js, messages: list[tuple[str, bytes, str]]) -> None:
+    """Publish concurrently in windows (a publish waits for its ack; one at a time would be slow)."""
+    await ensure_kv_events_stream(js)
+    for start in range(0, len(messages), 256):
+        await asyncio.gather(
+            *(
+                js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id})
+                for subject, payload, msg_id in messages[start : start + 256]
+            )
+        )
+
+
+async def jetstream_apply(total_blocks: int, workers: int) -> dict[str, float]:
+    """Blocks/s one replica applies from the stream (decode + apply + ack), stream preloaded."""
+    workload = make_workload(total_blocks, workers, seed=1)
+    messages = to_messages(workload)
+    server = await EmbeddedNatsServer().start()
+    try:
+        nc = await connect_nats(server.url, name="kvmesh-bench")
+        js = nc.jetstream()
+        await preload(js, messages)
+        last = (await js.stream_info(names.KV_EVENTS_STREAM)).state.last_seq
+        index = PrefixIndex()
+        consumer = EventStreamConsumer(js, NAMESPACE, "bench", index)
+        started = time.perf_counter()
+        await consumer.start()
+        while consumer.applied_sequence < last:
+            await asyncio.sleep(0.005)
+        elapsed = time.perf_counter() - started
+        await consumer.stop()
+        await nc.close()
+        return {
+            "blocks": workload.blocks,
+            "messages": len(messages),
+            "blocks_per_s": workload.blocks / elapsed,
+            "messages_per_s": len(messages) / elapsed,
+        }
+    finally:
+        server.stop()
+
+
+async def grpc_queries(total_blocks: int, workers: int) -> dict[str, float]:
+    """FindMatches p50 / p99 over gRPC against an indexer process fed from JetStream."""
+    workload = make_workload(total_blocks, workers, seed=2)
+    server = await EmbeddedNatsServer().start()
+    process = None
+    try:
+        nc = await connect_nats(server.url, name="kvmesh-bench")
+        js = nc.jetstream()
+        await preload(js, to_messages(workload))
+        last = (await js.stream_info(names.KV_EVENTS_STREAM)).state.last_seq
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.indexer",
+                "--nats-url",
+                server.url,
+                "--namespace",
+                NAMESPACE,
+                "--log-level",
+                "warning",
+                "--metrics-port",
+                "-1",
+            ]
+        )
+        watcher = DiscoveryWatcher(js, NAMESPACE, "indexer")
+        await watcher.start()
+        while not watcher.instances():
+            await asyncio.sleep(0.05)
+        address = watcher.instances()[0].address
+        await watcher.stop()
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = indexer_pb2_grpc.IndexerStub(channel)
+            while (await stub.GetStatus(indexer_pb2.IndexerStatusRequest())).applied_sequence < last:
+                await asyncio.sleep(0.05)
+            samples = []
+            for _ in range(3):
+                for query in workload.query_sequences:
+                    started = time.perf_counter_ns()
+                    await stub.FindMatches(indexer_pb2.FindMatchesRequest(sequence_hashes=query))
+                    samples.append((time.perf_counter_ns() - started) / 1000)
+        await nc.close()
+        return {"p50_us": percentile(samples, 50), "p99_us": percentile(samples, 99)}
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=30)
+        server.stop()
+
+
+async def snapshot_figures(total_blocks: int, workers: int) -> dict[str, float]:
+    """Capture + encode, upload, download, decode + restore of a snapshot of ``total_blocks``."""
+    workload = make_workload(total_blocks, workers, seed=3)
+    index = PrefixIndex()
+    for batch in workload.batches:
+        index.apply_batch(batch)
+    started = time.perf_counter()
+    payload = snapshots.encode(snapshots.capture(index, 1))
+    encode_s = time.perf_counter() - started
+    server = await EmbeddedNatsServer().start()
+    try:
+        nc = await connect_nats(server.url, name="kvmesh-bench")
+        js = nc.jetstream()
+        started = time.perf_counter()
+        await snapshots.upload(js, NAMESPACE, snapshots.decode(payload))
+        upload_s = time.perf_counter() - started
+        started = time.perf_counter()
+        loaded = await snapshots.load(js, NAMESPACE)
+        download_decode_s = time.perf_counter() - started
+        restored = PrefixIndex()
+        started = time.perf_counter()
+        snapshots.restore(restored, loaded)
+        restore_s = time.perf_counter() - started
+        await nc.close()
+    finally:
+        server.stop()
+    assert restored.num_blocks == index.num_blocks
+    return {
+        "blocks": workload.blocks,
+        "bytes": len(payload),
+        "capture_encode_s": encode_s,
+        "upload_s": upload_s,
+        "download_decode_s": download_decode_s,
+        "restore_s": restore_s,
+        "restore_total_s": download_decode_s + restore_s,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("inproc", "snapshot", "jetstream", "grpc"), default=None)
@@ -126,6 +285,29 @@ def main() -> None:
                     f"{r['find_p50_us_by_local']:>9.1f}{r['find_p99_us_by_local']:>9.1f}"
                 )
         print(f"memory per indexed block (1M blocks, 8 workers): {memory_per_block(1_000_000, 8):.0f} bytes")
+    if args.only in (None, "jetstream"):
+        for total, workers in ((100_000, 8), (1_000_000, 8)):
+            r = asyncio.run(jetstream_apply(total, workers))
+            print(
+                f"JetStream → replica, {r['blocks']} blocks in {r['messages']} messages: "
+                f"{r['blocks_per_s']:,.0f} blocks/s ({r['messages_per_s']:,.0f} messages/s)"
+            )
+    if args.only in (None, "grpc"):
+        for total in (100_000, 1_000_000):
+            for workers in (8, 64):
+                r = asyncio.run(grpc_queries(total, workers))
+                print(
+                    f"FindMatches over gRPC, {total} blocks, {workers} workers: p50 {r['p50_us']:.0f} µs, "
+                    f"p99 {r['p99_us']:.0f} µs"
+                )
+    if args.only in (None, "snapshot"):
+        r = asyncio.run(snapshot_figures(1_000_000, 8))
+        print(
+            f"snapshot of {r['blocks']} blocks: {r['bytes'] / 1e6:.1f} MB; "
+            f"capture+encode {r['capture_encode_s']:.2f} s, "
+            f"upload {r['upload_s']:.2f} s; download+decode {r['download_decode_s']:.2f} s, "
+            f"restore {r['restore_s']:.2f} s (restore total {r['restore_total_s']:.2f} s)"
+        )
 
 
 if __name__ == "__main__":

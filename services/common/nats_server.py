@@ -44,6 +44,10 @@ def find_nats_server() -> Path:
     )
 
 
+async def _ignore_error(_error: Exception) -> None:
+    """Refused connections are expected while the server starts; the caller retries."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -87,7 +91,9 @@ class EmbeddedNatsServer:
             if self._process is not None and self._process.poll() is not None:
                 raise NatsServerError(f"nats-server exited with {self._process.returncode}: {self._log_tail()}")
             try:
-                nc = await nats.connect(self.url, connect_timeout=1, allow_reconnect=False)
+                nc = await nats.connect(
+                    self.url, connect_timeout=1, allow_reconnect=False, error_cb=_ignore_error, max_reconnect_attempts=0
+                )
                 try:
                     await nc.jetstream().account_info()
                     return

@@ -25,6 +25,11 @@ async def connect_nats(url: str, name: str, connect_timeout: float = 10.0) -> Na
     async def on_reconnect() -> None:
         log.info("NATS reconnected", url=url)
 
+    async def on_error(error: Exception) -> None:
+        # nats-py would print a traceback per failed reconnect attempt; one line says enough
+        if not (client and client[0].is_closed):
+            log.warning("NATS error", url=url, error=f"{type(error).__name__}: {error}")
+
     try:
         nc = await nats.connect(
             url,
@@ -34,6 +39,7 @@ async def connect_nats(url: str, name: str, connect_timeout: float = 10.0) -> Na
             reconnect_time_wait=0.5,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
+            error_cb=on_error,
         )
     except Exception as exc:
         raise SystemExit(f"{name}: cannot connect to NATS at {url}: {exc}") from exc

@@ -86,7 +86,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                     blocks=size,
                     last_event_id=self.index.last_event_id(key),
                     recovering=key in recovering,
-                    blocks_digest=block_set_digest(self.index.worker_blocks(key)),
+                    blocks_digest=block_set_digest(self.index.worker_blocks(key)) if request.include_digests else 0,
                 )
                 for key, size in self.index.tree_sizes().items()
             ],

@@ -78,7 +78,9 @@ async def truth(workers: DiscoveryWatcher) -> dict[int, tuple[int, int]]:
 
 async def view(address: str) -> indexer_pb2.IndexerStatus:
     async with grpc.aio.insecure_channel(address) as channel:
-        return await indexer_pb2_grpc.IndexerStub(channel).GetStatus(indexer_pb2.IndexerStatusRequest(), timeout=5)
+        return await indexer_pb2_grpc.IndexerStub(channel).GetStatus(
+            indexer_pb2.IndexerStatusRequest(include_digests=True), timeout=5
+        )
 
 
 def as_truth(status: indexer_pb2.IndexerStatus) -> dict[int, tuple[int, int]]:

@@ -7,8 +7,10 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class IndexerStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("include_digests",)
+    INCLUDE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    include_digests: bool
+    def __init__(self, include_digests: _Optional[bool] = ...) -> None: ...
 
 class IndexedWorker(_message.Message):
     __slots__ = ("worker_id", "dp_rank", "blocks", "last_event_id", "recovering", "blocks_digest")
