@@ -243,12 +243,21 @@ async def test_snapshot_purge_and_a_new_replica_restores_it(nats_url: str, nc: N
 
 
 class LossyPublisher(KvEventPublisher):
-    """Numbers events like the real publisher but loses every fifth message on the way."""
+    """Numbers events like the real publisher but loses its 3rd and 7th messages on the way.
+
+    Only mid-stream messages are lost: a loss is detected by the next event of the same worker, so a
+    worker's very last message could never be noticed missing (by any design).
+    """
 
     lost = 0
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._messages = 0
+
     async def _publish(self, batch) -> None:
-        if batch.first_event_id > 0 and self.published_events % 5 == 4:
+        self._messages += 1
+        if self._messages in (3, 7):
             LossyPublisher.lost += 1
             return
         await super()._publish(batch)
@@ -262,7 +271,6 @@ async def test_lost_events_are_detected_and_recovered_exactly(nats_url: str, nc:
     ):
         await wait_until_async(lambda: len(indexers.instances()) == 1, what="replica registered")
         await load(workers, requests=120)
-        await load(workers, requests=10, concurrency=1, seed=3)  # later events reveal any trailing loss
         address = indexers.instances()[0].address
         await wait_until_async(lambda: converged(workers, address), timeout=20, what="recovered replica converges")
         status = await view(address)
