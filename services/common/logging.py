@@ -34,10 +34,21 @@ def configure_logging(level: str = "info", json_logs: bool | None = None, servic
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=max(numeric_level, logging.WARNING), stream=sys.stderr)
+
+
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at the time of writing (it may be replaced after
+    configuration, as test runners and daemonising wrappers do)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def _add_service(service: str) -> structlog.typing.Processor:
