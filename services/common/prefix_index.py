@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import struct
 from bisect import bisect_right
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
@@ -35,24 +36,45 @@ from operator import and_, neg
 import xxhash
 
 from services.common.hashing import HASH_SEED, sequence_hashes
-from services.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch
+from services.common.kv_events import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KvEvent,
+    KvEventBatch,
+    StoredBlock,
+)
 
 WorkerKey = tuple[int, int]  # (worker_id, dp_rank)
 _pack_pair = struct.Struct("<QQ").pack
 _xxh3 = xxhash.xxh3_64_intdigest
 
 
+UNKNOWN_PARENT = -1  # a held block whose parent's sequence hash is not known (sequence hashes are >= 0)
+
+
 @dataclass
 class _WorkerBlocks:
-    """One worker's blocks: engine block id -> sequence hash, plus duplicate copies per hash."""
+    """One worker's blocks: engine block id -> sequence hash, plus duplicate copies per hash.
+
+    ``parent_of`` / ``child_count`` / ``orphans`` track prefix closure: a block is an *orphan* when its
+    parent is not held by the same worker (its parent was evicted first). With no orphan, holding a
+    block implies holding its whole prefix, which lets queries bisect instead of scanning.
+    """
 
     bit: int
     by_engine_id: dict[int, int] = field(default_factory=dict)
     # Engines that keep two blocks with the same content (vLLM does not de-duplicate) hold a hash
     # more than once; only the extra copies are counted, so the common case costs nothing.
     extra_copies: dict[int, int] = field(default_factory=dict)
-    unique_blocks: int = 0
+    parent_of: dict[int, int | None] = field(default_factory=dict)
+    child_count: dict[int, int] = field(default_factory=dict)
+    orphans: int = 0
     last_event_id: int = -1
+
+    @property
+    def unique_blocks(self) -> int:
+        return len(self.parent_of)
 
 
 @dataclass
@@ -99,6 +121,7 @@ class PrefixIndex:
         self._next_bit = 0
         self._removed_workers: set[int] = set()
         self._tree_sizes: dict[WorkerKey, int] = {}
+        self._unclosed = 0  # bits of workers with at least one orphan block
         self.gaps_pending: set[WorkerKey] = set()
         self._held_back: dict[WorkerKey, list[KvEvent]] = {}
         self.stats = ApplyStats()
@@ -167,7 +190,7 @@ class PrefixIndex:
             worker.last_event_id = event.event_id
             data = event.data
             if isinstance(data, BlocksStored):
-                self._store(worker, data.parent_hash, [(b.block_hash, b.tokens_hash) for b in data.blocks])
+                self._store(worker, data.parent_hash, data.blocks)
             elif isinstance(data, BlocksRemoved):
                 self._remove(worker, data.block_hashes)
             elif isinstance(data, AllBlocksCleared):
@@ -177,7 +200,7 @@ class PrefixIndex:
     def in_recovery(self, key: WorkerKey) -> bool:
         return key in self._held_back
 
-    def _store(self, worker: _WorkerBlocks, parent_hash: int | None, blocks: Sequence[tuple[int, int]]) -> None:
+    def _store(self, worker: _WorkerBlocks, parent_hash: int | None, blocks: Sequence[StoredBlock]) -> None:
         by_engine_id = worker.by_engine_id
         if parent_hash is None:
             parent: int | None = None
@@ -187,23 +210,83 @@ class PrefixIndex:
                 self.stats.unknown_parent += 1
                 return
         holders = self._holders
+        get = holders.get
         bit = worker.bit
-        for block_hash, tokens_hash in blocks:
+        parent_of = worker.parent_of
+        child_count = worker.child_count
+        parent_held = parent is None or bool(get(parent, 0) & bit)
+        for block in blocks:
+            block_hash = block.block_hash
+            tokens_hash = block.tokens_hash
             # next_sequence_hash, inlined: this loop is the indexer's hot path
             seq = tokens_hash if parent is None else _xxh3(_pack_pair(parent, tokens_hash), HASH_SEED)
             previous = by_engine_id.get(block_hash)
             if previous != seq:
                 if previous is not None:
                     self._drop(worker, previous)
+                    parent_held = parent is None or bool(get(parent, 0) & bit)
                 by_engine_id[block_hash] = seq
-                mask = holders.get(seq, 0)
+                mask = get(seq, 0)
                 if mask & bit:
                     worker.extra_copies[seq] = worker.extra_copies.get(seq, 0) + 1
                 else:
+                    # _hold, inlined for the common case
                     holders[seq] = mask | bit
-                    worker.unique_blocks += 1
+                    parent_of[seq] = parent
+                    # held children of a block not held are orphans, so with none there is none to adopt
+                    delta = -child_count.get(seq, 0) if worker.orphans else 0
+                    if parent is not None:
+                        child_count[parent] = child_count.get(parent, 0) + 1
+                        if not parent_held:
+                            delta += 1
+                    if delta:
+                        self._set_orphans(worker, worker.orphans + delta)
             parent = seq
+            parent_held = True
         self.stats.blocks_stored += len(blocks)
+
+    def _hold(self, worker: _WorkerBlocks, seq: int, parent: int | None) -> None:
+        """One more copy of ``seq`` on this worker (``parent``: its parent's sequence hash)."""
+        mask = self._holders.get(seq, 0)
+        bit = worker.bit
+        if mask & bit:
+            worker.extra_copies[seq] = worker.extra_copies.get(seq, 0) + 1
+            return
+        self._holders[seq] = mask | bit
+        worker.parent_of[seq] = parent
+        orphans = worker.orphans - worker.child_count.get(seq, 0)  # its children are orphans no more
+        if parent is not None:
+            worker.child_count[parent] = worker.child_count.get(parent, 0) + 1
+            if parent == UNKNOWN_PARENT or not self._holders.get(parent, 0) & bit:
+                orphans += 1
+        self._set_orphans(worker, orphans)
+
+    def _unhold(self, worker: _WorkerBlocks, seq: int) -> None:
+        """The last copy of ``seq`` leaves this worker."""
+        bit = worker.bit
+        mask = self._holders[seq] & ~bit
+        if mask:
+            self._holders[seq] = mask
+        else:
+            del self._holders[seq]
+        parent = worker.parent_of.pop(seq)
+        orphans = worker.orphans + worker.child_count.get(seq, 0)  # its children become orphans
+        if parent is not None:
+            count = worker.child_count[parent] - 1
+            if count:
+                worker.child_count[parent] = count
+            else:
+                del worker.child_count[parent]
+            if parent == UNKNOWN_PARENT or not self._holders.get(parent, 0) & bit:
+                orphans -= 1
+        self._set_orphans(worker, orphans)
+
+    def _set_orphans(self, worker: _WorkerBlocks, orphans: int) -> None:
+        worker.orphans = orphans
+        if orphans:
+            self._unclosed |= worker.bit
+        else:
+            self._unclosed &= ~worker.bit
 
     def _remove(self, worker: _WorkerBlocks, engine_ids: Iterable[int]) -> None:
         by_engine_id = worker.by_engine_id
@@ -223,17 +306,12 @@ class PrefixIndex:
             else:
                 worker.extra_copies[seq] = extra - 1
             return
-        mask = self._holders[seq] & ~worker.bit
-        if mask:
-            self._holders[seq] = mask
-        else:
-            del self._holders[seq]
-        worker.unique_blocks -= 1
+        self._unhold(worker, seq)
 
     def _clear(self, worker: _WorkerBlocks) -> None:
         holders = self._holders
         keep = ~worker.bit
-        for seq in set(worker.by_engine_id.values()):
+        for seq in worker.parent_of:
             mask = holders[seq] & keep
             if mask:
                 holders[seq] = mask
@@ -241,36 +319,55 @@ class PrefixIndex:
                 del holders[seq]
         worker.by_engine_id.clear()
         worker.extra_copies.clear()
-        worker.unique_blocks = 0
+        worker.parent_of.clear()
+        worker.child_count.clear()
+        self._set_orphans(worker, 0)
 
     # ---- whole-worker state (gap recovery, snapshots) -------------------------------------
-    def export_worker(self, key: WorkerKey) -> tuple[int, dict[int, int]]:
-        """(last applied event id, engine block id -> sequence hash) of one worker, for snapshots."""
+    def export_worker(self, key: WorkerKey) -> tuple[int, dict[int, int], dict[int, int | None]]:
+        """(last applied event id, engine id -> sequence hash, sequence hash -> parent's) of one
+        worker, for snapshots."""
         worker = self._workers[key]
-        return worker.last_event_id, dict(worker.by_engine_id)
+        return worker.last_event_id, dict(worker.by_engine_id), dict(worker.parent_of)
 
-    def import_worker(self, key: WorkerKey, last_event_id: int, by_engine_id: Mapping[int, int]) -> None:
-        """Load one worker's exported state (replacing whatever the index held for it)."""
+    def import_worker(
+        self,
+        key: WorkerKey,
+        last_event_id: int,
+        by_engine_id: Mapping[int, int],
+        parent_of: Mapping[int, int | None],
+    ) -> None:
+        """Load one worker's exported state (replacing whatever the index held for it).
+
+        Bulk path for snapshot restores: the per-worker maps are built whole (set and Counter work
+        in C) rather than block by block.
+        """
         worker = self._worker(key)
         self._clear(worker)
-        self._load(worker, by_engine_id)
+        worker.by_engine_id = dict(by_engine_id)
+        copies = Counter(worker.by_engine_id.values())
+        worker.extra_copies = {seq: count - 1 for seq, count in copies.items() if count > 1}
+        holders = self._holders
+        bit = worker.bit
+        for seq in copies:
+            holders[seq] = holders.get(seq, 0) | bit
+        worker.parent_of = {seq: parent_of.get(seq, UNKNOWN_PARENT) for seq in copies}
+        parents = [p for p in worker.parent_of.values() if p is not None]
+        worker.child_count = dict(Counter(parents))
+        held = worker.parent_of
+        self._set_orphans(worker, sum(1 for p in parents if p not in held))
         worker.last_event_id = last_event_id
         self._tree_sizes[key] = worker.unique_blocks
 
-    def _load(self, worker: _WorkerBlocks, by_engine_id: Mapping[int, int]) -> None:
-        holders = self._holders
-        bit = worker.bit
+    def _load(
+        self, worker: _WorkerBlocks, by_engine_id: Mapping[int, int], parent_of: Mapping[int, int | None]
+    ) -> None:
         for engine_id, seq in by_engine_id.items():
             previous = worker.by_engine_id.get(engine_id)
             if previous is not None:
                 self._drop(worker, previous)
             worker.by_engine_id[engine_id] = seq
-            mask = holders.get(seq, 0)
-            if mask & bit:
-                worker.extra_copies[seq] = worker.extra_copies.get(seq, 0) + 1
-            else:
-                holders[seq] = mask | bit
-                worker.unique_blocks += 1
+            self._hold(worker, seq, parent_of.get(seq, UNKNOWN_PARENT))
 
     def replace_worker(self, key: WorkerKey, last_event_id: int, blocks: Sequence[DumpedBlock]) -> None:
         """Make the index hold exactly ``blocks`` for this worker as of ``last_event_id`` (its own
@@ -284,7 +381,12 @@ class PrefixIndex:
         self._clear(worker)
         placed = {b.block_hash: b.sequence_hash for b in blocks if b.sequence_hash is not None}
         if placed:
-            self._load(worker, placed)
+            parents: dict[int, int | None] = {}
+            for b in blocks:
+                if b.sequence_hash is not None:
+                    parent = None if b.parent_hash is None else placed.get(b.parent_hash, UNKNOWN_PARENT)
+                    parents[b.sequence_hash] = parent
+            self._load(worker, placed, parents)
         pending = [b for b in blocks if b.sequence_hash is None]
         while pending:
             waiting = []
@@ -292,7 +394,7 @@ class PrefixIndex:
                 if block.parent_hash is not None and block.parent_hash not in worker.by_engine_id:
                     waiting.append(block)
                     continue
-                self._store(worker, block.parent_hash, [(block.block_hash, block.tokens_hash)])
+                self._store(worker, block.parent_hash, [StoredBlock(block.block_hash, block.tokens_hash, 0)])
             if len(waiting) == len(pending):
                 self.stats.unknown_parent += len(waiting)  # orphans without a sequence hash: dropped
                 break
@@ -306,15 +408,48 @@ class PrefixIndex:
 
     # ---- queries -------------------------------------------------------------------------
     def find_matches_by_sequence(self, seq_hashes: Sequence[int]) -> dict[WorkerKey, int]:
-        """Leading blocks of the query each worker holds (workers with none are left out).
-
-        The running AND of the holder masks along the query only loses bits, so it never grows as an
-        integer either; each worker's depth is where its bit disappears, found by bisection. The
-        lookups and ANDs run inside ``map`` / ``accumulate``, not in Python bytecode.
-        """
+        """Leading blocks of the query each worker holds (workers with none are left out)."""
         n = len(seq_hashes)
         if n == 0:
             return {}
+        get = self._holders.get
+        first = get(seq_hashes[0], 0)
+        if not first:
+            return {}
+        if first & self._unclosed:
+            return self._scan(seq_hashes)
+        # Every candidate holds whole prefixes, so the holders of position i are nested in those of
+        # i - 1: a worker's depth is where its bit disappears, found by bisection (a handful of
+        # lookups instead of one per block).
+        matched: dict[WorkerKey, int] = {}
+        key_of_bit = self._key_of_bit
+        last = get(seq_hashes[-1], 0) & first
+        pending = [(0, first, n - 1, last)]
+        while pending:
+            low, low_mask, high, high_mask = pending.pop()
+            if low_mask == high_mask:
+                continue
+            if high - low == 1:
+                dropped = low_mask & ~high_mask
+                while dropped:
+                    bit = dropped & -dropped
+                    matched[key_of_bit[bit]] = high
+                    dropped ^= bit
+                continue
+            middle = (low + high) // 2
+            middle_mask = get(seq_hashes[middle], 0) & low_mask
+            pending.append((low, low_mask, middle, middle_mask))
+            pending.append((middle, middle_mask, high, high_mask))
+        while last:
+            bit = last & -last
+            matched[key_of_bit[bit]] = n
+            last ^= bit
+        return matched
+
+    def _scan(self, seq_hashes: Sequence[int]) -> dict[WorkerKey, int]:
+        """Exact for any holdings: the running AND of holder masks along the query (in C loops) only
+        loses bits; each worker's depth is where its bit disappears, found by bisection on it."""
+        n = len(seq_hashes)
         still_held = list(accumulate(map(self._holders.get, seq_hashes, repeat(0, n)), and_))
         matched: dict[WorkerKey, int] = {}
         key_of_bit = self._key_of_bit

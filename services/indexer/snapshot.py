@@ -17,6 +17,7 @@ Taking one (when the stream holds more than the threshold):
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import time
 from array import array
@@ -30,12 +31,15 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
 
 from services.common import names
-from services.common.prefix_index import PrefixIndex
+from services.common.prefix_index import UNKNOWN_PARENT, PrefixIndex
 from services.indexer.metrics import IndexerState
 
 log = structlog.get_logger(__name__)
 
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
+# How a block's parent is stored: none (a root), the entry before it, unknown, or listed apart.
+_NO_PARENT, _PREVIOUS, _UNKNOWN, _EXPLICIT = 0, 1, 2, 3
+_NOT_PREVIOUS = re.compile(rb"[\x00\x02\x03]")
 LOCKS_BUCKET = "KVMESH_LOCKS"
 LOCK_LEASE_S = 30.0
 
@@ -46,8 +50,11 @@ class SnapshotError(ValueError):
 
 @dataclass
 class Snapshot:
+    """The index as of ``stream_sequence``: per worker (id, dp rank, last event id,
+    engine id -> sequence hash, sequence hash -> parent's sequence hash)."""
+
     stream_sequence: int
-    workers: list[tuple[int, int, int, dict[int, int]]] = field(default_factory=list)
+    workers: list[tuple[int, int, int, dict[int, int], dict[int, int | None]]] = field(default_factory=list)
     removed_workers: list[int] = field(default_factory=list)
     created: float = 0.0
 
@@ -74,9 +81,41 @@ def _from_u64(data: bytes) -> array:
 def capture(index: PrefixIndex, stream_sequence: int) -> Snapshot:
     workers = []
     for key in index.workers():
-        last_event_id, by_engine_id = index.export_worker(key)
-        workers.append((key[0], key[1], last_event_id, by_engine_id))
+        last_event_id, by_engine_id, parent_of = index.export_worker(key)
+        workers.append((key[0], key[1], last_event_id, by_engine_id, parent_of))
     return Snapshot(stream_sequence, workers, index.removed_workers(), time.time())
+
+
+def _encode_worker(
+    worker_id: int, dp_rank: int, last_event_id: int, blocks: dict[int, int], parent_of: dict[int, int | None]
+) -> dict:
+    # Blocks are exported in the order they were stored, chain by chain, so a block's parent is
+    # nearly always the entry before it: that costs one kind byte; other parents are listed apart.
+    seqs = list(blocks.values())
+    kinds = bytearray(len(seqs))
+    explicit: list[int] = []
+    previous = None
+    for i, seq in enumerate(seqs):
+        parent = parent_of.get(seq, UNKNOWN_PARENT)
+        if parent is None:
+            kinds[i] = _NO_PARENT
+        elif parent == UNKNOWN_PARENT:
+            kinds[i] = _UNKNOWN
+        elif parent == previous:
+            kinds[i] = _PREVIOUS
+        else:
+            kinds[i] = _EXPLICIT
+            explicit.append(parent)
+        previous = seq
+    return {
+        "worker_id": worker_id,
+        "dp_rank": dp_rank,
+        "last_event_id": last_event_id,
+        "engine_ids": _u64(list(blocks.keys())),
+        "sequence_hashes": _u64(seqs),
+        "parent_kinds": bytes(kinds),
+        "explicit_parents": _u64(explicit),
+    }
 
 
 def encode(snapshot: Snapshot) -> bytes:
@@ -86,17 +125,27 @@ def encode(snapshot: Snapshot) -> bytes:
             "stream_sequence": snapshot.stream_sequence,
             "created": snapshot.created,
             "removed_workers": snapshot.removed_workers,
-            "workers": [
-                {
-                    "worker_id": worker_id,
-                    "dp_rank": dp_rank,
-                    "last_event_id": last_event_id,
-                    "engine_ids": _u64(list(blocks.keys())),
-                    "sequence_hashes": _u64(list(blocks.values())),
-                }
-                for worker_id, dp_rank, last_event_id, blocks in snapshot.workers
-            ],
+            "workers": [_encode_worker(*worker) for worker in snapshot.workers],
         }
+    )
+
+
+def _decode_worker(w: dict) -> tuple[int, int, int, dict[int, int], dict[int, int | None]]:
+    seqs = _from_u64(w["sequence_hashes"])
+    kinds = w["parent_kinds"]
+    # Assume every parent is the previous entry (built in C), then patch the others.
+    parents: dict[int, int | None] = dict(zip(seqs[1:], seqs[:-1], strict=True))
+    explicit = iter(_from_u64(w["explicit_parents"]))
+    for match in _NOT_PREVIOUS.finditer(kinds):
+        kind = match.group()[0]
+        seq = seqs[match.start()]
+        parents[seq] = None if kind == _NO_PARENT else UNKNOWN_PARENT if kind == _UNKNOWN else next(explicit)
+    return (
+        int(w["worker_id"]),
+        int(w["dp_rank"]),
+        int(w["last_event_id"]),
+        dict(zip(_from_u64(w["engine_ids"]), seqs, strict=True)),
+        parents,
     )
 
 
@@ -105,15 +154,7 @@ def decode(payload: bytes) -> Snapshot:
         raw = msgpack.unpackb(payload)
         if raw.get("format") != SNAPSHOT_FORMAT:
             raise SnapshotError(f"unknown snapshot format {raw.get('format')!r}")
-        workers = [
-            (
-                int(w["worker_id"]),
-                int(w["dp_rank"]),
-                int(w["last_event_id"]),
-                dict(zip(_from_u64(w["engine_ids"]), _from_u64(w["sequence_hashes"]), strict=True)),
-            )
-            for w in raw["workers"]
-        ]
+        workers = [_decode_worker(w) for w in raw["workers"]]
         return Snapshot(
             int(raw["stream_sequence"]),
             workers,
@@ -129,8 +170,8 @@ def decode(payload: bytes) -> Snapshot:
 def restore(index: PrefixIndex, snapshot: Snapshot) -> None:
     for worker_id in snapshot.removed_workers:
         index.remove_worker(worker_id)
-    for worker_id, dp_rank, last_event_id, blocks in snapshot.workers:
-        index.import_worker((worker_id, dp_rank), last_event_id, blocks)
+    for worker_id, dp_rank, last_event_id, blocks, parent_of in snapshot.workers:
+        index.import_worker((worker_id, dp_rank), last_event_id, blocks, parent_of)
 
 
 def snapshot_key(namespace: str) -> str:

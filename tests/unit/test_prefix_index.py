@@ -160,8 +160,7 @@ def test_snapshot_export_import_round_trip():
     feed.send(2, stored_chain(PROMPT[:8]))
     restored = PrefixIndex()
     for key in index.workers():
-        last, blocks = index.export_worker(key)
-        restored.import_worker(key, last, blocks)
+        restored.import_worker(key, *index.export_worker(key))
     assert matches(restored, PROMPT) == {1: 4, 2: 2}
     assert dict(restored.tree_sizes()) == dict(index.tree_sizes())
     assert restored.last_event_id((1, 0)) == 0

@@ -19,6 +19,7 @@ from services.common.kv_events import (
     StoredBlock,
 )
 from services.common.prefix_index import DumpedBlock, PrefixIndex
+from services.indexer import snapshot as snapshots
 
 WORKERS = (1, 2, 3)
 ALPHABET = (11, 22, 33, 44)  # few local hashes, so workers share prefixes often
@@ -127,7 +128,7 @@ def deliveries(draw, truth: dict[int, TrueWorker]) -> list[KvEventBatch]:
     return merged
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_index_matches_the_naive_model(data):
     truth = data.draw(histories())
@@ -145,3 +146,22 @@ def test_index_matches_the_naive_model(data):
     ]
     for query in queries:
         assert index.find_matches(query) == naive_matches(truth, query), query
+    assert_closure_bookkeeping(index)
+    restored = PrefixIndex()  # a snapshot of the index, through its wire format, answers the same
+    snapshots.restore(restored, snapshots.decode(snapshots.encode(snapshots.capture(index, 1))))
+    assert_closure_bookkeeping(restored)
+    for worker_id, worker in truth.items():
+        assert restored.worker_blocks((worker_id, 0)) == worker.sequences()
+    for query in queries:
+        assert restored.find_matches(query) == naive_matches(truth, query), query
+
+
+def assert_closure_bookkeeping(index: PrefixIndex) -> None:
+    """Orphans (held blocks whose parent is not held) are counted exactly: the fast query path
+    relies on a worker with none holding whole prefixes only."""
+    for key in index.workers():
+        worker = index._workers[key]
+        held = set(worker.parent_of)
+        orphans = sum(1 for parent in worker.parent_of.values() if parent is not None and parent not in held)
+        assert worker.orphans == orphans
+        assert bool(index._unclosed & worker.bit) == (orphans > 0)
