@@ -42,6 +42,8 @@ class UpConfig(CommonConfig):
     http_port: int = option(8000, "port of the OpenAI-compatible HTTP API")
     workers: int = option(2, "number of mock workers")
     indexers: int = option(1, "number of indexer replicas")
+    routers: int = option(1, "number of router replicas behind the frontend")
+    router_replica_sync: bool = option(False, "router replicas share their load view over NATS")
     router_snapshot_threshold: int = option(1_000_000, "indexer snapshot threshold (stream messages)")
     router_mode: str = option("kv", "how the router chooses workers", choices=ROUTER_MODES)
     kv_cost: str = option("ttft", "KV cost model of the router (ttft or Dynamo's blocks)", choices=("ttft", "blocks"))
@@ -60,6 +62,8 @@ class UpConfig(CommonConfig):
             raise ConfigError("--workers must be at least 1")
         if self.indexers < 1:
             raise ConfigError("--indexers must be at least 1")
+        if self.routers < 1:
+            raise ConfigError("--routers must be at least 1")
 
 
 def _die_with_parent() -> None:
@@ -110,24 +114,20 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
         )
         for i in range(config.indexers)
     ]
-    services.append(
-        ServiceProcess(
-            "router",
-            "services.router",
-            [
-                *common,
-                "--router-mode",
-                config.router_mode,
-                "--kv-cost",
-                config.kv_cost,
-                "--kv-events" if config.kv_events else "--no-kv-events",
-                "--kv-overlap-score-weight",
-                str(config.kv_overlap_score_weight),
-                "--router-temperature",
-                str(config.router_temperature),
-            ],
-        )
-    )
+    router_args = [
+        *common,
+        "--router-mode",
+        config.router_mode,
+        "--kv-cost",
+        config.kv_cost,
+        "--kv-events" if config.kv_events else "--no-kv-events",
+        "--router-replica-sync" if config.router_replica_sync else "--no-router-replica-sync",
+        "--kv-overlap-score-weight",
+        str(config.kv_overlap_score_weight),
+        "--router-temperature",
+        str(config.router_temperature),
+    ]
+    services += [ServiceProcess(f"router-{i}", "services.router", router_args) for i in range(config.routers)]
     worker_args = [
         *common,
         "--model-name",
@@ -164,7 +164,7 @@ async def wait_until_ready(config: UpConfig, nats_url: str, services: list[Servi
     """Wait for every instance to register and for the HTTP API to answer /health."""
     nc = await connect_nats(nats_url, name="kvmesh-up")
     js = nc.jetstream()
-    expected = {"worker": config.workers, "indexer": config.indexers, "router": 1}
+    expected = {"worker": config.workers, "indexer": config.indexers, "router": config.routers}
     watchers = {c: DiscoveryWatcher(js, config.namespace, c) for c in expected}
     deadline = time.monotonic() + config.startup_timeout
     try:
@@ -199,7 +199,7 @@ async def _http_healthy(config: UpConfig) -> bool:
 def _ready_banner(config: UpConfig, nats_url: str) -> str:
     base = f"http://{config.http_host}:{config.http_port}"
     return (
-        f"kvmesh is up: {config.workers} worker(s), {config.indexers} indexer(s), "
+        f"kvmesh is up: {config.workers} worker(s), {config.indexers} indexer(s), {config.routers} router(s), "
         f"router mode {config.router_mode}\n"
         f"  OpenAI API: {base}/v1   model: {config.model_name}\n"
         f"  NATS: {nats_url}   namespace: {config.namespace}\n"

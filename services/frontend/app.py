@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from services.common.grpc_errors import is_transport_failure
 from services.common.proto.kvmesh.v1 import common_pb2
 from services.frontend.errors import (
     BadRequestError,
@@ -51,6 +52,8 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, type[OpenAIError]] = {
 
 
 WORKER_ID_HEADER = "x-kvmesh-worker-id"
+# Router replicas one request may fail over to after the first.
+ROUTER_FAILOVER_LIMIT = 3
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,8 @@ class Frontend:
         if body.kvmesh is not None:
             if body.kvmesh.worker_id is not None:
                 request.routing.worker_id = body.kvmesh.worker_id
+            if body.kvmesh.expected_output_tokens is not None:
+                request.expected_output_tokens = body.kvmesh.expected_output_tokens
             override = body.kvmesh.router_config_override
             if override is not None:
                 if override.overlap_score_weight is not None:
@@ -158,33 +163,70 @@ class Frontend:
     async def generate(
         self, request: common_pb2.PreprocessedRequest, stop: list[str], usage: UsageCounter
     ) -> AsyncIterator[Piece]:
-        """Stream text pieces; stop strings end the answer early (finish reason ``stop``)."""
-        try:
-            call = self.routers.generate(request)
-        except NoRouterError as exc:
-            raise ServiceUnavailableError(str(exc)) from exc
+        """Stream text pieces; stop strings end the answer early (finish reason ``stop``).
+
+        A router replica that dies (transport failure, not a deliberate refusal) is replaced by
+        another one, which continues from the tokens already streamed: the client sees one answer.
+        """
         detokenizer = IncrementalDetokenizer(self.model.tokenizer)
         matcher = StopStringMatcher(stop)
-        try:
-            async for output in call:
-                usage.completion_tokens += len(output.token_ids)
-                usage.worker_id = output.worker_id
-                if output.usage.cached_prompt_tokens:
-                    usage.cached_tokens = output.usage.cached_prompt_tokens
-                text, stopped = matcher.feed(detokenizer.add(output.token_ids))
-                if stopped:
-                    yield Piece(text, "stop")
+        max_tokens = request.stop.max_tokens
+        generated: list[int] = []
+        failed: set[str] = set()
+        for attempt in range(ROUTER_FAILOVER_LIMIT + 1):
+            try:
+                address = self.routers.pick(frozenset(failed))
+            except NoRouterError as exc:
+                raise ServiceUnavailableError(str(exc)) from exc
+            call = self.routers.generate(resume(request, generated, max_tokens, attempt), address)
+            try:
+                async for output in call:
+                    generated.extend(output.token_ids)
+                    usage.completion_tokens = len(generated)
+                    usage.worker_id = output.worker_id
+                    if attempt == 0 and output.usage.cached_prompt_tokens:
+                        usage.cached_tokens = output.usage.cached_prompt_tokens
+                    text, stopped = matcher.feed(detokenizer.add(output.token_ids))
+                    if stopped:
+                        yield Piece(text, "stop")
+                        return
+                    if output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                        yield Piece(text + matcher.flush(), _FINISH_REASONS.get(output.finish_reason, "stop"))
+                        return
+                    if text:
+                        yield Piece(text)
+            except grpc.aio.AioRpcError as exc:
+                if not is_transport_failure(exc):
+                    raise _map_grpc_error(exc) from exc
+                failed.add(address)
+                log.warning(
+                    "router replica failed; continuing on another",
+                    router=address,
+                    tokens_so_far=len(generated),
+                    code=exc.code().name,
+                )
+                if generated and len(generated) >= max_tokens:
+                    yield Piece(matcher.flush(), "length")
                     return
-                if output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    yield Piece(text + matcher.flush(), _FINISH_REASONS.get(output.finish_reason, "stop"))
-                    return
-                if text:
-                    yield Piece(text)
-        except grpc.aio.AioRpcError as exc:
-            raise _map_grpc_error(exc) from exc
-        finally:
-            call.cancel()  # no-op when the stream ended; frees the worker when we stopped early
-        raise UpstreamError("the router stream ended without a finish reason")
+                continue
+            finally:
+                call.cancel()  # no-op when the stream ended; frees the worker when we stopped early
+            raise UpstreamError("the router stream ended without a finish reason")
+        raise ServiceUnavailableError(f"router replicas failed {ROUTER_FAILOVER_LIMIT + 1} times for this request")
+
+
+def resume(
+    request: common_pb2.PreprocessedRequest, generated: list[int], max_tokens: int, attempt: int
+) -> common_pb2.PreprocessedRequest:
+    """The request as sent on ``attempt``: after a failover it carries the tokens already streamed."""
+    if attempt == 0:
+        return request
+    moved = common_pb2.PreprocessedRequest()
+    moved.CopyFrom(request)
+    moved.request_id = f"{request.request_id}:r{attempt}"
+    moved.token_ids.extend(generated)
+    moved.stop.max_tokens = max_tokens - len(generated)
+    return moved
 
 
 def _map_grpc_error(exc: grpc.aio.AioRpcError) -> OpenAIError:

@@ -29,6 +29,7 @@ class KvmeshExtension(_Lenient):
 
     worker_id: int | None = None
     router_config_override: RouterConfigOverride | None = None
+    expected_output_tokens: Annotated[int, Field(ge=0)] | None = None
 
 
 class _SamplingRequest(_Lenient):

@@ -33,19 +33,22 @@ class RouterClient:
         assert self._watcher is not None
         return sorted(r.address for r in self._watcher.instances())
 
-    def _stub(self) -> router_pb2_grpc.RouterStub:
+    def pick(self, avoid: frozenset[str] = frozenset()) -> str:
+        """The next router address in turn, skipping ``avoid`` while others exist."""
         addresses = self.addresses()
-        if not addresses:
-            raise NoRouterError("no router is available")
-        address = addresses[next(self._counter) % len(addresses)]
+        usable = [a for a in addresses if a not in avoid]
+        if not usable:
+            raise NoRouterError("no router is available" if not addresses else "every router replica failed")
+        return usable[next(self._counter) % len(usable)]
+
+    def generate(
+        self, request: common_pb2.PreprocessedRequest, address: str
+    ) -> AsyncIterator[common_pb2.GenerateOutput]:
+        """The stream of ``Router.Generate`` at ``address``; raises ``grpc.aio.AioRpcError``."""
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = insecure_channel(address)
-        return router_pb2_grpc.RouterStub(channel)
-
-    def generate(self, request: common_pb2.PreprocessedRequest) -> AsyncIterator[common_pb2.GenerateOutput]:
-        """The router's stream; raises ``NoRouterError`` or ``grpc.aio.AioRpcError``."""
-        return self._stub().Generate(request)
+        return router_pb2_grpc.RouterStub(channel).Generate(request)
 
     async def close(self) -> None:
         for channel in self._channels.values():

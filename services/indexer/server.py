@@ -17,6 +17,7 @@ import structlog
 from prometheus_client import Histogram, start_http_server
 
 from services.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
+from services.common.grpc_errors import refuse
 from services.common.hashing import block_set_digest
 from services.common.prefix_index import PrefixIndex
 from services.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
@@ -53,7 +54,9 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         self, request: indexer_pb2.FindMatchesRequest, context: grpc.aio.ServicerContext
     ) -> indexer_pb2.FindMatchesResponse:
         if max(len(request.local_hashes), len(request.sequence_hashes)) > MAX_QUERY_BLOCKS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"query longer than {MAX_QUERY_BLOCKS} blocks")
+            await refuse(
+                context, "indexer", grpc.StatusCode.INVALID_ARGUMENT, f"query longer than {MAX_QUERY_BLOCKS} blocks"
+            )
         started = time.perf_counter()
         if request.sequence_hashes:
             matched = self.index.find_matches_by_sequence(request.sequence_hashes)

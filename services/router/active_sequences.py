@@ -5,11 +5,13 @@ For each worker (and data-parallel rank) the router tracks its in-flight request
 - *prefill tokens*: prompt tokens not served from cache, for requests whose first token has not
   arrived yet (prefill queued or running there);
 - *decode blocks*: KV blocks held by active requests, where a prefix shared by several requests
-  counts once (blocks are identified by sequence hash) and each request's partial last block counts
-  on its own.
+  counts once (full prompt blocks are identified by sequence hash) and each request's own blocks —
+  its partial last prompt block and, with ``track_output_blocks``, the blocks its output fills (or
+  is expected to fill, given a length hint) — count for that request alone.
 
-The three updates mirror a request's life: :meth:`add` on routing, :meth:`mark_prefill_completed`
-on its first token and :meth:`free` on completion or cancellation.
+The updates mirror a request's life: :meth:`add` on routing, :meth:`mark_prefill_completed` on its
+first token, :meth:`add_output` as tokens stream (output tracking only), :meth:`free` on completion
+or cancellation. :meth:`expire` drops requests older than a timeout, in case a free was lost.
 """
 
 from __future__ import annotations
@@ -24,19 +26,23 @@ WorkerKey = tuple[int, int]
 class _Request:
     worker: WorkerKey
     block_hashes: tuple[int, ...]
-    has_partial_block: bool
+    prompt_tokens: int
     prefill_tokens: int
+    expected_output: int
+    added_at: float
+    output_tokens: int = 0
+    own_blocks: int = 0
 
 
 @dataclass
 class _WorkerLoad:
     prefill_tokens: int = 0
-    partial_blocks: int = 0
+    own_blocks: int = 0
     block_refs: dict[int, int] = field(default_factory=dict)
 
     @property
     def decode_blocks(self) -> int:
-        return len(self.block_refs) + self.partial_blocks
+        return len(self.block_refs) + self.own_blocks
 
 
 @dataclass(frozen=True)
@@ -51,10 +57,16 @@ class PotentialLoad:
 class ActiveSequences:
     """In-flight requests per worker. Guarantees: loads return to zero once every request is freed."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, track_active_blocks: bool = True, track_output_blocks: bool = False) -> None:
         self.block_size = block_size
+        self.track_active_blocks = track_active_blocks
+        self.track_output_blocks = track_output_blocks
         self._requests: dict[str, _Request] = {}
         self._loads: dict[WorkerKey, _WorkerLoad] = {}
+
+    def _own_blocks(self, prompt_tokens: int, shared_blocks: int, output_tokens: int) -> int:
+        tokens = prompt_tokens + (output_tokens if self.track_output_blocks else 0)
+        return -(-tokens // self.block_size) - shared_blocks
 
     def add(
         self,
@@ -63,16 +75,19 @@ class ActiveSequences:
         block_hashes: Sequence[int],
         prompt_tokens: int,
         overlap_blocks: int,
+        expected_output_tokens: int = 0,
+        now: float = 0.0,
     ) -> None:
         """Record a request routed to ``worker`` (``block_hashes``: its full blocks' sequence hashes)."""
         if request_id in self._requests:
             self.free(request_id)
         prefill = max(0, prompt_tokens - overlap_blocks * self.block_size)
-        request = _Request(worker, tuple(block_hashes), prompt_tokens % self.block_size != 0, prefill)
+        request = _Request(worker, tuple(block_hashes), prompt_tokens, prefill, expected_output_tokens, now)
+        request.own_blocks = self._own_blocks(prompt_tokens, len(request.block_hashes), expected_output_tokens)
         self._requests[request_id] = request
         load = self._loads.setdefault(worker, _WorkerLoad())
         load.prefill_tokens += prefill
-        load.partial_blocks += request.has_partial_block
+        load.own_blocks += request.own_blocks
         for h in request.block_hashes:
             load.block_refs[h] = load.block_refs.get(h, 0) + 1
 
@@ -83,19 +98,39 @@ class ActiveSequences:
         self._loads[request.worker].prefill_tokens -= request.prefill_tokens
         request.prefill_tokens = 0
 
+    def add_output(self, request_id: str, tokens: int) -> None:
+        """``tokens`` more output tokens of a request: its own blocks grow past any expected length."""
+        request = self._requests.get(request_id)
+        if request is None or not self.track_output_blocks:
+            return
+        request.output_tokens += tokens
+        own = self._own_blocks(
+            request.prompt_tokens, len(request.block_hashes), max(request.output_tokens, request.expected_output)
+        )
+        if own != request.own_blocks:
+            self._loads[request.worker].own_blocks += own - request.own_blocks
+            request.own_blocks = own
+
     def free(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
         load = self._loads[request.worker]
         load.prefill_tokens -= request.prefill_tokens
-        load.partial_blocks -= request.has_partial_block
+        load.own_blocks -= request.own_blocks
         for h in request.block_hashes:
             count = load.block_refs[h] - 1
             if count:
                 load.block_refs[h] = count
             else:
                 del load.block_refs[h]
+
+    def expire(self, now: float, max_age: float) -> list[str]:
+        """Free requests added more than ``max_age`` ago (their free was lost); returns their ids."""
+        stale = [r for r, request in self._requests.items() if now - request.added_at > max_age]
+        for request_id in stale:
+            self.free(request_id)
+        return stale
 
     def remove_worker(self, worker_id: int) -> None:
         """Forget a departed worker and every request that was on it."""
@@ -107,7 +142,9 @@ class ActiveSequences:
     def load(self, worker: WorkerKey) -> tuple[int, int]:
         """(prefill tokens, decode blocks) currently predicted for ``worker``."""
         load = self._loads.get(worker)
-        return (load.prefill_tokens, load.decode_blocks) if load else (0, 0)
+        if load is None:
+            return 0, 0
+        return load.prefill_tokens, load.decode_blocks if self.track_active_blocks else 0
 
     def potential_loads(
         self,
@@ -115,18 +152,24 @@ class ActiveSequences:
         block_hashes: Sequence[int],
         prompt_tokens: int,
         overlaps: dict[WorkerKey, int],
+        expected_output_tokens: int = 0,
     ) -> list[PotentialLoad]:
         """Each worker's (prefill tokens, decode blocks) if this request were added to it."""
-        partial = 1 if prompt_tokens % self.block_size else 0
+        own = self._own_blocks(prompt_tokens, len(block_hashes), expected_output_tokens)
         result = []
         for worker in workers:
             load = self._loads.get(worker) or _WorkerLoad()
-            new_blocks = sum(1 for h in block_hashes if h not in load.block_refs)
             prefill = max(0, prompt_tokens - overlaps.get(worker, 0) * self.block_size)
-            result.append(
-                PotentialLoad(worker, load.prefill_tokens + prefill, load.decode_blocks + new_blocks + partial)
-            )
+            if self.track_active_blocks:
+                new_blocks = sum(1 for h in block_hashes if h not in load.block_refs)
+                decode = load.decode_blocks + new_blocks + own
+            else:
+                decode = 0
+            result.append(PotentialLoad(worker, load.prefill_tokens + prefill, decode))
         return result
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
 
     def __len__(self) -> int:
         return len(self._requests)

@@ -23,6 +23,20 @@ class RouterConfig(GrpcEndpointConfig):
     router_ttl_secs: float = option(120.0, "approximate mode: seconds a routed block is assumed cached")
     router_max_tree_size: int = option(1 << 20, "approximate mode: most (worker, block) pairs remembered")
     indexer_timeout_ms: float = option(500.0, "deadline of one overlap query to an indexer replica")
+    track_active_blocks: bool = option(
+        True, "count active KV blocks in the cost (--no-track-active-blocks: prefill only)"
+    )
+    router_track_output_blocks: bool = option(False, "grow a request's predicted blocks as its output grows")
+    active_decode_blocks_threshold: int | None = option(
+        None, "a worker with more active blocks is busy; when all are busy requests are refused"
+    )
+    active_prefill_tokens_threshold: int | None = option(
+        None, "a worker with more queued prefill tokens is busy; when all are busy requests are refused"
+    )
+    request_timeout_secs: float = option(600.0, "forget a routed request after this long (a lost free)")
+    router_replica_sync: bool = option(False, "share routing decisions with the other router replicas over NATS")
+    migration_limit: int = option(3, "times a request whose worker fails mid-stream moves to another worker")
+    worker_avoid_secs: float = option(5.0, "seconds a worker that failed a stream is not chosen")
     seed: int | None = option(None, "seed for tie-breaking and sampling (default: random)")
 
     def validate(self) -> None:

@@ -42,6 +42,8 @@ class RoutingPolicy:
         temperature: float = 0.0,
         rng: random.Random | None = None,
         cost_model: CostModel | None = None,
+        track_active_blocks: bool = True,
+        track_output_blocks: bool = False,
     ) -> None:
         """``cost_model`` defaults to Dynamo's block cost; the service and replay pass the one configured."""
         if mode not in ("kv", "round-robin", "random"):
@@ -51,7 +53,7 @@ class RoutingPolicy:
         self.overlap_score_weight = overlap_score_weight
         self.temperature = temperature
         self._rng = rng or random.Random()
-        self.active = ActiveSequences(block_size)
+        self.active = ActiveSequences(block_size, track_active_blocks, track_output_blocks)
         self._kv = KvSelector(cost_model or BlockCost(block_size), self._rng)
         self._round_robin = RoundRobinSelector()
         self._random = RandomSelector(self._rng)
@@ -69,6 +71,7 @@ class RoutingPolicy:
         tree_sizes: Mapping[WorkerKey, int] | None = None,
         overlap_score_weight: float | None = None,
         temperature: float | None = None,
+        expected_output_tokens: int = 0,
     ) -> Decision:
         """Pick a worker (per-request weight / temperature override the defaults when given)."""
         if not workers:
@@ -79,7 +82,9 @@ class RoutingPolicy:
             return Decision(self._random.select(workers), 0)
         overlaps = overlaps or {}
         tree_sizes = tree_sizes or {}
-        loads = self.active.potential_loads(workers, block_hashes, prompt_tokens, dict(overlaps))
+        loads = self.active.potential_loads(
+            workers, block_hashes, prompt_tokens, dict(overlaps), expected_output_tokens
+        )
         candidates = [
             Candidate(
                 load.worker,

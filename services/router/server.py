@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 import structlog
 
 from services.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
+from services.common.grpc_errors import is_transport_failure, refuse
 from services.common.grpc_server import insecure_channel
 from services.common.hashing import local_block_hashes, sequence_hashes
 from services.common.proto.kvmesh.v1 import (
@@ -27,6 +30,7 @@ from services.common.service import registered_grpc_service, service_main
 from services.router.approximate_index import ApproximateIndex
 from services.router.config import RouterConfig
 from services.router.policy import RoutingPolicy
+from services.router.replica_sync import ADD, FREE, PREFILL_DONE, ReplicaSync, SyncMessage
 from services.router.scheduler import make_cost_model
 
 log = structlog.get_logger(__name__)
@@ -34,6 +38,8 @@ log = structlog.get_logger(__name__)
 WorkerKey = tuple[int, int]
 # Assumed when a worker does not advertise its step token budget.
 DEFAULT_MAX_BATCHED_TOKENS = 8192
+# What a worker generates when a request names no max_tokens.
+DEFAULT_MAX_TOKENS = 16
 
 
 class RoutingError(Exception):
@@ -66,8 +72,25 @@ class ChannelPool:
             await self.drop(address)
 
 
+@dataclass
+class Prepared:
+    """A request's candidates and hashes, computed once per routing decision."""
+
+    candidates: list[InstanceRecord]
+    by_id: dict[int, InstanceRecord]
+    policy: RoutingPolicy
+    local_hashes: list[int]
+    block_hashes: list[int]
+    prompt_tokens: int
+    expected_output_tokens: int
+
+
 class Router:
-    """Routing decisions plus the load picture they rely on. One per router process."""
+    """Routing decisions plus the load picture they rely on. One per router process.
+
+    Guarantees: every request it routes is added to the load picture, marked prefill-completed on
+    its first token and freed when it ends, in this replica and (with replica sync) in every other.
+    """
 
     def __init__(
         self,
@@ -75,14 +98,25 @@ class Router:
         workers: DiscoveryWatcher,
         indexers: DiscoveryWatcher | None,
         channels: ChannelPool,
+        router_id: str = "",
     ) -> None:
         self.config = config
         self.workers = workers
         self.indexers = indexers
         self.channels = channels
+        self.router_id = router_id
+        self.sync: ReplicaSync | None = None
         self._rng = random.Random(config.seed)
         self._policies: dict[int, RoutingPolicy] = {}
         self._approximate: dict[int, ApproximateIndex] = {}
+        self._avoid_until: dict[int, float] = {}
+        # requests routed by other replicas: key -> block size, and each replica's keys
+        self._remote: dict[str, int] = {}
+        self._remote_by_router: dict[str, set[str]] = {}
+
+    def avoid(self, worker_id: int) -> None:
+        """Do not choose this worker for ``--worker-avoid-secs`` (its stream just broke)."""
+        self._avoid_until[worker_id] = time.monotonic() + self.config.worker_avoid_secs
 
     def approximate_index(self, block_size: int) -> ApproximateIndex:
         """Approximate mode's view of the caches of workers with this block size."""
@@ -115,6 +149,8 @@ class Router:
                 self.config.router_temperature,
                 self._rng,
                 cost_model,
+                self.config.track_active_blocks,
+                self.config.router_track_output_blocks,
             )
         return policy
 
@@ -125,7 +161,20 @@ class Router:
             index.remove_worker(record.instance_id)
 
     def candidates(self, model: str) -> list[InstanceRecord]:
-        return [r for r in self.workers.instances() if not model or r.model == model]
+        """Workers serving ``model``, without those recently failed (unless no other is left)."""
+        serving = [r for r in self.workers.instances() if not model or r.model == model]
+        now = time.monotonic()
+        healthy = [r for r in serving if self._avoid_until.get(r.instance_id, 0.0) <= now]
+        return healthy or serving
+
+    def busy(self, policy: RoutingPolicy, worker_id: int) -> bool:
+        """Over ``--active-decode-blocks-threshold`` or ``--active-prefill-tokens-threshold``."""
+        prefill, decode = policy.active.load((worker_id, 0))
+        blocks_limit = self.config.active_decode_blocks_threshold
+        prefill_limit = self.config.active_prefill_tokens_threshold
+        return (blocks_limit is not None and decode > blocks_limit) or (
+            prefill_limit is not None and prefill > prefill_limit
+        )
 
     async def overlaps(self, block_hashes: list[int]) -> tuple[dict[WorkerKey, int], dict[WorkerKey, int]]:
         """(matched blocks, tree size) per worker from an indexer replica; empty if none answers."""
@@ -147,17 +196,42 @@ class Router:
         log.warning("no indexer answered; routing on load alone")
         return {}, {}
 
-    async def choose(self, request: common_pb2.PreprocessedRequest) -> tuple[InstanceRecord, int, list[int]]:
-        """Pick the worker; returns (worker record, overlap blocks, full-block sequence hashes)."""
+    def prepare(self, request: common_pb2.PreprocessedRequest) -> Prepared:
         candidates = self.candidates(request.model)
         if not candidates:
             raise RoutingError(grpc.StatusCode.UNAVAILABLE, f"no worker available for model {request.model!r}")
-        by_id = {r.instance_id: r for r in candidates}
         block_size = candidates[0].block_size
         lora = request.lora_name if request.HasField("lora_name") else None
         local_hashes = local_block_hashes(request.token_ids, block_size, lora)
-        block_hashes = sequence_hashes(local_hashes)
+        expected = request.expected_output_tokens if request.HasField("expected_output_tokens") else 0
+        return Prepared(
+            candidates,
+            {r.instance_id: r for r in candidates},
+            self.policy(candidates[0]),
+            local_hashes,
+            sequence_hashes(local_hashes),
+            len(request.token_ids),
+            expected,
+        )
 
+    async def cache_view(self, prepared: Prepared) -> tuple[dict[WorkerKey, int], dict[WorkerKey, int]]:
+        """(matched blocks, tree size) per worker: from the indexers, or approximate mode's memory."""
+        if not prepared.policy.needs_overlaps:
+            return {}, {}
+        if self.config.kv_events:
+            return await self.overlaps(prepared.block_hashes)
+        approximate = self.approximate_index(prepared.policy.block_size)
+        matched = approximate.find_matches_by_sequence(prepared.block_hashes, time.monotonic())
+        return matched, dict(approximate.tree_sizes())
+
+    async def choose(
+        self, request: common_pb2.PreprocessedRequest, commit: bool = True
+    ) -> tuple[InstanceRecord, int, list[int]]:
+        """Pick the worker; returns (worker record, overlap blocks, full-block sequence hashes).
+
+        ``commit=False`` answers a query (BestWorker) without leaving a trace in approximate mode.
+        """
+        prepared = self.prepare(request)
         forced = request.routing.worker_id if request.routing.HasField("worker_id") else None
         if forced is not None or self.config.router_mode == "direct":
             if forced is None:
@@ -165,38 +239,142 @@ class Router:
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "router mode 'direct' needs routing.worker_id in the request",
                 )
-            record = by_id.get(forced)
+            record = prepared.by_id.get(forced)
             if record is None:
                 raise RoutingError(grpc.StatusCode.NOT_FOUND, f"worker {forced} is not registered for this model")
-            return record, 0, block_hashes
+            return record, 0, prepared.block_hashes
 
-        policy = self.policy(candidates[0])
-        matched: dict[WorkerKey, int] = {}
-        sizes: dict[WorkerKey, int] = {}
-        approximate = None if self.config.kv_events else self.approximate_index(block_size)
-        if policy.needs_overlaps:
-            if approximate is None:
-                matched, sizes = await self.overlaps(block_hashes)
-            else:
-                matched = approximate.find_matches_by_sequence(block_hashes, time.monotonic())
-                sizes = dict(approximate.tree_sizes())
+        candidates = [r for r in prepared.candidates if not self.busy(prepared.policy, r.instance_id)]
+        if not candidates:
+            raise RoutingError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"all {len(prepared.candidates)} workers are busy (over their active block or prefill thresholds)",
+            )
+        matched, sizes = await self.cache_view(prepared)
         override = request.routing.router_config_override
-        decision = policy.choose(
+        decision = prepared.policy.choose(
             [(r.instance_id, 0) for r in candidates],
-            block_hashes,
-            len(request.token_ids),
+            prepared.block_hashes,
+            prepared.prompt_tokens,
             matched,
             sizes,
             override.overlap_score_weight if override.HasField("overlap_score_weight") else None,
             override.router_temperature if override.HasField("router_temperature") else None,
+            prepared.expected_output_tokens,
         )
-        if approximate is not None:
-            approximate.record(decision.worker, local_hashes, block_hashes, time.monotonic())
-        return by_id[decision.worker[0]], decision.overlap_blocks, block_hashes
+        if commit and not self.config.kv_events:
+            self.approximate_index(prepared.policy.block_size).record(
+                decision.worker, prepared.local_hashes, prepared.block_hashes, time.monotonic()
+            )
+        return prepared.by_id[decision.worker[0]], decision.overlap_blocks, prepared.block_hashes
+
+    async def potential_loads(self, request: common_pb2.PreprocessedRequest) -> list[router_pb2.WorkerLoad]:
+        prepared = self.prepare(request)
+        matched, _sizes = await self.cache_view(prepared)
+        workers = [(r.instance_id, 0) for r in prepared.candidates]
+        active = prepared.policy.active
+        return [
+            router_pb2.WorkerLoad(
+                worker_id=load.worker[0],
+                dp_rank=load.worker[1],
+                overlap_blocks=matched.get(load.worker, 0),
+                potential_prefill_tokens=load.prefill_tokens,
+                potential_decode_blocks=load.decode_blocks,
+                active_prefill_tokens=active.load(load.worker)[0],
+                active_decode_blocks=active.load(load.worker)[1],
+            )
+            for load in active.potential_loads(
+                workers, prepared.block_hashes, prepared.prompt_tokens, matched, prepared.expected_output_tokens
+            )
+        ]
+
+    # ---- the load picture, shared with the other replicas ----------------------------------
+    def track_add(
+        self,
+        request_id: str,
+        record: InstanceRecord,
+        block_hashes: list[int],
+        prompt_tokens: int,
+        overlap: int,
+        expected_output_tokens: int,
+    ) -> None:
+        key = (record.instance_id, 0)
+        self.policy(record).active.add(
+            request_id, key, block_hashes, prompt_tokens, overlap, expected_output_tokens, time.monotonic()
+        )
+        if self.sync is not None:
+            self.sync.added(
+                request_id, key, record.block_size, block_hashes, prompt_tokens, overlap, expected_output_tokens
+            )
+
+    def track_first_token(self, record: InstanceRecord, request_id: str) -> None:
+        self.policy(record).active.mark_prefill_completed(request_id)
+        if self.sync is not None:
+            self.sync.prefill_completed(request_id)
+
+    def track_output(self, record: InstanceRecord, request_id: str, tokens: int) -> None:
+        self.policy(record).active.add_output(request_id, tokens)
+
+    def track_free(self, record: InstanceRecord, request_id: str) -> None:
+        self.policy(record).active.free(request_id)
+        if self.sync is not None:
+            self.sync.freed(request_id)
+
+    def apply_remote(self, message: SyncMessage) -> None:
+        """Another replica's request event, applied under a key that cannot clash with ours."""
+        key = f"{message.router_id}/{message.request_id}"
+        if message.kind == ADD:
+            record = self.workers.get(message.worker_id)
+            if record is None:
+                return  # a worker this replica does not know (yet): nothing to predict for
+            self.policy(record).active.add(
+                key,
+                (message.worker_id, message.dp_rank),
+                message.block_hashes,
+                message.prompt_tokens,
+                message.overlap_blocks,
+                message.expected_output_tokens,
+                time.monotonic(),
+            )
+            self._remote[key] = record.block_size
+            self._remote_by_router.setdefault(message.router_id, set()).add(key)
+            return
+        block_size = self._remote.get(key)
+        if block_size is None:
+            return
+        policy = self._policies[block_size]
+        if message.kind == PREFILL_DONE:
+            policy.active.mark_prefill_completed(key)
+        elif message.kind == FREE:
+            policy.active.free(key)
+            del self._remote[key]
+            self._remote_by_router.get(message.router_id, set()).discard(key)
+
+    def forget_router(self, router_id: str) -> None:
+        """A replica went silent: drop every request it had told us about."""
+        for key in self._remote_by_router.pop(router_id, set()):
+            block_size = self._remote.pop(key, None)
+            if block_size is not None:
+                self._policies[block_size].active.free(key)
+
+    def expire_stale(self) -> None:
+        now = time.monotonic()
+        for policy in self._policies.values():
+            for key in policy.active.expire(now, self.config.request_timeout_secs):
+                block_size = self._remote.pop(key, None)
+                if block_size is not None:
+                    router_id = key.split("/", 1)[0]
+                    self._remote_by_router.get(router_id, set()).discard(key)
+                log.warning("forgot a request routed too long ago", request_id=key)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """``Generate``: route, track the load (add, prefill completed, free) and relay the stream."""
+    """``Generate``: route, track the load (add, prefill completed, free) and relay the stream.
+
+    If the worker's stream breaks (the worker died, not refused), the request moves to another
+    worker with the prompt plus the tokens generated so far and the remaining budget, up to
+    ``--migration-limit`` times; the client sees one uninterrupted stream.
+    """
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -209,40 +387,134 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request_id = request.request_id
         structlog.contextvars.bind_contextvars(request_id=request_id)
         if not request.token_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
+            await refuse(context, "router", grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
+        max_tokens = request.stop.max_tokens or DEFAULT_MAX_TOKENS
+        prompt_tokens = len(request.token_ids)
+        forced = request.routing.HasField("worker_id") or self.router.config.router_mode == "direct"
+        generated: list[int] = []
+        cached_tokens: int | None = None
+        migrations = 0
         try:
-            record, overlap, block_hashes = await self.router.choose(request)
-        except RoutingError as exc:
-            await context.abort(exc.code, str(exc))
-        active = self.router.policy(record).active
-        worker_key = (record.instance_id, 0)
-        active.add(request_id, worker_key, block_hashes, len(request.token_ids), overlap)
-        log.info(
-            "routed",
-            worker_id=record.instance_id,
-            overlap_blocks=overlap,
-            mode=self.router.config.router_mode,
-        )
-        stub = worker_pb2_grpc.WorkerStub(self.router.channels.get(record.address))
-        first = True
-        try:
-            async for output in stub.Generate(request):
-                if first:
-                    active.mark_prefill_completed(request_id)
-                    first = False
-                yield output
-        except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                code = grpc.StatusCode.UNAVAILABLE
-                message = f"worker {record.instance_id} failed: {exc.details()}"
-            else:
-                message = exc.details() or code.name
-            log.warning("worker stream failed", worker_id=record.instance_id, code=exc.code().name)
-            await context.abort(code, message)
+            while True:
+                attempt = request if migrations == 0 else continuation(request, generated, max_tokens, migrations)
+                try:
+                    record, overlap, block_hashes = await self.router.choose(attempt)
+                except RoutingError as exc:
+                    await refuse(context, "router", exc.code, str(exc))
+                expected = attempt.expected_output_tokens if attempt.HasField("expected_output_tokens") else 0
+                self.router.track_add(
+                    attempt.request_id, record, block_hashes, len(attempt.token_ids), overlap, expected
+                )
+                log.info(
+                    "routed",
+                    worker_id=record.instance_id,
+                    overlap_blocks=overlap,
+                    mode=self.router.config.router_mode,
+                    migration=migrations,
+                )
+                stub = worker_pb2_grpc.WorkerStub(self.router.channels.get(record.address))
+                try:
+                    first = True
+                    async for output in stub.Generate(attempt):
+                        if first:
+                            self.router.track_first_token(record, attempt.request_id)
+                            first = False
+                        self.router.track_output(record, attempt.request_id, len(output.token_ids))
+                        generated.extend(output.token_ids)
+                        if cached_tokens is None:
+                            cached_tokens = output.usage.cached_prompt_tokens
+                        # usage as the client asked: the original prompt, every token of every attempt
+                        output.usage.prompt_tokens = prompt_tokens
+                        output.usage.completion_tokens = len(generated)
+                        output.usage.cached_prompt_tokens = cached_tokens
+                        yield output
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    if not is_transport_failure(exc):
+                        await refuse(context, "router", exc.code(), exc.details() or exc.code().name)
+                    self.router.avoid(record.instance_id)
+                    log.warning(
+                        "worker stream broke",
+                        worker_id=record.instance_id,
+                        code=exc.code().name,
+                        tokens_so_far=len(generated),
+                    )
+                    if forced or migrations >= self.router.config.migration_limit:
+                        await refuse(
+                            context,
+                            "router",
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"worker {record.instance_id} failed after {len(generated)} tokens "
+                            f"({'forced worker' if forced else f'{migrations} migrations'})",
+                        )
+                    if len(generated) >= max_tokens:  # it died after the last token: finish for it
+                        yield finished_output(prompt_tokens, len(generated), cached_tokens or 0, record.instance_id)
+                        return
+                    migrations += 1
+                finally:
+                    self.router.track_free(record, attempt.request_id)
         finally:
-            active.free(request_id)
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def BestWorker(
+        self, request: router_pb2.RoutingQuery, context: grpc.aio.ServicerContext
+    ) -> router_pb2.BestWorkerResponse:
+        if not request.token_ids:
+            await refuse(context, "router", grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
+        try:
+            record, overlap, _hashes = await self.router.choose(as_request(request), commit=False)
+        except RoutingError as exc:
+            await refuse(context, "router", exc.code, str(exc))
+        return router_pb2.BestWorkerResponse(worker_id=record.instance_id, dp_rank=0, overlap_blocks=overlap)
+
+    async def PotentialLoads(
+        self, request: router_pb2.RoutingQuery, context: grpc.aio.ServicerContext
+    ) -> router_pb2.PotentialLoadsResponse:
+        if not request.token_ids:
+            await refuse(context, "router", grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
+        try:
+            loads = await self.router.potential_loads(as_request(request))
+        except RoutingError as exc:
+            await refuse(context, "router", exc.code, str(exc))
+        return router_pb2.PotentialLoadsResponse(loads=loads)
+
+
+def as_request(query: router_pb2.RoutingQuery) -> common_pb2.PreprocessedRequest:
+    """A routing query in the shape of the request it asks about."""
+    request = common_pb2.PreprocessedRequest(model=query.model, token_ids=query.token_ids)
+    if query.HasField("lora_name"):
+        request.lora_name = query.lora_name
+    if query.HasField("expected_output_tokens"):
+        request.expected_output_tokens = query.expected_output_tokens
+    request.routing.router_config_override.CopyFrom(query.router_config_override)
+    return request
+
+
+def continuation(
+    request: common_pb2.PreprocessedRequest, generated: list[int], max_tokens: int, migration: int
+) -> common_pb2.PreprocessedRequest:
+    """The request that carries on after ``generated`` tokens on another worker."""
+    moved = common_pb2.PreprocessedRequest()
+    moved.CopyFrom(request)
+    moved.request_id = f"{request.request_id}:m{migration}"
+    moved.token_ids.extend(generated)
+    moved.stop.max_tokens = max_tokens - len(generated)
+    moved.routing.ClearField("worker_id")
+    return moved
+
+
+def finished_output(prompt_tokens: int, completion: int, cached: int, worker_id: int) -> common_pb2.GenerateOutput:
+    return common_pb2.GenerateOutput(
+        finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        worker_id=worker_id,
+        usage=common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, cached_prompt_tokens=cached),
+    )
+
+
+async def expire_forever(router: Router) -> None:
+    while True:
+        await asyncio.sleep(min(10.0, router.config.request_timeout_secs / 4))
+        router.expire_stale()
 
 
 async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
@@ -261,8 +533,12 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
     indexers = DiscoveryWatcher(js, config.namespace, "indexer")
     await workers.start()
     await indexers.start()
-    router = Router(config, workers, indexers, channels)
+    router = Router(config, workers, indexers, channels, router_id=str(instance_id))
     router_ref.append(router)
+    if config.router_replica_sync:
+        router.sync = ReplicaSync(nc, config.namespace, router.router_id, router.apply_remote, router.forget_router)
+        await router.sync.start()
+    expiry = asyncio.create_task(expire_forever(router), name="expire-requests")
     servicer = RouterServicer(router)
     try:
         async with registered_grpc_service(
@@ -272,11 +548,16 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
             instance_id=instance_id,
             service_name=router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
             add_servicer=lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
-            extra={"mode": config.router_mode},
+            extra={"mode": config.router_mode, "replica_sync": config.router_replica_sync},
         ) as record:
             log.info("router ready", address=record.address, mode=config.router_mode)
             await stop.wait()
     finally:
+        expiry.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await expiry
+        if router.sync is not None:
+            await router.sync.stop()
         await workers.stop()
         await indexers.stop()
         await channels.close()

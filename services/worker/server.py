@@ -9,6 +9,7 @@ import grpc
 import structlog
 
 from services.common.discovery import new_instance_id
+from services.common.grpc_errors import refuse
 from services.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.runtime import connect_nats
 from services.common.service import registered_grpc_service, service_main
@@ -53,9 +54,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[common_pb2.GenerateOutput]:
         request_id = request.request_id
         if not request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+            await refuse(context, "worker", grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         if request.model and request.model != self.config.model_name:
-            await context.abort(
+            await refuse(
+                context,
+                "worker",
                 grpc.StatusCode.NOT_FOUND,
                 f"this worker serves model {self.config.model_name!r}, not {request.model!r}",
             )
@@ -67,7 +70,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 request_id, list(request.token_ids), max_tokens, list(request.stop.stop_token_ids), seed, lora
             )
         except EngineRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await refuse(context, "worker", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         log.info("request accepted", request_id=request_id, prompt_tokens=len(request.token_ids))
         completion = 0
         try:
@@ -104,7 +107,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.DumpKvStateRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.KvStateDump:
         if request.dp_rank != 0:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"this worker has only dp rank 0, not {request.dp_rank}")
+            await refuse(
+                context, "worker", grpc.StatusCode.NOT_FOUND, f"this worker has only dp rank 0, not {request.dp_rank}"
+            )
         last_event_id, blocks = self.loop.dump_state()
         log.info("dumped KV state", last_event_id=last_event_id, blocks=len(blocks))
         cached = []

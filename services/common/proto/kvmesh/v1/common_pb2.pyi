@@ -59,7 +59,7 @@ class RoutingHints(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., router_config_override: _Optional[_Union[RouterConfigOverride, _Mapping]] = ...) -> None: ...
 
 class PreprocessedRequest(_message.Message):
-    __slots__ = ("request_id", "model", "token_ids", "sampling", "stop", "routing", "lora_name", "disaggregated_params")
+    __slots__ = ("request_id", "model", "token_ids", "sampling", "stop", "routing", "lora_name", "disaggregated_params", "expected_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class PreprocessedRequest(_message.Message):
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -76,7 +77,8 @@ class PreprocessedRequest(_message.Message):
     routing: RoutingHints
     lora_name: str
     disaggregated_params: bytes
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., routing: _Optional[_Union[RoutingHints, _Mapping]] = ..., lora_name: _Optional[str] = ..., disaggregated_params: _Optional[bytes] = ...) -> None: ...
+    expected_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., routing: _Optional[_Union[RoutingHints, _Mapping]] = ..., lora_name: _Optional[str] = ..., disaggregated_params: _Optional[bytes] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from services.common.proto.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
+from services.common.proto.kvmesh.v1 import router_pb2 as kvmesh_dot_v1_dot_router__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -40,6 +41,16 @@ class RouterStub:
                 request_serializer=kvmesh_dot_v1_dot_common__pb2.PreprocessedRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateOutput.FromString,
                 _registered_method=True)
+        self.BestWorker = channel.unary_unary(
+                '/kvmesh.v1.Router/BestWorker',
+                request_serializer=kvmesh_dot_v1_dot_router__pb2.RoutingQuery.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_router__pb2.BestWorkerResponse.FromString,
+                _registered_method=True)
+        self.PotentialLoads = channel.unary_unary(
+                '/kvmesh.v1.Router/PotentialLoads',
+                request_serializer=kvmesh_dot_v1_dot_router__pb2.RoutingQuery.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_router__pb2.PotentialLoadsResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -52,6 +63,20 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BestWorker(self, request, context):
+        """The worker Generate would choose for these tokens now, without routing anything.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PotentialLoads(self, request, context):
+        """Every candidate worker's load if these tokens were sent to it, and its load now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +84,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvmesh_dot_v1_dot_common__pb2.PreprocessedRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateOutput.SerializeToString,
+            ),
+            'BestWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.BestWorker,
+                    request_deserializer=kvmesh_dot_v1_dot_router__pb2.RoutingQuery.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_router__pb2.BestWorkerResponse.SerializeToString,
+            ),
+            'PotentialLoads': grpc.unary_unary_rpc_method_handler(
+                    servicer.PotentialLoads,
+                    request_deserializer=kvmesh_dot_v1_dot_router__pb2.RoutingQuery.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_router__pb2.PotentialLoadsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +124,60 @@ class Router:
             '/kvmesh.v1.Router/Generate',
             kvmesh_dot_v1_dot_common__pb2.PreprocessedRequest.SerializeToString,
             kvmesh_dot_v1_dot_common__pb2.GenerateOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BestWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Router/BestWorker',
+            kvmesh_dot_v1_dot_router__pb2.RoutingQuery.SerializeToString,
+            kvmesh_dot_v1_dot_router__pb2.BestWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PotentialLoads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Router/PotentialLoads',
+            kvmesh_dot_v1_dot_router__pb2.RoutingQuery.SerializeToString,
+            kvmesh_dot_v1_dot_router__pb2.PotentialLoadsResponse.FromString,
             options,
             channel_credentials,
             insecure,

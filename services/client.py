@@ -1,0 +1,195 @@
+"""A small typed Python client for the router's gRPC API (``kvmesh.v1.Router``).
+
+    async with await RouterApi.discover("nats://127.0.0.1:4222") as api:
+        loads = await api.potential_loads(token_ids)
+        target = min(loads, key=lambda w: w.potential_prefill_tokens)
+        answer = await api.complete(token_ids, max_tokens=16, worker_id=target.worker_id)
+
+``best_worker`` and ``potential_loads`` ask without routing anything (like Dynamo's KvPushRouter);
+``generate`` / ``complete`` route, optionally forced to one worker. Errors arrive as
+:class:`RouterApiError` with the gRPC status code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import grpc
+
+from services.common import names
+from services.common.discovery import DiscoveryWatcher
+from services.common.grpc_server import insecure_channel
+from services.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common.runtime import connect_nats
+
+_FINISH = {
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+class RouterApiError(RuntimeError):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class WorkerChoice:
+    worker_id: int
+    dp_rank: int
+    overlap_blocks: int
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    worker_id: int
+    dp_rank: int
+    overlap_blocks: int
+    potential_prefill_tokens: int
+    potential_decode_blocks: int
+    active_prefill_tokens: int
+    active_decode_blocks: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    worker_id: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    worker_id: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class RouterApi:
+    """One router replica's API. Use as an async context manager (closes the channel)."""
+
+    def __init__(self, address: str, model: str = "") -> None:
+        self.address = address
+        self.model = model
+        self._channel = insecure_channel(address)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    @classmethod
+    async def discover(
+        cls, nats_url: str, namespace: str = names.DEFAULT_NAMESPACE, model: str = "", timeout: float = 10.0
+    ) -> RouterApi:
+        """Connect to a router replica found in discovery."""
+        nc = await connect_nats(nats_url, name="kvmesh-client")
+        try:
+            watcher = DiscoveryWatcher(nc.jetstream(), namespace, "router")
+            await watcher.start()
+            try:
+                await watcher.wait_for(bool, timeout)
+            except TimeoutError as exc:
+                raise RouterApiError(grpc.StatusCode.UNAVAILABLE, "no router replica is registered") from exc
+            address = sorted(r.address for r in watcher.instances())[0]
+            await watcher.stop()
+        finally:
+            await nc.close()
+        return cls(address, model)
+
+    async def __aenter__(self) -> RouterApi:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _query(self, token_ids: Sequence[int], expected_output_tokens: int | None) -> router_pb2.RoutingQuery:
+        query = router_pb2.RoutingQuery(model=self.model, token_ids=token_ids)
+        if expected_output_tokens is not None:
+            query.expected_output_tokens = expected_output_tokens
+        return query
+
+    async def best_worker(self, token_ids: Sequence[int], expected_output_tokens: int | None = None) -> WorkerChoice:
+        try:
+            answer = await self._stub.BestWorker(self._query(token_ids, expected_output_tokens))
+        except grpc.aio.AioRpcError as exc:
+            raise RouterApiError(exc.code(), exc.details() or "") from exc
+        return WorkerChoice(answer.worker_id, answer.dp_rank, answer.overlap_blocks)
+
+    async def potential_loads(
+        self, token_ids: Sequence[int], expected_output_tokens: int | None = None
+    ) -> list[WorkerLoad]:
+        try:
+            answer = await self._stub.PotentialLoads(self._query(token_ids, expected_output_tokens))
+        except grpc.aio.AioRpcError as exc:
+            raise RouterApiError(exc.code(), exc.details() or "") from exc
+        return [
+            WorkerLoad(
+                w.worker_id,
+                w.dp_rank,
+                w.overlap_blocks,
+                w.potential_prefill_tokens,
+                w.potential_decode_blocks,
+                w.active_prefill_tokens,
+                w.active_decode_blocks,
+            )
+            for w in answer.loads
+        ]
+
+    async def generate(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        worker_id: int | None = None,
+        seed: int | None = None,
+        request_id: str = "",
+    ) -> AsyncIterator[Chunk]:
+        """Stream the answer; ``worker_id`` forces the worker (no KV choice, no migration)."""
+        request = common_pb2.PreprocessedRequest(request_id=request_id, model=self.model, token_ids=token_ids)
+        request.stop.max_tokens = max_tokens
+        if worker_id is not None:
+            request.routing.worker_id = worker_id
+        if seed is not None:
+            request.sampling.seed = seed
+        try:
+            async for output in self._stub.Generate(request):
+                yield Chunk(tuple(output.token_ids), _FINISH.get(output.finish_reason), output.worker_id)
+        except grpc.aio.AioRpcError as exc:
+            raise RouterApiError(exc.code(), exc.details() or "") from exc
+
+    async def complete(
+        self, token_ids: Sequence[int], max_tokens: int, worker_id: int | None = None, seed: int | None = None
+    ) -> Completion:
+        request = common_pb2.PreprocessedRequest(model=self.model, token_ids=token_ids)
+        request.stop.max_tokens = max_tokens
+        if worker_id is not None:
+            request.routing.worker_id = worker_id
+        if seed is not None:
+            request.sampling.seed = seed
+        tokens: list[int] = []
+        last = None
+        try:
+            async for output in self._stub.Generate(request):
+                tokens.extend(output.token_ids)
+                last = output
+        except grpc.aio.AioRpcError as exc:
+            raise RouterApiError(exc.code(), exc.details() or "") from exc
+        if last is None:
+            raise RouterApiError(grpc.StatusCode.INTERNAL, "the router sent no output")
+        return Completion(
+            tuple(tokens),
+            _FINISH.get(last.finish_reason, "stop"),
+            last.worker_id,
+            last.usage.prompt_tokens,
+            last.usage.completion_tokens,
+            last.usage.cached_prompt_tokens,
+        )

@@ -1,0 +1,38 @@
+"""Telling a dead peer from a real answer on gRPC.
+
+A service that refuses a request on purpose (bad input, no worker, overloaded) aborts with trailing
+metadata ``kvmesh-origin: <service>``. A failure without that mark came from the transport — the
+process died, the connection broke — and is worth retrying elsewhere; a marked one is the answer and
+is passed on to the caller.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+ORIGIN_KEY = "kvmesh-origin"
+_TRANSPORT_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
+)
+
+
+def origin_metadata(service: str) -> tuple[tuple[str, str], ...]:
+    return ((ORIGIN_KEY, service),)
+
+
+def error_origin(error: grpc.aio.AioRpcError) -> str | None:
+    """The service that refused on purpose, or None for a transport failure."""
+    for key, value in error.trailing_metadata() or ():
+        if key == ORIGIN_KEY:
+            return value
+    return None
+
+
+def is_transport_failure(error: grpc.aio.AioRpcError) -> bool:
+    """True when the peer (or the path to it) failed rather than answered."""
+    return error.code() in _TRANSPORT_CODES and error_origin(error) is None
+
+
+async def refuse(context: grpc.aio.ServicerContext, service: str, code: grpc.StatusCode, message: str) -> None:
+    """Abort the call as a deliberate answer of ``service`` (never retried elsewhere)."""
+    await context.abort(code, message, trailing_metadata=origin_metadata(service))
