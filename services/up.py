@@ -2,7 +2,8 @@
 
 Starts an embedded NATS server (or uses ``--nats-url``), the indexer replicas, the router, the mock
 workers and the frontend; waits until every one has registered and the HTTP API answers; says where
-to send requests. Ctrl-C or SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period),
+to send requests. A service that crashes is restarted (at most five restarts a minute, then the mesh
+stops). Ctrl-C or SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period),
 and the children are also tied to this process's life by the kernel (``PR_SET_PDEATHSIG``), so even
 a ``kill -9`` of ``kvmesh up`` leaves no orphans.
 """
@@ -33,6 +34,8 @@ from services.router.config import ROUTER_MODES
 log = structlog.get_logger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
 
 
 @dataclass
@@ -234,12 +237,25 @@ async def run(config: UpConfig) -> int:
             return 0
         ready.result()
         print(_ready_banner(config, nats_url), flush=True)
+        restarts: list[float] = []
         while not stop.is_set():
             for service in services:
                 code = service.exited()
-                if code is not None:
-                    log.error("a service exited; stopping the mesh", service=service.name, code=code)
+                if code is None:
+                    continue
+                # A crashed replica is restarted (failover drills kill them on purpose); a crash loop
+                # stops the mesh rather than spinning.
+                now = time.monotonic()
+                restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
+                if len(restarts) >= MAX_RESTARTS:
+                    log.error("services keep crashing; stopping the mesh", service=service.name, code=code)
                     return 1
+                restarts.append(now)
+                log.warning("a service exited; restarting it", service=service.name, code=code)
+                service.start()
+            if nats_server is not None and nats_server.exited():
+                log.error("the NATS server exited; stopping the mesh")
+                return 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
         log.info("stopping the mesh")

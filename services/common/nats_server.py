@@ -109,6 +109,9 @@ class EmbeddedNatsServer:
         await self.wait_healthy(timeout)
         return self
 
+    def exited(self) -> bool:
+        return self._process is not None and self._process.poll() is not None
+
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:
             self._process.terminate()

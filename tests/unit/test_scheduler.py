@@ -121,3 +121,50 @@ class TestActiveSequences:
         active.remove_worker(1)
         assert active.load((1, 0)) == (0, 0) and len(active) == 0
         active.free("a")  # freeing a forgotten request is harmless
+
+
+class TestRoutingPolicy:
+    def test_per_request_overrides_apply_to_that_request_only(self):
+        from services.router.policy import RoutingPolicy
+
+        policy = RoutingPolicy("kv", BLOCK, overlap_score_weight=1.0, rng=random.Random(0))
+        workers = [(1, 0), (2, 0)]
+        hashes = list(range(100, 110))  # 10 blocks
+        policy.active.add("busy", (2, 0), [900 + i for i in range(5)], 5 * BLOCK, 5)  # some decoding load on 2
+        overlaps = {(1, 0): 0, (2, 0): 10}  # worker 2 holds the whole prompt
+        assert policy.choose(workers, hashes, 10 * BLOCK, overlaps).worker == (2, 0)
+        # with the prefill term weighed 0 the decode load decides; the next request is back to default
+        assert policy.choose(workers, hashes, 10 * BLOCK, overlaps, overlap_score_weight=0.0).worker == (1, 0)
+        assert policy.choose(workers, hashes, 10 * BLOCK, overlaps).worker == (2, 0)
+
+
+class TestActiveSequenceTracking:
+    def test_output_blocks_grow_with_the_output_and_start_at_the_hint(self):
+        active = ActiveSequences(BLOCK, track_output_blocks=True)
+        active.add("r", (1, 0), [1, 2], prompt_tokens=40, overlap_blocks=0, expected_output_tokens=30)
+        assert active.load((1, 0))[1] == -(-(40 + 30) // BLOCK)  # 5 blocks expected from the start
+        active.add_output("r", 30)
+        assert active.load((1, 0))[1] == 5
+        active.add_output("r", 20)  # longer than expected: 90 tokens
+        assert active.load((1, 0))[1] == 6
+        active.free("r")
+        assert active.load((1, 0)) == (0, 0)
+
+    def test_output_is_ignored_unless_tracked(self):
+        active = ActiveSequences(BLOCK)
+        active.add("r", (1, 0), [1, 2], prompt_tokens=40, overlap_blocks=0, expected_output_tokens=300)
+        active.add_output("r", 500)
+        assert active.load((1, 0))[1] == 3
+
+    def test_untracked_active_blocks_cost_nothing(self):
+        active = ActiveSequences(BLOCK, track_active_blocks=False)
+        active.add("r", (1, 0), [1, 2, 3], prompt_tokens=48, overlap_blocks=0)
+        assert active.load((1, 0)) == (48, 0)
+        assert active.potential_loads([(1, 0)], [1, 2, 3], 48, {})[0].decode_blocks == 0
+
+    def test_stale_requests_expire(self):
+        active = ActiveSequences(BLOCK)
+        active.add("old", (1, 0), [1], 16, 0, now=0.0)
+        active.add("new", (1, 0), [2], 16, 0, now=50.0)
+        assert active.expire(now=100.0, max_age=60.0) == ["old"]
+        assert "new" in active and "old" not in active

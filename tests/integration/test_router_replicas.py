@@ -1,0 +1,257 @@
+"""Router replicas over real NATS, real workers and real gRPC: a shared load picture, phantom load
+cleared after a router crash, migration when a worker dies mid-stream, busy protection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from services.client import RouterApi
+from services.common.config import parse_config
+from services.common.discovery import DiscoveryWatcher
+from services.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from services.router import server as router_server
+from services.router.config import RouterConfig
+from services.worker import server as worker_server
+from services.worker.config import WorkerConfig
+from tests.support import running, wait_until_async
+
+pytestmark = pytest.mark.integration
+NAMESPACE = "routers"
+
+
+def router_config(nats_url: str, *extra: str) -> RouterConfig:
+    return parse_config(
+        RouterConfig,
+        ["--nats-url", nats_url, "--namespace", NAMESPACE, "--lease-ttl", "2", *extra],
+        prog="r",
+        description="",
+        environ={},
+    )
+
+
+def worker_config(nats_url: str, *extra: str) -> WorkerConfig:
+    return parse_config(
+        WorkerConfig,
+        ["--nats-url", nats_url, "--namespace", NAMESPACE, "--lease-ttl", "2", *extra],
+        prog="w",
+        description="",
+        environ={},
+    )
+
+
+async def watch(nc: NatsClient, component: str) -> DiscoveryWatcher:
+    watcher = DiscoveryWatcher(nc.jetstream(), NAMESPACE, component)
+    await watcher.start()
+    return watcher
+
+
+async def stream(address: str, request_id: str, prompt: list[int], max_tokens: int) -> list[common_pb2.GenerateOutput]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        request = common_pb2.PreprocessedRequest(request_id=request_id, token_ids=prompt)
+        request.stop.max_tokens = max_tokens
+        return [o async for o in router_pb2_grpc.RouterStub(channel).Generate(request)]
+
+
+def loads_of(loads) -> dict[int, tuple[int, int]]:
+    return {w.worker_id: (w.active_prefill_tokens, w.active_decode_blocks) for w in loads}
+
+
+async def test_two_synced_replicas_agree_on_every_workers_load(nats_url: str, nc: NatsClient):
+    workers = await watch(nc, "worker")
+    routers = await watch(nc, "router")
+    slow = worker_config(nats_url, "--speedup-ratio", "1")  # real-time: requests stay in flight
+    async with (
+        running(worker_server.serve, slow),
+        running(worker_server.serve, slow),
+        running(router_server.serve, router_config(nats_url, "--router-replica-sync")),
+        running(router_server.serve, router_config(nats_url, "--router-replica-sync")),
+    ):
+        await wait_until_async(lambda: len(workers.instances()) == 2 and len(routers.instances()) == 2, what="up")
+        addresses = sorted(r.address for r in routers.instances())
+        prompts = [[p] * 64 + list(range(i, i + 40)) for i, p in enumerate([3, 5, 7, 9] * 4)]
+        tasks = [
+            asyncio.create_task(stream(addresses[i % 2], f"s{i}", prompt, max_tokens=400))
+            for i, prompt in enumerate(prompts)
+        ]
+        apis = [RouterApi(a) for a in addresses]
+        probe = list(range(500, 600))
+
+        async def agree_while_busy() -> bool:
+            first, second = [loads_of(await api.potential_loads(probe)) for api in apis]
+            busy = sum(blocks for _, blocks in first.values()) > 0
+            return busy and first == second
+
+        await wait_until_async(agree_while_busy, timeout=15, what="replicas agree while requests are in flight")
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+        async def idle_everywhere() -> bool:
+            views = [loads_of(await api.potential_loads(probe)) for api in apis]
+            return all(v == (0, 0) for view in views for v in view.values())
+
+        await wait_until_async(idle_everywhere, timeout=15, what="both replicas see every load gone")
+        for api in apis:
+            await api.close()
+    await workers.stop()
+    await routers.stop()
+
+
+def router_process(nats_url: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.router",
+            "--nats-url",
+            nats_url,
+            "--namespace",
+            NAMESPACE,
+            "--router-replica-sync",
+            "--lease-ttl",
+            "30",
+            "--log-level",
+            "warning",
+        ],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+async def test_a_crashed_replicas_requests_are_forgotten(nats_url: str, nc: NatsClient):
+    workers = await watch(nc, "worker")
+    routers = await watch(nc, "router")
+    crashing = None
+    try:
+        async with (
+            running(worker_server.serve, worker_config(nats_url, "--speedup-ratio", "1")),
+            running(router_server.serve, router_config(nats_url, "--router-replica-sync")),
+        ):
+            await wait_until_async(lambda: workers.instances() and len(routers.instances()) == 1, what="up")
+            survivor_address = routers.instances()[0].address
+            crashing = router_process(nats_url)
+            await wait_until_async(lambda: len(routers.instances()) == 2, timeout=20, what="second replica up")
+            doomed = next(r.address for r in routers.instances() if r.address != survivor_address)
+            survivor = RouterApi(survivor_address)
+            tasks = [asyncio.create_task(stream(doomed, f"d{i}", [i] * 100, 2000)) for i in range(4)]
+
+            async def survivor_sees_them() -> bool:
+                return any(b for _, b in loads_of(await survivor.potential_loads([1])).values())
+
+            await wait_until_async(survivor_sees_them, timeout=15, what="the survivor sees the other's load")
+            crashing.send_signal(signal.SIGKILL)  # no Free will ever come from it
+            crashing.wait(timeout=10)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            started = time.monotonic()
+
+            async def phantom_gone() -> bool:
+                return all(v == (0, 0) for v in loads_of(await survivor.potential_loads([1])).values())
+
+            await wait_until_async(phantom_gone, timeout=15, what="the crashed replica's load is dropped")
+            assert time.monotonic() - started < 10  # the silence timeout (5 s) plus a heartbeat
+            await survivor.close()
+    finally:
+        if crashing is not None:
+            crashing.kill()
+            crashing.wait(timeout=10)
+        await workers.stop()
+        await routers.stop()
+
+
+def worker_process(nats_url: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.worker",
+            "--nats-url",
+            nats_url,
+            "--namespace",
+            NAMESPACE,
+            "--speedup-ratio",
+            "1",
+            "--lease-ttl",
+            "30",
+            "--log-level",
+            "warning",
+        ],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+async def test_requests_survive_a_worker_killed_mid_stream(nats_url: str, nc: NatsClient):
+    workers = await watch(nc, "worker")
+    routers = await watch(nc, "router")
+    processes = [worker_process(nats_url), worker_process(nats_url)]
+    try:
+        async with running(router_server.serve, router_config(nats_url, "--router-mode", "round-robin")):
+            await wait_until_async(lambda: len(workers.instances()) == 2 and routers.instances(), timeout=20, what="up")
+            address = routers.instances()[0].address
+            received: dict[str, int] = {}
+
+            async def one(i: int) -> list[common_pb2.GenerateOutput]:
+                outputs = []
+                async with grpc.aio.insecure_channel(address) as channel:
+                    request = common_pb2.PreprocessedRequest(request_id=f"m{i}", token_ids=[i % 7] * 80)
+                    request.stop.max_tokens = 120
+                    async for output in router_pb2_grpc.RouterStub(channel).Generate(request):
+                        outputs.append(output)
+                        received[request.request_id] = received.get(request.request_id, 0) + len(output.token_ids)
+                return outputs
+
+            tasks = [asyncio.create_task(one(i)) for i in range(20)]
+            await wait_until_async(
+                lambda: len(received) == 20 and min(received.values()) >= 5, timeout=20, what="every stream under way"
+            )
+            processes[0].send_signal(signal.SIGKILL)  # half the streams lose their worker
+            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+            for outputs in results:
+                assert sum(len(o.token_ids) for o in outputs) == 120
+                assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+                assert outputs[-1].usage.completion_tokens == 120 and outputs[-1].usage.prompt_tokens == 80
+            assert len({o.worker_id for outputs in results for o in outputs}) == 2  # some moved workers
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait(timeout=10)
+        await workers.stop()
+        await routers.stop()
+
+
+async def test_busy_workers_refuse_quickly(nats_url: str, nc: NatsClient):
+    workers = await watch(nc, "worker")
+    routers = await watch(nc, "router")
+    async with (
+        running(worker_server.serve, worker_config(nats_url, "--speedup-ratio", "1")),
+        running(router_server.serve, router_config(nats_url, "--active-decode-blocks-threshold", "10")),
+    ):
+        await wait_until_async(lambda: workers.instances() and routers.instances(), what="up")
+        address = routers.instances()[0].address
+        hog = asyncio.create_task(stream(address, "hog", list(range(300)), 5000))  # 19 blocks > 10
+        api = RouterApi(address)
+
+        async def hog_routed() -> bool:
+            return any(b > 10 for _, b in loads_of(await api.potential_loads([1])).values())
+
+        await wait_until_async(hog_routed, what="the first request holds the worker")
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stream(address, "late", list(range(1000, 1100)), 5)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "busy" in refused.value.details()
+        assert time.monotonic() - started < 1.0
+        hog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await hog
+        await api.close()
+    await workers.stop()
+    await routers.stop()
