@@ -1,0 +1,88 @@
+"""kill -9 one of two router replicas during 200 concurrent streaming requests: every client still
+gets one uninterrupted answer with its full token count."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from services.up import MeshProcess
+from tests.e2e.conftest import _children, start_mesh
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 40
+STREAMS = 200
+
+
+@pytest.fixture(scope="module")
+def two_router_mesh() -> Iterator[MeshProcess]:
+    # a slower engine so that streams are still running when the router dies
+    yield from start_mesh("--routers", "2", "--router-replica-sync", "--speedup-ratio", "2")
+
+
+def router_pids(mesh: MeshProcess) -> list[int]:
+    assert mesh.process is not None
+    pids = []
+    for pid in _children(mesh.process.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"services.router" in cmdline:
+            pids.append(pid)
+    return sorted(pids)
+
+
+def test_streams_survive_a_router_killed_mid_flight(two_router_mesh):
+    routers = router_pids(two_router_mesh)
+    assert len(routers) == 2
+
+    async def drill() -> list[tuple[str, int, str | None]]:
+        client = openai.AsyncOpenAI(base_url=two_router_mesh.api, api_key="unused", max_retries=0, timeout=120)
+        started = 0
+        half_started = asyncio.Event()
+
+        async def one(i: int) -> tuple[str, int, str | None]:
+            nonlocal started
+            stream = await client.chat.completions.create(
+                model="kvmesh-tiny",
+                messages=[{"role": "user", "content": f"request {i}: tell me something long"}],
+                max_tokens=MAX_TOKENS,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            text, usage, finish, first = [], 0, None, True
+            async for chunk in stream:
+                if chunk.choices:
+                    text.append(chunk.choices[0].delta.content or "")
+                    finish = chunk.choices[0].finish_reason or finish
+                    if first:
+                        first = False
+                        started += 1
+                        if started >= STREAMS // 2:
+                            half_started.set()
+                if chunk.usage is not None:
+                    usage = chunk.usage.completion_tokens
+            return "".join(text), usage, finish
+
+        tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
+        await asyncio.wait_for(half_started.wait(), timeout=60)
+        os.kill(routers[0], signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
+        await client.close()
+        return results
+
+    results = asyncio.run(drill())
+    assert len(results) == STREAMS
+    for text, completion_tokens, finish in results:
+        assert completion_tokens == MAX_TOKENS and len(text) == MAX_TOKENS and finish == "length"
+    # streams really were cut mid-flight and continued on the other replica ...
+    assert any("router replica failed; continuing on another" in line for line in two_router_mesh.output)
+    # ... and kvmesh up restarted the killed one
+    assert any("restarting it" in line for line in two_router_mesh.output)
