@@ -116,7 +116,7 @@ class EventStreamConsumer:
             while not done and self.applied_sequence < last_sequence:
                 try:
                     msgs = await sub.fetch(FETCH_BATCH, timeout=2)
-                except nats.errors.TimeoutError:
+                except TimeoutError:
                     break  # the stream holds less than the ack floor (messages purged or aged out)
                 for msg in msgs:
                     seq = msg.metadata.sequence.stream
@@ -134,17 +134,26 @@ class EventStreamConsumer:
         while True:
             try:
                 msgs = await self._sub.fetch(FETCH_BATCH, timeout=1)
-            except nats.errors.TimeoutError:
+            except TimeoutError:
+                # nothing new (nats-py raises its own subclass or a bare asyncio timeout; both land here)
                 continue
-            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
-                log.warning("event stream unavailable; retrying", error=str(exc))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # a dropped connection or a failed pull must not end the replica's consumption
+                log.warning("event stream unavailable; retrying", error=f"{type(exc).__name__}: {exc}")
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
                 seq = msg.metadata.sequence.stream
                 if seq > self.applied_sequence:
                     self._apply(msg.data, seq)
-                await msg.ack()
+                try:
+                    await msg.ack()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # unacked: redelivered later and skipped as already applied
+                    log.warning("ack failed", sequence=seq, error=str(exc))
 
     def _apply(self, payload: bytes, sequence: int) -> None:
         try:

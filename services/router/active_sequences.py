@@ -45,6 +45,31 @@ class _WorkerLoad:
         return len(self.block_refs) + self.own_blocks
 
 
+def _active_prefix(block_refs: dict[int, int], block_hashes: Sequence[int]) -> int:
+    """How many leading blocks of the request are already active on the worker.
+
+    Every active request contributes its full blocks from the first one on, and a sequence hash names
+    a block with its whole prefix, so the active blocks along any request form a prefix of it: the
+    boundary is found by bisection instead of one lookup per block.
+    """
+    n = len(block_hashes)
+    if not n or block_hashes[0] not in block_refs:
+        return 0
+    if block_hashes[-1] in block_refs:
+        return n
+    low, high = 0, n - 1  # low is active, high is not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if block_hashes[middle] in block_refs:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+_NO_LOAD = _WorkerLoad()  # read-only stand-in for a worker with nothing in flight
+
+
 @dataclass(frozen=True)
 class PotentialLoad:
     """A worker's load if the request under consideration were sent to it."""
@@ -156,15 +181,15 @@ class ActiveSequences:
     ) -> list[PotentialLoad]:
         """Each worker's (prefill tokens, decode blocks) if this request were added to it."""
         own = self._own_blocks(prompt_tokens, len(block_hashes), expected_output_tokens)
+        block_size = self.block_size
+        track = self.track_active_blocks
+        n = len(block_hashes)
+        loads = self._loads
         result = []
         for worker in workers:
-            load = self._loads.get(worker) or _WorkerLoad()
-            prefill = max(0, prompt_tokens - overlaps.get(worker, 0) * self.block_size)
-            if self.track_active_blocks:
-                new_blocks = sum(1 for h in block_hashes if h not in load.block_refs)
-                decode = load.decode_blocks + new_blocks + own
-            else:
-                decode = 0
+            load = loads.get(worker, _NO_LOAD)
+            prefill = max(0, prompt_tokens - overlaps.get(worker, 0) * block_size)
+            decode = load.decode_blocks + n - _active_prefix(load.block_refs, block_hashes) + own if track else 0
             result.append(PotentialLoad(worker, load.prefill_tokens + prefill, decode))
         return result
 

@@ -73,16 +73,18 @@ class PredictedTtftCost:
     capacity_tokens: int
     timing: TimingModel = field(default_factory=TimingModel)
     name: str = "ttft"
+    # one full prefill step, computed once (the cost runs for every candidate of every request)
+    _full_step_ms: float = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_full_step_ms", self.timing.prefill_ms(self.max_num_batched_tokens))
 
     def cost(self, candidate: Candidate, overlap_score_weight: float) -> float:
         full_steps, remainder = divmod(candidate.prefill_tokens, self.max_num_batched_tokens)
-        prefill_ms = full_steps * self.timing.prefill_ms(self.max_num_batched_tokens) + self.timing.prefill_ms(
-            remainder
-        )
+        prefill_ms = full_steps * self._full_step_ms + self.timing.prefill_ms(remainder)
         steps = max(1, full_steps + (1 if remainder else 0))
-        decode_ms = self.timing.decode_ms(
-            candidate.decode_blocks * self.block_size, self.capacity_tokens, candidate.decode_blocks > 0
-        )
+        blocks = candidate.decode_blocks
+        decode_ms = self.timing.decode_ms(blocks * self.block_size, self.capacity_tokens, blocks > 0)
         return overlap_score_weight * prefill_ms + steps * decode_ms
 
 

@@ -168,3 +168,14 @@ class TestActiveSequenceTracking:
         active.add("new", (1, 0), [2], 16, 0, now=50.0)
         assert active.expire(now=100.0, max_age=60.0) == ["old"]
         assert "new" in active and "old" not in active
+
+
+def test_active_prefix_counts_exactly_what_a_scan_counts():
+    from services.router.active_sequences import _active_prefix
+
+    rng = random.Random(5)
+    for _ in range(200):
+        n = rng.randrange(0, 40)
+        chain = list(range(1000, 1000 + n))
+        active = {h: 1 for h in chain[: rng.randrange(0, n + 1)]}  # active sets are prefixes
+        assert _active_prefix(active, chain) == sum(1 for h in chain if h in active)
