@@ -253,6 +253,9 @@ def _instance_id_from_key(key: str) -> int | None:
 async def _call(callback: InstanceCallback | None, record: InstanceRecord) -> None:
     if callback is None:
         return
-    result = callback(record)
-    if asyncio.iscoroutine(result):
-        await result
+    try:
+        result = callback(record)
+        if asyncio.iscoroutine(result):
+            await result
+    except Exception as exc:  # a failing listener must not stop the watch loop
+        log.error("discovery callback failed", key=record.key, error=f"{type(exc).__name__}: {exc}")
