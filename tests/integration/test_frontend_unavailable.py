@@ -50,3 +50,46 @@ async def test_no_worker_is_503_and_no_router_is_503(nats_url: str):
                 response = await http.post("/v1/chat/completions", json={**body, "stream": stream})
                 assert response.status_code == 503
                 assert "no worker available" in response.json()["error"]["message"]
+
+
+async def test_busy_workers_are_a_quick_503_with_an_openai_error(nats_url: str):
+    from services.common.discovery import DiscoveryWatcher
+    from services.worker import server as worker_server
+    from services.worker.config import WorkerConfig
+
+    port = free_port()
+    common = ["--nats-url", nats_url, "--namespace", "busy"]
+    worker_config = parse_config(WorkerConfig, [*common, "--speedup-ratio", "1"], prog="w", description="", environ={})
+    router_config = parse_config(
+        RouterConfig, [*common, "--active-decode-blocks-threshold", "4"], prog="r", description="", environ={}
+    )
+    frontend_config = parse_config(
+        FrontendConfig, [*common, "--http-port", str(port)], prog="f", description="", environ={}
+    )
+    import nats
+
+    nc = await nats.connect(nats_url)
+    workers = DiscoveryWatcher(nc.jetstream(), "busy", "worker")
+    await workers.start()
+    async with (
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http,
+        running(worker_server.serve, worker_config),
+        running(router_server.serve, router_config),
+        running(frontend_server.serve, frontend_config),
+    ):
+
+        async def ready() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return bool(workers.instances()) and (await http.get("/health")).status_code == 200
+            return False
+
+        await wait_until_async(ready, what="mesh up")
+        hog = {"model": "kvmesh-tiny", "prompt": "x" * 200, "max_tokens": 3000, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=hog) as streaming:
+            assert streaming.status_code == 200  # it holds 13 blocks > 4 while it streams
+            late = await http.post("/v1/completions", json={"model": "kvmesh-tiny", "prompt": "hello", "max_tokens": 2})
+            assert late.status_code == 503
+            error = late.json()["error"]
+            assert error["type"] == "service_unavailable" and "busy" in error["message"]
+    await workers.stop()
+    await nc.close()
