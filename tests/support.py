@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from services.common.nats_server import free_port
 
-__all__ = ["free_port", "running", "wait_until", "wait_until_async"]
+__all__ = ["free_port", "running", "service_process", "wait_until", "wait_until_async"]
 
 
 async def wait_until_async(
@@ -47,3 +50,22 @@ async def running(serve: Callable[[Any, asyncio.Event], Awaitable[None]], config
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=15)
+
+
+def service_process(service: str, nats_url: str, namespace: str, *args: str) -> subprocess.Popen[bytes]:
+    """``python -m services.<service>`` as a real process (for kill -9 drills)."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            f"services.{service}",
+            "--nats-url",
+            nats_url,
+            "--namespace",
+            namespace,
+            "--log-level",
+            "warning",
+            *args,
+        ],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )

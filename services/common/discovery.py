@@ -27,6 +27,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from services.common import names
+from services.common.runtime import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 
@@ -116,10 +117,7 @@ class Registration:
                 log.warning("lease refresh failed", key=self.record.key, error=str(exc))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         if self._kv is not None:
             # Deleting tells watchers at once; if NATS is slow, the lease expiring does the same later,
             # so shutdown never waits long for it.
@@ -177,11 +175,7 @@ class DiscoveryWatcher:
         await initial_done.wait()
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
         if self._watcher is not None:
             with contextlib.suppress(Exception):
                 await self._watcher.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -58,3 +59,13 @@ def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> No
         await serve(stop)
 
     asyncio.run(main())
+
+
+async def cancel_and_wait(*tasks: asyncio.Task | None) -> None:
+    """Cancel background tasks and wait until they have finished unwinding (None entries skipped)."""
+    pending = [t for t in tasks if t is not None]
+    for task in pending:
+        task.cancel()
+    for task in pending:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

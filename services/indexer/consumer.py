@@ -28,6 +28,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from services.common import names
 from services.common.kv_events import EventDecodeError, decode_batch
 from services.common.prefix_index import PrefixIndex
+from services.common.runtime import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 
@@ -83,10 +84,7 @@ class EventStreamConsumer:
         log.info("following the event stream", durable=self.durable, snapshot=start_after, resumed_after=ack_floor)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()

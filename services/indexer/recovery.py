@@ -9,7 +9,6 @@ leaves discovery (which removes it from the index anyway).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 import structlog
@@ -18,6 +17,7 @@ from services.common.discovery import DiscoveryWatcher
 from services.common.grpc_server import insecure_channel
 from services.common.prefix_index import DumpedBlock, PrefixIndex, WorkerKey
 from services.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.common.runtime import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 
@@ -37,11 +37,7 @@ class GapRecovery:
                 self._tasks[key] = asyncio.create_task(self._recover(key), name=f"recover-{key[0]}")
 
     async def stop(self) -> None:
-        for task in self._tasks.values():
-            task.cancel()
-        for task in list(self._tasks.values()):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks.values())
 
     async def _recover(self, key: WorkerKey) -> None:
         delay = 0.1

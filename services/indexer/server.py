@@ -8,7 +8,6 @@ absent from discovery, and a Prometheus endpoint.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Sequence
 
@@ -21,7 +20,7 @@ from services.common.grpc_errors import refuse
 from services.common.hashing import block_set_digest
 from services.common.prefix_index import PrefixIndex
 from services.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
-from services.common.runtime import connect_nats
+from services.common.runtime import cancel_and_wait, connect_nats
 from services.common.service import registered_grpc_service, service_main
 from services.common.streams import ensure_kv_events_stream
 from services.indexer import snapshot as snapshots
@@ -195,11 +194,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
             )
             await stop.wait()
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*tasks)
         await recovery.stop()
         await consumer.stop()
         await workers.stop()

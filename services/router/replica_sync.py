@@ -21,6 +21,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 
 from services.common import names
+from services.common.runtime import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 
@@ -110,11 +111,7 @@ class ReplicaSync:
         await self._send(SyncMessage(HEARTBEAT, self.router_id))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()

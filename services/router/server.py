@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 import uuid
@@ -25,7 +24,7 @@ from services.common.proto.kvmesh.v1 import (
     router_pb2_grpc,
     worker_pb2_grpc,
 )
-from services.common.runtime import connect_nats
+from services.common.runtime import cancel_and_wait, connect_nats
 from services.common.service import registered_grpc_service, service_main
 from services.router.approximate_index import ApproximateIndex
 from services.router.config import RouterConfig
@@ -553,9 +552,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
             log.info("router ready", address=record.address, mode=config.router_mode)
             await stop.wait()
     finally:
-        expiry.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await expiry
+        await cancel_and_wait(expiry)
         if router.sync is not None:
             await router.sync.stop()
         await workers.stop()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 
 import structlog
 
+from services.common.runtime import cancel_and_wait
 from services.worker.event_publisher import KvEventPublisher
 from services.worker.mock_engine import EngineRequest, MockEngine, TokenOutput
 
@@ -32,10 +32,7 @@ class EngineLoop:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     def submit(
         self,

@@ -12,6 +12,7 @@ from nats.js import JetStreamContext
 
 from services.common import names
 from services.common.kv_events import EventData, KvEvent, KvEventBatch, encode_batch
+from services.common.runtime import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 
@@ -63,10 +64,7 @@ class KvEventPublisher:
     async def stop(self) -> None:
         with contextlib.suppress(TimeoutError):
             await self.flush(timeout=5.0)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         while True:

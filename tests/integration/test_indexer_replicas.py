@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import signal
 import subprocess
-import sys
 
 import grpc
 import pytest
@@ -32,7 +30,7 @@ from services.indexer.config import IndexerConfig
 from services.worker import server as worker_server
 from services.worker.config import WorkerConfig
 from services.worker.event_publisher import KvEventPublisher
-from tests.support import running, wait_until_async
+from tests.support import running, service_process, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "replicas"
@@ -132,24 +130,7 @@ async def two_workers(nats_url: str, nc: NatsClient, publisher_class=KvEventPubl
 
 
 def indexer_process(nats_url: str, replica: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.indexer",
-            "--nats-url",
-            nats_url,
-            "--namespace",
-            NAMESPACE,
-            "--replica-id",
-            replica,
-            "--lease-ttl",
-            "2",
-            "--log-level",
-            "warning",
-        ],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    return service_process("indexer", nats_url, NAMESPACE, "--replica-id", replica, "--lease-ttl", "2")
 
 
 async def test_two_replicas_converge_exactly_under_load(nats_url: str, nc: NatsClient):

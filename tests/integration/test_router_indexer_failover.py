@@ -4,10 +4,8 @@ an indexer replica killed with -9 (its registration still listed until its lease
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import grpc
@@ -21,7 +19,7 @@ from services.router import server as router_server
 from services.router.config import RouterConfig
 from services.worker import server as worker_server
 from services.worker.config import WorkerConfig
-from tests.support import running, wait_until_async
+from tests.support import running, service_process, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "failover"
@@ -69,24 +67,7 @@ async def test_approximate_mode_follows_its_own_routing_decisions(nats_url: str,
 
 
 def indexer_process(nats_url: str, replica: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.indexer",
-            "--nats-url",
-            nats_url,
-            "--namespace",
-            NAMESPACE,
-            "--replica-id",
-            replica,
-            "--lease-ttl",
-            "30",
-            "--log-level",
-            "warning",
-        ],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    return service_process("indexer", nats_url, NAMESPACE, "--replica-id", replica, "--lease-ttl", "30")
 
 
 async def test_kv_routing_survives_a_dead_indexer_replica(nats_url: str, nc: NatsClient):

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import grpc
@@ -23,7 +21,7 @@ from services.router import server as router_server
 from services.router.config import RouterConfig
 from services.worker import server as worker_server
 from services.worker.config import WorkerConfig
-from tests.support import running, wait_until_async
+from tests.support import running, service_process, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "routers"
@@ -108,23 +106,7 @@ async def test_two_synced_replicas_agree_on_every_workers_load(nats_url: str, nc
 
 
 def router_process(nats_url: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.router",
-            "--nats-url",
-            nats_url,
-            "--namespace",
-            NAMESPACE,
-            "--router-replica-sync",
-            "--lease-ttl",
-            "30",
-            "--log-level",
-            "warning",
-        ],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    return service_process("router", nats_url, NAMESPACE, "--router-replica-sync", "--lease-ttl", "30")
 
 
 async def test_a_crashed_replicas_requests_are_forgotten(nats_url: str, nc: NatsClient):
@@ -168,24 +150,7 @@ async def test_a_crashed_replicas_requests_are_forgotten(nats_url: str, nc: Nats
 
 
 def worker_process(nats_url: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.worker",
-            "--nats-url",
-            nats_url,
-            "--namespace",
-            NAMESPACE,
-            "--speedup-ratio",
-            "1",
-            "--lease-ttl",
-            "30",
-            "--log-level",
-            "warning",
-        ],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    return service_process("worker", nats_url, NAMESPACE, "--speedup-ratio", "1", "--lease-ttl", "30")
 
 
 async def test_requests_survive_a_worker_killed_mid_stream(nats_url: str, nc: NatsClient):
