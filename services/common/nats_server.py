@@ -90,10 +90,11 @@ class EmbeddedNatsServer:
         while time.monotonic() < deadline:
             if self._process is not None and self._process.poll() is not None:
                 raise NatsServerError(f"nats-server exited with {self._process.returncode}: {self._log_tail()}")
+            if not self._accepting():
+                await asyncio.sleep(0.02)
+                continue
             try:
-                nc = await nats.connect(
-                    self.url, connect_timeout=1, allow_reconnect=False, error_cb=_ignore_error, max_reconnect_attempts=0
-                )
+                nc = await nats.connect(self.url, connect_timeout=1, allow_reconnect=False, error_cb=_ignore_error)
                 try:
                     await nc.jetstream().account_info()
                     return
@@ -103,6 +104,14 @@ class EmbeddedNatsServer:
                 last_error = exc
                 await asyncio.sleep(0.05)
         raise NatsServerError(f"nats-server not healthy after {timeout}s: {last_error}; {self._log_tail()}")
+
+    def _accepting(self) -> bool:
+        """Is the port open yet? (A NATS client takes seconds to report a refused first connection.)"""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.2):
+                return True
+        except OSError:
+            return False
 
     async def start(self, timeout: float = 15.0) -> EmbeddedNatsServer:
         self.start_process()
