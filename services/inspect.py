@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -37,6 +37,15 @@ async def _instances(nats_url: str, namespace: str, component: str):
         await nc.close()
 
 
+async def _status(address: str, call: Callable[[grpc.aio.Channel], Awaitable[Any]]) -> tuple[Any, str | None]:
+    """(the instance's status, None) or (None, why it could not be asked)."""
+    try:
+        async with insecure_channel(address) as channel:
+            return await call(channel), None
+    except grpc.aio.AioRpcError as exc:
+        return None, f"{exc.code().name}: {exc.details()}"
+
+
 async def inspect_indexers(nats_url: str, namespace: str, timeout: float) -> list[dict[str, Any]]:
     records, stream_last = await _instances(nats_url, namespace, "indexer")
     rows = []
@@ -46,34 +55,34 @@ async def inspect_indexers(nats_url: str, namespace: str, timeout: float) -> lis
             "address": record.address,
             "metrics": record.extra.get("metrics"),
         }
-        try:
-            async with insecure_channel(record.address) as channel:
-                status = await indexer_pb2_grpc.IndexerStub(channel).GetStatus(
-                    indexer_pb2.IndexerStatusRequest(), timeout=timeout
-                )
-        except grpc.aio.AioRpcError as exc:
-            row["error"] = f"{exc.code().name}: {exc.details()}"
-            rows.append(row)
-            continue
-        row.update(
-            applied_sequence=status.applied_sequence,
-            stream_last_sequence=stream_last,
-            lag=max(0, stream_last - status.applied_sequence),
-            events_applied=status.events_applied,
-            gaps=status.gaps,
-            recoveries=status.recoveries,
-            snapshot_sequence=status.snapshot_sequence,
-            workers=[
-                {
-                    "worker_id": w.worker_id,
-                    "dp_rank": w.dp_rank,
-                    "blocks": w.blocks,
-                    "last_event_id": w.last_event_id,
-                    "recovering": w.recovering,
-                }
-                for w in status.workers
-            ],
+        status, error = await _status(
+            record.address,
+            lambda channel: indexer_pb2_grpc.IndexerStub(channel).GetStatus(
+                indexer_pb2.IndexerStatusRequest(), timeout=timeout
+            ),
         )
+        if error is not None:
+            row["error"] = error
+        else:
+            row.update(
+                applied_sequence=status.applied_sequence,
+                stream_last_sequence=stream_last,
+                lag=max(0, stream_last - status.applied_sequence),
+                events_applied=status.events_applied,
+                gaps=status.gaps,
+                recoveries=status.recoveries,
+                snapshot_sequence=status.snapshot_sequence,
+                workers=[
+                    {
+                        "worker_id": w.worker_id,
+                        "dp_rank": w.dp_rank,
+                        "blocks": w.blocks,
+                        "last_event_id": w.last_event_id,
+                        "recovering": w.recovering,
+                    }
+                    for w in status.workers
+                ],
+            )
         rows.append(row)
     return rows
 
@@ -88,22 +97,22 @@ async def inspect_workers(nats_url: str, namespace: str, timeout: float) -> list
             "role": record.role,
             "model": record.model,
         }
-        try:
-            async with insecure_channel(record.address) as channel:
-                status = await worker_pb2_grpc.WorkerStub(channel).GetStatus(
-                    worker_pb2.WorkerStatusRequest(), timeout=timeout
-                )
-        except grpc.aio.AioRpcError as exc:
-            row["error"] = f"{exc.code().name}: {exc.details()}"
-            rows.append(row)
-            continue
-        row.update(
-            cached_blocks=status.cached_blocks,
-            active_blocks=status.active_blocks,
-            total_blocks=status.total_blocks,
-            running=status.running_requests,
-            waiting=status.waiting_requests,
+        status, error = await _status(
+            record.address,
+            lambda channel: worker_pb2_grpc.WorkerStub(channel).GetStatus(
+                worker_pb2.WorkerStatusRequest(), timeout=timeout
+            ),
         )
+        if error is not None:
+            row["error"] = error
+        else:
+            row.update(
+                cached_blocks=status.cached_blocks,
+                active_blocks=status.active_blocks,
+                total_blocks=status.total_blocks,
+                running=status.running_requests,
+                waiting=status.waiting_requests,
+            )
         rows.append(row)
     return rows
 
