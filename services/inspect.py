@@ -96,6 +96,7 @@ async def inspect_workers(nats_url: str, namespace: str, timeout: float) -> list
             "address": record.address,
             "role": record.role,
             "model": record.model,
+            "metrics": record.extra.get("metrics"),
         }
         status, error = await _status(
             record.address,

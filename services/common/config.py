@@ -138,6 +138,7 @@ class GrpcEndpointConfig(CommonConfig):
     port: int = option(0, "gRPC port (0 picks a free one)")
     advertise_host: str | None = option(None, "host name others use to reach this service (default: --host)")
     lease_ttl: float = option(6.0, "discovery lease in seconds; refreshed every third of it")
+    metrics_port: int = option(0, "Prometheus /metrics port (0: a free port, advertised in discovery; -1: off)")
 
     def advertised_address(self, bound_port: int) -> str:
         return f"{self.advertise_host or self.host}:{bound_port}"

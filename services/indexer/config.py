@@ -15,4 +15,3 @@ class IndexerConfig(GrpcEndpointConfig):
         1_000_000, "take a snapshot and purge once the event stream holds more messages than this"
     )
     snapshot_check_interval: float = option(5.0, "seconds between checks of the stream size")
-    metrics_port: int = option(0, "Prometheus /metrics port (0: a free port, advertised in discovery; -1: off)")

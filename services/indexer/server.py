@@ -13,11 +13,12 @@ from collections.abc import Sequence
 
 import grpc
 import structlog
-from prometheus_client import Histogram, start_http_server
+from prometheus_client import Histogram
 
 from services.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
 from services.common.grpc_errors import refuse
 from services.common.hashing import block_set_digest
+from services.common.metrics import MetricsEndpoint
 from services.common.prefix_index import PrefixIndex
 from services.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
 from services.common.runtime import cancel_and_wait, connect_nats
@@ -173,11 +174,8 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
         asyncio.create_task(snapshotter.run_forever(), name="snapshotter"),
         asyncio.create_task(reconcile_forever(index, workers, grace_s=2 * config.lease_ttl), name="reconcile"),
     ]
-    extra: dict[str, object] = {"replica_id": config.replica_id}
-    metrics_server = None
-    if config.metrics_port >= 0:
-        metrics_server, _thread = start_http_server(config.metrics_port, addr=config.host, registry=registry)
-        extra["metrics"] = f"{config.advertise_host or config.host}:{metrics_server.server_port}"
+    metrics = MetricsEndpoint(config, registry)
+    extra: dict[str, object] = {"replica_id": config.replica_id, **metrics.discovery_extra()}
     servicer = IndexerServicer(config.replica_id, index, consumer, state, query_latency)
     try:
         async with registered_grpc_service(
@@ -198,8 +196,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
         await recovery.stop()
         await consumer.stop()
         await workers.stop()
-        if metrics_server is not None:
-            metrics_server.shutdown()
+        metrics.close()
         await nc.close()
 
 

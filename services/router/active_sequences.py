@@ -193,6 +193,10 @@ class ActiveSequences:
             result.append(PotentialLoad(worker, load.prefill_tokens + prefill, decode))
         return result
 
+    def workers(self) -> list[WorkerKey]:
+        """Workers with a load entry (possibly zero)."""
+        return list(self._loads)
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 

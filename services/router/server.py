@@ -16,6 +16,7 @@ from services.common.discovery import DiscoveryWatcher, InstanceRecord, new_inst
 from services.common.grpc_errors import is_transport_failure, refuse
 from services.common.grpc_server import insecure_channel
 from services.common.hashing import local_block_hashes, sequence_hashes
+from services.common.metrics import MetricsEndpoint
 from services.common.proto.kvmesh.v1 import (
     common_pb2,
     indexer_pb2,
@@ -28,6 +29,7 @@ from services.common.runtime import cancel_and_wait, connect_nats
 from services.common.service import registered_grpc_service, service_main
 from services.router.approximate_index import ApproximateIndex
 from services.router.config import RouterConfig
+from services.router.metrics import RouterMetrics
 from services.router.policy import RoutingPolicy
 from services.router.replica_sync import ADD, FREE, PREFILL_DONE, ReplicaSync, SyncMessage
 from services.router.scheduler import make_cost_model
@@ -112,6 +114,9 @@ class Router:
         # requests routed by other replicas: key -> block size, and each replica's keys
         self._remote: dict[str, int] = {}
         self._remote_by_router: dict[str, set[str]] = {}
+
+    def policies(self) -> list[RoutingPolicy]:
+        return list(self._policies.values())
 
     def avoid(self, worker_id: int) -> None:
         """Do not choose this worker for ``--worker-avoid-secs`` (its stream just broke)."""
@@ -375,8 +380,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ``--migration-limit`` times; the client sees one uninterrupted stream.
     """
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, metrics: RouterMetrics | None = None) -> None:
         self.router = router
+        self.metrics = metrics or RouterMetrics(router.policies, lambda: 0)
 
     async def Generate(
         self, request: common_pb2.PreprocessedRequest, context: grpc.aio.ServicerContext
@@ -397,8 +403,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             while True:
                 attempt = request if migrations == 0 else continuation(request, generated, max_tokens, migrations)
                 try:
-                    record, overlap, block_hashes = await self.router.choose(attempt)
+                    with self.metrics.decision_seconds.time():
+                        record, overlap, block_hashes = await self.router.choose(attempt)
                 except RoutingError as exc:
+                    self.metrics.requests.labels(exc.code.name.lower()).inc()
                     await refuse(context, "router", exc.code, str(exc))
                 expected = attempt.expected_output_tokens if attempt.HasField("expected_output_tokens") else 0
                 self.router.track_add(
@@ -427,6 +435,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         output.usage.completion_tokens = len(generated)
                         output.usage.cached_prompt_tokens = cached_tokens
                         yield output
+                    self.metrics.requests.labels("completed").inc()
                     return
                 except grpc.aio.AioRpcError as exc:
                     if not is_transport_failure(exc):
@@ -448,8 +457,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         )
                     if len(generated) >= max_tokens:  # it died after the last token: finish for it
                         yield finished_output(prompt_tokens, len(generated), cached_tokens or 0, record.instance_id)
+                        self.metrics.requests.labels("completed").inc()
                         return
                     migrations += 1
+                    self.metrics.migrations.inc()
                 finally:
                     self.router.track_free(record, attempt.request_id)
         finally:
@@ -538,7 +549,9 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         router.sync = ReplicaSync(nc, config.namespace, router.router_id, router.apply_remote, router.forget_router)
         await router.sync.start()
     expiry = asyncio.create_task(expire_forever(router), name="expire-requests")
-    servicer = RouterServicer(router)
+    metrics = RouterMetrics(router.policies, lambda: len(router.sync.peers()) if router.sync else 0)
+    endpoint = MetricsEndpoint(config, metrics.registry)
+    servicer = RouterServicer(router, metrics)
     try:
         async with registered_grpc_service(
             js,
@@ -547,12 +560,17 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
             instance_id=instance_id,
             service_name=router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
             add_servicer=lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
-            extra={"mode": config.router_mode, "replica_sync": config.router_replica_sync},
+            extra={
+                "mode": config.router_mode,
+                "replica_sync": config.router_replica_sync,
+                **endpoint.discovery_extra(),
+            },
         ) as record:
             log.info("router ready", address=record.address, mode=config.router_mode)
             await stop.wait()
     finally:
         await cancel_and_wait(expiry)
+        endpoint.close()
         if router.sync is not None:
             await router.sync.stop()
         await workers.stop()

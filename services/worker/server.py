@@ -10,6 +10,7 @@ import structlog
 
 from services.common.discovery import new_instance_id
 from services.common.grpc_errors import refuse
+from services.common.metrics import MetricsEndpoint
 from services.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.runtime import connect_nats
 from services.common.service import registered_grpc_service, service_main
@@ -18,6 +19,7 @@ from services.common.timing import TimingModel
 from services.worker.config import WorkerConfig
 from services.worker.engine_loop import EngineLoop
 from services.worker.event_publisher import KvEventPublisher
+from services.worker.metrics import WorkerMetrics
 from services.worker.mock_engine import EngineConfig, EngineRequestError, FinishReason, MockEngine
 
 log = structlog.get_logger(__name__)
@@ -44,10 +46,11 @@ def build_engine(config: WorkerConfig) -> MockEngine:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves ``Generate`` from the engine loop; a cancelled stream aborts its request and frees blocks."""
 
-    def __init__(self, worker_id: int, config: WorkerConfig, loop: EngineLoop) -> None:
+    def __init__(self, worker_id: int, config: WorkerConfig, loop: EngineLoop, metrics: WorkerMetrics) -> None:
         self.worker_id = worker_id
         self.config = config
         self.loop = loop
+        self.metrics = metrics
 
     async def Generate(
         self, request: common_pb2.PreprocessedRequest, context: grpc.aio.ServicerContext
@@ -90,6 +93,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 )
                 if output.finish_reason is not None:
                     message.finish_reason = _FINISH[output.finish_reason]
+                    self.metrics.requests.labels(output.finish_reason.value).inc()
+                    self.metrics.prompt_tokens.inc(len(engine_request.prompt))
+                    self.metrics.cached_tokens.inc(output.cached_tokens)
+                    self.metrics.generated_tokens.inc(completion)
                     yield message
                     log.info(
                         "request finished",
@@ -154,7 +161,9 @@ async def serve(
     publisher.start()
     loop = EngineLoop(build_engine(config), publisher)
     loop.start()
-    servicer = WorkerServicer(worker_id, config, loop)
+    metrics = WorkerMetrics(loop.engine, publisher)
+    endpoint = MetricsEndpoint(config, metrics.registry)
+    servicer = WorkerServicer(worker_id, config, loop, metrics)
     try:
         async with registered_grpc_service(
             js,
@@ -167,12 +176,17 @@ async def serve(
             model=config.model_name,
             block_size=config.block_size,
             capacity_blocks=config.num_gpu_blocks,
-            extra={"max_num_batched_tokens": config.max_num_batched_tokens, "engine": config.engine},
+            extra={
+                "max_num_batched_tokens": config.max_num_batched_tokens,
+                "engine": config.engine,
+                **endpoint.discovery_extra(),
+            },
         ) as record:
             log.info("worker ready", address=record.address, engine=config.engine, role=config.role)
             await stop.wait()
             log.info("worker shutting down")
     finally:
+        endpoint.close()
         await loop.stop()
         await publisher.stop()
         await nc.close()

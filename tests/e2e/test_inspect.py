@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import httpx
+import nats
 import openai
 import pytest
 
+from services.common.discovery import DiscoveryWatcher
 from services.up import MeshProcess
 from tests.e2e.conftest import start_mesh
 from tests.support import wait_until
@@ -68,5 +71,32 @@ def test_inspect_shows_both_replicas_in_step_with_the_workers(two_indexer_mesh):
         "kvmesh_indexer_worker_blocks",
         "kvmesh_indexer_query_seconds_bucket",
         "kvmesh_indexer_gaps_total",
+    ):
+        assert name in scraped, name
+
+
+def test_every_grpc_service_serves_prometheus_metrics(two_indexer_mesh):
+    client = openai.OpenAI(base_url=two_indexer_mesh.api, api_key="unused", max_retries=0)
+    client.completions.create(model="kvmesh-tiny", prompt="metrics please " * 10, max_tokens=4)
+    worker = inspect(two_indexer_mesh, "worker")[0]
+    scraped = httpx.get(f"http://{worker['metrics']}/metrics", timeout=10).text
+    for name in ("kvmesh_worker_cached_blocks", "kvmesh_worker_requests_total", "kvmesh_worker_kv_events_published"):
+        assert name in scraped, name
+
+    async def router_metrics_address() -> str:
+        nc = await nats.connect(two_indexer_mesh.nats_url)
+        watcher = DiscoveryWatcher(nc.jetstream(), "default", "router")
+        await watcher.start()
+        address = watcher.instances()[0].extra["metrics"]
+        await watcher.stop()
+        await nc.close()
+        return address
+
+    scraped = httpx.get(f"http://{asyncio.run(router_metrics_address())}/metrics", timeout=10).text
+    assert 'kvmesh_router_requests_total{outcome="completed"}' in scraped
+    for name in (
+        "kvmesh_router_decision_seconds_bucket",
+        "kvmesh_router_active_decode_blocks",
+        "kvmesh_router_migrations_total",
     ):
         assert name in scraped, name

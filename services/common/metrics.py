@@ -1,0 +1,25 @@
+"""Prometheus endpoints of the gRPC services (the frontend serves /metrics on its HTTP port)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from services.common.config import GrpcEndpointConfig
+
+
+class MetricsEndpoint:
+    """``/metrics`` for one registry on ``--metrics-port``; its address goes into discovery."""
+
+    def __init__(self, config: GrpcEndpointConfig, registry: CollectorRegistry) -> None:
+        self.address: str | None = None
+        self._server = None
+        if config.metrics_port >= 0:
+            self._server, _thread = start_http_server(config.metrics_port, addr=config.host, registry=registry)
+            self.address = f"{config.advertise_host or config.host}:{self._server.server_port}"
+
+    def discovery_extra(self) -> dict[str, str]:
+        return {"metrics": self.address} if self.address else {}
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()

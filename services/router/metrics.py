@@ -1,0 +1,56 @@
+"""The router's Prometheus metrics: counters it keeps, and the load picture read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.router.policy import RoutingPolicy
+
+
+class _LoadCollector(Collector):
+    def __init__(self, policies: Callable[[], Iterable[RoutingPolicy]], peers: Callable[[], int]) -> None:
+        self._policies = policies
+        self._peers = peers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        prefill = GaugeMetricFamily(
+            "kvmesh_router_active_prefill_tokens",
+            "predicted prefill tokens per worker",
+            labels=["worker_id", "dp_rank"],
+        )
+        blocks = GaugeMetricFamily(
+            "kvmesh_router_active_decode_blocks", "predicted active blocks per worker", labels=["worker_id", "dp_rank"]
+        )
+        requests = 0
+        for policy in self._policies():
+            requests += len(policy.active)
+            for worker in policy.active.workers():
+                tokens, decode = policy.active.load(worker)
+                prefill.add_metric([str(worker[0]), str(worker[1])], tokens)
+                blocks.add_metric([str(worker[0]), str(worker[1])], decode)
+        yield prefill
+        yield blocks
+        yield GaugeMetricFamily(
+            "kvmesh_router_active_requests", "requests in the load picture (all replicas)", value=requests
+        )
+        yield GaugeMetricFamily("kvmesh_router_sync_peers", "other router replicas heard from", value=self._peers())
+
+
+class RouterMetrics:
+    def __init__(self, policies: Callable[[], Iterable[RoutingPolicy]], peers: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvmesh_router_requests", "requests by outcome", ["outcome"], registry=self.registry)
+        self.migrations = Counter(
+            "kvmesh_router_migrations", "requests moved off a failed worker", registry=self.registry
+        )
+        self.decision_seconds = Histogram(
+            "kvmesh_router_decision_seconds",
+            "time to choose a worker (including the indexer query)",
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5),
+            registry=self.registry,
+        )
+        self.registry.register(_LoadCollector(policies, peers))

@@ -1,0 +1,51 @@
+"""The worker's Prometheus metrics: request counters and the engine's state read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.worker.event_publisher import KvEventPublisher
+from services.worker.mock_engine import MockEngine
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: MockEngine, publisher: KvEventPublisher) -> None:
+        self._engine = engine
+        self._publisher = publisher
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        engine = self._engine
+        yield GaugeMetricFamily(
+            "kvmesh_worker_cached_blocks", "blocks registered in the prefix cache", value=engine.blocks.num_cached
+        )
+        yield GaugeMetricFamily(
+            "kvmesh_worker_active_blocks", "blocks held by running sequences", value=engine.blocks.num_active
+        )
+        yield GaugeMetricFamily(
+            "kvmesh_worker_total_blocks", "KV cache capacity in blocks", value=engine.config.num_blocks
+        )
+        yield GaugeMetricFamily("kvmesh_worker_running_requests", "sequences running", value=len(engine.running))
+        yield GaugeMetricFamily("kvmesh_worker_waiting_requests", "sequences waiting", value=len(engine.waiting))
+        yield CounterMetricFamily(
+            "kvmesh_worker_kv_events_published",
+            "KV events published to JetStream",
+            value=self._publisher.published_events,
+        )
+
+
+class WorkerMetrics:
+    def __init__(self, engine: MockEngine, publisher: KvEventPublisher) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvmesh_worker_requests", "requests by finish reason", ["finish_reason"], registry=self.registry
+        )
+        self.prompt_tokens = Counter("kvmesh_worker_prompt_tokens", "prompt tokens received", registry=self.registry)
+        self.cached_tokens = Counter(
+            "kvmesh_worker_cached_prompt_tokens", "prompt tokens served from the cache", registry=self.registry
+        )
+        self.generated_tokens = Counter("kvmesh_worker_generated_tokens", "tokens generated", registry=self.registry)
+        self.registry.register(_EngineCollector(engine, publisher))
