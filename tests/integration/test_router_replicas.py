@@ -220,3 +220,47 @@ async def test_busy_workers_refuse_quickly(nats_url: str, nc: NatsClient):
         await api.close()
     await workers.stop()
     await routers.stop()
+
+
+async def test_a_new_replica_starts_empty_and_converges(nats_url: str, nc: NatsClient):
+    workers = await watch(nc, "worker")
+    routers = await watch(nc, "router")
+    slow = worker_config(nats_url, "--speedup-ratio", "1")
+    synced = router_config(nats_url, "--router-replica-sync")
+    async with (
+        running(worker_server.serve, slow),
+        running(worker_server.serve, slow),
+        running(router_server.serve, synced),
+    ):
+        await wait_until_async(lambda: len(workers.instances()) == 2 and routers.instances(), what="up")
+        first = routers.instances()[0].address
+        old = [asyncio.create_task(stream(first, f"old{i}", [i] * 90, 3000)) for i in range(4)]
+        first_api = RouterApi(first)
+
+        async def first_busy() -> bool:
+            return any(b for _, b in loads_of(await first_api.potential_loads([1])).values())
+
+        await wait_until_async(first_busy, what="the first replica has requests in flight")
+        async with running(router_server.serve, synced):
+            await wait_until_async(lambda: len(routers.instances()) == 2, what="a new replica joined")
+            newcomer = next(r.address for r in routers.instances() if r.address != first)
+            new_api = RouterApi(newcomer)
+            # it knows nothing of what was routed before it started
+            assert all(v == (0, 0) for v in loads_of(await new_api.potential_loads([1])).values())
+            for task in old:
+                task.cancel()
+            await asyncio.gather(*old, return_exceptions=True)
+            fresh = [asyncio.create_task(stream(first, f"new{i}", [i + 50] * 90, 3000)) for i in range(4)]
+
+            async def converged() -> bool:
+                mine, theirs = [loads_of(await api.potential_loads([1])) for api in (first_api, new_api)]
+                return any(b for _, b in mine.values()) and mine == theirs
+
+            await wait_until_async(converged, timeout=15, what="the newcomer converges on the first replica's view")
+            for task in fresh:
+                task.cancel()
+            await asyncio.gather(*fresh, return_exceptions=True)
+            await new_api.close()
+        await first_api.close()
+    await workers.stop()
+    await routers.stop()
