@@ -9,6 +9,9 @@ from services.common.config import GrpcEndpointConfig, option
 
 @dataclass
 class IndexerConfig(GrpcEndpointConfig):
+    kv_events_max_age: float = option(
+        3600.0, "seconds the KV event stream keeps a message, if this process creates the stream"
+    )
     replica_id: str = option("0", "stable replica name; its durable consumer is `indexer-<replica-id>`")
     router_reset_states: bool = option(False, "start clean: ignore the snapshot, drop this replica's durable consumer")
     router_snapshot_threshold: int = option(

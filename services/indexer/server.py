@@ -122,7 +122,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
     instance_id = new_instance_id()
     nc = await connect_nats(config.nats_url, name=f"kvmesh-indexer-{config.replica_id}")
     js = nc.jetstream()
-    await ensure_kv_events_stream(js)
+    await ensure_kv_events_stream(js, config.kv_events_max_age)
     index = PrefixIndex()
     state = IndexerState()
     registry, query_latency = build_registry(index, state)

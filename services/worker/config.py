@@ -11,6 +11,9 @@ DEFAULT_MODEL_NAME = "kvmesh-tiny"
 
 @dataclass
 class WorkerConfig(GrpcEndpointConfig):
+    kv_events_max_age: float = option(
+        3600.0, "seconds the KV event stream keeps a message, if this process creates the stream"
+    )
     engine: str = option("mock", "inference engine", choices=("mock",))
     role: str = option("aggregated", "worker role", choices=("aggregated", "prefill", "decode"))
     model_name: str = option(DEFAULT_MODEL_NAME, "model name served (what clients put in `model`)")

@@ -156,7 +156,7 @@ async def serve(
     structlog.contextvars.bind_contextvars(worker_id=worker_id)
     nc = await connect_nats(config.nats_url, name=f"kvmesh-worker-{worker_id}")
     js = nc.jetstream()
-    await ensure_kv_events_stream(js)
+    await ensure_kv_events_stream(js, config.kv_events_max_age)
     publisher = publisher_class(js, config.namespace, worker_id)
     publisher.start()
     loop = EngineLoop(build_engine(config), publisher)
