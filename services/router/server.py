@@ -165,8 +165,10 @@ class Router:
             index.remove_worker(record.instance_id)
 
     def candidates(self, model: str) -> list[InstanceRecord]:
-        """Workers serving ``model``, without those recently failed (unless no other is left)."""
-        serving = [r for r in self.workers.instances() if not model or r.model == model]
+        """Workers serving ``model`` whole requests, without those recently failed (unless no other
+        is left). Prefill-role workers only ever prefill for another worker, so they are left out;
+        decode-role workers can prefill locally and serve whole requests."""
+        serving = [r for r in self.workers.instances() if (not model or r.model == model) and r.role != "prefill"]
         now = time.monotonic()
         healthy = [r for r in serving if self._avoid_until.get(r.instance_id, 0.0) <= now]
         return healthy or serving

@@ -15,7 +15,11 @@ class WorkerConfig(GrpcEndpointConfig):
         3600.0, "seconds the KV event stream keeps a message, if this process creates the stream"
     )
     engine: str = option("mock", "inference engine", choices=("mock",))
-    role: str = option("aggregated", "worker role", choices=("aggregated", "prefill", "decode"))
+    role: str = option(
+        "aggregated",
+        "worker role, part of its registration; routers never send whole requests to prefill workers",
+        choices=("aggregated", "prefill", "decode"),
+    )
     model_name: str = option(DEFAULT_MODEL_NAME, "model name served (what clients put in `model`)")
     block_size: int = option(16, "tokens per KV block")
     num_gpu_blocks: int = option(16384, "KV blocks in the cache (capacity)", flag="--num-gpu-blocks-override")

@@ -95,3 +95,26 @@ async def test_kv_routing_survives_a_dead_indexer_replica(nats_url: str, nc: Nat
             process.kill()
             process.wait(timeout=10)
         await indexers.stop()
+
+
+async def test_prefill_role_workers_get_no_whole_requests(nats_url: str, nc: NatsClient):
+    common = ["--nats-url", nats_url, "--namespace", "roles"]
+    prefill_worker = parse_config(WorkerConfig, [*common, "--role", "prefill"], prog="w", description="", environ={})
+    decode_worker = parse_config(WorkerConfig, [*common, "--role", "decode"], prog="w", description="", environ={})
+    router = parse_config(RouterConfig, common, prog="r", description="", environ={})
+    workers = DiscoveryWatcher(nc.jetstream(), "roles", "worker")
+    routers = DiscoveryWatcher(nc.jetstream(), "roles", "router")
+    await workers.start()
+    await routers.start()
+    async with running(worker_server.serve, prefill_worker), running(router_server.serve, router):
+        await wait_until_async(lambda: workers.instances() and routers.instances(), what="up")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await generate(routers.instances()[0].address, "p", PROMPT)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        async with running(worker_server.serve, decode_worker):
+            await wait_until_async(lambda: len(workers.instances()) == 2, what="decode worker up")
+            decode_id = next(r.instance_id for r in workers.instances() if r.role == "decode")
+            for i in range(3):
+                assert (await generate(routers.instances()[0].address, f"d{i}", PROMPT)).worker_id == decode_id
+    await workers.stop()
+    await routers.stop()
