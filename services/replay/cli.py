@@ -36,7 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workers", type=int, default=defaults.workers, help="simulated workers")
     parser.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
-    parser.add_argument("--num-gpu-blocks", type=int, default=defaults.num_blocks, help="KV blocks per worker")
+    parser.add_argument(
+        "--num-gpu-blocks-override",
+        "--num-gpu-blocks",
+        dest="num_gpu_blocks",
+        type=int,
+        default=defaults.num_blocks,
+        help="KV blocks per worker",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="running sequences cap")
     parser.add_argument(
         "--max-num-batched-tokens",
