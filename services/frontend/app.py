@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from services.common.grpc_errors import is_transport_failure
 from services.common.proto.kvmesh.v1 import common_pb2
+from services.common.requests import continue_request
 from services.frontend.errors import (
     BadRequestError,
     ModelNotFoundError,
@@ -120,13 +121,11 @@ class Frontend:
         model: ServedModel,
         routers: RouterClient,
         default_max_tokens: int = 64,
-        router_count: Callable[[], int] | None = None,
     ) -> None:
         self.model = model
         self.routers = routers
         self.default_max_tokens = default_max_tokens
         self.metrics = FrontendMetrics()
-        self._router_count = router_count or (lambda: len(routers.addresses()))
 
     def check_model(self, name: str) -> None:
         if name != self.model.name:
@@ -178,7 +177,8 @@ class Frontend:
                 address = self.routers.pick(frozenset(failed))
             except NoRouterError as exc:
                 raise ServiceUnavailableError(str(exc)) from exc
-            call = self.routers.generate(resume(request, generated, max_tokens, attempt), address)
+            sent = request if attempt == 0 else continue_request(request, generated, max_tokens, f"r{attempt}")
+            call = self.routers.generate(sent, address)
             try:
                 async for output in call:
                     generated.extend(output.token_ids)
@@ -213,20 +213,6 @@ class Frontend:
                 call.cancel()  # no-op when the stream ended; frees the worker when we stopped early
             raise UpstreamError("the router stream ended without a finish reason")
         raise ServiceUnavailableError(f"router replicas failed {ROUTER_FAILOVER_LIMIT + 1} times for this request")
-
-
-def resume(
-    request: common_pb2.PreprocessedRequest, generated: list[int], max_tokens: int, attempt: int
-) -> common_pb2.PreprocessedRequest:
-    """The request as sent on ``attempt``: after a failover it carries the tokens already streamed."""
-    if attempt == 0:
-        return request
-    moved = common_pb2.PreprocessedRequest()
-    moved.CopyFrom(request)
-    moved.request_id = f"{request.request_id}:r{attempt}"
-    moved.token_ids.extend(generated)
-    moved.stop.max_tokens = max_tokens - len(generated)
-    return moved
 
 
 def _map_grpc_error(exc: grpc.aio.AioRpcError) -> OpenAIError:
@@ -277,7 +263,7 @@ def create_app(frontend: Frontend) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        routers = frontend._router_count()
+        routers = len(frontend.routers.addresses())
         status = 200 if routers > 0 else 503
         return JSONResponse(
             {"status": "healthy" if status == 200 else "no router", "routers": routers}, status_code=status

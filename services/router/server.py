@@ -25,6 +25,7 @@ from services.common.proto.kvmesh.v1 import (
     router_pb2_grpc,
     worker_pb2_grpc,
 )
+from services.common.requests import DEFAULT_MAX_TOKENS, continue_request
 from services.common.runtime import cancel_and_wait, connect_nats
 from services.common.service import registered_grpc_service, service_main
 from services.router.approximate_index import ApproximateIndex
@@ -39,8 +40,6 @@ log = structlog.get_logger(__name__)
 WorkerKey = tuple[int, int]
 # Assumed when a worker does not advertise its step token budget.
 DEFAULT_MAX_BATCHED_TOKENS = 8192
-# What a worker generates when a request names no max_tokens.
-DEFAULT_MAX_TOKENS = 16
 
 
 class RoutingError(Exception):
@@ -403,7 +402,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         migrations = 0
         try:
             while True:
-                attempt = request if migrations == 0 else continuation(request, generated, max_tokens, migrations)
+                attempt = (
+                    request if migrations == 0 else continue_request(request, generated, max_tokens, f"m{migrations}")
+                )
                 try:
                     with self.metrics.decision_seconds.time():
                         record, overlap, block_hashes = await self.router.choose(attempt)
@@ -500,19 +501,6 @@ def as_request(query: router_pb2.RoutingQuery) -> common_pb2.PreprocessedRequest
         request.expected_output_tokens = query.expected_output_tokens
     request.routing.router_config_override.CopyFrom(query.router_config_override)
     return request
-
-
-def continuation(
-    request: common_pb2.PreprocessedRequest, generated: list[int], max_tokens: int, migration: int
-) -> common_pb2.PreprocessedRequest:
-    """The request that carries on after ``generated`` tokens on another worker."""
-    moved = common_pb2.PreprocessedRequest()
-    moved.CopyFrom(request)
-    moved.request_id = f"{request.request_id}:m{migration}"
-    moved.token_ids.extend(generated)
-    moved.stop.max_tokens = max_tokens - len(generated)
-    moved.routing.ClearField("worker_id")
-    return moved
 
 
 def finished_output(prompt_tokens: int, completion: int, cached: int, worker_id: int) -> common_pb2.GenerateOutput:

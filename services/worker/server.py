@@ -12,6 +12,7 @@ from services.common.discovery import new_instance_id
 from services.common.grpc_errors import refuse
 from services.common.metrics import MetricsEndpoint
 from services.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.requests import DEFAULT_MAX_TOKENS
 from services.common.runtime import connect_nats
 from services.common.service import registered_grpc_service, service_main
 from services.common.streams import ensure_kv_events_stream
@@ -65,7 +66,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"this worker serves model {self.config.model_name!r}, not {request.model!r}",
             )
-        max_tokens = request.stop.max_tokens or 16
+        max_tokens = request.stop.max_tokens or DEFAULT_MAX_TOKENS
         seed = request.sampling.seed if request.sampling.HasField("seed") else 0
         lora = request.lora_name if request.HasField("lora_name") else None
         try:
