@@ -90,13 +90,6 @@ class ApplyStats:
 
 
 @dataclass(frozen=True)
-class WorkerOverlap:
-    worker: WorkerKey
-    matched_blocks: int
-    total_blocks: int
-
-
-@dataclass(frozen=True)
 class DumpedBlock:
     """One cached block of a worker's own state dump (gap recovery).
 
@@ -485,11 +478,6 @@ class PrefixIndex:
     def tree_sizes(self) -> Mapping[WorkerKey, int]:
         """Blocks each known worker holds (a live view; do not mutate)."""
         return self._tree_sizes
-
-    def overlaps(self, local_hashes: Sequence[int]) -> list[WorkerOverlap]:
-        """Per known worker: matched leading blocks and total blocks (for the gRPC answer)."""
-        matched = self.find_matches(local_hashes)
-        return [WorkerOverlap(k, matched.get(k, 0), size) for k, size in self._tree_sizes.items()]
 
     def worker_blocks(self, key: WorkerKey) -> set[int]:
         """Sequence hashes a worker holds (for convergence checks)."""

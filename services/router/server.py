@@ -278,20 +278,23 @@ class Router:
         matched, _sizes = await self.cache_view(prepared)
         workers = [(r.instance_id, 0) for r in prepared.candidates]
         active = prepared.policy.active
-        return [
-            router_pb2.WorkerLoad(
-                worker_id=load.worker[0],
-                dp_rank=load.worker[1],
-                overlap_blocks=matched.get(load.worker, 0),
-                potential_prefill_tokens=load.prefill_tokens,
-                potential_decode_blocks=load.decode_blocks,
-                active_prefill_tokens=active.load(load.worker)[0],
-                active_decode_blocks=active.load(load.worker)[1],
+        loads = []
+        for load in active.potential_loads(
+            workers, prepared.block_hashes, prepared.prompt_tokens, matched, prepared.expected_output_tokens
+        ):
+            now_prefill, now_decode = active.load(load.worker)
+            loads.append(
+                router_pb2.WorkerLoad(
+                    worker_id=load.worker[0],
+                    dp_rank=load.worker[1],
+                    overlap_blocks=matched.get(load.worker, 0),
+                    potential_prefill_tokens=load.prefill_tokens,
+                    potential_decode_blocks=load.decode_blocks,
+                    active_prefill_tokens=now_prefill,
+                    active_decode_blocks=now_decode,
+                )
             )
-            for load in active.potential_loads(
-                workers, prepared.block_hashes, prepared.prompt_tokens, matched, prepared.expected_output_tokens
-            )
-        ]
+        return loads
 
     # ---- the load picture, shared with the other replicas ----------------------------------
     def track_add(

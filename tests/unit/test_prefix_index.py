@@ -34,7 +34,8 @@ class Feed:
 
 def matches(index: PrefixIndex, tokens: list[int]) -> dict[int, int]:
     """Matched blocks per known worker (0 for those holding none of the prefix)."""
-    return {o.worker[0]: o.matched_blocks for o in index.overlaps(local_block_hashes(tokens, BLOCK))}
+    matched = index.find_matches(local_block_hashes(tokens, BLOCK))
+    return {key[0]: matched.get(key, 0) for key in index.tree_sizes()}
 
 
 PROMPT = list(range(16))  # 4 blocks
