@@ -145,7 +145,7 @@ class ReplaySimulator:
         )
         request_id = f"r{record.index}"
         worker = decision.worker[0]
-        self.engines[worker].add_request(request_id, prompt, request.output_length, local_hashes=local)
+        self.engines[worker].add_request(request_id, prompt, request.output_length, block_hashes=(local, block_hashes))
         self.policy.active.add(request_id, decision.worker, block_hashes, request.input_length, decision.overlap_blocks)
         record.worker = worker
         by_id[request_id] = record

@@ -129,10 +129,11 @@ class MockEngine:
         stop_token_ids: Sequence[int] = (),
         seed: int = 0,
         lora_name: str | None = None,
-        local_hashes: Sequence[int] | None = None,
+        block_hashes: tuple[Sequence[int], Sequence[int]] | None = None,
     ) -> EngineRequest:
-        """Queue a request. ``local_hashes`` may carry the prompt's precomputed local block hashes
-        (the trace replay computes them once per trace block); they must match the prompt."""
+        """Queue a request. ``block_hashes`` may carry the prompt's precomputed (local, sequence)
+        hashes of its full blocks — the trace replay has them already for routing; they must match
+        the prompt."""
         if request_id in self._by_id:
             raise EngineRequestError(f"request {request_id!r} is already in the engine")
         if not prompt:
@@ -146,12 +147,13 @@ class MockEngine:
             )
         if not isinstance(prompt, list | array):
             prompt = list(prompt)
-        if local_hashes is None:
+        if block_hashes is None:
             local = local_block_hashes(prompt, self.block_size, lora_name)
+            chained = sequence_hashes(local)
         else:
-            local = list(local_hashes)
-            if len(local) != len(prompt) // self.block_size:
-                raise EngineRequestError("local_hashes does not match the prompt's full blocks")
+            local, chained = list(block_hashes[0]), list(block_hashes[1])
+            if not len(local) == len(chained) == len(prompt) // self.block_size:
+                raise EngineRequestError("block_hashes does not match the prompt's full blocks")
         request = EngineRequest(
             request_id=request_id,
             prompt=prompt,
@@ -161,7 +163,7 @@ class MockEngine:
             lora_name=lora_name,
             prompt_key=hash_block_tokens(prompt),
             local_hashes=local,
-            seq_hashes=sequence_hashes(local),
+            seq_hashes=chained,
         )
         self.waiting.append(request)
         self._by_id[request_id] = request
