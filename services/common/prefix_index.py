@@ -208,9 +208,6 @@ class PrefixIndex:
         parent_of = worker.parent_of
         child_count = worker.child_count
         parent_held = parent is None or bool(get(parent, 0) & bit)
-        # True while `parent` is a block this loop has just begun holding: it can have no child count
-        # yet, unless the worker has orphans (whose parents may come back), so no lookup is needed.
-        parent_fresh = False
         for block in blocks:
             block_hash = block.block_hash
             tokens_hash = block.tokens_hash
@@ -218,13 +215,11 @@ class PrefixIndex:
             seq = tokens_hash if parent is None else _xxh3(_pack_pair(parent, tokens_hash), HASH_SEED)
             known = len(by_engine_id)
             previous = by_engine_id.setdefault(block_hash, seq)  # one lookup for the common new block
-            fresh = False
             if len(by_engine_id) > known or previous != seq:
                 if len(by_engine_id) == known:  # the engine id was re-used for other content
                     self._drop(worker, previous)
                     by_engine_id[block_hash] = seq
                     parent_held = parent is None or bool(get(parent, 0) & bit)
-                    parent_fresh = False
                 mask = get(seq, 0)
                 if mask & bit:
                     worker.extra_copies[seq] = worker.extra_copies.get(seq, 0) + 1
@@ -232,22 +227,18 @@ class PrefixIndex:
                     # _hold, inlined for the common case
                     holders[seq] = mask | bit
                     parent_of[seq] = parent
-                    fresh = True
                     orphans = worker.orphans
                     # held children of a block not held are orphans, so with none there is none to adopt
                     delta = -child_count.get(seq, 0) if orphans else 0
                     if parent is not None:
-                        if parent_fresh and not orphans:
-                            child_count[parent] = 1
-                        else:
-                            child_count[parent] = child_count.get(parent, 0) + 1
+                        # (a parent held moments ago may already have children: held orphans it adopted)
+                        child_count[parent] = child_count.get(parent, 0) + 1
                         if not parent_held:
                             delta += 1
                     if delta:
                         self._set_orphans(worker, orphans + delta)
             parent = seq
             parent_held = True
-            parent_fresh = fresh
         self.stats.blocks_stored += len(blocks)
 
     def _hold(self, worker: _WorkerBlocks, seq: int, parent: int | None) -> None:

@@ -165,3 +165,21 @@ def test_snapshot_export_import_round_trip():
     assert matches(restored, PROMPT) == {1: 4, 2: 2}
     assert dict(restored.tree_sizes()) == dict(index.tree_sizes())
     assert restored.last_event_id((1, 0)) == 0
+
+
+def test_a_parent_stored_again_counts_the_orphan_it_adopts_and_a_new_child():
+    """Regression (found by the property test): a block re-stored in a run adopts its held orphan
+    child; the next block of the same run is a second child, and both must be counted."""
+    index = PrefixIndex()
+    feed = Feed(index)
+    p, c = 101, 102  # engine ids
+    feed.send(1, BlocksStored(None, (StoredBlock(p, 11, BLOCK), StoredBlock(c, 22, BLOCK))))
+    feed.send(1, BlocksRemoved((p,)))  # c is now an orphan
+    p2, c2 = 103, 104
+    feed.send(1, BlocksStored(None, (StoredBlock(p2, 11, BLOCK), StoredBlock(c2, 33, BLOCK))))
+    feed.send(1, BlocksRemoved((c2,)))
+    feed.send(1, BlocksRemoved((p2,)))  # c is an orphan again
+    worker = index._workers[(1, 0)]
+    assert worker.orphans == 1
+    # a query for the orphan's prefix must not claim the missing parent
+    assert index.find_matches([11, 22]) == {}
