@@ -12,6 +12,10 @@ Two sequences may compute the same block concurrently; the second copy is not re
 private and is freed on release), so every hash maps to exactly one block and the events we emit
 describe the cache exactly.
 
+Every block owns a physical *slot* (0 … num_blocks-1) for its whole life: the slot is where the
+block's KV bytes live in the worker's KV buffer, and what a KV transfer reads or writes. A slot goes
+back to the free list when its block is freed or evicted.
+
 Events are produced here, at the single place the cache changes: registering emits ``stored``,
 evicting emits ``removed``, :meth:`clear` emits ``cleared``. The engine's block id in the events is
 the sequence hash, which is unique per cached block.
@@ -34,6 +38,7 @@ class OutOfBlocksError(RuntimeError):
 class KvBlock:
     """One block of the pool. The hashes are set once the block is registered in the cache."""
 
+    slot: int
     ref_count: int = 0
     sequence_hash: int | None = None
     local_hash: int = 0
@@ -41,7 +46,8 @@ class KvBlock:
 
 
 class BlockManager:
-    """Fixed-capacity block pool; guarantees ``free + active + inactive == num_blocks`` at all times."""
+    """Fixed-capacity block pool; guarantees ``free + active + inactive == num_blocks`` at all times,
+    and that no two live blocks share a slot."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -53,6 +59,8 @@ class BlockManager:
         self._inactive: OrderedDict[int, KvBlock] = OrderedDict()
         self._num_active = 0
         self._events: list[EventData] = []
+        # Free slots; popped from the end, so a fresh pool hands out 0, 1, 2, ...
+        self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -117,12 +125,14 @@ class BlockManager:
         if shortfall > 0:
             evicted = []
             for _ in range(shortfall):
-                h, _block = self._inactive.popitem(last=False)
+                h, block = self._inactive.popitem(last=False)
                 del self._cached[h]
+                self._free_slots.append(block.slot)
                 evicted.append(h)
             self._events.append(BlocksRemoved(tuple(evicted)))
         self._num_active += count
-        return [KvBlock(ref_count=1) for _ in range(count)]
+        free_slots = self._free_slots
+        return [KvBlock(free_slots.pop(), ref_count=1) for _ in range(count)]
 
     def register(
         self,
@@ -166,11 +176,15 @@ class BlockManager:
             h = block.sequence_hash
             if h is not None and self._cached.get(h) is block:
                 self._inactive[h] = block
+            else:
+                self._free_slots.append(block.slot)
 
     def clear(self) -> None:
         """Forget every inactive cached block (active ones stay usable but unregistered)."""
         for h in list(self._cached):
             self._cached[h].sequence_hash = None
+        for block in self._inactive.values():
+            self._free_slots.append(block.slot)
         self._cached.clear()
         self._inactive.clear()
         self._events.append(AllBlocksCleared())

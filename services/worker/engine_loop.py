@@ -9,7 +9,7 @@ import structlog
 
 from services.common.runtime import cancel_and_wait
 from services.worker.event_publisher import KvEventPublisher
-from services.worker.mock_engine import EngineRequest, MockEngine, TokenOutput
+from services.worker.mock_engine import EngineRequest, MockEngine, TokenOutput, TransferPlan
 
 log = structlog.get_logger(__name__)
 
@@ -42,13 +42,42 @@ class EngineLoop:
         stop_token_ids: Sequence[int],
         seed: int,
         lora_name: str | None,
+        hold_on_finish: bool = False,
     ) -> tuple[EngineRequest, asyncio.Queue[TokenOutput]]:
         """Queue a request; raises ``EngineRequestError`` for one the engine can never serve."""
-        request = self.engine.add_request(request_id, prompt, max_tokens, stop_token_ids, seed, lora_name)
+        request = self.engine.add_request(
+            request_id, prompt, max_tokens, stop_token_ids, seed, lora_name, hold_on_finish=hold_on_finish
+        )
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._streams[request_id] = queue
         self._wakeup.set()
         return request, queue
+
+    def submit_remote(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        stop_token_ids: Sequence[int],
+        seed: int,
+        lora_name: str | None,
+    ) -> tuple[TransferPlan | None, asyncio.Queue[TokenOutput]]:
+        """Reserve blocks for a prompt whose KV comes from another worker (None: no memory for it;
+        nothing was queued then). Call :meth:`finish_transfer` when the transfer ends."""
+        plan = self.engine.add_remote_prefill(request_id, prompt, max_tokens, stop_token_ids, seed, lora_name)
+        queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        if plan is not None:
+            self._streams[request_id] = queue
+        return plan, queue
+
+    def finish_transfer(self, request_id: str, received: bool) -> None:
+        self.engine.finish_transfer(request_id, received)
+        self._publish_events()
+        self._wakeup.set()
+
+    def release_held(self, request_id: str) -> None:
+        if self.engine.release_held(request_id):
+            self._publish_events()
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

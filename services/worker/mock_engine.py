@@ -13,6 +13,12 @@ It models what a vLLM-style engine does with time and memory, without a model:
 - output tokens are deterministic pseudo-random ids, a function of the seed, the prompt and the
   position (the same request gives the same answer on any worker).
 
+For disaggregation it can also *hold* a finished prefill's blocks for a KV transfer
+(``hold_on_finish``), and admit a request whose prompt KV arrives from another worker
+(:meth:`MockEngine.add_remote_prefill` reserves the blocks, :meth:`MockEngine.finish_transfer`
+hands them over or falls back to a local prefill). With a :class:`KvBuffer`, each computed block's
+bytes are written into its slot.
+
 It never sleeps or does I/O: the caller runs steps, waits ``StepResult.duration_ms`` (really or in
 virtual time) and then delivers the step's outputs and KV events.
 """
@@ -32,6 +38,7 @@ from services.common.hashing import hash_block_tokens, local_block_hashes, lora_
 from services.common.kv_events import EventData
 from services.common.timing import TimingModel
 from services.worker.block_manager import BlockManager, KvBlock
+from services.worker.kv_buffer import KvBuffer
 
 # Printable ASCII byte ids: with the bundled byte-level tokenizer they decode to readable text.
 DEFAULT_OUTPUT_VOCAB: tuple[int, ...] = (*range(97, 123), 32, 32, 32, 46)
@@ -75,6 +82,8 @@ class EngineRequest:
     prompt_key: int = 0
     local_hashes: list[int] = field(default_factory=list)
     seq_hashes: list[int] = field(default_factory=list)
+    # Keep the blocks referenced after the last token (a prefill whose KV another worker will pull).
+    hold_on_finish: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +109,28 @@ class TokenOutput:
 
 
 @dataclass(frozen=True)
+class TransferPlan:
+    """Where a remote prefill's KV lands: blocks ``first_block`` … ``first_block + len(slots) - 1`` of
+    the prompt go into these slots; the blocks before ``first_block`` are already cached here."""
+
+    request: EngineRequest
+    first_block: int
+    slots: list[int]
+    sequence_hashes: list[int]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.slots)
+
+
+def transferable_blocks(prompt_tokens: int, block_size: int) -> int:
+    """Full prompt blocks a decode worker takes from a remote prefill. At least one prompt token is
+    always left to compute locally, since the step that computes it samples the first output token
+    (vLLM's decode side recomputes the last prompt token for the same reason)."""
+    return max(0, (prompt_tokens - 1) // block_size)
+
+
+@dataclass(frozen=True)
 class StepResult:
     duration_ms: float
     outputs: list[TokenOutput]
@@ -111,13 +142,20 @@ class MockEngine:
     """The engine's scheduler and memory. Guarantees: every admitted request eventually finishes or is
     aborted; cached-token counts and KV events describe exactly what the block pool did."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv: KvBuffer | None = None) -> None:
         self.config = config
+        self.kv = kv
+        if kv is not None and kv.num_blocks != config.num_blocks:
+            raise ValueError("the KV buffer must have one region per block")
         self.block_size = config.block_size
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self._by_id: dict[str, EngineRequest] = {}
+        # finished prefills whose blocks stay referenced until a KV transfer releases them
+        self.held: dict[str, EngineRequest] = {}
+        # requests whose prompt KV is on its way from another worker
+        self.transferring: dict[str, EngineRequest] = {}
         self.capacity_tokens = config.num_blocks * config.block_size
 
     # ---- requests ------------------------------------------------------------------------
@@ -130,11 +168,89 @@ class MockEngine:
         seed: int = 0,
         lora_name: str | None = None,
         block_hashes: tuple[Sequence[int], Sequence[int]] | None = None,
+        hold_on_finish: bool = False,
     ) -> EngineRequest:
         """Queue a request. ``block_hashes`` may carry the prompt's precomputed (local, sequence)
         hashes of its full blocks — the trace replay has them already for routing; they must match
-        the prompt."""
-        if request_id in self._by_id:
+        the prompt. ``hold_on_finish`` keeps its blocks after the last token, until
+        :meth:`release_held`."""
+        request = self._new_request(request_id, prompt, max_tokens, stop_token_ids, seed, lora_name, block_hashes)
+        request.hold_on_finish = hold_on_finish
+        self.waiting.append(request)
+        self._by_id[request_id] = request
+        return request
+
+    def add_remote_prefill(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        stop_token_ids: Sequence[int] = (),
+        seed: int = 0,
+        lora_name: str | None = None,
+    ) -> TransferPlan | None:
+        """Reserve blocks for a prompt whose KV another worker computed.
+
+        The prompt's cached prefix here is reused; fresh blocks are allocated for the rest of the
+        transferable blocks, and the request waits outside the scheduler until
+        :meth:`finish_transfer`. Returns None, leaving nothing behind, when this worker lacks the
+        memory (the caller prefills locally instead). A plan with no slots means everything
+        transferable is cached here already.
+        """
+        request = self._new_request(request_id, prompt, max_tokens, stop_token_ids, seed, lora_name, None)
+        wanted = transferable_blocks(len(request.prompt), self.block_size)
+        hashes = request.seq_hashes[:wanted]
+        cached = self.blocks.cached_prefix_length(hashes)
+        fresh = wanted - cached
+        if fresh + self.blocks.inactive_count(hashes[:cached]) > self.blocks.num_available:
+            return None
+        request.blocks = self.blocks.acquire_cached(hashes[:cached])
+        request.blocks.extend(self.blocks.allocate(fresh))
+        request.cached_tokens = cached * self.block_size
+        self.transferring[request_id] = request
+        self._by_id[request_id] = request
+        return TransferPlan(request, cached, [b.slot for b in request.blocks[cached:]], hashes[cached:])
+
+    def finish_transfer(self, request_id: str, received: bool) -> None:
+        """The transfer of a planned request ended. ``received``: the blocks hold the remote KV, the
+        request runs from there (it is admitted at once, even beyond ``max_num_seqs``, since it
+        already holds its memory). Otherwise it is queued for an ordinary local prefill."""
+        request = self.transferring.pop(request_id, None)
+        if request is None:
+            return  # aborted meanwhile
+        if not received:
+            self._free(request)
+            self.waiting.append(request)
+            return
+        full = len(request.blocks)
+        cached = request.cached_tokens // self.block_size if request.cached_tokens else 0
+        parent = request.seq_hashes[cached - 1] if cached > 0 else None
+        self.blocks.register(
+            request.blocks[cached:full], request.seq_hashes[cached:full], request.local_hashes[cached:full], parent
+        )
+        request.num_computed = full * self.block_size
+        request.num_registered = full
+        self.running.append(request)
+
+    def release_held(self, request_id: str) -> bool:
+        """Drop a finished prefill's blocks (after its KV transfer, or when nobody came for it)."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self._free(request)
+        return True
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        stop_token_ids: Sequence[int],
+        seed: int,
+        lora_name: str | None,
+        block_hashes: tuple[Sequence[int], Sequence[int]] | None,
+    ) -> EngineRequest:
+        if request_id in self._by_id or request_id in self.held:
             raise EngineRequestError(f"request {request_id!r} is already in the engine")
         if not prompt:
             raise EngineRequestError("the prompt is empty")
@@ -165,16 +281,16 @@ class MockEngine:
             local_hashes=local,
             seq_hashes=chained,
         )
-        self.waiting.append(request)
-        self._by_id[request_id] = request
         return request
 
     def abort(self, request_id: str) -> bool:
         """Remove a request wherever it is and free its blocks; False if it is unknown."""
         request = self._by_id.pop(request_id, None)
         if request is None:
-            return False
-        if request in self.running:
+            return self.release_held(request_id)
+        if self.transferring.pop(request_id, None) is not None:
+            pass
+        elif request in self.running:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
@@ -321,6 +437,9 @@ class MockEngine:
         parent = hashes[start - 1] if start > 0 else None
         self.blocks.register(request.blocks[start:full], hashes[start:full], request.local_hashes[start:full], parent)
         request.num_registered = full
+        if self.kv is not None:
+            for block, content in zip(request.blocks[start:full], hashes[start:full], strict=True):
+                self.kv.fill(block.slot, content)
 
     def _sample(self, request: EngineRequest) -> TokenOutput:
         position = len(request.output)
@@ -336,5 +455,8 @@ class MockEngine:
         if finish is not None:
             self.running.remove(request)
             self._by_id.pop(request.request_id, None)
-            self._free(request)
+            if request.hold_on_finish:
+                self.held[request.request_id] = request
+            else:
+                self._free(request)
         return TokenOutput(request.request_id, token, finish, request.cached_tokens or 0)

@@ -1,13 +1,21 @@
-"""The worker service: ``kvmesh.v1.Worker`` over the mock engine, KV events, discovery."""
+"""The worker service: ``kvmesh.v1.Worker`` over the mock engine, KV events, discovery, KV transfer.
+
+A request may carry ``disaggregated_params`` (services/common/disagg.py): ``prefill`` makes this
+worker prefill and then hold the prompt's KV for a decode worker; ``decode`` makes it pull the
+prompt's KV from a prefill worker (retrying once) before decoding, or prefill locally when that
+fails and the router allowed it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 import structlog
 
+from services.common.disagg import DECODE, KV_SOURCE, PREFILL, PREFILLED, DisaggParams, DisaggParamsError
 from services.common.discovery import new_instance_id
 from services.common.grpc_errors import refuse
 from services.common.metrics import MetricsEndpoint
@@ -20,8 +28,24 @@ from services.common.timing import TimingModel
 from services.worker.config import WorkerConfig
 from services.worker.engine_loop import EngineLoop
 from services.worker.event_publisher import KvEventPublisher
+from services.worker.kv_buffer import KvBuffer, KvLayout
+from services.worker.kv_transfer import (
+    KvTransferClient,
+    KvTransferServer,
+    NixlAgent,
+    TransferError,
+    TransferStats,
+)
 from services.worker.metrics import WorkerMetrics
-from services.worker.mock_engine import EngineConfig, EngineRequestError, FinishReason, MockEngine
+from services.worker.mock_engine import (
+    EngineConfig,
+    EngineRequest,
+    EngineRequestError,
+    FinishReason,
+    MockEngine,
+    TokenOutput,
+    transferable_blocks,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -32,7 +56,19 @@ _FINISH = {
 }
 
 
-def build_engine(config: WorkerConfig) -> MockEngine:
+class Refusal(Exception):
+    """A request this worker turns down with a gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def kv_layout(config: WorkerConfig) -> KvLayout:
+    return KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, config.kv_dtype_bytes)
+
+
+def build_engine(config: WorkerConfig, kv: KvBuffer | None = None) -> MockEngine:
     return MockEngine(
         EngineConfig(
             num_blocks=config.num_gpu_blocks,
@@ -40,18 +76,37 @@ def build_engine(config: WorkerConfig) -> MockEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             timing=TimingModel(speedup_ratio=config.speedup_ratio),
-        )
+        ),
+        kv,
     )
+
+
+@dataclass
+class KvTransfer:
+    """This worker's two ends of a KV transfer and where others reach its server."""
+
+    server: KvTransferServer
+    client: KvTransferClient
+    host: str
+    stats: TransferStats
+
+    @property
+    def backend(self) -> str:
+        return self.server.backend
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves ``Generate`` from the engine loop; a cancelled stream aborts its request and frees blocks."""
 
-    def __init__(self, worker_id: int, config: WorkerConfig, loop: EngineLoop, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self, worker_id: int, config: WorkerConfig, loop: EngineLoop, metrics: WorkerMetrics, transfer: KvTransfer
+    ) -> None:
         self.worker_id = worker_id
         self.config = config
         self.loop = loop
         self.metrics = metrics
+        self.transfer = transfer
+        self._tasks: set[asyncio.Future[None]] = set()
 
     async def Generate(
         self, request: common_pb2.PreprocessedRequest, context: grpc.aio.ServicerContext
@@ -66,50 +121,187 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"this worker serves model {self.config.model_name!r}, not {request.model!r}",
             )
-        max_tokens = request.stop.max_tokens or DEFAULT_MAX_TOKENS
-        seed = request.sampling.seed if request.sampling.HasField("seed") else 0
-        lora = request.lora_name if request.HasField("lora_name") else None
+        params: DisaggParams | None = None
+        if request.disaggregated_params:
+            try:
+                params = DisaggParams.decode(request.disaggregated_params)
+            except DisaggParamsError as exc:
+                await refuse(context, "worker", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if params.kind not in (PREFILL, DECODE):
+                await refuse(
+                    context,
+                    "worker",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"a request cannot carry {params.kind!r} params",
+                )
+        prefill = params is not None and params.kind == PREFILL
+        handed_over = False
         try:
-            engine_request, queue = self.loop.submit(
-                request_id, list(request.token_ids), max_tokens, list(request.stop.stop_token_ids), seed, lora
+            try:
+                if params is not None and params.kind == DECODE:
+                    engine_request, queue, source = await self._receive_kv(request, params)
+                else:
+                    engine_request, queue = self.loop.submit(*self._engine_args(request), hold_on_finish=prefill)
+                    source = None
+            except EngineRequestError as exc:
+                await refuse(context, "worker", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except Refusal as exc:
+                await refuse(context, "worker", exc.code, str(exc))
+            log.info(
+                "request accepted",
+                request_id=request_id,
+                prompt_tokens=len(request.token_ids),
+                disagg=params.kind if params else None,
+                kv_source=source.source if source else None,
             )
-        except EngineRequestError as exc:
-            await refuse(context, "worker", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        log.info("request accepted", request_id=request_id, prompt_tokens=len(request.token_ids))
-        completion = 0
-        try:
+            completion = 0
             while True:
                 output = await queue.get()
                 completion += 1
-                # Usage rides on every piece, so a client that stops early still knows its cached tokens.
-                message = common_pb2.GenerateOutput(
-                    token_ids=[output.token_id],
-                    worker_id=self.worker_id,
-                    dp_rank=0,
-                    usage=common_pb2.Usage(
-                        prompt_tokens=len(engine_request.prompt),
-                        completion_tokens=completion,
-                        cached_prompt_tokens=output.cached_tokens,
-                    ),
-                )
-                if output.finish_reason is not None:
-                    message.finish_reason = _FINISH[output.finish_reason]
-                    self.metrics.requests.labels(output.finish_reason.value).inc()
-                    self.metrics.prompt_tokens.inc(len(engine_request.prompt))
-                    self.metrics.cached_tokens.inc(output.cached_tokens)
-                    self.metrics.generated_tokens.inc(completion)
+                message = self._output(engine_request, output, completion)
+                if source is not None and completion == 1:
+                    message.disaggregated_params = source.encode()
+                if output.finish_reason is None:
                     yield message
-                    log.info(
-                        "request finished",
-                        request_id=request_id,
-                        completion_tokens=completion,
-                        cached_tokens=output.cached_tokens,
-                    )
-                    return
+                    continue
+                if prefill:
+                    message.disaggregated_params = self._hand_over(engine_request, params).encode()
+                    handed_over = True
+                self._count_finished(engine_request, output, completion)
                 yield message
+                log.info(
+                    "request finished",
+                    request_id=request_id,
+                    completion_tokens=completion,
+                    cached_tokens=output.cached_tokens,
+                )
+                return
         finally:
-            # Runs on normal end too, where it is a no-op; on cancellation it frees the blocks.
-            self.loop.abort(request_id)
+            if prefill and not handed_over:
+                self.transfer.server.fail(params.room, "the prefill did not finish")
+            if not handed_over:
+                # Runs on normal end too, where it is a no-op; on cancellation it frees the blocks.
+                self.loop.abort(request_id)
+
+    def _engine_args(
+        self, request: common_pb2.PreprocessedRequest
+    ) -> tuple[str, list[int], int, list[int], int, str | None]:
+        max_tokens = request.stop.max_tokens or DEFAULT_MAX_TOKENS
+        seed = request.sampling.seed if request.sampling.HasField("seed") else 0
+        lora = request.lora_name if request.HasField("lora_name") else None
+        return request.request_id, list(request.token_ids), max_tokens, list(request.stop.stop_token_ids), seed, lora
+
+    def _output(self, engine_request: EngineRequest, output: TokenOutput, completion: int) -> common_pb2.GenerateOutput:
+        # Usage rides on every piece, so a client that stops early still knows its cached tokens.
+        message = common_pb2.GenerateOutput(
+            token_ids=[output.token_id],
+            worker_id=self.worker_id,
+            dp_rank=0,
+            usage=common_pb2.Usage(
+                prompt_tokens=len(engine_request.prompt),
+                completion_tokens=completion,
+                cached_prompt_tokens=output.cached_tokens,
+            ),
+        )
+        if output.finish_reason is not None:
+            message.finish_reason = _FINISH[output.finish_reason]
+        return message
+
+    def _count_finished(self, engine_request: EngineRequest, output: TokenOutput, completion: int) -> None:
+        self.metrics.requests.labels(output.finish_reason.value).inc()
+        self.metrics.prompt_tokens.inc(len(engine_request.prompt))
+        self.metrics.cached_tokens.inc(output.cached_tokens)
+        self.metrics.generated_tokens.inc(completion)
+
+    def _hand_over(self, engine_request: EngineRequest, params: DisaggParams) -> DisaggParams:
+        """The prefill is done: hold its transferable blocks for the room, say where they are."""
+        count = transferable_blocks(len(engine_request.prompt), self.loop.engine.block_size)
+        slots = [block.slot for block in engine_request.blocks[:count]]
+        self.transfer.server.ready(params.room, engine_request.request_id, slots)
+        return DisaggParams(
+            PREFILLED,
+            room=params.room,
+            host=self.transfer.host,
+            port=self.transfer.server.port,
+            worker_id=self.worker_id,
+            blocks=count,
+            backend=self.transfer.backend,
+        )
+
+    async def _receive_kv(
+        self, request: common_pb2.PreprocessedRequest, params: DisaggParams
+    ) -> tuple[EngineRequest, asyncio.Queue[TokenOutput], DisaggParams]:
+        """Pull the prompt's KV from the prefill worker into reserved blocks (one retry), or fall
+        back to a local prefill when allowed. Returns the engine request, its token queue and where
+        its KV came from."""
+        args = self._engine_args(request)
+        request_id = request.request_id
+        plan, queue = self.loop.submit_remote(*args)
+        if plan is None or plan.num_blocks == 0:
+            reason = "decode_memory" if plan is None else "cached"
+            if plan is None and not params.allow_local:
+                raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "no KV memory free to receive the prefill")
+            # Let the prefill worker release what it holds for us, without making this request wait.
+            self._background(self._decline(params))
+            if plan is None:
+                engine_request, queue = self.loop.submit(*args)
+            else:
+                engine_request = plan.request
+                self.loop.finish_transfer(request_id, True)
+            return engine_request, queue, DisaggParams(KV_SOURCE, source="local", reason=reason)
+        error = "no attempt"
+        for attempt in (1, 2):
+            try:
+                result = await self.transfer.client.pull(
+                    params.host,
+                    params.port,
+                    params.room,
+                    plan.first_block,
+                    plan.slots,
+                    plan.sequence_hashes,
+                    self.config.kv_transfer_timeout_secs,
+                )
+            except TransferError as exc:
+                error = str(exc)
+                log.warning("KV transfer failed", attempt=attempt, error=error, prefill_worker=params.worker_id)
+                if not exc.retryable:
+                    break
+                continue
+            self.loop.finish_transfer(request_id, True)
+            log.info(
+                "KV received",
+                backend=result.backend,
+                blocks=plan.num_blocks,
+                bytes=result.bytes,
+                ms=round(result.seconds * 1000, 3),
+                cached_blocks=plan.first_block,
+            )
+            return (
+                plan.request,
+                queue,
+                DisaggParams(
+                    KV_SOURCE, source="remote", backend=result.backend, bytes=result.bytes, blocks=plan.num_blocks
+                ),
+            )
+        if not params.allow_local:
+            raise Refusal(
+                grpc.StatusCode.UNAVAILABLE, f"remote prefill failed and local prefill is not allowed: {error}"
+            )
+        self.loop.finish_transfer(request_id, False)
+        return plan.request, queue, DisaggParams(KV_SOURCE, source="local", reason="transfer_failed")
+
+    async def _decline(self, params: DisaggParams) -> None:
+        try:
+            await self.transfer.client.pull(
+                params.host, params.port, params.room, 0, [], [], self.config.kv_transfer_timeout_secs
+            )
+        except TransferError as exc:
+            log.info("could not release a prefill's held KV; it expires on its own", error=str(exc))
+
+    def _background(self, coroutine: object) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def DumpKvState(
         self, request: worker_pb2.DumpKvStateRequest, context: grpc.aio.ServicerContext
@@ -142,6 +334,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             active_blocks=engine.blocks.num_active,
             running_requests=len(engine.running),
             waiting_requests=len(engine.waiting),
+            kv_transfer_backend=self.transfer.backend,
+            kv_transfers_in_flight=self.transfer.stats.in_flight,
+            held_prefills=len(engine.held),
         )
 
 
@@ -160,11 +355,13 @@ async def serve(
     await ensure_kv_events_stream(js, config.kv_events_max_age)
     publisher = publisher_class(js, config.namespace, worker_id)
     publisher.start()
-    loop = EngineLoop(build_engine(config), publisher)
+    kv = KvBuffer(config.num_gpu_blocks, kv_layout(config).block_bytes(config.block_size))
+    loop = EngineLoop(build_engine(config, kv), publisher)
     loop.start()
-    metrics = WorkerMetrics(loop.engine, publisher)
+    transfer = await start_kv_transfer(config, worker_id, kv, loop)
+    metrics = WorkerMetrics(loop.engine, publisher, transfer.stats, transfer.backend, transfer.server.held_rooms)
     endpoint = MetricsEndpoint(config, metrics.registry)
-    servicer = WorkerServicer(worker_id, config, loop, metrics)
+    servicer = WorkerServicer(worker_id, config, loop, metrics, transfer)
     try:
         async with registered_grpc_service(
             js,
@@ -180,17 +377,44 @@ async def serve(
             extra={
                 "max_num_batched_tokens": config.max_num_batched_tokens,
                 "engine": config.engine,
+                "kv_transfer_host": transfer.host,
+                "kv_transfer_port": transfer.server.port,
+                "kv_transfer_backend": transfer.backend,
                 **endpoint.discovery_extra(),
             },
         ) as record:
-            log.info("worker ready", address=record.address, engine=config.engine, role=config.role)
+            log.info(
+                "worker ready",
+                address=record.address,
+                engine=config.engine,
+                role=config.role,
+                kv_transfer_backend=transfer.backend,
+                kv_transfer_port=transfer.server.port,
+                kv_block_bytes=kv.block_bytes,
+            )
             await stop.wait()
             log.info("worker shutting down")
     finally:
         endpoint.close()
+        await transfer.server.stop()
         await loop.stop()
         await publisher.stop()
         await nc.close()
+
+
+async def start_kv_transfer(config: WorkerConfig, worker_id: int, kv: KvBuffer, loop: EngineLoop) -> KvTransfer:
+    """The transfer server (serving held prefills) and client (pulling them), on the chosen backend."""
+    backend = config.resolved_transfer_backend()
+    nixl = None
+    if backend == "nixl":
+        # NIXL's agent start blocks for a while; keep the event loop (and lease refreshes) going
+        nixl = await asyncio.to_thread(NixlAgent, f"kvmesh-worker-{worker_id}", kv)
+    stats = TransferStats()
+    server = KvTransferServer(kv, loop.release_held, config.disagg_hold_timeout_secs, nixl, stats)
+    await server.start(config.host, config.kv_transfer_port)
+    client = KvTransferClient(kv, nixl, stats)
+    log.info("KV transfer ready", backend=backend, port=server.port)
+    return KvTransfer(server, client, config.advertise_host or config.host, stats)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

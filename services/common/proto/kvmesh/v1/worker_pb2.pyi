@@ -42,7 +42,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "model", "block_size", "total_blocks", "cached_blocks", "active_blocks", "running_requests", "waiting_requests")
+    __slots__ = ("worker_id", "model", "block_size", "total_blocks", "cached_blocks", "active_blocks", "running_requests", "waiting_requests", "kv_transfer_backend", "kv_transfers_in_flight", "held_prefills")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,9 @@ class WorkerStatus(_message.Message):
     ACTIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    HELD_PREFILLS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     model: str
     block_size: int
@@ -59,4 +62,7 @@ class WorkerStatus(_message.Message):
     active_blocks: int
     running_requests: int
     waiting_requests: int
-    def __init__(self, worker_id: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., active_blocks: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
+    kv_transfer_backend: str
+    kv_transfers_in_flight: int
+    held_prefills: int
+    def __init__(self, worker_id: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., active_blocks: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_transfer_backend: _Optional[str] = ..., kv_transfers_in_flight: _Optional[int] = ..., held_prefills: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,411 @@
+"""KV transfer between workers: a prefill worker serves the KV blocks it holds, a decode worker pulls
+them into its own KV buffer.
+
+Control plane: one TCP connection per pull, length-prefixed msgpack frames. The decode worker asks
+for a *room* (the rendezvous id the router chose); the prefill worker waits until that room's
+prefill has finished (the decode worker may arrive first, on the bootstrap path), answers with the
+slots holding the requested blocks, and the bytes move on one of two data planes:
+
+- ``nixl``: the decode worker READs the slots straight out of the prefill worker's registered
+  buffer with NIXL (UCX backend, DRAM), using the agent metadata from the answer;
+- ``tcp``: the prefill worker writes the slots' bytes on the same connection.
+
+The decode worker checks every received block against the bytes it would have computed, then says
+``done``; the prefill worker then releases the held blocks (or after ``hold_timeout_s`` if nobody
+comes or the decode worker dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgpack
+import structlog
+
+from services.worker.kv_buffer import KvBuffer
+
+log = structlog.get_logger(__name__)
+
+_LENGTH = struct.Struct("<I")
+MAX_FRAME = 64 << 20
+
+
+class TransferError(Exception):
+    """A pull that did not deliver the blocks. ``retryable`` is False when the prefill side answered
+    that the room can never be served (its prefill failed), so asking again is pointless."""
+
+    def __init__(self, message: str, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+def nixl_available() -> bool:
+    try:
+        import nixl._api  # noqa: F401
+    except Exception:  # not installed, or its native libraries cannot load
+        return False
+    return True
+
+
+class NixlAgent:
+    """One NIXL agent per worker with the worker's whole KV buffer registered as DRAM (UCX backend).
+
+    NIXL calls block, so they run in a thread; the lock keeps one transfer at a time per agent."""
+
+    def __init__(self, name: str, kv: KvBuffer) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name
+        self.kv = kv
+        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self._agent.register_memory([(kv.address, kv.size, 0, "")], mem_type="DRAM")
+        self.metadata: bytes = self._agent.get_agent_metadata()
+        self._remotes: set[str] = set()
+        self._lock = threading.Lock()
+
+    def read(
+        self,
+        remote_name: str,
+        remote_metadata: bytes,
+        remote_address: int,
+        remote_slots: list[int],
+        local_slots: list[int],
+        deadline: float,
+    ) -> None:
+        """READ the remote slots into the local ones (same block size), blocking until done."""
+        size = self.kv.block_bytes
+        local, remote = [], []
+        for start_local, start_remote, count in contiguous_runs(local_slots, remote_slots):
+            local.append((self.kv.address + start_local * size, count * size, 0))
+            remote.append((remote_address + start_remote * size, count * size, 0))
+        with self._lock:
+            if remote_name not in self._remotes:
+                self._agent.add_remote_agent(remote_metadata)
+                self._remotes.add(remote_name)
+            handle = self._agent.initialize_xfer(
+                "READ",
+                self._agent.get_xfer_descs(local, mem_type="DRAM"),
+                self._agent.get_xfer_descs(remote, mem_type="DRAM"),
+                remote_name,
+            )
+            try:
+                state = self._agent.transfer(handle)
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise TransferError("NIXL read timed out")
+                    time.sleep(0.0002)
+                    state = self._agent.check_xfer_state(handle)
+                if state != "DONE":
+                    raise TransferError(f"NIXL read ended in state {state}")
+            except Exception:
+                # the peer may be gone: forget it, so a retry starts from its fresh metadata
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(remote_name)
+                self._remotes.discard(remote_name)
+                raise
+            finally:
+                with contextlib.suppress(Exception):
+                    self._agent.release_xfer_handle(handle)
+
+
+def contiguous_runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
+    """(local start, remote start, count) of runs where both slot lists advance by one."""
+    runs: list[tuple[int, int, int]] = []
+    for a, b in zip(local, remote, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((a, b, 1))
+    return runs
+
+
+# ---- frames ----------------------------------------------------------------------------------
+async def write_frame(writer: asyncio.StreamWriter, message: dict) -> None:
+    body = msgpack.packb(message)
+    writer.write(_LENGTH.pack(len(body)) + body)
+    await writer.drain()
+
+
+async def read_frame(reader: asyncio.StreamReader) -> dict:
+    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if length > MAX_FRAME:
+        raise TransferError(f"frame of {length} bytes is too large")
+    message = msgpack.unpackb(await reader.readexactly(length))
+    if not isinstance(message, dict):
+        raise TransferError("frame is not a map")
+    return message
+
+
+async def _sock_recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
+    while view:
+        received = await loop.sock_recv_into(sock, view)
+        if received == 0:
+            raise TransferError("the prefill worker closed the connection mid-transfer")
+        view = view[received:]
+
+
+async def _sock_read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict:
+    header = bytearray(_LENGTH.size)
+    await _sock_recv_exactly(loop, sock, memoryview(header))
+    (length,) = _LENGTH.unpack(header)
+    if length > MAX_FRAME:
+        raise TransferError(f"frame of {length} bytes is too large")
+    body = bytearray(length)
+    await _sock_recv_exactly(loop, sock, memoryview(body))
+    message = msgpack.unpackb(bytes(body))
+    if not isinstance(message, dict):
+        raise TransferError("frame is not a map")
+    return message
+
+
+async def _sock_write_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, message: dict) -> None:
+    body = msgpack.packb(message)
+    await loop.sock_sendall(sock, _LENGTH.pack(len(body)) + body)
+
+
+# ---- counters shared by both ends --------------------------------------------------------------
+@dataclass
+class TransferStats:
+    """What moved, for the worker's metrics. Keys are backend names."""
+
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)
+    pulls: dict[str, int] = field(default_factory=dict)  # outcome -> count
+    in_flight: int = 0
+
+    def count(self, table: dict[str, int], key: str, amount: int = 1) -> None:
+        table[key] = table.get(key, 0) + amount
+
+
+# ---- prefill side -----------------------------------------------------------------------------
+@dataclass
+class _Room:
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    request_id: str | None = None
+    slots: list[int] | None = None
+    error: str | None = None
+    expires: asyncio.TimerHandle | None = None
+
+
+class KvTransferServer:
+    """Serves held KV blocks by room. Guarantees: a room's blocks are released exactly once — when a
+    decode worker reports them received, when the hold times out, or when the server stops."""
+
+    def __init__(
+        self,
+        kv: KvBuffer,
+        release: Callable[[str], object],
+        hold_timeout_s: float,
+        nixl: NixlAgent | None,
+        stats: TransferStats | None = None,
+    ) -> None:
+        self.kv = kv
+        self._release = release
+        self.hold_timeout_s = hold_timeout_s
+        self.nixl = nixl
+        self.backend = "nixl" if nixl is not None else "tcp"
+        self.stats = stats or TransferStats()
+        self._rooms: dict[int, _Room] = {}
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int = 0) -> int:
+        self._server = await asyncio.start_server(self._serve, host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        for room in list(self._rooms):
+            self._drop(room)
+
+    def _room(self, room: int) -> _Room:
+        entry = self._rooms.get(room)
+        if entry is None:
+            entry = self._rooms[room] = _Room()
+        return entry
+
+    def held_rooms(self) -> int:
+        return sum(1 for r in self._rooms.values() if r.slots is not None)
+
+    def ready(self, room: int, request_id: str, slots: list[int]) -> None:
+        """The prefill for ``room`` finished; its blocks are held in ``slots`` until released."""
+        entry = self._room(room)
+        entry.request_id, entry.slots = request_id, slots
+        entry.expires = asyncio.get_running_loop().call_later(self.hold_timeout_s, self._expire, room)
+        entry.ready.set()
+
+    def fail(self, room: int, reason: str) -> None:
+        """The prefill for ``room`` will never be ready; a waiting decode worker is told why."""
+        entry = self._room(room)
+        entry.error = reason
+        entry.ready.set()
+        asyncio.get_running_loop().call_later(self.hold_timeout_s, self._rooms.pop, room, None)
+
+    def _expire(self, room: int) -> None:
+        log.warning("KV held for a transfer nobody completed; releasing", room=room)
+        self._drop(room)
+
+    def _drop(self, room: int) -> None:
+        entry = self._rooms.pop(room, None)
+        if entry is None:
+            return
+        if entry.expires is not None:
+            entry.expires.cancel()
+        if entry.request_id is not None and entry.slots is not None:
+            self._release(entry.request_id)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        room = None
+        self.stats.in_flight += 1
+        try:
+            ask = await read_frame(reader)
+            room = int(ask["room"])
+            entry = self._room(room)
+            try:
+                await asyncio.wait_for(entry.ready.wait(), float(ask.get("wait_s", 30.0)))
+            except TimeoutError:
+                await write_frame(writer, {"ok": False, "error": f"room {room} was not ready in time"})
+                return
+            if entry.error is not None or entry.slots is None:
+                await write_frame(writer, {"ok": False, "retry": False, "error": entry.error or "room failed"})
+                return
+            first, count = int(ask["first_block"]), int(ask["num_blocks"])
+            if int(ask["block_bytes"]) != self.kv.block_bytes or first < 0 or first + count > len(entry.slots):
+                await write_frame(
+                    writer,
+                    {
+                        "ok": False,
+                        "retry": False,
+                        "error": f"asked for blocks {first}..{first + count} of {len(entry.slots)} "
+                        f"at {ask['block_bytes']} bytes each; this worker holds {self.kv.block_bytes}",
+                    },
+                )
+                return
+            slots = entry.slots[first : first + count]
+            backend = "nixl" if self.nixl is not None and ask.get("backend") == "nixl" else "tcp"
+            answer: dict = {"ok": True, "backend": backend, "slots": slots}
+            if backend == "nixl":
+                answer |= {"agent": self.nixl.name, "metadata": self.nixl.metadata, "address": self.kv.address}
+            await write_frame(writer, answer)
+            if backend == "tcp":
+                for slot in slots:
+                    writer.write(self.kv.region(slot))
+                await writer.drain()
+            done = await read_frame(reader)
+            if done.get("received"):
+                self.stats.count(self.stats.bytes_sent, backend, count * self.kv.block_bytes)
+                self._drop(room)
+        except (asyncio.IncompleteReadError, ConnectionError, TransferError, KeyError, ValueError) as exc:
+            log.warning("KV pull ended early", room=room, error=str(exc) or type(exc).__name__)
+        finally:
+            self.stats.in_flight -= 1
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+# ---- decode side ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PullResult:
+    backend: str
+    bytes: int
+    seconds: float
+
+
+class KvTransferClient:
+    """Pulls a room's blocks into this worker's buffer and verifies them."""
+
+    def __init__(self, kv: KvBuffer, nixl: NixlAgent | None, stats: TransferStats | None = None) -> None:
+        self.kv = kv
+        self.nixl = nixl
+        self.backend = "nixl" if nixl is not None else "tcp"
+        self.stats = stats or TransferStats()
+
+    async def pull(
+        self,
+        host: str,
+        port: int,
+        room: int,
+        first_block: int,
+        slots: list[int],
+        contents: list[int],
+        timeout_s: float,
+    ) -> PullResult:
+        """Blocks ``first_block`` … of the room into ``slots``; each must then hold what ``contents``
+        (the blocks' sequence hashes) says. Raises :class:`TransferError`."""
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        sock: socket.socket | None = None
+        self.stats.in_flight += 1
+        try:
+            async with asyncio.timeout(timeout_s):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await loop.sock_connect(sock, (host, port))
+                await _sock_write_frame(
+                    loop,
+                    sock,
+                    {
+                        "room": room,
+                        "first_block": first_block,
+                        "num_blocks": len(slots),
+                        "block_bytes": self.kv.block_bytes,
+                        "backend": self.backend,
+                        "wait_s": max(0.0, timeout_s - 0.5),
+                    },
+                )
+                answer = await _sock_read_frame(loop, sock)
+                if not answer.get("ok"):
+                    raise TransferError(str(answer.get("error")), retryable=bool(answer.get("retry", True)))
+                if answer["slots"].__len__() != len(slots):
+                    raise TransferError("the prefill worker answered with a different number of blocks")
+                backend = answer["backend"]
+                if backend == "nixl":
+                    if self.nixl is None:
+                        raise TransferError("the prefill worker chose NIXL, which this worker lacks")
+                    await asyncio.to_thread(
+                        self.nixl.read,
+                        answer["agent"],
+                        answer["metadata"],
+                        int(answer["address"]),
+                        list(answer["slots"]),
+                        slots,
+                        deadline,
+                    )
+                else:
+                    for slot in slots:
+                        await _sock_recv_exactly(loop, sock, self.kv.region(slot))
+                bad = sum(1 for slot, content in zip(slots, contents, strict=True) if not self.kv.holds(slot, content))
+                if bad:
+                    raise TransferError(f"{bad} of {len(slots)} received blocks do not hold the expected KV")
+                await _sock_write_frame(loop, sock, {"received": True})
+        except TimeoutError:
+            self.stats.count(self.stats.pulls, "failed")
+            raise TransferError(f"KV transfer from {host}:{port} timed out after {timeout_s}s") from None
+        except OSError as exc:
+            self.stats.count(self.stats.pulls, "failed")
+            raise TransferError(f"KV transfer from {host}:{port} failed: {exc}") from None
+        except TransferError:
+            self.stats.count(self.stats.pulls, "failed")
+            raise
+        finally:
+            self.stats.in_flight -= 1
+            if sock is not None:
+                sock.close()
+        size = len(slots) * self.kv.block_bytes
+        self.stats.count(self.stats.pulls, "ok")
+        self.stats.count(self.stats.bytes_received, backend, size)
+        return PullResult(backend, size, time.perf_counter() - started)
