@@ -43,7 +43,17 @@ class UpConfig(CommonConfig):
     nats_url: str | None = option(None, "use this NATS server instead of starting an embedded one")
     http_host: str = option("127.0.0.1", "address of the HTTP API")
     http_port: int = option(8000, "port of the OpenAI-compatible HTTP API")
-    workers: int = option(2, "number of mock workers")
+    workers: int = option(2, "number of mock workers (decode workers when --prefill-workers is set)")
+    prefill_workers: int = option(
+        0, "number of prefill-role mock workers; with any, the other workers run as decode workers (disaggregation)"
+    )
+    disagg_mode: str = option("bootstrap", "router's prefill/decode orchestration", choices=("bootstrap", "sync"))
+    enforce_disagg: bool = option(False, "router: a missing prefill pool or a failed prefill is an error")
+    disagg_min_uncached_tokens: int = option(512, "router: prefill locally when fewer prompt tokens are uncached")
+    num_layers: int = option(2, "model layers of the mock workers' KV buffer (bytes a KV transfer moves per token)")
+    kv_transfer_backend: str = option(
+        "auto", "workers' KV transfer backend (auto: NIXL when installed)", choices=("auto", "nixl", "tcp")
+    )
     indexers: int = option(1, "number of indexer replicas")
     routers: int = option(1, "number of router replicas behind the frontend")
     router_replica_sync: bool = option(False, "router replicas share their load view over NATS")
@@ -67,6 +77,8 @@ class UpConfig(CommonConfig):
             raise ConfigError("--indexers must be at least 1")
         if self.routers < 1:
             raise ConfigError("--routers must be at least 1")
+        if self.prefill_workers < 0:
+            raise ConfigError("--prefill-workers must be >= 0")
 
 
 def _die_with_parent() -> None:
@@ -129,6 +141,11 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
         str(config.kv_overlap_score_weight),
         "--router-temperature",
         str(config.router_temperature),
+        "--disagg-mode",
+        config.disagg_mode,
+        "--enforce-disagg" if config.enforce_disagg else "--no-enforce-disagg",
+        "--disagg-min-uncached-tokens",
+        str(config.disagg_min_uncached_tokens),
     ]
     services += [ServiceProcess(f"router-{i}", "services.router", router_args) for i in range(config.routers)]
     worker_args = [
@@ -141,8 +158,19 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
         str(config.num_gpu_blocks),
         "--speedup-ratio",
         str(config.speedup_ratio),
+        "--kv-transfer-backend",
+        config.kv_transfer_backend,
+        "--num-layers",
+        str(config.num_layers),
     ]
-    services += [ServiceProcess(f"worker-{i}", "services.worker", worker_args) for i in range(config.workers)]
+    role = "decode" if config.prefill_workers else "aggregated"
+    services += [
+        ServiceProcess(f"worker-{i}", "services.worker", [*worker_args, "--role", role]) for i in range(config.workers)
+    ]
+    services += [
+        ServiceProcess(f"prefill-worker-{i}", "services.worker", [*worker_args, "--role", "prefill"])
+        for i in range(config.prefill_workers)
+    ]
     services.append(
         ServiceProcess(
             "frontend",
@@ -167,7 +195,7 @@ async def wait_until_ready(config: UpConfig, nats_url: str, services: list[Servi
     """Wait for every instance to register and for the HTTP API to answer /health."""
     nc = await connect_nats(nats_url, name="kvmesh-up")
     js = nc.jetstream()
-    expected = {"worker": config.workers, "indexer": config.indexers, "router": config.routers}
+    expected = {"worker": config.workers + config.prefill_workers, "indexer": config.indexers, "router": config.routers}
     watchers = {c: DiscoveryWatcher(js, config.namespace, c) for c in expected}
     deadline = time.monotonic() + config.startup_timeout
     try:

@@ -21,4 +21,6 @@ def continue_request(
     moved.request_id = f"{request.request_id}:{suffix}"
     moved.token_ids.extend(generated)
     moved.stop.max_tokens = max_tokens - len(generated)
+    # a remote prefill's KV covered the old prompt only; the new attempt prefills where it lands
+    moved.ClearField("disaggregated_params")
     return moved

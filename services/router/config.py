@@ -38,10 +38,27 @@ class RouterConfig(GrpcEndpointConfig):
     migration_limit: int = option(3, "times a request whose worker fails mid-stream moves to another worker")
     worker_avoid_secs: float = option(5.0, "seconds a worker that failed a stream is not chosen")
     seed: int | None = option(None, "seed for tie-breaking and sampling (default: random)")
+    disagg_mode: str = option(
+        "bootstrap",
+        "prefill/decode orchestration when prefill workers are registered: bootstrap (decode starts at once and "
+        "meets the prefill at a rendezvous) or sync (wait for the prefill's result, then send the decode)",
+        choices=("bootstrap", "sync"),
+    )
+    enforce_disagg: bool = option(
+        False, "every request must prefill on a prefill worker: no prefill pool or a failed prefill is an error"
+    )
+    disagg_min_uncached_tokens: int = option(
+        512, "prefill on the decode worker itself when it lacks fewer prompt tokens than this (0: always remote)"
+    )
+    prefill_queue_limit_tokens: int = option(
+        65536, "a prefill worker with more predicted queued prefill tokens has no capacity for another prefill"
+    )
 
     def validate(self) -> None:
         if self.kv_overlap_score_weight < 0:
             raise ConfigError("--kv-overlap-score-weight must be >= 0")
+        if self.disagg_min_uncached_tokens < 0 or self.prefill_queue_limit_tokens <= 0:
+            raise ConfigError("--disagg-min-uncached-tokens must be >= 0 and --prefill-queue-limit-tokens > 0")
         if self.router_temperature < 0:
             raise ConfigError("--router-temperature must be >= 0")
         if self.router_ttl_secs <= 0 or self.router_max_tree_size <= 0:

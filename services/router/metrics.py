@@ -53,4 +53,17 @@ class RouterMetrics:
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5),
             registry=self.registry,
         )
+        self.prefills = Counter(
+            "kvmesh_router_prefills",
+            "prefills of requests while prefill workers are registered: remote (on a prefill worker) or local "
+            "(on the decode worker), with the reason for local ones",
+            ["where", "reason"],
+            registry=self.registry,
+        )
+        self.kv_transfer_bytes = Counter(
+            "kvmesh_router_kv_transfer_bytes",
+            "KV bytes decode workers received from prefill workers, by transfer backend",
+            ["backend"],
+            registry=self.registry,
+        )
         self.registry.register(_LoadCollector(policies, peers))

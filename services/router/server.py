@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from services.common.disagg import KV_SOURCE, DisaggParams, DisaggParamsError, new_room
 from services.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
 from services.common.grpc_errors import is_transport_failure, refuse
 from services.common.grpc_server import insecure_channel
@@ -30,6 +31,14 @@ from services.common.runtime import cancel_and_wait, connect_nats
 from services.common.service import registered_grpc_service, service_main
 from services.router.approximate_index import ApproximateIndex
 from services.router.config import RouterConfig
+from services.router.disagg import (
+    LocalPrefill,
+    PrefillJob,
+    RemotePrefill,
+    bootstrap_params,
+    decode_request,
+    prefill_request,
+)
 from services.router.metrics import RouterMetrics
 from services.router.policy import RoutingPolicy
 from services.router.replica_sync import ADD, FREE, PREFILL_DONE, ReplicaSync, SyncMessage
@@ -273,6 +282,69 @@ class Router:
             )
         return prepared.by_id[decision.worker[0]], decision.overlap_blocks, prepared.block_hashes
 
+    def prefill_pool(self, model: str) -> list[InstanceRecord]:
+        """Prefill-role workers serving ``model``, without those recently failed."""
+        pool = [r for r in self.workers.instances() if r.role == "prefill" and (not model or r.model == model)]
+        now = time.monotonic()
+        return [r for r in pool if self._avoid_until.get(r.instance_id, 0.0) <= now]
+
+    async def plan_prefill(self, request: common_pb2.PreprocessedRequest) -> RemotePrefill | LocalPrefill | None:
+        """Where this request prefills while prefill workers exist (see services/router/disagg.py);
+        None when no prefill worker is registered (or none shares the decode workers' block size):
+        the request is routed as an aggregated one."""
+        enforce = self.config.enforce_disagg
+        pool = self.prefill_pool(request.model)
+        prepared = self.prepare(request) if pool or not enforce else None
+        if prepared is not None:
+            pool = [r for r in pool if r.block_size == prepared.policy.block_size]
+        if not pool:
+            if enforce:
+                raise RoutingError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no prefill worker is available for model {request.model!r} and --enforce-disagg is set",
+                )
+            return None
+        candidates = [r for r in prepared.candidates if not self.busy(prepared.policy, r.instance_id)]
+        if not candidates:
+            raise RoutingError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"all {len(prepared.candidates)} decode workers are busy "
+                "(over their active block or prefill thresholds)",
+            )
+        matched, sizes = await self.cache_view(prepared)
+        override = request.routing.router_config_override
+        weight = override.overlap_score_weight if override.HasField("overlap_score_weight") else None
+        temperature = override.router_temperature if override.HasField("router_temperature") else None
+        keys = [(r.instance_id, 0) for r in candidates]
+        policy = prepared.policy
+        args = (prepared.block_hashes, prepared.prompt_tokens, matched, sizes)
+        local = policy.choose(keys, *args, weight, temperature, prepared.expected_output_tokens)
+        local_record = prepared.by_id[local.worker[0]]
+        uncached = prepared.prompt_tokens - local.overlap_blocks * policy.block_size
+        if not enforce and uncached < self.config.disagg_min_uncached_tokens:
+            return LocalPrefill(local_record, local.overlap_blocks, prepared.block_hashes, "below_threshold")
+        limit = self.config.prefill_queue_limit_tokens
+        with_capacity = [
+            r
+            for r in pool
+            if not self.busy(policy, r.instance_id) and policy.active.load((r.instance_id, 0))[0] < limit
+        ]
+        if not with_capacity:
+            if enforce:
+                raise RoutingError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"all {len(pool)} prefill workers are at capacity and --enforce-disagg is set",
+                )
+            return LocalPrefill(local_record, local.overlap_blocks, prepared.block_hashes, "no_prefill_capacity")
+        prefill = policy.choose([(r.instance_id, 0) for r in with_capacity], *args, weight, temperature, 0)
+        decode = policy.choose(keys, *args, 0.0, temperature, prepared.expected_output_tokens)
+        return RemotePrefill(
+            next(r for r in with_capacity if r.instance_id == prefill.worker[0]),
+            prefill.overlap_blocks,
+            prepared.by_id[decode.worker[0]],
+            prepared.block_hashes,
+        )
+
     async def potential_loads(self, request: common_pb2.PreprocessedRequest) -> list[router_pb2.WorkerLoad]:
         prepared = self.prepare(request)
         matched, _sizes = await self.cache_view(prepared)
@@ -397,6 +469,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         structlog.contextvars.bind_contextvars(request_id=request_id)
         if not request.token_ids:
             await refuse(context, "router", grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
+        if request.disaggregated_params:
+            await refuse(
+                context,
+                "router",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "disaggregated_params is set by the router itself; send the request without it",
+            )
         max_tokens = request.stop.max_tokens or DEFAULT_MAX_TOKENS
         prompt_tokens = len(request.token_ids)
         forced = request.routing.HasField("worker_id") or self.router.config.router_mode == "direct"
@@ -408,9 +487,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 attempt = (
                     request if migrations == 0 else continue_request(request, generated, max_tokens, f"m{migrations}")
                 )
+                prefill: PrefillJob | None = None
                 try:
                     with self.metrics.decision_seconds.time():
-                        record, overlap, block_hashes = await self.router.choose(attempt)
+                        plan = None if forced or migrations else await self.router.plan_prefill(attempt)
+                        if plan is None:
+                            record, overlap, block_hashes = await self.router.choose(attempt)
+                        elif isinstance(plan, LocalPrefill):
+                            record, overlap, block_hashes = plan.decode, plan.overlap, plan.block_hashes
+                            self.metrics.prefills.labels("local", plan.reason).inc()
+                        else:
+                            record, block_hashes = plan.decode, plan.block_hashes
+                            overlap = len(block_hashes)  # its KV arrives: only the tail is computed there
+                    if isinstance(plan, RemotePrefill):
+                        attempt, prefill = await self._start_prefill(attempt, plan)
+                        if prefill is None:  # sync path, prefill failed: this worker prefills itself
+                            overlap = 0
                 except RoutingError as exc:
                     self.metrics.requests.labels(exc.code.name.lower()).inc()
                     await refuse(context, "router", exc.code, str(exc))
@@ -424,6 +516,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     overlap_blocks=overlap,
                     mode=self.router.config.router_mode,
                     migration=migrations,
+                    prefill_worker_id=plan.prefill.instance_id if isinstance(plan, RemotePrefill) else None,
                 )
                 stub = worker_pb2_grpc.WorkerStub(self.router.channels.get(record.address))
                 try:
@@ -432,6 +525,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         if first:
                             self.router.track_first_token(record, attempt.request_id)
                             first = False
+                            if prefill is not None:
+                                remote_cached = await self._account_kv_source(output, prefill)
+                                if remote_cached is not None:
+                                    cached_tokens = remote_cached
+                        output.ClearField("disaggregated_params")
                         self.router.track_output(record, attempt.request_id, len(output.token_ids))
                         generated.extend(output.token_ids)
                         if cached_tokens is None:
@@ -469,8 +567,68 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     self.metrics.migrations.inc()
                 finally:
                     self.router.track_free(record, attempt.request_id)
+                    if prefill is not None:
+                        await prefill.close()
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _start_prefill(
+        self, request: common_pb2.PreprocessedRequest, plan: RemotePrefill
+    ) -> tuple[common_pb2.PreprocessedRequest, PrefillJob | None]:
+        """Send the prefill half to the prefill worker; return the decode half to send and the job.
+
+        Bootstrap: the decode half carries the rendezvous at once. Sync: wait for the prefill's
+        answer and inject it; if the prefill failed, the request goes to the decode worker whole
+        (no job), or fails under --enforce-disagg."""
+        config = self.router.config
+        room = new_room()
+        prefill_half = prefill_request(request, room)
+        record = plan.prefill
+        self.router.track_add(
+            prefill_half.request_id, record, plan.block_hashes, len(request.token_ids), plan.prefill_overlap, 0
+        )
+
+        def prefill_done() -> None:
+            self.router.track_free(record, prefill_half.request_id)
+
+        stub = worker_pb2_grpc.WorkerStub(self.router.channels.get(record.address))
+        job = PrefillJob(record.instance_id, stub, prefill_half, prefill_done)
+        if config.disagg_mode == "bootstrap":
+            return decode_request(request, bootstrap_params(record, room, not config.enforce_disagg)), job
+        result = await job.result()
+        if result is None:
+            if job.transport_failed:
+                self.router.avoid(record.instance_id)
+            if config.enforce_disagg:
+                raise RoutingError(
+                    grpc.StatusCode.UNAVAILABLE, f"prefill on worker {record.instance_id} failed: {job.error}"
+                )
+            self.metrics.prefills.labels("local", "prefill_failed").inc()
+            return request, None
+        params = result.params
+        params.kind, params.allow_local = "decode", not config.enforce_disagg
+        return decode_request(request, params), job
+
+    async def _account_kv_source(self, output: common_pb2.GenerateOutput, prefill: PrefillJob) -> int | None:
+        """Count where the decode worker got the prompt's KV; returns the prefill worker's cached
+        prompt tokens when the KV came from it (the usage the client sees), else None."""
+        try:
+            source = DisaggParams.decode(output.disaggregated_params)
+        except DisaggParamsError:
+            source = DisaggParams(KV_SOURCE, source="local", reason="transfer_failed")
+        if source.source == "remote":
+            self.metrics.prefills.labels("remote", "").inc()
+            self.metrics.kv_transfer_bytes.labels(source.backend).inc(source.bytes)
+            # the prefill answered before the decode worker could pull: this does not wait in practice
+            result = await prefill.result(timeout=1.0)
+            return result.cached_tokens if result is not None else None
+        reason = source.reason
+        if prefill.task.done() and prefill.task.result() is None:
+            reason = "prefill_failed"
+            if prefill.transport_failed:
+                self.router.avoid(prefill.worker_id)
+        self.metrics.prefills.labels("local", reason).inc()
+        return None
 
     async def BestWorker(
         self, request: router_pb2.RoutingQuery, context: grpc.aio.ServicerContext

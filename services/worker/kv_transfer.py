@@ -178,7 +178,7 @@ class TransferStats:
     bytes_sent: dict[str, int] = field(default_factory=dict)
     bytes_received: dict[str, int] = field(default_factory=dict)
     pulls: dict[str, int] = field(default_factory=dict)  # outcome -> count
-    in_flight: int = 0
+    in_flight: int = 0  # pulls moving bytes now (not those still waiting for their prefill)
 
     def count(self, table: dict[str, int], key: str, amount: int = 1) -> None:
         table[key] = table.get(key, 0) + amount
@@ -267,7 +267,7 @@ class KvTransferServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         room = None
-        self.stats.in_flight += 1
+        moving = False
         try:
             ask = await read_frame(reader)
             room = int(ask["room"])
@@ -297,6 +297,9 @@ class KvTransferServer:
             answer: dict = {"ok": True, "backend": backend, "slots": slots}
             if backend == "nixl":
                 answer |= {"agent": self.nixl.name, "metadata": self.nixl.metadata, "address": self.kv.address}
+            # counted from here: a pull waiting at the rendezvous is not moving bytes yet
+            moving = True
+            self.stats.in_flight += 1
             await write_frame(writer, answer)
             if backend == "tcp":
                 for slot in slots:
@@ -309,7 +312,8 @@ class KvTransferServer:
         except (asyncio.IncompleteReadError, ConnectionError, TransferError, KeyError, ValueError) as exc:
             log.warning("KV pull ended early", room=room, error=str(exc) or type(exc).__name__)
         finally:
-            self.stats.in_flight -= 1
+            if moving:
+                self.stats.in_flight -= 1
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -348,7 +352,7 @@ class KvTransferClient:
         started = time.perf_counter()
         deadline = time.monotonic() + timeout_s
         sock: socket.socket | None = None
-        self.stats.in_flight += 1
+        moving = False
         try:
             async with asyncio.timeout(timeout_s):
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -370,8 +374,10 @@ class KvTransferClient:
                 answer = await _sock_read_frame(loop, sock)
                 if not answer.get("ok"):
                     raise TransferError(str(answer.get("error")), retryable=bool(answer.get("retry", True)))
-                if answer["slots"].__len__() != len(slots):
+                if len(answer["slots"]) != len(slots):
                     raise TransferError("the prefill worker answered with a different number of blocks")
+                moving = True
+                self.stats.in_flight += 1
                 backend = answer["backend"]
                 if backend == "nixl":
                     if self.nixl is None:
@@ -402,7 +408,8 @@ class KvTransferClient:
             self.stats.count(self.stats.pulls, "failed")
             raise
         finally:
-            self.stats.in_flight -= 1
+            if moving:
+                self.stats.in_flight -= 1
             if sock is not None:
                 sock.close()
         size = len(slots) * self.kv.block_bytes

@@ -1,0 +1,243 @@
+"""Prefill/decode disaggregation end to end: ``kvmesh up --prefill-workers 1 --workers 2``, driven
+through the OpenAI facade with the official client; KV really moves between worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import nats
+import openai
+import pytest
+
+from services.common.discovery import DiscoveryWatcher, InstanceRecord
+from services.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.frontend.app import WORKER_ID_HEADER
+from services.up import MeshProcess
+from services.worker.kv_transfer import nixl_available
+from tests.e2e.conftest import start_mesh
+from tests.support import wait_until
+
+pytestmark = pytest.mark.e2e
+MODEL = "kvmesh-tiny"
+BLOCK = 16
+EXPECTED_BACKEND = "nixl" if nixl_available() else "tcp"
+
+
+def prompt(topic: str, repeat: int = 12) -> str:
+    """A prompt of well over 512 tokens (one byte-level token per character), unique per topic."""
+    return f"[{topic}] " + "Prefill and decode run on different workers; the KV cache moves between them. " * repeat
+
+
+@pytest.fixture(scope="module")
+def bootstrap_mesh() -> Iterator[MeshProcess]:
+    yield from start_mesh("--prefill-workers", "1", "--workers", "2")
+
+
+@pytest.fixture(scope="module")
+def sync_mesh() -> Iterator[MeshProcess]:
+    yield from start_mesh("--prefill-workers", "1", "--workers", "2", "--disagg-mode", "sync")
+
+
+def client(mesh: MeshProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.api, api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(mesh: MeshProcess, content: str, **kwargs):
+    raw = client(mesh).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], **kwargs
+    )
+    return raw.parse(), int(raw.headers[WORKER_ID_HEADER])
+
+
+def instances(mesh: MeshProcess, component: str) -> list[InstanceRecord]:
+    async def read() -> list[InstanceRecord]:
+        nc = await nats.connect(mesh.nats_url)
+        watcher = DiscoveryWatcher(nc.jetstream(), "default", component)
+        await watcher.start()
+        found = watcher.instances()
+        await watcher.stop()
+        await nc.close()
+        return found
+
+    return asyncio.run(read())
+
+
+def router_metrics(mesh: MeshProcess) -> dict[str, float]:
+    """The router's kvmesh_router_prefills / kv_transfer_bytes samples, keyed by their label text."""
+    address = instances(mesh, "router")[0].extra["metrics"]
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        match = re.match(r"(kvmesh_router_(?:prefills|kv_transfer_bytes)_total)(\{[^}]*\})? (\S+)", line)
+        if match:
+            samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return samples
+
+
+REMOTE = 'kvmesh_router_prefills_total{reason="",where="remote"}'
+BELOW = 'kvmesh_router_prefills_total{reason="below_threshold",where="local"}'
+BYTES = f'kvmesh_router_kv_transfer_bytes_total{{backend="{EXPECTED_BACKEND}"}}'
+
+
+def remote_prefill_and_identical_output(mesh: MeshProcess, topic: str) -> None:
+    before = router_metrics(mesh)
+    text = prompt(topic)
+    answer, decode_worker = chat(mesh, text, max_tokens=12, seed=5)
+    after = router_metrics(mesh)
+    assert after.get(REMOTE, 0) == before.get(REMOTE, 0) + 1
+    assert after.get(BYTES, 0) > before.get(BYTES, 0)  # real bytes moved, on the expected backend
+    roles = {r.instance_id: r.role for r in instances(mesh, "worker")}
+    assert roles[decode_worker] == "decode"
+    assert answer.usage.completion_tokens == 12 and answer.choices[0].finish_reason == "length"
+
+    # the same request served whole by one worker (forced, so not disaggregated) answers the same
+    aggregated, forced_worker = chat(
+        mesh, text, max_tokens=12, seed=5, extra_body={"kvmesh": {"worker_id": decode_worker}}
+    )
+    assert forced_worker == decode_worker
+    assert aggregated.choices[0].message.content == answer.choices[0].message.content
+
+
+def test_bootstrap_path_moves_the_kv_and_answers_as_aggregated(bootstrap_mesh):
+    remote_prefill_and_identical_output(bootstrap_mesh, "bootstrap")
+
+
+def test_sync_path_moves_the_kv_and_answers_as_aggregated(sync_mesh):
+    remote_prefill_and_identical_output(sync_mesh, "sync")
+
+
+def test_cached_tokens_of_a_remote_prefill_are_the_prefill_workers(bootstrap_mesh):
+    shared = prompt("shared prefix", repeat=8)
+    first, _ = chat(bootstrap_mesh, shared, max_tokens=2)
+    assert first.usage.prompt_tokens > 512
+
+    found = []
+
+    def reused_remotely() -> bool:
+        # KV events reach the indexer asynchronously: retry the extended prompt until the prefill
+        # worker's cached prefix is seen (a condition with a timeout, not a sleep)
+        before = router_metrics(bootstrap_mesh)
+        longer = shared + f" ({len(found)}) " + "and then the answer is decoded token by token. " * 12
+        answer, _ = chat(bootstrap_mesh, longer, max_tokens=2)
+        found.append(answer)
+        remote = router_metrics(bootstrap_mesh).get(REMOTE, 0) > before.get(REMOTE, 0)
+        return remote and answer.usage.prompt_tokens_details.cached_tokens >= 8 * BLOCK
+
+    wait_until(reused_remotely, timeout=30, what="a remote prefill reporting the prefill worker's cached prefix")
+    answer = found[-1]
+    assert answer.usage.prompt_tokens_details.cached_tokens <= answer.usage.prompt_tokens
+
+
+def test_short_uncached_part_is_prefilled_on_the_decode_worker(bootstrap_mesh):
+    before = router_metrics(bootstrap_mesh)
+    answer, _ = chat(bootstrap_mesh, "a short question", max_tokens=5)
+    after = router_metrics(bootstrap_mesh)
+    assert answer.usage.completion_tokens == 5
+    assert after.get(BELOW, 0) == before.get(BELOW, 0) + 1
+    assert after.get(REMOTE, 0) == before.get(REMOTE, 0)
+
+
+@pytest.fixture(scope="module")
+def enforcing_mesh_without_prefill_workers() -> Iterator[MeshProcess]:
+    yield from start_mesh("--workers", "2", "--enforce-disagg")
+
+
+def test_enforce_disagg_without_prefill_workers_is_a_clear_error(enforcing_mesh_without_prefill_workers):
+    with pytest.raises(openai.APIStatusError) as caught:
+        chat(enforcing_mesh_without_prefill_workers, prompt("enforced"), max_tokens=3)
+    assert caught.value.status_code == 503
+    assert "--enforce-disagg" in caught.value.message
+
+
+def test_a_worker_refuses_malformed_disaggregated_params(bootstrap_mesh):
+    """A worker given garbage disaggregated_params answers INVALID_ARGUMENT, keeping its state."""
+    decode = next(r for r in instances(bootstrap_mesh, "worker") if r.role == "decode")
+
+    async def call() -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(decode.address) as channel:
+            from services.common.proto.kvmesh.v1 import common_pb2
+
+            request = common_pb2.PreprocessedRequest(
+                request_id="bad", token_ids=[1, 2, 3], disaggregated_params=b"\xc1"
+            )
+            try:
+                async for _ in worker_pb2_grpc.WorkerStub(channel).Generate(request):
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+        return grpc.StatusCode.OK
+
+    assert asyncio.run(call()) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ---- a prefill worker killed while it serves a KV transfer ------------------------------------
+@pytest.fixture(scope="module")
+def heavy_kv_mesh() -> Iterator[MeshProcess]:
+    # 64 layers (16 KiB of KV per token) over TCP, so a transfer lasts long enough to be caught in flight
+    yield from start_mesh(
+        "--prefill-workers",
+        "1",
+        "--workers",
+        "2",
+        "--num-layers",
+        "64",
+        "--num-gpu-blocks-override",
+        "2048",
+        "--kv-transfer-backend",
+        "tcp",
+    )
+
+
+def _prefill_worker_pid() -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"services.worker" in cmdline and b"prefill" in cmdline and b"--num-layers" in cmdline:
+                return int(entry.name)
+    raise AssertionError("no prefill worker process found")
+
+
+def test_prefill_worker_killed_mid_transfer_the_requests_still_complete(heavy_kv_mesh):
+    prefill = next(r for r in instances(heavy_kv_mesh, "worker") if r.role == "prefill")
+    pid = _prefill_worker_pid()
+
+    async def transfer_in_flight(timeout: float) -> bool:
+        async with grpc.aio.insecure_channel(prefill.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while loop.time() < deadline:
+                status = await stub.GetStatus(worker_pb2.WorkerStatusRequest())
+                if status.kv_transfers_in_flight > 0:
+                    return True
+        return False
+
+    texts = [prompt(f"killed {i}", repeat=40) for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+        futures = [pool.submit(chat, heavy_kv_mesh, text, max_tokens=6) for text in texts]
+        assert asyncio.run(transfer_in_flight(60.0)), "no KV transfer was seen in flight"
+        os.kill(pid, signal.SIGKILL)
+        answers = [f.result(timeout=120) for f in futures]
+    for answer, _worker in answers:
+        assert answer.usage.completion_tokens == 6
+        assert answer.choices[0].finish_reason == "length"
+    metrics = router_metrics(heavy_kv_mesh)
+    fell_back = sum(v for k, v in metrics.items() if 'where="local"' in k and ("failed" in k))
+    assert fell_back >= 1, metrics
+    # kvmesh up restarts the killed worker: the mesh heals
+    wait_until(
+        lambda: any(r.role == "prefill" for r in instances(heavy_kv_mesh, "worker")),
+        timeout=60,
+        what="the prefill worker is back",
+    )
