@@ -212,7 +212,8 @@ def test_prefill_worker_killed_mid_transfer_the_requests_still_complete(heavy_kv
     prefill = next(r for r in instances(heavy_kv_mesh, "worker") if r.role == "prefill")
     pid = _prefill_worker_pid()
 
-    async def transfer_in_flight(timeout: float) -> bool:
+    async def kill_mid_transfer(timeout: float) -> bool:
+        """SIGKILL the prefill worker the moment it reports a transfer moving bytes."""
         async with grpc.aio.insecure_channel(prefill.address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             loop = asyncio.get_running_loop()
@@ -220,14 +221,14 @@ def test_prefill_worker_killed_mid_transfer_the_requests_still_complete(heavy_kv
             while loop.time() < deadline:
                 status = await stub.GetStatus(worker_pb2.WorkerStatusRequest())
                 if status.kv_transfers_in_flight > 0:
+                    os.kill(pid, signal.SIGKILL)
                     return True
         return False
 
-    texts = [prompt(f"killed {i}", repeat=40) for i in range(8)]
+    texts = [prompt(f"killed {i}", repeat=40) for i in range(16)]
     with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
         futures = [pool.submit(chat, heavy_kv_mesh, text, max_tokens=6) for text in texts]
-        assert asyncio.run(transfer_in_flight(60.0)), "no KV transfer was seen in flight"
-        os.kill(pid, signal.SIGKILL)
+        assert asyncio.run(kill_mid_transfer(60.0)), "no KV transfer was seen in flight"
         answers = [f.result(timeout=120) for f in futures]
     for answer, _worker in answers:
         assert answer.usage.completion_tokens == 6

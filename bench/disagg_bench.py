@@ -1,0 +1,206 @@
+"""Disaggregation figures: KV transfer bandwidth (NIXL against TCP), and serving a Mooncake trace at
+a fixed rate with 1 prefill + 2 decode workers against 3 aggregated workers.
+
+Transfer: a separate process holds 64 MiB of KV blocks behind a ``KvTransferServer``; this process
+pulls them all into its own buffer with ``KvTransferClient``, over each backend, several times.
+Printed: seconds and GB/s for the move alone, and with the byte-for-byte verification a decode
+worker does.
+
+Serving: ``kvmesh up`` (mock workers at ``--speedup-ratio``) loaded by ``kvmesh bench`` with the
+first ``--limit`` requests of the trace at ``--request-rate`` requests/s; TTFT, inter-token
+latency, throughput, and where the prefills ran (the router's metrics).
+
+    python -m bench.disagg_bench [--part transfer|serving|both] [--limit 120] [--request-rate 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from services.common.discovery import DiscoveryWatcher
+from services.common.runtime import connect_nats
+from services.up import MeshProcess
+from services.worker.kv_buffer import KvBuffer
+from services.worker.kv_transfer import KvTransferClient, KvTransferServer, NixlAgent, nixl_available
+
+TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+BLOCK_BYTES = 256 << 10  # 256 KiB blocks: 64 MiB is 256 of them
+TOTAL_BYTES = 64 << 20
+ROOMS = 64
+
+
+# ---- transfer bandwidth --------------------------------------------------------------------------
+async def serve_rooms(backend: str, port_file: str) -> None:
+    """The prefill side: 64 MiB of blocks, each slot filled with its index + 1, offered in many rooms."""
+    kv = KvBuffer(TOTAL_BYTES // BLOCK_BYTES, BLOCK_BYTES)
+    for slot in range(kv.num_blocks):
+        kv.fill(slot, slot + 1)
+    nixl = NixlAgent("bench-prefill", kv) if backend == "nixl" else None
+    server = KvTransferServer(kv, lambda _request_id: None, 3600.0, nixl)
+    await server.start("127.0.0.1")
+    for room in range(ROOMS):
+        server.ready(room, f"r{room}", list(range(kv.num_blocks)))
+    Path(port_file).write_text(str(server.port))
+    await asyncio.Event().wait()
+
+
+async def pull_rounds(backend: str, port: int, rounds: int, verify: bool, first_room: int) -> list[float]:
+    kv = KvBuffer(TOTAL_BYTES // BLOCK_BYTES, BLOCK_BYTES)
+    kv.data[:] = 0  # touch the pages first, as a running worker's buffer would be
+    nixl = NixlAgent(f"bench-decode-{verify}", kv) if backend == "nixl" else None
+    client = KvTransferClient(kv, nixl)
+    slots = list(range(kv.num_blocks))
+    contents = [s + 1 for s in slots]
+    seconds = []
+    for i in range(rounds):
+        kv.data[:] = 0
+        result = await client.pull("127.0.0.1", port, first_room + i, 0, slots, contents, 30.0, verify=verify)
+        assert result.backend == backend, result
+        seconds.append(result.seconds)
+    if not verify:  # the bytes must have arrived all the same
+        assert all(kv.holds(s, c) for s, c in zip(slots, contents, strict=True))
+    return seconds
+
+
+def transfer_part(rounds: int) -> None:
+    backends = ["tcp"] + (["nixl"] if nixl_available() else [])
+    print(f"\nKV transfer of {TOTAL_BYTES >> 20} MiB ({TOTAL_BYTES // BLOCK_BYTES} blocks of {BLOCK_BYTES >> 10} KiB)")
+    print("between two processes on this machine; median of", rounds, "pulls (first pull is warm-up, not counted)")
+    print(f"{'backend':8} {'move ms':>9} {'GB/s':>7} {'with verify ms':>15} {'GB/s':>7}")
+    for backend in backends:
+        with tempfile.NamedTemporaryFile(suffix=".port") as port_file:
+            child = subprocess.Popen(
+                [sys.executable, "-m", "bench.disagg_bench", "--serve-rooms", backend, "--port-file", port_file.name],
+                stderr=subprocess.DEVNULL,
+            )
+            try:
+                deadline = time.monotonic() + 60
+                while not Path(port_file.name).read_text().strip():
+                    if time.monotonic() > deadline or child.poll() is not None:
+                        raise RuntimeError("the transfer server did not start")
+                    time.sleep(0.05)
+                port = int(Path(port_file.name).read_text())
+                raw = asyncio.run(pull_rounds(backend, port, rounds + 1, False, 0))[1:]
+                checked = asyncio.run(pull_rounds(backend, port, rounds + 1, True, rounds + 1))[1:]
+            finally:
+                child.kill()
+                child.wait()
+        move, full = sorted(raw)[len(raw) // 2], sorted(checked)[len(checked) // 2]
+        print(
+            f"{backend:8} {move * 1000:9.2f} {TOTAL_BYTES / move / 1e9:7.2f} "
+            f"{full * 1000:15.2f} {TOTAL_BYTES / full / 1e9:7.2f}"
+        )
+
+
+# ---- serving a trace -----------------------------------------------------------------------------
+async def router_prefill_counts(nats_url: str) -> dict[str, float]:
+    nc = await connect_nats(nats_url, name="disagg-bench")
+    watcher = DiscoveryWatcher(nc.jetstream(), "default", "router")
+    await watcher.start()
+    address = watcher.instances()[0].extra["metrics"]
+    await watcher.stop()
+    await nc.close()
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r'kvmesh_router_prefills_total\{reason="([^"]*)",where="(\w+)"\} (\S+)', line)
+        if match:
+            key = match.group(2) + (f"/{match.group(1)}" if match.group(1) else "")
+            counts[key] = float(match.group(3))
+        match = re.match(r'kvmesh_router_kv_transfer_bytes_total\{backend="(\w+)"\} (\S+)', line)
+        if match:
+            counts[f"MiB/{match.group(1)}"] = round(float(match.group(2)) / 2**20, 1)
+    return counts
+
+
+def serving_part(args: argparse.Namespace) -> None:
+    setups = [
+        ("3 aggregated", ["--workers", "3"]),
+        ("1 prefill + 2 decode", ["--workers", "2", "--prefill-workers", "1"]),
+    ]
+    common = ["--speedup-ratio", str(args.speedup_ratio), "--log-level", "warning"]
+    rows = []
+    for label, setup in setups:
+        mesh = MeshProcess(*common, *setup).start(timeout=120)
+        try:
+            with tempfile.TemporaryDirectory() as out:
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "services",
+                        "bench",
+                        "--url",
+                        mesh.api,
+                        "--trace",
+                        str(args.trace),
+                        "--limit",
+                        str(args.limit),
+                        "--request-rate",
+                        str(args.request_rate),
+                        "--max-output-tokens",
+                        str(args.max_output_tokens),
+                        "--output-dir",
+                        out,
+                        "--label",
+                        label,
+                        "--no-progress",
+                    ],
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
+                report = json.loads((Path(out) / "report.json").read_text())
+            prefills = asyncio.run(router_prefill_counts(mesh.nats_url))
+        finally:
+            mesh.stop()
+        rows.append((label, report, prefills))
+    print(
+        f"\nMooncake trace, first {args.limit} requests at {args.request_rate} req/s, output ≤ "
+        f"{args.max_output_tokens} tokens, mock workers at speed-up {args.speedup_ratio}"
+    )
+    print(
+        f"{'setup':22} {'ok':>4} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'mean':>8} {'ITL mean':>9} "
+        f"{'ITL p99':>8} {'req/s':>6} {'out tok/s':>9}  prefills"
+    )
+    for label, report, prefills in rows:
+        ttft, itl = report["ttft_ms"], report["itl_ms"]
+        print(
+            f"{label:22} {report['completed']:>4} {ttft['p50']:9.1f} {ttft['p90']:8.1f} {ttft['p99']:8.1f} "
+            f"{ttft['mean']:8.1f} {itl['mean']:9.2f} {itl['p99']:8.2f} {report['request_throughput_per_s']:6.2f} "
+            f"{report['output_tokens_per_s']:9.1f}  {prefills}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("transfer", "serving", "both"), default="both")
+    parser.add_argument("--rounds", type=int, default=5, help="transfer: pulls per backend")
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--limit", type=int, default=120, help="serving: trace requests to send")
+    parser.add_argument("--request-rate", type=float, default=2.0, help="serving: requests per second")
+    parser.add_argument("--max-output-tokens", type=int, default=64)
+    parser.add_argument("--speedup-ratio", type=float, default=10.0, help="mock engine speed-up")
+    parser.add_argument("--serve-rooms", choices=("tcp", "nixl"), help=argparse.SUPPRESS)
+    parser.add_argument("--port-file", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_rooms:
+        asyncio.run(serve_rooms(args.serve_rooms, args.port_file))
+        return
+    if args.part in ("transfer", "both"):
+        transfer_part(args.rounds)
+    if args.part in ("serving", "both"):
+        serving_part(args)
+
+
+if __name__ == "__main__":
+    main()
