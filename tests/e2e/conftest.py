@@ -11,7 +11,7 @@ from services.up import MeshProcess
 from tests.support import wait_until
 
 
-def _children(pid: int) -> set[int]:
+def descendants(pid: int) -> set[int]:
     """Every live descendant of ``pid`` (read from /proc)."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
@@ -41,12 +41,12 @@ def _alive(pid: int) -> bool:
 def start_mesh(*extra: str) -> Iterator[MeshProcess]:
     mesh = MeshProcess("--speedup-ratio", "50", "--log-level", "warning", *extra).start()
     assert mesh.process is not None
-    children = _children(mesh.process.pid)
+    children = descendants(mesh.process.pid)
     try:
         assert len(children) >= 6  # nats, indexer, router, 2 workers, frontend
         yield mesh
     finally:
-        children = _children(mesh.process.pid) or children
+        children = descendants(mesh.process.pid) or children
         code = mesh.stop()
     assert code == 0, "kvmesh up did not stop cleanly:\n" + "".join(mesh.output[-50:])
     wait_until(lambda: not any(_alive(pid) for pid in children), timeout=10, what="no orphan processes")

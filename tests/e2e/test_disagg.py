@@ -22,7 +22,7 @@ from services.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.frontend.app import WORKER_ID_HEADER
 from services.up import MeshProcess
 from services.worker.kv_transfer import nixl_available
-from tests.e2e.conftest import start_mesh
+from tests.e2e.conftest import descendants, start_mesh
 from tests.support import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -196,21 +196,21 @@ def heavy_kv_mesh() -> Iterator[MeshProcess]:
     )
 
 
-def _prefill_worker_pid() -> int:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"services.worker" in cmdline and b"prefill" in cmdline and b"--num-layers" in cmdline:
-                return int(entry.name)
+def _prefill_worker_pid(mesh: MeshProcess) -> int:
+    """The pid of this mesh's prefill worker (other meshes of this module may still run)."""
+    for pid in descendants(mesh.process.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"services.worker" in cmdline and b"prefill" in cmdline:
+            return pid
     raise AssertionError("no prefill worker process found")
 
 
 def test_prefill_worker_killed_mid_transfer_the_requests_still_complete(heavy_kv_mesh):
     prefill = next(r for r in instances(heavy_kv_mesh, "worker") if r.role == "prefill")
-    pid = _prefill_worker_pid()
+    pid = _prefill_worker_pid(heavy_kv_mesh)
 
     async def kill_mid_transfer(timeout: float) -> bool:
         """SIGKILL the prefill worker the moment it reports a transfer moving bytes."""

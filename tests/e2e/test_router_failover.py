@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from services.up import MeshProcess
-from tests.e2e.conftest import _children, start_mesh
+from tests.e2e.conftest import descendants, start_mesh
 from tests.support import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -31,7 +31,7 @@ def two_router_mesh() -> Iterator[MeshProcess]:
 def router_pids(mesh: MeshProcess) -> list[int]:
     assert mesh.process is not None
     pids = []
-    for pid in _children(mesh.process.pid):
+    for pid in descendants(mesh.process.pid):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
