@@ -294,8 +294,8 @@ class Router:
         the request is routed as an aggregated one."""
         enforce = self.config.enforce_disagg
         pool = self.prefill_pool(request.model)
-        prepared = self.prepare(request) if pool or not enforce else None
-        if prepared is not None:
+        if pool:
+            prepared = self.prepare(request)
             pool = [r for r in pool if r.block_size == prepared.policy.block_size]
         if not pool:
             if enforce:
