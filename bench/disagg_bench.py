@@ -127,6 +127,12 @@ def serving_part(args: argparse.Namespace) -> None:
     setups = [
         ("3 aggregated", ["--workers", "3"]),
         ("1 prefill + 2 decode", ["--workers", "2", "--prefill-workers", "1"]),
+    ] + [
+        (
+            f"1P+2D, queue ≤ {limit // 1024}k",
+            ["--workers", "2", "--prefill-workers", "1", "--prefill-queue-limit-tokens", str(limit)],
+        )
+        for limit in args.queue_limits
     ]
     common = ["--speedup-ratio", str(args.speedup_ratio), "--log-level", "warning"]
     rows = []
@@ -190,6 +196,13 @@ def main() -> None:
     parser.add_argument("--request-rate", type=float, default=2.0, help="serving: requests per second")
     parser.add_argument("--max-output-tokens", type=int, default=64)
     parser.add_argument("--speedup-ratio", type=float, default=10.0, help="mock engine speed-up")
+    parser.add_argument(
+        "--queue-limits",
+        type=int,
+        nargs="*",
+        default=[],
+        help="serving: also run 1P+2D with these --prefill-queue-limit-tokens values",
+    )
     parser.add_argument("--serve-rooms", choices=("tcp", "nixl"), help=argparse.SUPPRESS)
     parser.add_argument("--port-file", help=argparse.SUPPRESS)
     args = parser.parse_args()

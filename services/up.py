@@ -50,6 +50,9 @@ class UpConfig(CommonConfig):
     disagg_mode: str = option("bootstrap", "router's prefill/decode orchestration", choices=("bootstrap", "sync"))
     enforce_disagg: bool = option(False, "router: a missing prefill pool or a failed prefill is an error")
     disagg_min_uncached_tokens: int = option(512, "router: prefill locally when fewer prompt tokens are uncached")
+    prefill_queue_limit_tokens: int = option(
+        65536, "router: a prefill worker with more queued prefill tokens has no capacity (prefill locally)"
+    )
     num_layers: int = option(2, "model layers of the mock workers' KV buffer (bytes a KV transfer moves per token)")
     kv_transfer_backend: str = option(
         "auto", "workers' KV transfer backend (auto: NIXL when installed)", choices=("auto", "nixl", "tcp")
@@ -146,6 +149,8 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
         "--enforce-disagg" if config.enforce_disagg else "--no-enforce-disagg",
         "--disagg-min-uncached-tokens",
         str(config.disagg_min_uncached_tokens),
+        "--prefill-queue-limit-tokens",
+        str(config.prefill_queue_limit_tokens),
     ]
     services += [ServiceProcess(f"router-{i}", "services.router", router_args) for i in range(config.routers)]
     worker_args = [

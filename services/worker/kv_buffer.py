@@ -10,6 +10,7 @@ it would have computed itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,3 +71,17 @@ class KvBuffer:
         """Whether ``slot`` holds exactly the bytes :meth:`fill` writes for ``content``."""
         start = slot * self._words_per_block
         return bool(np.all(self._words[start : start + self._words_per_block] == np.uint64(content)))
+
+    def fill_many(self, slots: Sequence[int], contents: Sequence[int]) -> None:
+        """:meth:`fill` for many blocks in one vectorised write (a long prompt has thousands)."""
+        if slots:
+            blocks = self._words.reshape(self.num_blocks, self._words_per_block)
+            blocks[np.asarray(slots, dtype=np.intp)] = np.asarray(contents, dtype=np.uint64)[:, None]
+
+    def count_mismatches(self, slots: Sequence[int], contents: Sequence[int]) -> int:
+        """How many of these slots do not hold what :meth:`fill` writes for their content."""
+        if not slots:
+            return 0
+        blocks = self._words.reshape(self.num_blocks, self._words_per_block)
+        expected = np.asarray(contents, dtype=np.uint64)[:, None]
+        return int(np.count_nonzero(~np.all(blocks[np.asarray(slots, dtype=np.intp)] == expected, axis=1)))

@@ -438,8 +438,7 @@ class MockEngine:
         self.blocks.register(request.blocks[start:full], hashes[start:full], request.local_hashes[start:full], parent)
         request.num_registered = full
         if self.kv is not None:
-            for block, content in zip(request.blocks[start:full], hashes[start:full], strict=True):
-                self.kv.fill(block.slot, content)
+            self.kv.fill_many([block.slot for block in request.blocks[start:full]], hashes[start:full])
 
     def _sample(self, request: EngineRequest) -> TokenOutput:
         position = len(request.output)
