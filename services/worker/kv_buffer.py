@@ -80,8 +80,16 @@ class KvBuffer:
 
     def count_mismatches(self, slots: Sequence[int], contents: Sequence[int]) -> int:
         """How many of these slots do not hold what :meth:`fill` writes for their content."""
-        if not slots:
-            return 0
         blocks = self._words.reshape(self.num_blocks, self._words_per_block)
         expected = np.asarray(contents, dtype=np.uint64)[:, None]
-        return int(np.count_nonzero(~np.all(blocks[np.asarray(slots, dtype=np.intp)] == expected, axis=1)))
+        bad = 0
+        # runs of consecutive slots are compared as views (no gathered copy of the blocks)
+        start = 0
+        while start < len(slots):
+            end = start + 1
+            while end < len(slots) and slots[end] == slots[end - 1] + 1:
+                end += 1
+            run = blocks[slots[start] : slots[start] + end - start]
+            bad += int(np.count_nonzero(~np.all(run == expected[start:end], axis=1)))
+            start = end
+        return bad
