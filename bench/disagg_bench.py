@@ -10,7 +10,11 @@ Serving: ``kvmesh up`` (mock workers at ``--speedup-ratio``) loaded by ``kvmesh 
 first ``--limit`` requests of the trace at ``--request-rate`` requests/s; TTFT, inter-token
 latency, throughput, and where the prefills ran (the router's metrics).
 
-    python -m bench.disagg_bench [--part transfer|serving|both] [--limit 120] [--request-rate 2]
+Replay: the same comparison in virtual time through ``kvmesh replay``'s simulator (the router's
+``place_prefill`` and the mock engine, no processes): 3 aggregated vs 1 prefill + 2 decode, and
+6 vs 2 + 4, on the whole trace.
+
+    python -m bench.disagg_bench [--part transfer|serving|replay|all] [--limit 120] [--request-rate 2]
 """
 
 from __future__ import annotations
@@ -187,9 +191,39 @@ def serving_part(args: argparse.Namespace) -> None:
         )
 
 
+# ---- the same comparison in virtual time -----------------------------------------------------------
+def replay_part(args: argparse.Namespace) -> None:
+    """``kvmesh replay``'s engine and router in virtual time: no CPU contention, Dynamo's timing model,
+    a modelled model (128 KiB of KV per token) over a 25 GB/s link."""
+    from services.replay.report import summarise
+    from services.replay.simulator import ReplayConfig, ReplaySimulator
+    from services.replay.trace import read_trace
+
+    trace = read_trace(args.trace)
+    setups = [("3 aggregated", 3, 0), ("1 prefill + 2 decode", 2, 1), ("6 aggregated", 6, 0), ("2P + 4D", 4, 2)]
+    print(f"\nReplay in virtual time of all {len(trace)} trace requests (64-token blocks, Dynamo's timing model)")
+    print(
+        f"{'speed-up':>8} {'setup':22} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL mean':>9} {'p99':>8} "
+        f"{'TPOT mean':>9} {'tok/s':>8}  prefills"
+    )
+    for speedup in args.replay_speedups:
+        for label, workers, prefill in setups:
+            config = ReplayConfig(workers=workers, prefill_workers=prefill, arrival_speedup_ratio=speedup)
+            summary = summarise(ReplaySimulator(config).run(trace))
+            ttft, itl, tpot = summary["ttft_ms"], summary["itl_ms"], summary["tpot_ms"]
+            print(
+                f"{speedup:>8} {label:22} {ttft['p50']:9.1f} {ttft['p90']:8.1f} {ttft['p99']:8.1f} "
+                f"{itl['mean']:9.2f} {itl['p99']:8.2f} {tpot['mean']:9.2f} {summary['output_tokens_per_s']:8.1f}  "
+                f"{summary.get('prefills', '')}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("transfer", "serving", "both"), default="both")
+    parser.add_argument("--part", choices=("transfer", "serving", "replay", "all"), default="all")
+    parser.add_argument(
+        "--replay-speedups", type=float, nargs="+", default=[1.0, 2.0], help="replay: trace arrival speed-ups"
+    )
     parser.add_argument("--rounds", type=int, default=5, help="transfer: pulls per backend")
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--limit", type=int, default=120, help="serving: trace requests to send")
@@ -209,10 +243,12 @@ def main() -> None:
     if args.serve_rooms:
         asyncio.run(serve_rooms(args.serve_rooms, args.port_file))
         return
-    if args.part in ("transfer", "both"):
+    if args.part in ("transfer", "all"):
         transfer_part(args.rounds)
-    if args.part in ("serving", "both"):
+    if args.part in ("serving", "all"):
         serving_part(args)
+    if args.part in ("replay", "all"):
+        replay_part(args)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="divide trace timestamps by this (higher = heavier load)",
     )
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of tie-breaking and sampling")
+    disagg = parser.add_argument_group("prefill/decode disaggregation")
+    disagg.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=defaults.prefill_workers,
+        help="prefill workers besides --workers (which then decode); 0: every worker is aggregated",
+    )
+    disagg.add_argument(
+        "--disagg-min-uncached-tokens",
+        type=int,
+        default=defaults.disagg_min_uncached_tokens,
+        help="prefill on the decode worker when it lacks fewer prompt tokens than this",
+    )
+    disagg.add_argument(
+        "--prefill-queue-limit-tokens",
+        type=int,
+        default=defaults.prefill_queue_limit_tokens,
+        help="a prefill worker with more queued prefill tokens has no capacity",
+    )
+    disagg.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=defaults.kv_bytes_per_token,
+        help="KV bytes per token of the modelled model (transfer size)",
+    )
+    disagg.add_argument(
+        "--kv-transfer-gbps", type=float, default=defaults.kv_transfer_gbps, help="KV transfer bandwidth, GB/s"
+    )
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--csv", type=Path, default=None, help="also write one CSV row per request here")
     parser.add_argument("--output", type=Path, default=None, help="write the JSON summary here too")
@@ -97,6 +125,11 @@ def config_from_args(args: argparse.Namespace) -> ReplayConfig:
         arrival_speedup_ratio=args.arrival_speedup_ratio,
         trace_block_size=args.trace_block_size,
         seed=args.seed,
+        prefill_workers=args.prefill_workers,
+        disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
+        prefill_queue_limit_tokens=args.prefill_queue_limit_tokens,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        kv_transfer_gbps=args.kv_transfer_gbps,
     )
 
 
@@ -116,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.arrival_speedup_ratio <= 0:
         parser.error("--arrival-speedup-ratio must be positive")
+    if args.prefill_workers < 0 or args.disagg_min_uncached_tokens < 0:
+        parser.error("--prefill-workers and --disagg-min-uncached-tokens must be >= 0")
+    if args.kv_bytes_per_token <= 0 or args.kv_transfer_gbps <= 0 or args.prefill_queue_limit_tokens <= 0:
+        parser.error("--kv-bytes-per-token, --kv-transfer-gbps and --prefill-queue-limit-tokens must be positive")
     if not args.trace.is_file():
         parser.error(f"trace file {args.trace} not found")
     try:

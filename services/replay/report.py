@@ -55,7 +55,17 @@ def summarise(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "e2e_ms": {"mean": _mean([r.e2e_ms for r in done]), "p99": percentile([r.e2e_ms for r in done], 99)},
         "output_tokens_per_s": output_tokens / duration_s if duration_s > 0 else 0.0,
         "simulated_duration_s": duration_s,
+        **_kv_sources(records),
     }
+
+
+def _kv_sources(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """With prefill workers: how many requests prefilled remotely, and locally for which reason."""
+    sources: dict[str, int] = {}
+    for r in records:
+        if r.kv_source:
+            sources[r.kv_source] = sources.get(r.kv_source, 0) + 1
+    return {"prefills": dict(sorted(sources.items()))} if sources else {}
 
 
 def write_csv(records: Sequence[RequestRecord], path: Path) -> None:

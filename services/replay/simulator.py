@@ -4,6 +4,12 @@ Nothing here sleeps, sockets or threads: a heap of step completions and a sorted
 drive N :class:`MockEngine` instances, one :class:`RoutingPolicy` and one :class:`PrefixIndex`
 (imported, not copied), exactly as the services would, but as fast as the CPU allows.
 
+With ``prefill_workers`` the replay disaggregates as the router does (``place_prefill``, the same
+function): a remote prefill runs on a prefill engine with ``max_tokens = 1`` and holds its blocks;
+when it ends, the decode engine reserves blocks for the prompt, the KV transfer takes
+``blocks × block_size × kv_bytes_per_token / kv_transfer_gbps``, then the decode engine runs the
+request from there and the prefill engine releases its blocks.
+
 Timeline rules (the same as the live worker's engine loop): a step's scheduling happens when it
 starts, its tokens and KV events become visible when it ends, and a worker starts its next step as
 soon as the previous one ends while it has work. An arrival at the same instant as a step's end is
@@ -13,6 +19,7 @@ routed after that step's events are applied.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -22,6 +29,7 @@ from services.common.kv_events import KvEvent, KvEventBatch
 from services.common.prefix_index import PrefixIndex
 from services.common.timing import TimingModel
 from services.replay.trace import PromptBuilder, TraceRequest
+from services.router.disagg import place_prefill
 from services.router.policy import RoutingPolicy
 from services.router.scheduler import make_cost_model
 from services.worker.mock_engine import EngineConfig, MockEngine, StepResult
@@ -41,6 +49,14 @@ class ReplayConfig:
     arrival_speedup_ratio: float = 1.0
     trace_block_size: int = 512
     seed: int = 0
+    # disaggregation (0 prefill workers: every worker is aggregated)
+    prefill_workers: int = 0
+    disagg_min_uncached_tokens: int = 512
+    prefill_queue_limit_tokens: int = 65536
+    # KV bytes per token of the modelled model (Llama-3-8B in bf16: 32 layers × 8 KV heads × 128 × 2 × 2)
+    kv_bytes_per_token: int = 131072
+    # KV transfer bandwidth, GB/s (25: a 200 Gb/s RDMA link)
+    kv_transfer_gbps: float = 25.0
 
 
 @dataclass
@@ -57,6 +73,8 @@ class RequestRecord:
     last_token_ms: float = math.nan
     tokens: int = 0
     inter_token_ms: list[float] = field(default_factory=list)
+    # with prefill workers: where the KV came from ("remote", or the local reason)
+    kv_source: str = ""
 
     @property
     def ttft_ms(self) -> float:
@@ -83,7 +101,8 @@ class ReplaySimulator:
             max_num_batched_tokens=config.max_num_batched_tokens,
             timing=TimingModel(),
         )
-        self.engines = [MockEngine(engine_config) for _ in range(config.workers)]
+        total = config.workers + config.prefill_workers
+        self.engines = [MockEngine(engine_config) for _ in range(total)]
         self.policy = RoutingPolicy(
             config.router_mode,
             config.block_size,
@@ -94,8 +113,13 @@ class ReplaySimulator:
         )
         self.index = PrefixIndex()
         self._builder = PromptBuilder(config.trace_block_size, config.block_size)
-        self._next_event_id = [0] * config.workers
+        self._next_event_id = [0] * total
         self._workers = [(w, 0) for w in range(config.workers)]
+        self._prefill_workers = [(w, 0) for w in range(config.workers, total)]
+        # prefill request id -> (request id, decode worker, prompt, output length, (local, sequence) hashes)
+        self._awaiting_kv: dict[str, tuple[str, int, list[int], int, tuple[list[int], list[int]]]] = {}
+        self._transfers: list[tuple[float, int, str, int, int]] = []  # (done at, seq, request id, decode, prefill)
+        self._transfer_seq = itertools.count()
 
     def run(self, trace: list[TraceRequest]) -> list[RequestRecord]:
         speedup = self.config.arrival_speedup_ratio
@@ -117,12 +141,22 @@ class ReplaySimulator:
             heapq.heappush(completions, (now + result.duration_ms, sequence, worker))
 
         next_arrival = 0
-        while next_arrival < len(trace) or completions:
+        while next_arrival < len(trace) or completions or self._transfers:
             arrival_time = records[next_arrival].arrival_ms if next_arrival < len(trace) else math.inf
+            transfer_time = self._transfers[0][0] if self._transfers else math.inf
+            if transfer_time <= arrival_time and (not completions or transfer_time < completions[0][0]):
+                now, _, request_id, decode, prefill = heapq.heappop(self._transfers)
+                self.engines[prefill].release_held(f"{request_id}:p")
+                self.engines[decode].finish_transfer(request_id, True)
+                if decode not in in_flight:
+                    start_step(decode, now)
+                continue
             if completions and completions[0][0] <= arrival_time:
                 now, _, worker = heapq.heappop(completions)
-                self._finish_step(worker, in_flight.pop(worker), now, by_id)
-                if self.engines[worker].has_work():
+                for decode in self._finish_step(worker, in_flight.pop(worker), now, by_id):
+                    if decode not in in_flight and self.engines[decode].has_work():
+                        start_step(decode, now)
+                if worker not in in_flight and self.engines[worker].has_work():
                     start_step(worker, now)
                 continue
             record = records[next_arrival]
@@ -140,29 +174,92 @@ class ReplaySimulator:
         overlaps: dict[tuple[int, int], int] = {}
         if self.policy.needs_overlaps:
             overlaps = self.index.find_matches_by_sequence(block_hashes)
+        request_id = f"r{record.index}"
+        by_id[request_id] = record
+        if self._prefill_workers:
+            return self._route_disaggregated(record, request_id, prompt, (local, block_hashes), overlaps)
         decision = self.policy.choose(
             self._workers, block_hashes, request.input_length, overlaps, self.index.tree_sizes()
         )
-        request_id = f"r{record.index}"
         worker = decision.worker[0]
         self.engines[worker].add_request(request_id, prompt, request.output_length, block_hashes=(local, block_hashes))
         self.policy.active.add(request_id, decision.worker, block_hashes, request.input_length, decision.overlap_blocks)
         record.worker = worker
-        by_id[request_id] = record
         return worker
 
-    def _finish_step(self, worker: int, result: StepResult, now: float, by_id: dict[str, RequestRecord]) -> None:
+    def _route_disaggregated(
+        self,
+        record: RequestRecord,
+        request_id: str,
+        prompt: list[int],
+        hashes: tuple[list[int], list[int]],
+        overlaps: dict[tuple[int, int], int],
+    ) -> int:
+        config = self.config
+        block_hashes = hashes[1]
+        placement = place_prefill(
+            self.policy,
+            self._workers,
+            self._prefill_workers,
+            block_hashes,
+            record.input_length,
+            overlaps,
+            self.index.tree_sizes(),
+            min_uncached_tokens=config.disagg_min_uncached_tokens,
+            prefill_queue_limit_tokens=config.prefill_queue_limit_tokens,
+        )
+        decode = placement.decode[0]
+        record.worker = decode
+        if placement.prefill is None:
+            record.kv_source = placement.reason
+            self.engines[decode].add_request(request_id, prompt, record.output_length, block_hashes=hashes)
+            self.policy.active.add(request_id, placement.decode, block_hashes, record.input_length, placement.overlap)
+            return decode
+        record.kv_source = "remote"
+        prefill_id = f"{request_id}:p"
+        prefill = placement.prefill[0]
+        self.engines[prefill].add_request(prefill_id, prompt, 1, block_hashes=hashes, hold_on_finish=True)
+        self.policy.active.add(prefill_id, placement.prefill, block_hashes, record.input_length, placement.overlap)
+        # the decode worker's share of the prefill is the tail its KV transfer does not cover
+        self.policy.active.add(request_id, placement.decode, block_hashes, record.input_length, len(block_hashes))
+        self._awaiting_kv[prefill_id] = (request_id, decode, prompt, record.output_length, hashes)
+        return prefill
+
+    def _prefill_finished(self, prefill_id: str, prefill: int, cached_tokens: int, now: float, by_id) -> int:
+        """A remote prefill ended: reserve the decode side and start the transfer (or prefill there)."""
+        request_id, decode, prompt, output_length, hashes = self._awaiting_kv.pop(prefill_id)
+        self.policy.active.free(prefill_id)
+        by_id[request_id].cached_tokens = cached_tokens
+        engine = self.engines[decode]
+        plan = engine.add_remote_prefill(request_id, prompt, output_length, block_hashes=hashes)
+        if plan is None:  # no room for the KV on the decode worker: it prefills itself
+            self.engines[prefill].release_held(prefill_id)
+            by_id[request_id].kv_source = "decode_memory"
+            engine.add_request(request_id, prompt, output_length, block_hashes=hashes)
+            return decode
+        bytes_moved = plan.num_blocks * self.config.block_size * self.config.kv_bytes_per_token
+        transfer_ms = bytes_moved / (self.config.kv_transfer_gbps * 1e6)
+        heapq.heappush(self._transfers, (now + transfer_ms, next(self._transfer_seq), request_id, decode, prefill))
+        return decode
+
+    def _finish_step(self, worker: int, result: StepResult, now: float, by_id: dict[str, RequestRecord]) -> list[int]:
+        """Apply a finished step; returns decode workers that got a request to run at once."""
         events = self.engines[worker].drain_events()
         if events:
             first = self._next_event_id[worker]
             self._next_event_id[worker] = first + len(events)
             batch = tuple(KvEvent(first + i, data) for i, data in enumerate(events))
             self.index.apply_batch(KvEventBatch(worker, 0, now, batch))
+        woken = []
         for output in result.outputs:
+            if output.request_id in self._awaiting_kv:
+                woken.append(self._prefill_finished(output.request_id, worker, output.cached_tokens, now, by_id))
+                continue
             record = by_id[output.request_id]
             if record.tokens == 0:
                 record.first_token_ms = now
-                record.cached_tokens = output.cached_tokens
+                if record.kv_source != "remote":
+                    record.cached_tokens = output.cached_tokens
                 self.policy.active.mark_prefill_completed(output.request_id)
             else:
                 record.inter_token_ms.append(now - record.last_token_ms)
@@ -171,3 +268,4 @@ class ReplaySimulator:
             if output.finish_reason is not None:
                 self.policy.active.free(output.request_id)
                 del by_id[output.request_id]
+        return woken

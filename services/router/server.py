@@ -33,10 +33,12 @@ from services.router.approximate_index import ApproximateIndex
 from services.router.config import RouterConfig
 from services.router.disagg import (
     LocalPrefill,
+    NoCapacity,
     PrefillJob,
     RemotePrefill,
     bootstrap_params,
     decode_request,
+    place_prefill,
     prefill_request,
 )
 from services.router.metrics import RouterMetrics
@@ -313,37 +315,33 @@ class Router:
             )
         matched, sizes = await self.cache_view(prepared)
         override = request.routing.router_config_override
-        weight = override.overlap_score_weight if override.HasField("overlap_score_weight") else None
-        temperature = override.router_temperature if override.HasField("router_temperature") else None
-        keys = [(r.instance_id, 0) for r in candidates]
         policy = prepared.policy
-        args = (prepared.block_hashes, prepared.prompt_tokens, matched, sizes)
-        local = policy.choose(keys, *args, weight, temperature, prepared.expected_output_tokens)
-        local_record = prepared.by_id[local.worker[0]]
-        uncached = prepared.prompt_tokens - local.overlap_blocks * policy.block_size
-        if not enforce and uncached < self.config.disagg_min_uncached_tokens:
-            return LocalPrefill(local_record, local.overlap_blocks, prepared.block_hashes, "below_threshold")
-        limit = self.config.prefill_queue_limit_tokens
-        with_capacity = [
-            r
-            for r in pool
-            if not self.busy(policy, r.instance_id) and policy.active.load((r.instance_id, 0))[0] < limit
-        ]
-        if not with_capacity:
-            if enforce:
-                raise RoutingError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"all {len(pool)} prefill workers are at capacity and --enforce-disagg is set",
-                )
-            return LocalPrefill(local_record, local.overlap_blocks, prepared.block_hashes, "no_prefill_capacity")
-        prefill = policy.choose([(r.instance_id, 0) for r in with_capacity], *args, weight, temperature, 0)
-        decode = policy.choose(keys, *args, 0.0, temperature, prepared.expected_output_tokens)
-        return RemotePrefill(
-            next(r for r in with_capacity if r.instance_id == prefill.worker[0]),
-            prefill.overlap_blocks,
-            prepared.by_id[decode.worker[0]],
-            prepared.block_hashes,
-        )
+        try:
+            placement = place_prefill(
+                policy,
+                [(r.instance_id, 0) for r in candidates],
+                [(r.instance_id, 0) for r in pool],
+                prepared.block_hashes,
+                prepared.prompt_tokens,
+                matched,
+                sizes,
+                min_uncached_tokens=self.config.disagg_min_uncached_tokens,
+                prefill_queue_limit_tokens=self.config.prefill_queue_limit_tokens,
+                enforce=enforce,
+                overlap_score_weight=override.overlap_score_weight
+                if override.HasField("overlap_score_weight")
+                else None,
+                temperature=override.router_temperature if override.HasField("router_temperature") else None,
+                expected_output_tokens=prepared.expected_output_tokens,
+                busy=lambda key: self.busy(policy, key[0]),
+            )
+        except NoCapacity as exc:
+            raise RoutingError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc} and --enforce-disagg is set") from None
+        decode = prepared.by_id[placement.decode[0]]
+        if placement.prefill is None:
+            return LocalPrefill(decode, placement.overlap, prepared.block_hashes, placement.reason)
+        prefill = next(r for r in pool if r.instance_id == placement.prefill[0])
+        return RemotePrefill(prefill, placement.overlap, decode, prepared.block_hashes)
 
     async def potential_loads(self, request: common_pb2.PreprocessedRequest) -> list[router_pb2.WorkerLoad]:
         prepared = self.prepare(request)

@@ -188,6 +188,7 @@ class MockEngine:
         stop_token_ids: Sequence[int] = (),
         seed: int = 0,
         lora_name: str | None = None,
+        block_hashes: tuple[Sequence[int], Sequence[int]] | None = None,
     ) -> TransferPlan | None:
         """Reserve blocks for a prompt whose KV another worker computed.
 
@@ -197,7 +198,7 @@ class MockEngine:
         memory (the caller prefills locally instead). A plan with no slots means everything
         transferable is cached here already.
         """
-        request = self._new_request(request_id, prompt, max_tokens, stop_token_ids, seed, lora_name, None)
+        request = self._new_request(request_id, prompt, max_tokens, stop_token_ids, seed, lora_name, block_hashes)
         wanted = transferable_blocks(len(request.prompt), self.block_size)
         hashes = request.seq_hashes[:wanted]
         cached = self.blocks.cached_prefix_length(hashes)

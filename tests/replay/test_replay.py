@@ -150,3 +150,58 @@ def test_kv_routing_beats_dynamos_kv_router(shared_trace, speedup):
     assert summary["prefix_reuse"] > reuse
     assert summary["ttft_ms"]["p50"] < p50
     assert summary["ttft_ms"]["p99"] < p99
+
+
+# ---- disaggregation in virtual time ----------------------------------------------------------------
+def test_remote_prefill_timeline_is_prefill_then_transfer_then_one_decode_step(tmp_path):
+    # one decode and one prefill worker; 256 uncached tokens ≥ the threshold of 128 → remote
+    trace = read_trace(
+        write_trace(
+            tmp_path / "t.jsonl",
+            [{"timestamp": 0, "input_length": 256, "output_length": 3, "hash_ids": [0, 1, 2, 3, 4, 5, 6, 7]}],
+        )
+    )
+    config = ReplayConfig(
+        workers=1,
+        prefill_workers=1,
+        block_size=16,
+        num_blocks=100,
+        trace_block_size=32,
+        disagg_min_uncached_tokens=128,
+        kv_bytes_per_token=1000,
+        kv_transfer_gbps=1.0,
+    )
+    simulator = ReplaySimulator(config)
+    (record,) = simulator.run(trace)
+    assert record.kv_source == "remote" and record.worker == 0 and record.tokens == 3
+    transfer_ms = 15 * 16 * 1000 / 1e6  # 15 full blocks move (the last prompt token is computed locally)
+    tail_step = TIMING.prefill_ms(16)  # the decode worker computes the last block's 16 tokens
+    assert record.ttft_ms == pytest.approx(TIMING.prefill_ms(256) + transfer_ms + tail_step)
+    # both engines end empty: the prefill worker released what it held for the transfer
+    assert all(engine.blocks.num_active == 0 and not engine.held for engine in simulator.engines)
+    assert summarise([record])["prefills"] == {"remote": 1}
+
+
+def test_a_short_uncached_part_stays_on_the_decode_worker(tmp_path):
+    trace = read_trace(
+        write_trace(
+            tmp_path / "t.jsonl", [{"timestamp": 0, "input_length": 64, "output_length": 2, "hash_ids": [0, 1]}]
+        )
+    )
+    config = ReplayConfig(workers=1, prefill_workers=1, block_size=16, num_blocks=100, trace_block_size=32)
+    (record,) = ReplaySimulator(config).run(trace)
+    assert record.kv_source == "below_threshold" and record.ttft_ms == pytest.approx(TIMING.prefill_ms(64))
+
+
+@needs_trace
+def test_disaggregation_trades_ttft_for_decode_tail_latency_on_the_shared_trace(shared_trace):
+    """1 prefill + 2 decode workers against 3 aggregated ones, same trace and load: decode no longer
+    shares steps with long prefills, so the inter-token tail shrinks; one prefill worker queues the
+    prefills three aggregated workers share, so TTFT grows. Both are the published trade-off."""
+    trace = shared_trace[:1000]
+    aggregated = summarise(ReplaySimulator(ReplayConfig(workers=3)).run(trace))
+    split = summarise(ReplaySimulator(ReplayConfig(workers=2, prefill_workers=1)).run(trace))
+    assert split["completed"] == aggregated["completed"] == 1000
+    assert split["prefills"]["remote"] > 0
+    assert split["itl_ms"]["p99"] < aggregated["itl_ms"]["p99"] / 2
+    assert split["ttft_ms"]["p50"] > aggregated["ttft_ms"]["p50"]
