@@ -733,6 +733,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         RouterConfig,
         argv,
         service="router",
-        description="Run a router (kvmesh.v1.Router): sends each request to the cheapest worker.",
+        description=(
+            "Run a router (kvmesh.v1.Router): sends each request to the cheapest worker; while prefill workers "
+            "are registered, splits requests into a remote prefill and a decode (disaggregation)."
+        ),
         serve=serve,
     )

@@ -422,6 +422,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         WorkerConfig,
         argv,
         service="worker",
-        description="Run an inference worker (kvmesh.v1.Worker) that publishes its KV cache events.",
+        description=(
+            "Run an inference worker (kvmesh.v1.Worker) that publishes its KV cache events and moves KV "
+            "to and from other workers (NIXL or TCP) for prefill/decode disaggregation."
+        ),
         serve=serve,
     )
