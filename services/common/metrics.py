@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CollectorRegistry, start_http_server
 
 from services.common.config import GrpcEndpointConfig
@@ -20,6 +22,10 @@ class MetricsEndpoint:
     def discovery_extra(self) -> dict[str, str]:
         return {"metrics": self.address} if self.address else {}
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Stop serving. ``shutdown`` waits up to the HTTP server's 0.5 s poll interval, so it runs in
+        a thread instead of stalling the service's event loop (and its other shutdown steps)."""
         if self._server is not None:
-            self._server.shutdown()
+            server, self._server = self._server, None
+            await asyncio.to_thread(server.shutdown)
+            server.server_close()

@@ -196,7 +196,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
         await recovery.stop()
         await consumer.stop()
         await workers.stop()
-        metrics.close()
+        await metrics.close()
         await nc.close()
 
 

@@ -719,7 +719,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
             await stop.wait()
     finally:
         await cancel_and_wait(expiry)
-        endpoint.close()
+        await endpoint.close()
         if router.sync is not None:
             await router.sync.stop()
         await workers.stop()

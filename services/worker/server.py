@@ -395,7 +395,7 @@ async def serve(
             await stop.wait()
             log.info("worker shutting down")
     finally:
-        endpoint.close()
+        await endpoint.close()
         await transfer.server.stop()
         await loop.stop()
         await publisher.stop()
