@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.common.disagg import KV_SOURCE, DisaggParams, DisaggParamsError, new_room
+from services.common.disagg import DECODE, KV_SOURCE, DisaggParams, DisaggParamsError, new_room
 from services.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
 from services.common.grpc_errors import is_transport_failure, refuse
 from services.common.grpc_server import insecure_channel
@@ -604,7 +604,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self.metrics.prefills.labels("local", "prefill_failed").inc()
             return request, None
         params = result.params
-        params.kind, params.allow_local = "decode", not config.enforce_disagg
+        params.kind, params.allow_local = DECODE, not config.enforce_disagg
         return decode_request(request, params), job
 
     async def _account_kv_source(self, output: common_pb2.GenerateOutput, prefill: PrefillJob) -> int | None:
