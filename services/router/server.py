@@ -179,9 +179,21 @@ class Router:
         is left). Prefill-role workers only ever prefill for another worker, so they are left out;
         decode-role workers can prefill locally and serve whole requests."""
         serving = [r for r in self.workers.instances() if (not model or r.model == model) and r.role != "prefill"]
+        return self._not_avoided(serving) or serving
+
+    def _not_avoided(self, records: list[InstanceRecord]) -> list[InstanceRecord]:
         now = time.monotonic()
-        healthy = [r for r in serving if self._avoid_until.get(r.instance_id, 0.0) <= now]
-        return healthy or serving
+        return [r for r in records if self._avoid_until.get(r.instance_id, 0.0) <= now]
+
+    def not_busy(self, prepared: Prepared, noun: str = "workers") -> list[InstanceRecord]:
+        """The prepared candidates under the busy thresholds; RESOURCE_EXHAUSTED when none is."""
+        candidates = [r for r in prepared.candidates if not self.busy(prepared.policy, r.instance_id)]
+        if not candidates:
+            raise RoutingError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"all {len(prepared.candidates)} {noun} are busy (over their active block or prefill thresholds)",
+            )
+        return candidates
 
     def busy(self, policy: RoutingPolicy, worker_id: int) -> bool:
         """Over ``--active-decode-blocks-threshold`` or ``--active-prefill-tokens-threshold``."""
@@ -260,22 +272,17 @@ class Router:
                 raise RoutingError(grpc.StatusCode.NOT_FOUND, f"worker {forced} is not registered for this model")
             return record, 0, prepared.block_hashes
 
-        candidates = [r for r in prepared.candidates if not self.busy(prepared.policy, r.instance_id)]
-        if not candidates:
-            raise RoutingError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"all {len(prepared.candidates)} workers are busy (over their active block or prefill thresholds)",
-            )
+        candidates = self.not_busy(prepared)
         matched, sizes = await self.cache_view(prepared)
-        override = request.routing.router_config_override
+        weight, temperature = config_overrides(request)
         decision = prepared.policy.choose(
             [(r.instance_id, 0) for r in candidates],
             prepared.block_hashes,
             prepared.prompt_tokens,
             matched,
             sizes,
-            override.overlap_score_weight if override.HasField("overlap_score_weight") else None,
-            override.router_temperature if override.HasField("router_temperature") else None,
+            weight,
+            temperature,
             prepared.expected_output_tokens,
         )
         if commit and not self.config.kv_events:
@@ -287,8 +294,7 @@ class Router:
     def prefill_pool(self, model: str) -> list[InstanceRecord]:
         """Prefill-role workers serving ``model``, without those recently failed."""
         pool = [r for r in self.workers.instances() if r.role == "prefill" and (not model or r.model == model)]
-        now = time.monotonic()
-        return [r for r in pool if self._avoid_until.get(r.instance_id, 0.0) <= now]
+        return self._not_avoided(pool)
 
     async def plan_prefill(self, request: common_pb2.PreprocessedRequest) -> RemotePrefill | LocalPrefill | None:
         """Where this request prefills while prefill workers exist (see services/router/disagg.py);
@@ -306,15 +312,9 @@ class Router:
                     f"no prefill worker is available for model {request.model!r} and --enforce-disagg is set",
                 )
             return None
-        candidates = [r for r in prepared.candidates if not self.busy(prepared.policy, r.instance_id)]
-        if not candidates:
-            raise RoutingError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"all {len(prepared.candidates)} decode workers are busy "
-                "(over their active block or prefill thresholds)",
-            )
+        candidates = self.not_busy(prepared, "decode workers")
         matched, sizes = await self.cache_view(prepared)
-        override = request.routing.router_config_override
+        weight, temperature = config_overrides(request)
         policy = prepared.policy
         try:
             placement = place_prefill(
@@ -328,10 +328,8 @@ class Router:
                 min_uncached_tokens=self.config.disagg_min_uncached_tokens,
                 prefill_queue_limit_tokens=self.config.prefill_queue_limit_tokens,
                 enforce=enforce,
-                overlap_score_weight=override.overlap_score_weight
-                if override.HasField("overlap_score_weight")
-                else None,
-                temperature=override.router_temperature if override.HasField("router_temperature") else None,
+                overlap_score_weight=weight,
+                temperature=temperature,
                 expected_output_tokens=prepared.expected_output_tokens,
                 busy=lambda key: self.busy(policy, key[0]),
             )
@@ -649,6 +647,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except RoutingError as exc:
             await refuse(context, "router", exc.code, str(exc))
         return router_pb2.PotentialLoadsResponse(loads=loads)
+
+
+def config_overrides(request: common_pb2.PreprocessedRequest) -> tuple[float | None, float | None]:
+    """The request's (overlap score weight, router temperature) overrides; None where unset."""
+    override = request.routing.router_config_override
+    return (
+        override.overlap_score_weight if override.HasField("overlap_score_weight") else None,
+        override.router_temperature if override.HasField("router_temperature") else None,
+    )
 
 
 def as_request(query: router_pb2.RoutingQuery) -> common_pb2.PreprocessedRequest:
