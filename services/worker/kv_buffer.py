@@ -16,6 +16,17 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def contiguous_runs(first: Sequence[int], second: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(start in first, start in second, count) of the runs where both sequences advance by one."""
+    runs: list[tuple[int, int, int]] = []
+    for a, b in zip(first, second, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((a, b, 1))
+    return runs
+
+
 @dataclass(frozen=True)
 class KvLayout:
     """The model shape that sizes the KV cache. Small defaults: 512 bytes per token."""
@@ -84,12 +95,7 @@ class KvBuffer:
         expected = np.asarray(contents, dtype=np.uint64)[:, None]
         bad = 0
         # runs of consecutive slots are compared as views (no gathered copy of the blocks)
-        start = 0
-        while start < len(slots):
-            end = start + 1
-            while end < len(slots) and slots[end] == slots[end - 1] + 1:
-                end += 1
-            run = blocks[slots[start] : slots[start] + end - start]
-            bad += int(np.count_nonzero(~np.all(run == expected[start:end], axis=1)))
-            start = end
+        for slot, index, count in contiguous_runs(slots, range(len(slots))):
+            run = blocks[slot : slot + count] == expected[index : index + count]
+            bad += int(np.count_nonzero(~np.all(run, axis=1)))
         return bad

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import msgpack
 import structlog
 
-from services.worker.kv_buffer import KvBuffer
+from services.worker.kv_buffer import KvBuffer, contiguous_runs
 
 log = structlog.get_logger(__name__)
 
@@ -115,32 +115,34 @@ class NixlAgent:
                     self._agent.release_xfer_handle(handle)
 
 
-def contiguous_runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
-    """(local start, remote start, count) of runs where both slot lists advance by one."""
-    runs: list[tuple[int, int, int]] = []
-    for a, b in zip(local, remote, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((a, b, 1))
-    return runs
-
-
-# ---- frames ----------------------------------------------------------------------------------
-async def write_frame(writer: asyncio.StreamWriter, message: dict) -> None:
+# ---- frames: a little-endian u32 length, then a msgpack map --------------------------------------
+def _encode_frame(message: dict) -> bytes:
     body = msgpack.packb(message)
-    writer.write(_LENGTH.pack(len(body)) + body)
+    return _LENGTH.pack(len(body)) + body
+
+
+def _frame_length(header: bytes) -> int:
+    (length,) = _LENGTH.unpack(header)
+    if length > MAX_FRAME:
+        raise TransferError(f"frame of {length} bytes is too large")
+    return length
+
+
+def _decode_frame(body: bytes) -> dict:
+    message = msgpack.unpackb(body)
+    if not isinstance(message, dict):
+        raise TransferError("frame is not a map")
+    return message
+
+
+async def write_frame(writer: asyncio.StreamWriter, message: dict) -> None:
+    writer.write(_encode_frame(message))
     await writer.drain()
 
 
 async def read_frame(reader: asyncio.StreamReader) -> dict:
-    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    if length > MAX_FRAME:
-        raise TransferError(f"frame of {length} bytes is too large")
-    message = msgpack.unpackb(await reader.readexactly(length))
-    if not isinstance(message, dict):
-        raise TransferError("frame is not a map")
-    return message
+    length = _frame_length(await reader.readexactly(_LENGTH.size))
+    return _decode_frame(await reader.readexactly(length))
 
 
 async def _sock_recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
@@ -154,20 +156,13 @@ async def _sock_recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socke
 async def _sock_read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict:
     header = bytearray(_LENGTH.size)
     await _sock_recv_exactly(loop, sock, memoryview(header))
-    (length,) = _LENGTH.unpack(header)
-    if length > MAX_FRAME:
-        raise TransferError(f"frame of {length} bytes is too large")
-    body = bytearray(length)
+    body = bytearray(_frame_length(bytes(header)))
     await _sock_recv_exactly(loop, sock, memoryview(body))
-    message = msgpack.unpackb(bytes(body))
-    if not isinstance(message, dict):
-        raise TransferError("frame is not a map")
-    return message
+    return _decode_frame(bytes(body))
 
 
 async def _sock_write_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, message: dict) -> None:
-    body = msgpack.packb(message)
-    await loop.sock_sendall(sock, _LENGTH.pack(len(body)) + body)
+    await loop.sock_sendall(sock, _encode_frame(message))
 
 
 # ---- counters shared by both ends --------------------------------------------------------------
