@@ -2,31 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.worker.event_publisher import KvEventPublisher
-from services.worker.kv_transfer import TransferStats
+from services.worker.kv_transfer import KvTransferServer
 from services.worker.mock_engine import MockEngine
 
 
 class _EngineCollector(Collector):
-    def __init__(
-        self,
-        engine: MockEngine,
-        publisher: KvEventPublisher,
-        transfer: TransferStats,
-        backend: str,
-        held_rooms: Callable[[], int],
-    ) -> None:
+    def __init__(self, engine: MockEngine, publisher: KvEventPublisher, transfer: KvTransferServer) -> None:
         self._engine = engine
         self._publisher = publisher
         self._transfer = transfer
-        self._backend = backend
-        self._held_rooms = held_rooms
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         engine = self._engine
@@ -49,38 +40,35 @@ class _EngineCollector(Collector):
         backend = GaugeMetricFamily(
             "kvmesh_worker_kv_transfer_backend", "KV transfer backend in use", labels=["backend"]
         )
-        backend.add_metric([self._backend], 1)
+        backend.add_metric([self._transfer.backend], 1)
         yield backend
         moved = CounterMetricFamily(
             "kvmesh_worker_kv_transfer_bytes",
             "KV bytes moved to or from other workers",
             labels=["backend", "direction"],
         )
-        for name, table in (("sent", self._transfer.bytes_sent), ("received", self._transfer.bytes_received)):
+        stats = self._transfer.stats
+        for name, table in (("sent", stats.bytes_sent), ("received", stats.bytes_received)):
             for key, value in table.items():
                 moved.add_metric([key, name], value)
         yield moved
         pulls = CounterMetricFamily("kvmesh_worker_kv_pulls", "KV pulls made, by outcome", labels=["outcome"])
-        for key, value in self._transfer.pulls.items():
+        for key, value in stats.pulls.items():
             pulls.add_metric([key], value)
         yield pulls
         yield GaugeMetricFamily(
-            "kvmesh_worker_kv_transfers_in_flight", "KV pulls served or made right now", value=self._transfer.in_flight
+            "kvmesh_worker_kv_transfers_in_flight", "KV pulls served or made right now", value=stats.in_flight
         )
         yield GaugeMetricFamily(
-            "kvmesh_worker_held_prefills", "finished prefills holding KV for a decode worker", value=self._held_rooms()
+            "kvmesh_worker_held_prefills",
+            "finished prefills holding KV for a decode worker",
+            value=self._transfer.held_rooms(),
         )
 
 
 class WorkerMetrics:
-    def __init__(
-        self,
-        engine: MockEngine,
-        publisher: KvEventPublisher,
-        transfer: TransferStats,
-        backend: str,
-        held_rooms: Callable[[], int],
-    ) -> None:
+    def __init__(self, engine: MockEngine, publisher: KvEventPublisher, transfer: KvTransferServer) -> None:
+        """``transfer``: the worker's KV transfer server, whose stats its client shares."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvmesh_worker_requests", "requests by finish reason", ["finish_reason"], registry=self.registry
@@ -90,4 +78,4 @@ class WorkerMetrics:
             "kvmesh_worker_cached_prompt_tokens", "prompt tokens served from the cache", registry=self.registry
         )
         self.generated_tokens = Counter("kvmesh_worker_generated_tokens", "tokens generated", registry=self.registry)
-        self.registry.register(_EngineCollector(engine, publisher, transfer, backend, held_rooms))
+        self.registry.register(_EngineCollector(engine, publisher, transfer))

@@ -289,12 +289,9 @@ class MockEngine:
         request = self._by_id.pop(request_id, None)
         if request is None:
             return self.release_held(request_id)
-        if self.transferring.pop(request_id, None) is not None:
-            pass
-        elif request in self.running:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
+        # it is in exactly one place: waiting for its KV, running, or waiting to be scheduled
+        if self.transferring.pop(request_id, None) is None:
+            (self.running if request in self.running else self.waiting).remove(request)
         self._free(request)
         return True
 

@@ -88,11 +88,15 @@ class KvTransfer:
     server: KvTransferServer
     client: KvTransferClient
     host: str
-    stats: TransferStats
 
     @property
     def backend(self) -> str:
         return self.server.backend
+
+    @property
+    def stats(self) -> TransferStats:
+        """Shared by server and client: what moved, both ways."""
+        return self.server.stats
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -359,7 +363,7 @@ async def serve(
     loop = EngineLoop(build_engine(config, kv), publisher)
     loop.start()
     transfer = await start_kv_transfer(config, worker_id, kv, loop)
-    metrics = WorkerMetrics(loop.engine, publisher, transfer.stats, transfer.backend, transfer.server.held_rooms)
+    metrics = WorkerMetrics(loop.engine, publisher, transfer.server)
     endpoint = MetricsEndpoint(config, metrics.registry)
     servicer = WorkerServicer(worker_id, config, loop, metrics, transfer)
     try:
@@ -414,7 +418,7 @@ async def start_kv_transfer(config: WorkerConfig, worker_id: int, kv: KvBuffer, 
     await server.start(config.host, config.kv_transfer_port)
     client = KvTransferClient(kv, nixl, stats)
     log.info("KV transfer ready", backend=backend, port=server.port)
-    return KvTransfer(server, client, config.advertise_host or config.host, stats)
+    return KvTransfer(server, client, config.advertise_host or config.host)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
