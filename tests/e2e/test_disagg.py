@@ -17,8 +17,9 @@ import nats
 import openai
 import pytest
 
+from services.common.disagg import DECODE, DisaggParams
 from services.common.discovery import DiscoveryWatcher, InstanceRecord
-from services.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.frontend.app import WORKER_ID_HEADER
 from services.up import MeshProcess
 from services.worker.kv_transfer import nixl_available
@@ -157,25 +158,36 @@ def test_enforce_disagg_without_prefill_workers_is_a_clear_error(enforcing_mesh_
     assert "--enforce-disagg" in caught.value.message
 
 
-def test_a_worker_refuses_malformed_disaggregated_params(bootstrap_mesh):
-    """A worker given garbage disaggregated_params answers INVALID_ARGUMENT, keeping its state."""
-    decode = next(r for r in instances(bootstrap_mesh, "worker") if r.role == "decode")
+def generate_status(address: str, stub_class, request: common_pb2.PreprocessedRequest) -> grpc.StatusCode:
+    """The status a streaming Generate call ends with."""
 
     async def call() -> grpc.StatusCode:
-        async with grpc.aio.insecure_channel(decode.address) as channel:
-            from services.common.proto.kvmesh.v1 import common_pb2
-
-            request = common_pb2.PreprocessedRequest(
-                request_id="bad", token_ids=[1, 2, 3], disaggregated_params=b"\xc1"
-            )
+        async with grpc.aio.insecure_channel(address) as channel:
             try:
-                async for _ in worker_pb2_grpc.WorkerStub(channel).Generate(request):
+                async for _ in stub_class(channel).Generate(request):
                     pass
             except grpc.aio.AioRpcError as exc:
                 return exc.code()
         return grpc.StatusCode.OK
 
-    assert asyncio.run(call()) == grpc.StatusCode.INVALID_ARGUMENT
+    return asyncio.run(call())
+
+
+def test_a_worker_refuses_malformed_disaggregated_params(bootstrap_mesh):
+    decode = next(r for r in instances(bootstrap_mesh, "worker") if r.role == "decode")
+    request = common_pb2.PreprocessedRequest(request_id="bad", token_ids=[1, 2, 3], disaggregated_params=b"\xc1")
+    assert generate_status(decode.address, worker_pb2_grpc.WorkerStub, request) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_router_refuses_disaggregated_params_from_its_caller(bootstrap_mesh):
+    """Well-formed decode params (pointing at no prefill worker) would make the decode worker fall
+    back and answer; the router refuses them before, since only it may set them."""
+    router = instances(bootstrap_mesh, "router")[0]
+    params = DisaggParams(DECODE, room=1, host="127.0.0.1", port=1).encode()
+    request = common_pb2.PreprocessedRequest(model=MODEL, token_ids=[1, 2, 3], disaggregated_params=params)
+    assert generate_status(router.address, router_pb2_grpc.RouterStub, request) == grpc.StatusCode.INVALID_ARGUMENT
+    request.ClearField("disaggregated_params")
+    assert generate_status(router.address, router_pb2_grpc.RouterStub, request) == grpc.StatusCode.OK
 
 
 # ---- a prefill worker killed while it serves a KV transfer ------------------------------------
