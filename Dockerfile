@@ -2,7 +2,7 @@
 FROM python:3.11-slim
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY services ./services
 COPY protos ./protos
 RUN pip install --no-cache-dir .

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import httpx
 
-from services.common.discovery import DiscoveryWatcher
-from services.common.runtime import connect_nats
-from services.up import MeshProcess
-from services.worker.kv_buffer import KvBuffer
-from services.worker.kv_transfer import KvTransferClient, KvTransferServer, NixlAgent, nixl_available
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.runtime import connect_nats
+from kvmesh.up import MeshProcess
+from kvmesh.worker.kv_buffer import KvBuffer
+from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, NixlAgent, nixl_available
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_BYTES = 256 << 10  # 256 KiB blocks: 64 MiB is 256 of them
@@ -148,7 +148,7 @@ def serving_part(args: argparse.Namespace) -> None:
                     [
                         sys.executable,
                         "-m",
-                        "services",
+                        "kvmesh",
                         "bench",
                         "--url",
                         mesh.api,
@@ -195,9 +195,9 @@ def serving_part(args: argparse.Namespace) -> None:
 def replay_part(args: argparse.Namespace) -> None:
     """``kvmesh replay``'s engine and router in virtual time: no CPU contention, Dynamo's timing model,
     a modelled model (128 KiB of KV per token) over a 25 GB/s link."""
-    from services.replay.report import summarise
-    from services.replay.simulator import ReplayConfig, ReplaySimulator
-    from services.replay.trace import read_trace
+    from kvmesh.replay.report import summarise
+    from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
+    from kvmesh.replay.trace import read_trace
 
     trace = read_trace(args.trace)
     setups = [("3 aggregated", 3, 0), ("1 prefill + 2 decode", 2, 1), ("6 aggregated", 6, 0), ("2P + 4D", 4, 2)]

@@ -22,17 +22,17 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common import names
-from services.common.discovery import DiscoveryWatcher
-from services.common.hashing import sequence_hashes
-from services.common.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, encode_batch
-from services.common.nats_server import EmbeddedNatsServer
-from services.common.prefix_index import PrefixIndex
-from services.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
-from services.common.runtime import connect_nats
-from services.common.streams import ensure_kv_events_stream
-from services.indexer import snapshot as snapshots
-from services.indexer.consumer import EventStreamConsumer
+from kvmesh.common import names
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.hashing import sequence_hashes
+from kvmesh.common.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, encode_batch
+from kvmesh.common.nats_server import EmbeddedNatsServer
+from kvmesh.common.prefix_index import PrefixIndex
+from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh.common.runtime import connect_nats
+from kvmesh.common.streams import ensure_kv_events_stream
+from kvmesh.indexer import snapshot as snapshots
+from kvmesh.indexer.consumer import EventStreamConsumer
 
 NAMESPACE = "bench"
 CHAIN_BLOCKS = 128  # one cached "conversation": 128 blocks, the first half shared within its family
@@ -193,7 +193,7 @@ async def grpc_queries(total_blocks: int, workers: int) -> dict[str, float]:
             [
                 sys.executable,
                 "-m",
-                "services.indexer",
+                "kvmesh.indexer",
                 "--nats-url",
                 server.url,
                 "--namespace",

@@ -21,11 +21,11 @@ import grpc
 import httpx
 import nats
 
-from services.common.discovery import DiscoveryWatcher
-from services.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
-from services.common.tiny_model import MODEL_DIR, MODEL_NAME
-from services.frontend.tokenizer import ModelTokenizer
-from services.up import MeshProcess
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
+from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
+from kvmesh.frontend.tokenizer import ModelTokenizer
+from kvmesh.up import MeshProcess
 
 MAX_TOKENS = 4
 

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import grpc
 
-from services.common.discovery import DiscoveryWatcher
-from services.common.hashing import local_block_hashes, sequence_hashes
-from services.common.nats_server import EmbeddedNatsServer
-from services.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
-from services.common.runtime import connect_nats
-from services.router.policy import RoutingPolicy
-from services.router.scheduler import make_cost_model
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.hashing import local_block_hashes, sequence_hashes
+from kvmesh.common.nats_server import EmbeddedNatsServer
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from kvmesh.common.runtime import connect_nats
+from kvmesh.router.policy import RoutingPolicy
+from kvmesh.router.scheduler import make_cost_model
 
 BLOCK = 16
 NAMESPACE = "bench"
@@ -70,12 +70,11 @@ def cpu_seconds(pid: int) -> float:
 async def throughput(seconds: float, concurrency: int) -> dict[str, float]:
     server = await EmbeddedNatsServer().start()
     common = ["--nats-url", server.url, "--namespace", NAMESPACE, "--log-level", "warning"]
-    processes = [subprocess.Popen([sys.executable, "-m", "services.indexer", *common, "--metrics-port", "-1"])]
+    processes = [subprocess.Popen([sys.executable, "-m", "kvmesh.indexer", *common, "--metrics-port", "-1"])]
     processes += [
-        subprocess.Popen([sys.executable, "-m", "services.worker", *common, "--speedup-ratio", "1000"])
-        for _ in range(4)
+        subprocess.Popen([sys.executable, "-m", "kvmesh.worker", *common, "--speedup-ratio", "1000"]) for _ in range(4)
     ]
-    router = subprocess.Popen([sys.executable, "-m", "services.router", *common])
+    router = subprocess.Popen([sys.executable, "-m", "kvmesh.router", *common])
     processes.append(router)
     try:
         nc = await connect_nats(server.url, name="bench")

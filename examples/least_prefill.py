@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from services.client import RouterApi
-from services.common.tiny_model import MODEL_DIR
-from services.frontend.tokenizer import ModelTokenizer
+from kvmesh.client import RouterApi
+from kvmesh.common.tiny_model import MODEL_DIR
+from kvmesh.frontend.tokenizer import ModelTokenizer
 
 
 async def main(nats_url: str, prompt: str) -> None:

@@ -1,5 +1,5 @@
-"""`python -m services <command>`: the same as the `kvmesh` console script."""
+"""`python -m kvmesh <command>`: the same as the `kvmesh` console script."""
 
-from services.cli import main
+from kvmesh.cli import main
 
 main()

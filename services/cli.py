@@ -7,15 +7,15 @@ import sys
 from collections.abc import Sequence
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("services.up", "start a whole mesh on this machine (NATS, indexer, router, workers, frontend)"),
-    "frontend": ("services.frontend.server", "run the OpenAI-compatible HTTP facade"),
-    "router": ("services.router.server", "run a router replica"),
-    "indexer": ("services.indexer.server", "run an indexer replica"),
-    "worker": ("services.worker.server", "run an inference worker"),
-    "inspect": ("services.inspect", "show what indexer replicas or workers hold (via discovery)"),
-    "replay": ("services.replay.cli", "replay a request trace offline in virtual time (routing quality)"),
-    "bench": ("services.loadgen.cli", "load an OpenAI-compatible endpoint and report latency, throughput, cache hits"),
-    "gen-protos": ("services.common.protogen", "regenerate the Python gRPC code from protos/"),
+    "up": ("kvmesh.up", "start a whole mesh on this machine (NATS, indexer, router, workers, frontend)"),
+    "frontend": ("kvmesh.frontend.server", "run the OpenAI-compatible HTTP facade"),
+    "router": ("kvmesh.router.server", "run a router replica"),
+    "indexer": ("kvmesh.indexer.server", "run an indexer replica"),
+    "worker": ("kvmesh.worker.server", "run an inference worker"),
+    "inspect": ("kvmesh.inspect", "show what indexer replicas or workers hold (via discovery)"),
+    "replay": ("kvmesh.replay.cli", "replay a request trace offline in virtual time (routing quality)"),
+    "bench": ("kvmesh.loadgen.cli", "load an OpenAI-compatible endpoint and report latency, throughput, cache hits"),
+    "gen-protos": ("kvmesh.common.protogen", "regenerate the Python gRPC code from protos/"),
 }
 
 

@@ -18,11 +18,11 @@ from types import TracebackType
 
 import grpc
 
-from services.common import names
-from services.common.discovery import DiscoveryWatcher
-from services.common.grpc_server import insecure_channel
-from services.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.common.runtime import connect_nats
+from kvmesh.common import names
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.grpc_server import insecure_channel
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvmesh.common.runtime import connect_nats
 
 _FINISH = {
     common_pb2.FINISH_REASON_LENGTH: "length",

@@ -12,12 +12,12 @@ from typing import Any
 import grpc
 import nats.js.errors
 
-from services.common import names
-from services.common.discovery import DiscoveryWatcher
-from services.common.grpc_server import insecure_channel
-from services.common.logging import configure_logging
-from services.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.common.runtime import connect_nats
+from kvmesh.common import names
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.grpc_server import insecure_channel
+from kvmesh.common.logging import configure_logging
+from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.common.runtime import connect_nats
 
 
 async def _instances(nats_url: str, namespace: str, component: str):

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import httpx
 import structlog
 
-from services.common.config import CommonConfig, ConfigError, describe, option, parse_config
-from services.common.discovery import DiscoveryWatcher
-from services.common.logging import configure_logging
-from services.common.nats_server import EmbeddedNatsServer
-from services.common.runtime import connect_nats
-from services.common.tiny_model import MODEL_DIR, MODEL_NAME
-from services.router.config import ROUTER_MODES
+from kvmesh.common.config import CommonConfig, ConfigError, describe, option, parse_config
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.logging import configure_logging
+from kvmesh.common.nats_server import EmbeddedNatsServer
+from kvmesh.common.runtime import connect_nats
+from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
+from kvmesh.router.config import ROUTER_MODES
 
 log = structlog.get_logger(__name__)
 
@@ -127,7 +127,7 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
     services = [
         ServiceProcess(
             f"indexer-{i}",
-            "services.indexer",
+            "kvmesh.indexer",
             [*common, "--replica-id", str(i), "--router-snapshot-threshold", str(config.router_snapshot_threshold)],
         )
         for i in range(config.indexers)
@@ -152,7 +152,7 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
         "--prefill-queue-limit-tokens",
         str(config.prefill_queue_limit_tokens),
     ]
-    services += [ServiceProcess(f"router-{i}", "services.router", router_args) for i in range(config.routers)]
+    services += [ServiceProcess(f"router-{i}", "kvmesh.router", router_args) for i in range(config.routers)]
     worker_args = [
         *common,
         "--model-name",
@@ -170,16 +170,16 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
     ]
     role = "decode" if config.prefill_workers else "aggregated"
     services += [
-        ServiceProcess(f"worker-{i}", "services.worker", [*worker_args, "--role", role]) for i in range(config.workers)
+        ServiceProcess(f"worker-{i}", "kvmesh.worker", [*worker_args, "--role", role]) for i in range(config.workers)
     ]
     services += [
-        ServiceProcess(f"prefill-worker-{i}", "services.worker", [*worker_args, "--role", "prefill"])
+        ServiceProcess(f"prefill-worker-{i}", "kvmesh.worker", [*worker_args, "--role", "prefill"])
         for i in range(config.prefill_workers)
     ]
     services.append(
         ServiceProcess(
             "frontend",
-            "services.frontend",
+            "kvmesh.frontend",
             [
                 *common,
                 "--http-host",
@@ -324,10 +324,10 @@ class MeshProcess:
     read where it listens, stop it with SIGTERM."""
 
     def __init__(self, *args: str, http_port: int | None = None) -> None:
-        from services.common.nats_server import free_port
+        from kvmesh.common.nats_server import free_port
 
         self.http_port = http_port or free_port()
-        self.argv = [sys.executable, "-m", "services", "up", "--http-port", str(self.http_port), *args]
+        self.argv = [sys.executable, "-m", "kvmesh", "up", "--http-port", str(self.http_port), *args]
         self.output: list[str] = []
         self.process: subprocess.Popen[str] | None = None
         self.nats_url = ""

@@ -10,7 +10,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from services.common.nats_server import EmbeddedNatsServer
+from kvmesh.common.nats_server import EmbeddedNatsServer
 
 
 def _container_nats() -> Iterator[str]:

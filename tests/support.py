@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from services.common.nats_server import free_port
+from kvmesh.common.nats_server import free_port
 
 __all__ = ["free_port", "running", "service_process", "wait_until", "wait_until_async"]
 
@@ -53,7 +53,7 @@ async def running(serve: Callable[[Any, asyncio.Event], Awaitable[None]], config
 
 
 def service_process(service: str, nats_url: str, namespace: str, *args: str) -> subprocess.Popen[bytes]:
-    """``python -m services.<service>`` as a real process (for kill -9 drills)."""
+    """``python -m kvmesh.<service>`` as a real process (for kill -9 drills)."""
     return subprocess.Popen(
         [
             sys.executable,

@@ -26,8 +26,8 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
-from services.common import names
-from services.common.runtime import cancel_and_wait
+from kvmesh.common import names
+from kvmesh.common.runtime import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 

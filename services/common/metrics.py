@@ -6,7 +6,7 @@ import asyncio
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from services.common.config import GrpcEndpointConfig
+from kvmesh.common.config import GrpcEndpointConfig
 
 
 class MetricsEndpoint:

@@ -35,8 +35,8 @@ from operator import and_, neg
 
 import xxhash
 
-from services.common.hashing import HASH_SEED, sequence_hashes
-from services.common.kv_events import (
+from kvmesh.common.hashing import HASH_SEED, sequence_hashes
+from kvmesh.common.kv_events import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.common.proto.kvmesh.v1 import common_pb2
+from kvmesh.common.proto.kvmesh.v1 import common_pb2
 
 # What a worker generates when a request names no max_tokens (the router accounts with the same).
 DEFAULT_MAX_TOKENS = 16

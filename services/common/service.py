@@ -13,11 +13,11 @@ import grpc
 import structlog
 from nats.js import JetStreamContext
 
-from services.common.config import CommonConfig, GrpcEndpointConfig, describe, parse_config
-from services.common.discovery import InstanceRecord, Registration
-from services.common.grpc_server import start_grpc_server
-from services.common.logging import configure_logging
-from services.common.runtime import run_until_signalled
+from kvmesh.common.config import CommonConfig, GrpcEndpointConfig, describe, parse_config
+from kvmesh.common.discovery import InstanceRecord, Registration
+from kvmesh.common.grpc_server import start_grpc_server
+from kvmesh.common.logging import configure_logging
+from kvmesh.common.runtime import run_until_signalled
 
 log = structlog.get_logger(__name__)
 

@@ -6,7 +6,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import StorageType, StreamConfig
 
-from services.common import names
+from kvmesh.common import names
 
 DEFAULT_MAX_AGE_S = 3600.0
 DUPLICATE_WINDOW_S = 120.0

@@ -3,7 +3,7 @@
 Token id ``b`` (0–255) is the byte ``b``, so any text round-trips and a shared text prefix is always
 a shared token prefix; ids 256+ are the special tokens. The mock engine's default output ids
 (lowercase letters, space, full stop) therefore decode to readable text. The files in
-``services/common/models/kvmesh-tiny`` are written by ``python -m services.common.tiny_model``; a test
+``services/common/models/kvmesh-tiny`` are written by ``python -m kvmesh.common.tiny_model``; a test
 checks they match this module.
 """
 

@@ -1,3 +1,3 @@
-from services.frontend.server import main
+from kvmesh.frontend.server import main
 
 main()

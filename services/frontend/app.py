@@ -16,19 +16,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from services.common.grpc_errors import is_transport_failure
-from services.common.proto.kvmesh.v1 import common_pb2
-from services.common.requests import continue_request
-from services.frontend.errors import (
+from kvmesh.common.grpc_errors import is_transport_failure
+from kvmesh.common.proto.kvmesh.v1 import common_pb2
+from kvmesh.common.requests import continue_request
+from kvmesh.frontend.errors import (
     BadRequestError,
     ModelNotFoundError,
     OpenAIError,
     ServiceUnavailableError,
     UpstreamError,
 )
-from services.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from services.frontend.router_client import NoRouterError, RouterClient
-from services.frontend.tokenizer import (
+from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.frontend.router_client import NoRouterError, RouterClient
+from kvmesh.frontend.tokenizer import (
     ChatTemplateError,
     IncrementalDetokenizer,
     ModelTokenizer,

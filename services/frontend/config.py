@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import CommonConfig, ConfigError, option
-from services.common.tiny_model import MODEL_DIR, MODEL_NAME
+from kvmesh.common.config import CommonConfig, ConfigError, option
+from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
 
 
 @dataclass

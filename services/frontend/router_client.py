@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common.discovery import DiscoveryWatcher
-from services.common.grpc_server import insecure_channel
-from services.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.grpc_server import insecure_channel
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
 
 
 class NoRouterError(RuntimeError):

@@ -12,13 +12,13 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from services.common.discovery import DiscoveryWatcher
-from services.common.runtime import connect_nats
-from services.common.service import service_main
-from services.frontend.app import Frontend, ServedModel, create_app
-from services.frontend.config import FrontendConfig
-from services.frontend.router_client import RouterClient
-from services.frontend.tokenizer import ModelTokenizer
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.runtime import connect_nats
+from kvmesh.common.service import service_main
+from kvmesh.frontend.app import Frontend, ServedModel, create_app
+from kvmesh.frontend.config import FrontendConfig
+from kvmesh.frontend.router_client import RouterClient
+from kvmesh.frontend.tokenizer import ModelTokenizer
 
 log = structlog.get_logger(__name__)
 

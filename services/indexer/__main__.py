@@ -1,3 +1,3 @@
-from services.indexer.server import main
+from kvmesh.indexer.server import main
 
 main()

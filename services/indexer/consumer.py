@@ -25,10 +25,10 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from services.common import names
-from services.common.kv_events import EventDecodeError, decode_batch
-from services.common.prefix_index import PrefixIndex
-from services.common.runtime import cancel_and_wait
+from kvmesh.common import names
+from kvmesh.common.kv_events import EventDecodeError, decode_batch
+from kvmesh.common.prefix_index import PrefixIndex
+from kvmesh.common.runtime import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 

@@ -13,11 +13,11 @@ import asyncio
 import grpc
 import structlog
 
-from services.common.discovery import DiscoveryWatcher
-from services.common.grpc_server import insecure_channel
-from services.common.prefix_index import DumpedBlock, PrefixIndex, WorkerKey
-from services.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.common.runtime import cancel_and_wait
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.grpc_server import insecure_channel
+from kvmesh.common.prefix_index import DumpedBlock, PrefixIndex, WorkerKey
+from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh.common.runtime import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 

@@ -15,20 +15,20 @@ import grpc
 import structlog
 from prometheus_client import Histogram
 
-from services.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
-from services.common.grpc_errors import refuse
-from services.common.hashing import block_set_digest
-from services.common.metrics import MetricsEndpoint
-from services.common.prefix_index import PrefixIndex
-from services.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
-from services.common.runtime import cancel_and_wait, connect_nats
-from services.common.service import registered_grpc_service, service_main
-from services.common.streams import ensure_kv_events_stream
-from services.indexer import snapshot as snapshots
-from services.indexer.config import IndexerConfig
-from services.indexer.consumer import EventStreamConsumer
-from services.indexer.metrics import IndexerState, build_registry
-from services.indexer.recovery import GapRecovery
+from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
+from kvmesh.common.grpc_errors import refuse
+from kvmesh.common.hashing import block_set_digest
+from kvmesh.common.metrics import MetricsEndpoint
+from kvmesh.common.prefix_index import PrefixIndex
+from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh.common.runtime import cancel_and_wait, connect_nats
+from kvmesh.common.service import registered_grpc_service, service_main
+from kvmesh.common.streams import ensure_kv_events_stream
+from kvmesh.indexer import snapshot as snapshots
+from kvmesh.indexer.config import IndexerConfig
+from kvmesh.indexer.consumer import EventStreamConsumer
+from kvmesh.indexer.metrics import IndexerState, build_registry
+from kvmesh.indexer.recovery import GapRecovery
 
 log = structlog.get_logger(__name__)
 

@@ -30,9 +30,9 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
 
-from services.common import names
-from services.common.prefix_index import UNKNOWN_PARENT, PrefixIndex
-from services.indexer.metrics import IndexerState
+from kvmesh.common import names
+from kvmesh.common.prefix_index import UNKNOWN_PARENT, PrefixIndex
+from kvmesh.indexer.metrics import IndexerState
 
 log = structlog.get_logger(__name__)
 

@@ -10,19 +10,19 @@ from pathlib import Path
 
 import openai
 
-from services.common.logging import configure_logging
-from services.common.tiny_model import MODEL_DIR, MODEL_NAME
-from services.frontend.tokenizer import ModelTokenizer
-from services.loadgen.report import build_report, compare, write_outputs
-from services.loadgen.runner import LoadRunner
-from services.loadgen.workload import (
+from kvmesh.common.logging import configure_logging
+from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
+from kvmesh.frontend.tokenizer import ModelTokenizer
+from kvmesh.loadgen.report import build_report, compare, write_outputs
+from kvmesh.loadgen.runner import LoadRunner
+from kvmesh.loadgen.workload import (
     BenchRequest,
     TracePromptBuilder,
     check_shared_prefixes,
     synthetic_workload,
     trace_workload,
 )
-from services.replay.trace import TraceError, read_trace
+from kvmesh.replay.trace import TraceError, read_trace
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.loadgen.runner import RequestResult
-from services.loadgen.workload import PrefixCheck
-from services.replay.report import percentile
+from kvmesh.loadgen.runner import RequestResult
+from kvmesh.loadgen.workload import PrefixCheck
+from kvmesh.replay.report import percentile
 
 
 def _distribution(values: Sequence[float]) -> dict[str, float | None]:

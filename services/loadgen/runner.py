@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import openai
 
-from services.loadgen.workload import BenchRequest
+from kvmesh.loadgen.workload import BenchRequest
 
 
 @dataclass

@@ -14,8 +14,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.frontend.tokenizer import ModelTokenizer
-from services.replay.trace import TraceRequest
+from kvmesh.frontend.tokenizer import ModelTokenizer
+from kvmesh.replay.trace import TraceRequest
 
 _WORDS = [
     "cache",

@@ -10,11 +10,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.common.logging import configure_logging
-from services.replay.report import summarise, write_csv
-from services.replay.simulator import ReplayConfig, ReplaySimulator
-from services.replay.trace import TraceError, read_trace
-from services.router.scheduler import COST_MODELS
+from kvmesh.common.logging import configure_logging
+from kvmesh.replay.report import summarise, write_csv
+from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
+from kvmesh.replay.trace import TraceError, read_trace
+from kvmesh.router.scheduler import COST_MODELS
 
 MODES = ("kv", "round-robin", "random")
 

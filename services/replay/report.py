@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.replay.simulator import RequestRecord
+from kvmesh.replay.simulator import RequestRecord
 
 
 def percentile(values: Sequence[float], q: float) -> float:

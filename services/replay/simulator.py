@@ -24,15 +24,15 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from services.common.hashing import sequence_hashes
-from services.common.kv_events import KvEvent, KvEventBatch
-from services.common.prefix_index import PrefixIndex
-from services.common.timing import TimingModel
-from services.replay.trace import PromptBuilder, TraceRequest
-from services.router.disagg import place_prefill
-from services.router.policy import RoutingPolicy
-from services.router.scheduler import make_cost_model
-from services.worker.mock_engine import EngineConfig, MockEngine, StepResult
+from kvmesh.common.hashing import sequence_hashes
+from kvmesh.common.kv_events import KvEvent, KvEventBatch
+from kvmesh.common.prefix_index import PrefixIndex
+from kvmesh.common.timing import TimingModel
+from kvmesh.replay.trace import PromptBuilder, TraceRequest
+from kvmesh.router.disagg import place_prefill
+from kvmesh.router.policy import RoutingPolicy
+from kvmesh.router.scheduler import make_cost_model
+from kvmesh.worker.mock_engine import EngineConfig, MockEngine, StepResult
 
 
 @dataclass(frozen=True)

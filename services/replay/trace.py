@@ -14,7 +14,7 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.hashing import local_block_hashes
+from kvmesh.common.hashing import local_block_hashes
 
 
 class TraceError(ValueError):

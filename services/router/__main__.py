@@ -1,3 +1,3 @@
-from services.router.server import main
+from kvmesh.router.server import main
 
 main()

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-from services.common.kv_events import BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, StoredBlock
-from services.common.prefix_index import PrefixIndex
+from kvmesh.common.kv_events import BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, StoredBlock
+from kvmesh.common.prefix_index import PrefixIndex
 
 WorkerKey = tuple[int, int]
 

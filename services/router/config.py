@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import ConfigError, GrpcEndpointConfig, option
+from kvmesh.common.config import ConfigError, GrpcEndpointConfig, option
 
 ROUTER_MODES = ("kv", "round-robin", "random", "direct")
 

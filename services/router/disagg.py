@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.common.disagg import DECODE, PREFILL, PREFILLED, DisaggParams, DisaggParamsError
-from services.common.discovery import InstanceRecord
-from services.common.grpc_errors import is_transport_failure
-from services.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
-from services.router.policy import RoutingPolicy, WorkerKey
+from kvmesh.common.disagg import DECODE, PREFILL, PREFILLED, DisaggParams, DisaggParamsError
+from kvmesh.common.discovery import InstanceRecord
+from kvmesh.common.grpc_errors import is_transport_failure
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
+from kvmesh.router.policy import RoutingPolicy, WorkerKey
 
 log = structlog.get_logger(__name__)
 

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from services.router.policy import RoutingPolicy
+from kvmesh.router.policy import RoutingPolicy
 
 
 class _LoadCollector(Collector):

@@ -12,8 +12,8 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.router.active_sequences import ActiveSequences
-from services.router.scheduler import (
+from kvmesh.router.active_sequences import ActiveSequences
+from kvmesh.router.scheduler import (
     BlockCost,
     Candidate,
     CostModel,

@@ -20,8 +20,8 @@ import msgpack
 import structlog
 from nats.aio.client import Client as NatsClient
 
-from services.common import names
-from services.common.runtime import cancel_and_wait
+from kvmesh.common import names
+from kvmesh.common.runtime import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.common.timing import TimingModel
+from kvmesh.common.timing import TimingModel
 
 WorkerKey = tuple[int, int]
 

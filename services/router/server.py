@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.common.disagg import DECODE, KV_SOURCE, DisaggParams, DisaggParamsError, new_room
-from services.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
-from services.common.grpc_errors import is_transport_failure, refuse
-from services.common.grpc_server import insecure_channel
-from services.common.hashing import local_block_hashes, sequence_hashes
-from services.common.metrics import MetricsEndpoint
-from services.common.proto.kvmesh.v1 import (
+from kvmesh.common.disagg import DECODE, KV_SOURCE, DisaggParams, DisaggParamsError, new_room
+from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
+from kvmesh.common.grpc_errors import is_transport_failure, refuse
+from kvmesh.common.grpc_server import insecure_channel
+from kvmesh.common.hashing import local_block_hashes, sequence_hashes
+from kvmesh.common.metrics import MetricsEndpoint
+from kvmesh.common.proto.kvmesh.v1 import (
     common_pb2,
     indexer_pb2,
     indexer_pb2_grpc,
@@ -26,12 +26,12 @@ from services.common.proto.kvmesh.v1 import (
     router_pb2_grpc,
     worker_pb2_grpc,
 )
-from services.common.requests import DEFAULT_MAX_TOKENS, continue_request
-from services.common.runtime import cancel_and_wait, connect_nats
-from services.common.service import registered_grpc_service, service_main
-from services.router.approximate_index import ApproximateIndex
-from services.router.config import RouterConfig
-from services.router.disagg import (
+from kvmesh.common.requests import DEFAULT_MAX_TOKENS, continue_request
+from kvmesh.common.runtime import cancel_and_wait, connect_nats
+from kvmesh.common.service import registered_grpc_service, service_main
+from kvmesh.router.approximate_index import ApproximateIndex
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.disagg import (
     LocalPrefill,
     NoCapacity,
     PrefillJob,
@@ -41,10 +41,10 @@ from services.router.disagg import (
     place_prefill,
     prefill_request,
 )
-from services.router.metrics import RouterMetrics
-from services.router.policy import RoutingPolicy
-from services.router.replica_sync import ADD, FREE, PREFILL_DONE, ReplicaSync, SyncMessage
-from services.router.scheduler import make_cost_model
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.policy import RoutingPolicy
+from kvmesh.router.replica_sync import ADD, FREE, PREFILL_DONE, ReplicaSync, SyncMessage
+from kvmesh.router.scheduler import make_cost_model
 
 log = structlog.get_logger(__name__)
 

@@ -1,3 +1,3 @@
-from services.worker.server import main
+from kvmesh.worker.server import main
 
 main()

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventData, StoredBlock
+from kvmesh.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventData, StoredBlock
 
 
 class OutOfBlocksError(RuntimeError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import ConfigError, GrpcEndpointConfig, option
+from kvmesh.common.config import ConfigError, GrpcEndpointConfig, option
 
 DEFAULT_MODEL_NAME = "kvmesh-tiny"
 
@@ -61,7 +61,7 @@ class WorkerConfig(GrpcEndpointConfig):
     def resolved_transfer_backend(self) -> str:
         """The backend this worker uses. Aggregated workers never serve a prefill for another worker,
         so ``auto`` spares them NIXL's start-up; they can still receive KV over TCP."""
-        from services.worker.kv_transfer import nixl_available
+        from kvmesh.worker.kv_transfer import nixl_available
 
         if self.kv_transfer_backend == "nixl":
             if not nixl_available():

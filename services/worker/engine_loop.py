@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import structlog
 
-from services.common.runtime import cancel_and_wait
-from services.worker.event_publisher import KvEventPublisher
-from services.worker.mock_engine import EngineRequest, MockEngine, TokenOutput, TransferPlan
+from kvmesh.common.runtime import cancel_and_wait
+from kvmesh.worker.event_publisher import KvEventPublisher
+from kvmesh.worker.mock_engine import EngineRequest, MockEngine, TokenOutput, TransferPlan
 
 log = structlog.get_logger(__name__)
 

@@ -10,9 +10,9 @@ from collections.abc import Iterable
 import structlog
 from nats.js import JetStreamContext
 
-from services.common import names
-from services.common.kv_events import EventData, KvEvent, KvEventBatch, encode_batch
-from services.common.runtime import cancel_and_wait
+from kvmesh.common import names
+from kvmesh.common.kv_events import EventData, KvEvent, KvEventBatch, encode_batch
+from kvmesh.common.runtime import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 

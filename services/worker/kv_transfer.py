@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import msgpack
 import structlog
 
-from services.worker.kv_buffer import KvBuffer, contiguous_runs
+from kvmesh.worker.kv_buffer import KvBuffer, contiguous_runs
 
 log = structlog.get_logger(__name__)
 

@@ -8,9 +8,9 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from services.worker.event_publisher import KvEventPublisher
-from services.worker.kv_transfer import KvTransferServer
-from services.worker.mock_engine import MockEngine
+from kvmesh.worker.event_publisher import KvEventPublisher
+from kvmesh.worker.kv_transfer import KvTransferServer
+from kvmesh.worker.mock_engine import MockEngine
 
 
 class _EngineCollector(Collector):

@@ -34,11 +34,11 @@ from enum import Enum
 
 import xxhash
 
-from services.common.hashing import hash_block_tokens, local_block_hashes, lora_seed, sequence_hashes
-from services.common.kv_events import EventData
-from services.common.timing import TimingModel
-from services.worker.block_manager import BlockManager, KvBlock
-from services.worker.kv_buffer import KvBuffer
+from kvmesh.common.hashing import hash_block_tokens, local_block_hashes, lora_seed, sequence_hashes
+from kvmesh.common.kv_events import EventData
+from kvmesh.common.timing import TimingModel
+from kvmesh.worker.block_manager import BlockManager, KvBlock
+from kvmesh.worker.kv_buffer import KvBuffer
 
 # Printable ASCII byte ids: with the bundled byte-level tokenizer they decode to readable text.
 DEFAULT_OUTPUT_VOCAB: tuple[int, ...] = (*range(97, 123), 32, 32, 32, 46)

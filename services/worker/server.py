@@ -15,29 +15,29 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.common.disagg import DECODE, KV_SOURCE, PREFILL, PREFILLED, DisaggParams, DisaggParamsError
-from services.common.discovery import new_instance_id
-from services.common.grpc_errors import refuse
-from services.common.metrics import MetricsEndpoint
-from services.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.requests import DEFAULT_MAX_TOKENS
-from services.common.runtime import connect_nats
-from services.common.service import registered_grpc_service, service_main
-from services.common.streams import ensure_kv_events_stream
-from services.common.timing import TimingModel
-from services.worker.config import WorkerConfig
-from services.worker.engine_loop import EngineLoop
-from services.worker.event_publisher import KvEventPublisher
-from services.worker.kv_buffer import KvBuffer, KvLayout
-from services.worker.kv_transfer import (
+from kvmesh.common.disagg import DECODE, KV_SOURCE, PREFILL, PREFILLED, DisaggParams, DisaggParamsError
+from kvmesh.common.discovery import new_instance_id
+from kvmesh.common.grpc_errors import refuse
+from kvmesh.common.metrics import MetricsEndpoint
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.common.requests import DEFAULT_MAX_TOKENS
+from kvmesh.common.runtime import connect_nats
+from kvmesh.common.service import registered_grpc_service, service_main
+from kvmesh.common.streams import ensure_kv_events_stream
+from kvmesh.common.timing import TimingModel
+from kvmesh.worker.config import WorkerConfig
+from kvmesh.worker.engine_loop import EngineLoop
+from kvmesh.worker.event_publisher import KvEventPublisher
+from kvmesh.worker.kv_buffer import KvBuffer, KvLayout
+from kvmesh.worker.kv_transfer import (
     KvTransferClient,
     KvTransferServer,
     NixlAgent,
     TransferError,
     TransferStats,
 )
-from services.worker.metrics import WorkerMetrics
-from services.worker.mock_engine import (
+from kvmesh.worker.metrics import WorkerMetrics
+from kvmesh.worker.mock_engine import (
     EngineConfig,
     EngineRequest,
     EngineRequestError,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.up import MeshProcess
+from kvmesh.up import MeshProcess
 from tests.support import wait_until
 
 

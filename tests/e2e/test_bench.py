@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.loadgen import cli
+from kvmesh.loadgen import cli
 
 pytestmark = pytest.mark.e2e
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -17,12 +17,12 @@ import nats
 import openai
 import pytest
 
-from services.common.disagg import DECODE, DisaggParams
-from services.common.discovery import DiscoveryWatcher, InstanceRecord
-from services.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.frontend.app import WORKER_ID_HEADER
-from services.up import MeshProcess
-from services.worker.kv_transfer import nixl_available
+from kvmesh.common.disagg import DECODE, DisaggParams
+from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.frontend.app import WORKER_ID_HEADER
+from kvmesh.up import MeshProcess
+from kvmesh.worker.kv_transfer import nixl_available
 from tests.e2e.conftest import descendants, start_mesh
 from tests.support import wait_until
 
@@ -215,7 +215,7 @@ def _prefill_worker_pid(mesh: MeshProcess) -> int:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"services.worker" in cmdline and b"prefill" in cmdline:
+        if b"kvmesh.worker" in cmdline and b"prefill" in cmdline:
             return pid
     raise AssertionError("no prefill worker process found")
 

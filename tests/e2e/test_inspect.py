@@ -13,8 +13,8 @@ import nats
 import openai
 import pytest
 
-from services.common.discovery import DiscoveryWatcher
-from services.up import MeshProcess
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.up import MeshProcess
 from tests.e2e.conftest import start_mesh
 from tests.support import wait_until
 
@@ -28,7 +28,7 @@ def two_indexer_mesh() -> Iterator[MeshProcess]:
 
 def inspect(mesh: MeshProcess, what: str) -> list[dict]:
     result = subprocess.run(
-        [sys.executable, "-m", "services", "inspect", what, "--nats-url", mesh.nats_url, "--json"],
+        [sys.executable, "-m", "kvmesh", "inspect", what, "--nats-url", mesh.nats_url, "--json"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -55,7 +55,7 @@ def test_inspect_shows_both_replicas_in_step_with_the_workers(two_indexer_mesh):
 
     wait_until(replicas_caught_up, timeout=20, what="both replicas report the workers' block counts")
     text = subprocess.run(
-        [sys.executable, "-m", "services", "inspect", "indexer", "--nats-url", two_indexer_mesh.nats_url],
+        [sys.executable, "-m", "kvmesh", "inspect", "indexer", "--nats-url", two_indexer_mesh.nats_url],
         capture_output=True,
         text=True,
         timeout=60,

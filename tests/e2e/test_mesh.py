@@ -10,9 +10,9 @@ import nats
 import openai
 import pytest
 
-from services.common.discovery import DiscoveryWatcher
-from services.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
-from services.frontend.app import WORKER_ID_HEADER
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from kvmesh.frontend.app import WORKER_ID_HEADER
 
 pytestmark = pytest.mark.e2e
 MODEL = "kvmesh-tiny"

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.up import MeshProcess
+from kvmesh.up import MeshProcess
 from tests.e2e.conftest import descendants, start_mesh
 from tests.support import wait_until
 
@@ -36,7 +36,7 @@ def router_pids(mesh: MeshProcess) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"services.router" in cmdline:
+        if b"kvmesh.router" in cmdline:
             pids.append(pid)
     return sorted(pids)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from services.common import names
-from services.common.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, encode_batch
-from services.common.prefix_index import PrefixIndex
-from services.common.streams import ensure_kv_events_stream
-from services.indexer.consumer import EventStreamConsumer
-from services.worker.event_publisher import KvEventPublisher
-from services.worker.mock_engine import EngineConfig, MockEngine
+from kvmesh.common import names
+from kvmesh.common.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, encode_batch
+from kvmesh.common.prefix_index import PrefixIndex
+from kvmesh.common.streams import ensure_kv_events_stream
+from kvmesh.indexer.consumer import EventStreamConsumer
+from kvmesh.worker.event_publisher import KvEventPublisher
+from kvmesh.worker.mock_engine import EngineConfig, MockEngine
 from tests.support import wait_until_async
 
 pytestmark = pytest.mark.integration
@@ -63,7 +63,7 @@ async def test_events_flow_from_worker_to_indexer(nc: NatsClient):
 
 
 def _local(tokens: list[int]) -> list[int]:
-    from services.common.hashing import local_block_hashes
+    from kvmesh.common.hashing import local_block_hashes
 
     return local_block_hashes(tokens, 16)
 

@@ -7,11 +7,11 @@ import contextlib
 import httpx
 import pytest
 
-from services.common.config import parse_config
-from services.frontend import server as frontend_server
-from services.frontend.config import FrontendConfig
-from services.router import server as router_server
-from services.router.config import RouterConfig
+from kvmesh.common.config import parse_config
+from kvmesh.frontend import server as frontend_server
+from kvmesh.frontend.config import FrontendConfig
+from kvmesh.router import server as router_server
+from kvmesh.router.config import RouterConfig
 from tests.support import free_port, running, wait_until_async
 
 pytestmark = pytest.mark.integration
@@ -53,9 +53,9 @@ async def test_no_worker_is_503_and_no_router_is_503(nats_url: str):
 
 
 async def test_busy_workers_are_a_quick_503_with_an_openai_error(nats_url: str):
-    from services.common.discovery import DiscoveryWatcher
-    from services.worker import server as worker_server
-    from services.worker.config import WorkerConfig
+    from kvmesh.common.discovery import DiscoveryWatcher
+    from kvmesh.worker import server as worker_server
+    from kvmesh.worker.config import WorkerConfig
 
     port = free_port()
     common = ["--nats-url", nats_url, "--namespace", "busy"]

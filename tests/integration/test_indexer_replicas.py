@@ -13,23 +13,23 @@ import grpc
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from services.common import names
-from services.common.config import parse_config
-from services.common.discovery import DiscoveryWatcher
-from services.common.hashing import block_set_digest
-from services.common.proto.kvmesh.v1 import (
+from kvmesh.common import names
+from kvmesh.common.config import parse_config
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.hashing import block_set_digest
+from kvmesh.common.proto.kvmesh.v1 import (
     common_pb2,
     indexer_pb2,
     indexer_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.indexer import server as indexer_server
-from services.indexer import snapshot as snapshots
-from services.indexer.config import IndexerConfig
-from services.worker import server as worker_server
-from services.worker.config import WorkerConfig
-from services.worker.event_publisher import KvEventPublisher
+from kvmesh.indexer import server as indexer_server
+from kvmesh.indexer import snapshot as snapshots
+from kvmesh.indexer.config import IndexerConfig
+from kvmesh.worker import server as worker_server
+from kvmesh.worker.config import WorkerConfig
+from kvmesh.worker.event_publisher import KvEventPublisher
 from tests.support import running, service_process, wait_until_async
 
 pytestmark = pytest.mark.integration

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from services.worker.kv_buffer import KvBuffer, KvLayout
-from services.worker.kv_transfer import KvTransferClient, KvTransferServer, NixlAgent, TransferError, nixl_available
-from services.worker.mock_engine import EngineConfig, MockEngine, transferable_blocks
+from kvmesh.worker.kv_buffer import KvBuffer, KvLayout
+from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, NixlAgent, TransferError, nixl_available
+from kvmesh.worker.mock_engine import EngineConfig, MockEngine, transferable_blocks
 
 BLOCK = 16
 BLOCKS = 64

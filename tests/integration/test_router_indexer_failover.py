@@ -12,13 +12,13 @@ import grpc
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from services.common.config import parse_config
-from services.common.discovery import DiscoveryWatcher
-from services.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
-from services.router import server as router_server
-from services.router.config import RouterConfig
-from services.worker import server as worker_server
-from services.worker.config import WorkerConfig
+from kvmesh.common.config import parse_config
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from kvmesh.router import server as router_server
+from kvmesh.router.config import RouterConfig
+from kvmesh.worker import server as worker_server
+from kvmesh.worker.config import WorkerConfig
 from tests.support import running, service_process, wait_until_async
 
 pytestmark = pytest.mark.integration

@@ -8,14 +8,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from nats.aio.client import Client as NatsClient
 
-from services.common.config import parse_config
-from services.common.discovery import DiscoveryWatcher, InstanceRecord, Registration
-from services.common.hashing import local_block_hashes
-from services.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc, worker_pb2_grpc
-from services.indexer import server as indexer_server
-from services.indexer.config import IndexerConfig
-from services.worker import server as worker_server
-from services.worker.config import WorkerConfig
+from kvmesh.common.config import parse_config
+from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, Registration
+from kvmesh.common.hashing import local_block_hashes
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc, worker_pb2_grpc
+from kvmesh.indexer import server as indexer_server
+from kvmesh.indexer.config import IndexerConfig
+from kvmesh.worker import server as worker_server
+from kvmesh.worker.config import WorkerConfig
 from tests.support import running, wait_until_async
 
 pytestmark = pytest.mark.integration

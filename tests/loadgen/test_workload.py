@@ -2,15 +2,15 @@ import dataclasses
 
 import pytest
 
-from services.common.tiny_model import MODEL_DIR
-from services.frontend.tokenizer import ModelTokenizer
-from services.loadgen.workload import (
+from kvmesh.common.tiny_model import MODEL_DIR
+from kvmesh.frontend.tokenizer import ModelTokenizer
+from kvmesh.loadgen.workload import (
     TracePromptBuilder,
     check_shared_prefixes,
     synthetic_workload,
     trace_workload,
 )
-from services.replay.trace import TraceRequest
+from kvmesh.replay.trace import TraceRequest
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from services.common.timing import TimingModel
-from services.replay import cli
-from services.replay.report import percentile, summarise
-from services.replay.simulator import ReplayConfig, ReplaySimulator
-from services.replay.trace import PromptBuilder, TraceError, TraceRequest, read_trace
+from kvmesh.common.timing import TimingModel
+from kvmesh.replay import cli
+from kvmesh.replay.report import percentile, summarise
+from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
+from kvmesh.replay.trace import PromptBuilder, TraceError, TraceRequest, read_trace
 
 SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 TIMING = TimingModel()

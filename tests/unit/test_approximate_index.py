@@ -1,7 +1,7 @@
 import pytest
 
-from services.common.hashing import sequence_hashes
-from services.router.approximate_index import ApproximateIndex
+from kvmesh.common.hashing import sequence_hashes
+from kvmesh.router.approximate_index import ApproximateIndex
 
 W1, W2 = (1, 0), (2, 0)
 

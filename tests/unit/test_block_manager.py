@@ -1,7 +1,7 @@
 import pytest
 
-from services.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
-from services.worker.block_manager import BlockManager, OutOfBlocksError
+from kvmesh.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
+from kvmesh.worker.block_manager import BlockManager, OutOfBlocksError
 
 
 def fill(bm: BlockManager, hashes: list[int], parent: int | None = None):

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.common.config import CommonConfig, ConfigError, option, parse_config
+from kvmesh.common.config import CommonConfig, ConfigError, option, parse_config
 
 
 @dataclass

@@ -5,11 +5,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.common.discovery import InstanceRecord
-from services.common.proto.kvmesh.v1 import common_pb2
-from services.router.config import RouterConfig
-from services.router.disagg import LocalPrefill, RemotePrefill
-from services.router.server import ChannelPool, Router, RoutingError
+from kvmesh.common.discovery import InstanceRecord
+from kvmesh.common.proto.kvmesh.v1 import common_pb2
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.disagg import LocalPrefill, RemotePrefill
+from kvmesh.router.server import ChannelPool, Router, RoutingError
 
 MODEL = "kvmesh-tiny"
 

@@ -1,10 +1,10 @@
 import pytest
 
-from services.common.tiny_model import MODEL_DIR
-from services.frontend.app import parse_body
-from services.frontend.errors import BadRequestError
-from services.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from services.frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
+from kvmesh.common.tiny_model import MODEL_DIR
+from kvmesh.frontend.app import parse_body
+from kvmesh.frontend.errors import BadRequestError
+from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
 
 
 @pytest.fixture(scope="module")

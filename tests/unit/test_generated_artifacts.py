@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common import protogen, tiny_model
+from kvmesh.common import protogen, tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ import struct
 import pytest
 import xxhash
 
-from services.common.hashing import (
+from kvmesh.common.hashing import (
     blocks_needed,
     hash_block_tokens,
     local_block_hashes,

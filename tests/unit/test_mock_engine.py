@@ -1,8 +1,8 @@
 import pytest
 
-from services.common.kv_events import BlocksRemoved, BlocksStored
-from services.common.timing import TimingModel
-from services.worker.mock_engine import EngineConfig, EngineRequestError, FinishReason, MockEngine
+from kvmesh.common.kv_events import BlocksRemoved, BlocksStored
+from kvmesh.common.timing import TimingModel
+from kvmesh.worker.mock_engine import EngineConfig, EngineRequestError, FinishReason, MockEngine
 
 
 def run_to_completion(engine: MockEngine, limit: int = 10_000):

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.common.hashing import next_sequence_hash
-from services.common.kv_events import (
+from kvmesh.common.hashing import next_sequence_hash
+from kvmesh.common.kv_events import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
@@ -18,8 +18,8 @@ from services.common.kv_events import (
     KvEventBatch,
     StoredBlock,
 )
-from services.common.prefix_index import DumpedBlock, PrefixIndex
-from services.indexer import snapshot as snapshots
+from kvmesh.common.prefix_index import DumpedBlock, PrefixIndex
+from kvmesh.indexer import snapshot as snapshots
 
 WORKERS = (1, 2, 3)
 ALPHABET = (11, 22, 33, 44)  # few local hashes, so workers share prefixes often

@@ -3,9 +3,9 @@ from collections import Counter
 
 import pytest
 
-from services.common.timing import TimingModel
-from services.router.active_sequences import ActiveSequences
-from services.router.scheduler import (
+from kvmesh.common.timing import TimingModel
+from kvmesh.router.active_sequences import ActiveSequences
+from kvmesh.router.scheduler import (
     BlockCost,
     Candidate,
     KvSelector,
@@ -125,7 +125,7 @@ class TestActiveSequences:
 
 class TestRoutingPolicy:
     def test_per_request_overrides_apply_to_that_request_only(self):
-        from services.router.policy import RoutingPolicy
+        from kvmesh.router.policy import RoutingPolicy
 
         policy = RoutingPolicy("kv", BLOCK, overlap_score_weight=1.0, rng=random.Random(0))
         workers = [(1, 0), (2, 0)]
@@ -171,7 +171,7 @@ class TestActiveSequenceTracking:
 
 
 def test_active_prefix_counts_exactly_what_a_scan_counts():
-    from services.router.active_sequences import _active_prefix
+    from kvmesh.router.active_sequences import _active_prefix
 
     rng = random.Random(5)
     for _ in range(200):

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.common.proto.kvmesh.v1 import indexer_pb2 as kvmesh_dot_v1_dot_indexer__pb2
+from kvmesh.common.proto.kvmesh.v1 import indexer_pb2 as kvmesh_dot_v1_dot_indexer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

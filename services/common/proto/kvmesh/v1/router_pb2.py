@@ -22,7 +22,7 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from services.common.proto.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
+from kvmesh.common.proto.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/router.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xd7\x01\n\x0cRoutingQuery\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\tlora_name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12?\n\x16router_config_override\x18\x04 \x01(\x0b\x32\x1f.kvmesh.v1.RouterConfigOverride\x12#\n\x16\x65xpected_output_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\x0c\n\n_lora_nameB\x19\n\x17_expected_output_tokens\"P\n\x12\x42\x65stWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\"\xc8\x01\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\x12 \n\x18potential_prefill_tokens\x18\x04 \x01(\x04\x12\x1f\n\x17potential_decode_blocks\x18\x05 \x01(\x04\x12\x1d\n\x15\x61\x63tive_prefill_tokens\x18\x06 \x01(\x04\x12\x1c\n\x14\x61\x63tive_decode_blocks\x18\x07 \x01(\x04\">\n\x16PotentialLoadsResponse\x12$\n\x05loads\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.WorkerLoad2\xe5\x01\n\x06Router\x12G\n\x08Generate\x12\x1e.kvmesh.v1.PreprocessedRequest\x1a\x19.kvmesh.v1.GenerateOutput0\x01\x12\x44\n\nBestWorker\x12\x17.kvmesh.v1.RoutingQuery\x1a\x1d.kvmesh.v1.BestWorkerResponse\x12L\n\x0ePotentialLoads\x12\x17.kvmesh.v1.RoutingQuery\x1a!.kvmesh.v1.PotentialLoadsResponseb\x06proto3')

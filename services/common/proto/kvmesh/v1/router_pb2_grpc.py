@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from services.common.proto.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
-from services.common.proto.kvmesh.v1 import router_pb2 as kvmesh_dot_v1_dot_router__pb2
+from kvmesh.common.proto.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
+from kvmesh.common.proto.kvmesh.v1 import router_pb2 as kvmesh_dot_v1_dot_router__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
