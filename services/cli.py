@@ -12,7 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("kvmesh.router.server", "run a router replica"),
     "indexer": ("kvmesh.indexer.server", "run an indexer replica"),
     "worker": ("kvmesh.worker.server", "run an inference worker"),
-    "inspect": ("kvmesh.inspect", "show what indexer replicas or workers hold (via discovery)"),
+    "inspect": ("kvmesh.inspector", "show what indexer replicas or workers hold (via discovery)"),
     "replay": ("kvmesh.replay.cli", "replay a request trace offline in virtual time (routing quality)"),
     "bench": ("kvmesh.loadgen.cli", "load an OpenAI-compatible endpoint and report latency, throughput, cache hits"),
     "gen-protos": ("kvmesh.common.protogen", "regenerate the Python gRPC code from protos/"),

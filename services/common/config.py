@@ -25,9 +25,38 @@ class ConfigError(ValueError):
     """A configuration value is missing or invalid; the message says which and why."""
 
 
-def option(default: Any, help: str, *, flag: str | None = None, choices: Sequence[Any] | None = None) -> Any:
-    """Declare one configuration field: its default, its help text and optionally its flag name."""
-    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
+def option(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    choices: Sequence[Any] | None = None,
+    positional: bool = False,
+) -> Any:
+    """Declare one configuration field: its default, its help text and optionally its flag name.
+
+    A ``positional`` field is a required command-line argument (no flag, no environment variable).
+    """
+    metadata = {"help": help, "flag": flag, "choices": choices, "positional": positional}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def flag_name(field: dataclasses.Field) -> str:
+    return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+
+
+def options_argv(options_class: type, config: Any) -> list[str]:
+    """The command-line flags that reproduce ``config``'s values of the fields ``options_class``
+    declares (``kvmesh up`` hands its router options to the router processes this way)."""
+    argv: list[str] = []
+    for f in dataclasses.fields(options_class):
+        value = getattr(config, f.name)
+        flag = flag_name(f)
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag.removeprefix("--"))
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
 def env_var_name(field_name: str) -> str:
@@ -62,24 +91,42 @@ def build_parser(cls: type, prog: str, description: str) -> argparse.ArgumentPar
         prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        kind, _optional = _base_type(hints[f.name])
-        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata.get('help', '')} [env {env_var_name(f.name)}]"
-        if kind is bool:
-            parser.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
-            )
-        else:
-            parser.add_argument(
-                flag,
-                dest=f.name,
-                type=kind,
-                default=f.default,
-                choices=f.metadata.get("choices"),
-                help=help_text,
-            )
+    for title, group_fields in _option_groups(cls):
+        group = parser if title is None else parser.add_argument_group(title)
+        for f in group_fields:
+            _add_argument(group, f, hints[f.name])
     return parser
+
+
+def _option_groups(cls: type) -> list[tuple[str | None, list[dataclasses.Field]]]:
+    """The fields of ``cls`` grouped by the class that declares them: its own first (untitled), then
+    each option set it inherits, titled by the first line of that set's docstring."""
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    groups: list[tuple[str | None, list[dataclasses.Field]]] = []
+    seen: set[str] = set()
+    for klass in cls.__mro__:
+        own = [by_name[name] for name in vars(klass).get("__annotations__", {}) if name in by_name and name not in seen]
+        if not own:
+            continue
+        seen.update(f.name for f in own)
+        title = None if klass is cls else (klass.__doc__ or klass.__name__).strip().splitlines()[0].rstrip(".")
+        groups.append((title, own))
+    return groups
+
+
+def _add_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f: dataclasses.Field, hint: Any) -> None:
+    kind, _optional = _base_type(hint)
+    if f.metadata.get("positional"):
+        parser.add_argument(f.name, type=kind, help=f.metadata.get("help", ""))
+        return
+    flag = flag_name(f)
+    help_text = f"{f.metadata.get('help', '')} [env {env_var_name(f.name)}]"
+    if kind is bool:
+        parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+    else:
+        parser.add_argument(
+            flag, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_text
+        )
 
 
 def parse_config(
@@ -96,7 +143,7 @@ def parse_config(
     hints = typing.get_type_hints(cls)
     env_defaults: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        raw = environ.get(env_var_name(f.name))
+        raw = None if f.metadata.get("positional") else environ.get(env_var_name(f.name))
         if raw is not None:
             kind, _ = _base_type(hints[f.name])
             try:

@@ -1,26 +1,22 @@
 """What rides in ``disaggregated_params`` between router, prefill worker and decode worker.
 
-The field is opaque bytes in the protos (DESIGN §5); this module is its one codec (msgpack maps), so
-router and workers agree on it without importing each other. Four shapes, by ``kind``:
+The field is opaque bytes in the protos (DESIGN §5); this module is its one codec (a msgpack map with
+a ``kind``), so router and workers agree on it without importing each other. One type per message:
 
-- ``prefill`` (router → prefill worker): prefill this prompt, hold its KV for room ``room``;
-- ``prefilled`` (prefill worker → router): the KV is ready at ``host:port`` in ``room``;
-- ``decode`` (router → decode worker): pull the prompt's KV from ``host:port`` in ``room`` (a
-  rendezvous: on the bootstrap path the prefill may still be running), then decode;
-- ``kv_source`` (decode worker → router, on its first output): where the prompt's KV came from.
+- :class:`PrefillOrder` (router → prefill worker): prefill this prompt, hold its KV for ``room``;
+- :class:`KvReady` (prefill worker → router, on its last output): the KV waits at ``host:port``;
+- :class:`DecodeOrder` (router → decode worker): pull the prompt's KV from ``host:port`` in
+  ``room`` (a rendezvous: on the bootstrap path the prefill may still be running), then decode;
+- :class:`KvSource` (decode worker → router, on its first output): where the prompt's KV came from.
 """
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import asdict, dataclass, fields
+from typing import ClassVar, TypeVar
 
 import msgpack
-
-PREFILL = "prefill"
-PREFILLED = "prefilled"
-DECODE = "decode"
-KV_SOURCE = "kv_source"
 
 # Why a request was prefilled on its decode worker instead of remotely (the router's metric labels).
 LOCAL_REASONS = (
@@ -34,43 +30,96 @@ LOCAL_REASONS = (
 
 
 class DisaggParamsError(ValueError):
-    """``disaggregated_params`` that cannot be read."""
+    """``disaggregated_params`` that cannot be read, or that are not the message expected."""
 
 
-@dataclass
-class DisaggParams:
-    kind: str
-    room: int = 0
-    host: str = ""
-    port: int = 0
-    worker_id: int = 0
-    # decode: whether a failed transfer may fall back to a local prefill (not under --enforce-disagg)
+@dataclass(frozen=True)
+class PrefillOrder:
+    kind: ClassVar[str] = "prefill"
+    room: int
+
+
+@dataclass(frozen=True)
+class KvReady:
+    kind: ClassVar[str] = "kv_ready"
+    room: int
+    host: str
+    port: int
+    worker_id: int
+    blocks: int  # transferable prompt blocks held for the room
+    backend: str
+
+
+@dataclass(frozen=True)
+class DecodeOrder:
+    kind: ClassVar[str] = "decode"
+    room: int
+    host: str
+    port: int
+    worker_id: int
+    # whether a failed transfer may fall back to a local prefill (not under --enforce-disagg)
     allow_local: bool = True
-    # prefilled: transferable blocks held; kv_source: blocks received
-    blocks: int = 0
-    # kv_source: "remote" or "local", the transfer backend, bytes received and the local reason
-    source: str = ""
-    backend: str = ""
-    bytes: int = 0
-    reason: str = ""
-
-    def encode(self) -> bytes:
-        defaults = DisaggParams(self.kind)
-        return msgpack.packb({k: v for k, v in asdict(self).items() if k == "kind" or v != getattr(defaults, k)})
 
     @classmethod
-    def decode(cls, data: bytes) -> DisaggParams:
-        try:
-            raw = msgpack.unpackb(data)
-        except Exception as exc:  # msgpack raises several unrelated types on garbage
-            raise DisaggParamsError(f"disaggregated_params is not msgpack: {exc}") from None
-        if not isinstance(raw, dict) or raw.get("kind") not in (PREFILL, PREFILLED, DECODE, KV_SOURCE):
-            raise DisaggParamsError("disaggregated_params has no known kind")
-        known = {f.name for f in fields(cls)}
-        try:
-            return cls(**{k: v for k, v in raw.items() if k in known})
-        except TypeError as exc:
-            raise DisaggParamsError(f"disaggregated_params is malformed: {exc}") from None
+    def from_ready(cls, ready: KvReady, allow_local: bool) -> DecodeOrder:
+        return cls(ready.room, ready.host, ready.port, ready.worker_id, allow_local)
+
+
+@dataclass(frozen=True)
+class KvSource:
+    kind: ClassVar[str] = "kv_source"
+    source: str  # "remote" or "local"
+    backend: str = ""
+    bytes: int = 0
+    blocks: int = 0  # blocks received
+    reason: str = ""  # for "local": one of LOCAL_REASONS
+
+    @classmethod
+    def local(cls, reason: str) -> KvSource:
+        return cls("local", reason=reason)
+
+
+DisaggMessage = PrefillOrder | KvReady | DecodeOrder | KvSource
+_FIELD_TYPES = {"int": int, "str": str, "bool": bool}
+_BY_KIND: dict[str, type[DisaggMessage]] = {t.kind: t for t in (PrefillOrder, KvReady, DecodeOrder, KvSource)}
+
+
+def encode(message: DisaggMessage) -> bytes:
+    return msgpack.packb({"kind": message.kind, **asdict(message)})
+
+
+def decode(data: bytes) -> DisaggMessage:
+    """Any of the four messages; :class:`DisaggParamsError` for anything else."""
+    try:
+        raw = msgpack.unpackb(data)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise DisaggParamsError(f"disaggregated_params is not msgpack: {exc}") from None
+    message_type = _BY_KIND.get(raw.get("kind")) if isinstance(raw, dict) else None
+    if message_type is None:
+        raise DisaggParamsError("disaggregated_params has no known kind")
+    values = {}
+    for f in fields(message_type):
+        if f.name not in raw:
+            continue
+        value = raw[f.name]
+        if not isinstance(value, _FIELD_TYPES[f.type]):
+            raise DisaggParamsError(f"disaggregated_params field {f.name!r} must be {f.type}, not {value!r}")
+        values[f.name] = value
+    try:
+        return message_type(**values)
+    except TypeError as exc:
+        raise DisaggParamsError(f"disaggregated_params is malformed: {exc}") from None
+
+
+M = TypeVar("M", PrefillOrder, KvReady, DecodeOrder, KvSource)
+
+
+def decode_as(data: bytes, expected: type[M]) -> M:
+    """One message of the expected type; :class:`DisaggParamsError` for another or for garbage."""
+    message = decode(data)
+    if not isinstance(message, expected):
+        raise DisaggParamsError(f"expected {expected.kind!r} params, got {message.kind!r}")
+    return message
 
 
 def new_room() -> int:

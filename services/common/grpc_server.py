@@ -42,9 +42,12 @@ async def start_grpc_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio raises on a busy port where older versions returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+        raise OSError(f"cannot bind gRPC server to {host}:{port} (address in use?)")
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

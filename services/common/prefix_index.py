@@ -44,8 +44,8 @@ from kvmesh.common.kv_events import (
     KvEventBatch,
     StoredBlock,
 )
+from kvmesh.common.worker_key import WorkerKey
 
-WorkerKey = tuple[int, int]  # (worker_id, dp_rank)
 _pack_pair = struct.Struct("<QQ").pack
 _xxh3 = xxhash.xxh3_64_intdigest
 

@@ -1,27 +1,71 @@
 """What every kvmesh service process does around its own logic: parse its config, set up logging,
-run until signalled; and, for gRPC services, serve (with health and reflection) and stay registered
-in discovery while serving."""
+run until signalled; hold what it acquires in a :class:`ServiceStack` that releases it in reverse
+order; and, for gRPC services, serve (with health and reflection) and stay registered in discovery
+while serving."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import structlog
+from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from kvmesh.common.config import CommonConfig, GrpcEndpointConfig, describe, parse_config
 from kvmesh.common.discovery import InstanceRecord, Registration
 from kvmesh.common.grpc_server import start_grpc_server
-from kvmesh.common.logging import configure_logging
-from kvmesh.common.runtime import run_until_signalled
+from kvmesh.common.runtime import cancel_and_wait, connect_nats, run_until_signalled
+from kvmesh.common.structured_logging import configure_logging
 
 log = structlog.get_logger(__name__)
 
 ConfigT = TypeVar("ConfigT", bound=CommonConfig)
+
+
+class Startable(Protocol):
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+StartableT = TypeVar("StartableT", bound=Startable)
+
+
+class ServiceStack(contextlib.AsyncExitStack):
+    """Everything a service acquires while it starts, released in reverse order when it stops —
+    and when start-up fails part-way, so a half-started service leaks no connection, task or port.
+
+        async with ServiceStack() as stack:
+            nc = await stack.nats(config, "kvmesh-router-1")
+            watcher = await stack.start(DiscoveryWatcher(...))
+            record = await stack.grpc_service(js, config, ...)   # registered last, deregistered first
+            await stop.wait()
+    """
+
+    async def nats(self, config: CommonConfig, name: str) -> NatsClient:
+        nc = await connect_nats(config.nats_url, name=name)
+        self.push_async_callback(nc.close)
+        return nc
+
+    async def start(self, component: StartableT) -> StartableT:
+        """``await component.start()`` now, ``await component.stop()`` on the way out."""
+        await component.start()
+        self.push_async_callback(component.stop)
+        return component
+
+    def task(self, coroutine: Awaitable[None], name: str) -> asyncio.Task[None]:
+        """A background task, cancelled and awaited on the way out."""
+        task = asyncio.ensure_future(coroutine)
+        task.set_name(name)
+        self.push_async_callback(cancel_and_wait, task)
+        return task
+
+    async def grpc_service(self, js: JetStreamContext, config: GrpcEndpointConfig, **kwargs: Any) -> InstanceRecord:
+        """Serve gRPC and stay registered until the stack unwinds (see :func:`registered_grpc_service`)."""
+        return await self.enter_async_context(registered_grpc_service(js, config, **kwargs))
 
 
 def service_main(

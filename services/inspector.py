@@ -15,9 +15,9 @@ import nats.js.errors
 from kvmesh.common import names
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.grpc_server import insecure_channel
-from kvmesh.common.logging import configure_logging
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.common.runtime import connect_nats
+from kvmesh.common.structured_logging import configure_logging
 
 
 async def _instances(nats_url: str, namespace: str, component: str):
