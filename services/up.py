@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import httpx
 import structlog
 
-from kvmesh.common.config import CommonConfig, ConfigError, describe, option, parse_config
+from kvmesh.common.config import CommonConfig, ConfigError, describe, option, options_argv, parse_config
 from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.logging import configure_logging
 from kvmesh.common.nats_server import EmbeddedNatsServer
 from kvmesh.common.runtime import connect_nats
+from kvmesh.common.structured_logging import configure_logging
 from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
-from kvmesh.router.config import ROUTER_MODES
+from kvmesh.router.config import RouterOptions
 
 log = structlog.get_logger(__name__)
 
@@ -39,7 +39,10 @@ RESTART_WINDOW_S = 60.0
 
 
 @dataclass
-class UpConfig(CommonConfig):
+class UpConfig(CommonConfig, RouterOptions):
+    """``kvmesh up``'s own options; every router option (``RouterOptions``) is taken too and handed to
+    the router replicas unchanged."""
+
     nats_url: str | None = option(None, "use this NATS server instead of starting an embedded one")
     http_host: str = option("127.0.0.1", "address of the HTTP API")
     http_port: int = option(8000, "port of the OpenAI-compatible HTTP API")
@@ -47,25 +50,13 @@ class UpConfig(CommonConfig):
     prefill_workers: int = option(
         0, "number of prefill-role mock workers; with any, the other workers run as decode workers (disaggregation)"
     )
-    disagg_mode: str = option("bootstrap", "router's prefill/decode orchestration", choices=("bootstrap", "sync"))
-    enforce_disagg: bool = option(False, "router: a missing prefill pool or a failed prefill is an error")
-    disagg_min_uncached_tokens: int = option(512, "router: prefill locally when fewer prompt tokens are uncached")
-    prefill_queue_limit_tokens: int = option(
-        65536, "router: a prefill worker with more queued prefill tokens has no capacity (prefill locally)"
-    )
     num_layers: int = option(2, "model layers of the mock workers' KV buffer (bytes a KV transfer moves per token)")
     kv_transfer_backend: str = option(
         "auto", "workers' KV transfer backend (auto: NIXL when installed)", choices=("auto", "nixl", "tcp")
     )
     indexers: int = option(1, "number of indexer replicas")
     routers: int = option(1, "number of router replicas behind the frontend")
-    router_replica_sync: bool = option(False, "router replicas share their load view over NATS")
     router_snapshot_threshold: int = option(1_000_000, "indexer snapshot threshold (stream messages)")
-    router_mode: str = option("kv", "how the router chooses workers", choices=ROUTER_MODES)
-    kv_cost: str = option("ttft", "KV cost model of the router (ttft or Dynamo's blocks)", choices=("ttft", "blocks"))
-    kv_overlap_score_weight: float = option(1.0, "weight of prefill work in the KV cost")
-    kv_events: bool = option(True, "route on KV events through the indexers (--no-kv-events: approximate mode)")
-    router_temperature: float = option(0.0, "router softmax temperature (0: deterministic)")
     block_size: int = option(16, "tokens per KV block of the mock workers")
     num_gpu_blocks: int = option(16384, "KV blocks per mock worker", flag="--num-gpu-blocks-override")
     speedup_ratio: float = option(1.0, "mock engine speed-up (divides simulated step times)")
@@ -74,6 +65,7 @@ class UpConfig(CommonConfig):
     startup_timeout: float = option(60.0, "seconds to wait for every service to come up")
 
     def validate(self) -> None:
+        RouterOptions.validate(self)
         if self.workers < 1:
             raise ConfigError("--workers must be at least 1")
         if self.indexers < 1:
@@ -132,26 +124,7 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
         )
         for i in range(config.indexers)
     ]
-    router_args = [
-        *common,
-        "--router-mode",
-        config.router_mode,
-        "--kv-cost",
-        config.kv_cost,
-        "--kv-events" if config.kv_events else "--no-kv-events",
-        "--router-replica-sync" if config.router_replica_sync else "--no-router-replica-sync",
-        "--kv-overlap-score-weight",
-        str(config.kv_overlap_score_weight),
-        "--router-temperature",
-        str(config.router_temperature),
-        "--disagg-mode",
-        config.disagg_mode,
-        "--enforce-disagg" if config.enforce_disagg else "--no-enforce-disagg",
-        "--disagg-min-uncached-tokens",
-        str(config.disagg_min_uncached_tokens),
-        "--prefill-queue-limit-tokens",
-        str(config.prefill_queue_limit_tokens),
-    ]
+    router_args = [*common, *options_argv(RouterOptions, config)]
     services += [ServiceProcess(f"router-{i}", "kvmesh.router", router_args) for i in range(config.routers)]
     worker_args = [
         *common,

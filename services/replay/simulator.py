@@ -24,39 +24,57 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from kvmesh.common.config import ConfigError, option
 from kvmesh.common.hashing import sequence_hashes
 from kvmesh.common.kv_events import KvEvent, KvEventBatch
 from kvmesh.common.prefix_index import PrefixIndex
 from kvmesh.common.timing import TimingModel
-from kvmesh.replay.trace import PromptBuilder, TraceRequest
-from kvmesh.router.disagg import place_prefill
+from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
+from kvmesh.router.config import RoutingOptions
+from kvmesh.router.load_tracker import LoadTracker
 from kvmesh.router.policy import RoutingPolicy
+from kvmesh.router.prefill_placement import place_prefill
 from kvmesh.router.scheduler import make_cost_model
+from kvmesh.worker.engine import EngineRequestSpec
 from kvmesh.worker.mock_engine import EngineConfig, MockEngine, StepResult
 
+# the modes a replay can simulate (``direct`` needs a caller that names the worker)
+REPLAY_MODES = ("kv", "round-robin", "random")
 
-@dataclass(frozen=True)
-class ReplayConfig:
-    workers: int = 8
-    block_size: int = 64
-    num_blocks: int = 16384
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    router_mode: str = "kv"
-    kv_cost: str = "ttft"
-    overlap_score_weight: float = 1.0
-    router_temperature: float = 0.0
-    arrival_speedup_ratio: float = 1.0
-    trace_block_size: int = 512
-    seed: int = 0
-    # disaggregation (0 prefill workers: every worker is aggregated)
-    prefill_workers: int = 0
-    disagg_min_uncached_tokens: int = 512
-    prefill_queue_limit_tokens: int = 65536
+
+@dataclass
+class ReplayConfig(RoutingOptions):
+    """The simulated fleet and trace handling; the routing options are the router's own."""
+
+    workers: int = option(8, "simulated workers (decode workers when --prefill-workers is set)")
+    block_size: int = option(64, "tokens per KV block")
+    num_blocks: int = option(16384, "KV blocks per worker", flag="--num-gpu-blocks-override")
+    max_num_seqs: int = option(256, "running sequences per worker")
+    max_num_batched_tokens: int = option(8192, "token budget of one engine step")
+    arrival_speedup_ratio: float = option(1.0, "divide trace timestamps by this (higher = heavier load)")
+    trace_block_size: int = option(512, "tokens each trace hash id stands for")
+    seed: int = option(0, "seed of tie-breaking and sampling")
+    prefill_workers: int = option(
+        0, "prefill workers besides --workers (which then decode); 0: every worker is aggregated"
+    )
     # KV bytes per token of the modelled model (Llama-3-8B in bf16: 32 layers × 8 KV heads × 128 × 2 × 2)
-    kv_bytes_per_token: int = 131072
+    kv_bytes_per_token: int = option(131072, "KV bytes per token of the modelled model (transfer size)")
     # KV transfer bandwidth, GB/s (25: a 200 Gb/s RDMA link)
-    kv_transfer_gbps: float = 25.0
+    kv_transfer_gbps: float = option(25.0, "KV transfer bandwidth, GB/s")
+
+    def validate(self) -> None:
+        RoutingOptions.validate(self)
+        if self.router_mode not in REPLAY_MODES:
+            raise ConfigError(f"--router-mode must be one of {', '.join(REPLAY_MODES)} in a replay")
+        for name in ("workers", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if self.trace_block_size <= 0 or self.arrival_speedup_ratio <= 0:
+            raise ConfigError("--trace-block-size and --arrival-speedup-ratio must be positive")
+        if self.prefill_workers < 0:
+            raise ConfigError("--prefill-workers must be >= 0")
+        if self.kv_bytes_per_token <= 0 or self.kv_transfer_gbps <= 0:
+            raise ConfigError("--kv-bytes-per-token and --kv-transfer-gbps must be positive")
 
 
 @dataclass
@@ -103,13 +121,16 @@ class ReplaySimulator:
         )
         total = config.workers + config.prefill_workers
         self.engines = [MockEngine(engine_config) for _ in range(total)]
+        # the router's own load tracking, in virtual time
+        self.loads = LoadTracker(config.track_active_blocks, config.router_track_output_blocks)
         self.policy = RoutingPolicy(
             config.router_mode,
             config.block_size,
-            config.overlap_score_weight,
+            config.kv_overlap_score_weight,
             config.router_temperature,
             random.Random(config.seed),
             make_cost_model(config.kv_cost, config.block_size, config.max_num_batched_tokens, config.num_blocks),
+            active=self.loads.sequences(config.block_size),
         )
         self.index = PrefixIndex()
         self._builder = PromptBuilder(config.trace_block_size, config.block_size)
@@ -182,8 +203,10 @@ class ReplaySimulator:
             self._workers, block_hashes, request.input_length, overlaps, self.index.tree_sizes()
         )
         worker = decision.worker[0]
-        self.engines[worker].add_request(request_id, prompt, request.output_length, block_hashes=(local, block_hashes))
-        self.policy.active.add(request_id, decision.worker, block_hashes, request.input_length, decision.overlap_blocks)
+        self.engines[worker].add_request(
+            EngineRequestSpec(request_id, prompt, request.output_length), block_hashes=(local, block_hashes)
+        )
+        self._track(request_id, decision.worker, block_hashes, request.input_length, decision.overlap_blocks, record)
         record.worker = worker
         return worker
 
@@ -212,30 +235,48 @@ class ReplaySimulator:
         record.worker = decode
         if placement.prefill is None:
             record.kv_source = placement.reason
-            self.engines[decode].add_request(request_id, prompt, record.output_length, block_hashes=hashes)
-            self.policy.active.add(request_id, placement.decode, block_hashes, record.input_length, placement.overlap)
+            self.engines[decode].add_request(
+                EngineRequestSpec(request_id, prompt, record.output_length), block_hashes=hashes
+            )
+            self._track(request_id, placement.decode, block_hashes, record.input_length, placement.overlap, record)
             return decode
         record.kv_source = "remote"
         prefill_id = f"{request_id}:p"
         prefill = placement.prefill[0]
-        self.engines[prefill].add_request(prefill_id, prompt, 1, block_hashes=hashes, hold_on_finish=True)
-        self.policy.active.add(prefill_id, placement.prefill, block_hashes, record.input_length, placement.overlap)
+        self.engines[prefill].add_request(
+            EngineRequestSpec(prefill_id, prompt, 1), block_hashes=hashes, hold_on_finish=True
+        )
+        self._track(prefill_id, placement.prefill, block_hashes, record.input_length, placement.overlap, record)
         # the decode worker's share of the prefill is the tail its KV transfer does not cover
-        self.policy.active.add(request_id, placement.decode, block_hashes, record.input_length, len(block_hashes))
+        self._track(request_id, placement.decode, block_hashes, record.input_length, len(block_hashes), record)
         self._awaiting_kv[prefill_id] = (request_id, decode, prompt, record.output_length, hashes)
         return prefill
+
+    def _track(
+        self,
+        request_id: str,
+        worker: tuple[int, int],
+        block_hashes: list[int],
+        prompt_tokens: int,
+        overlap: int,
+        record: RequestRecord,
+    ) -> None:
+        """Record a routed request in the router's load picture, at its arrival time."""
+        self.loads.add(
+            request_id, worker, self.config.block_size, block_hashes, prompt_tokens, overlap, 0, record.arrival_ms
+        )
 
     def _prefill_finished(self, prefill_id: str, prefill: int, cached_tokens: int, now: float, by_id) -> int:
         """A remote prefill ended: reserve the decode side and start the transfer (or prefill there)."""
         request_id, decode, prompt, output_length, hashes = self._awaiting_kv.pop(prefill_id)
-        self.policy.active.free(prefill_id)
+        self.loads.free(prefill_id)
         by_id[request_id].cached_tokens = cached_tokens
         engine = self.engines[decode]
-        plan = engine.add_remote_prefill(request_id, prompt, output_length, block_hashes=hashes)
+        plan = engine.add_remote_prefill(EngineRequestSpec(request_id, prompt, output_length), block_hashes=hashes)
         if plan is None:  # no room for the KV on the decode worker: it prefills itself
             self.engines[prefill].release_held(prefill_id)
             by_id[request_id].kv_source = "decode_memory"
-            engine.add_request(request_id, prompt, output_length, block_hashes=hashes)
+            engine.add_request(EngineRequestSpec(request_id, prompt, output_length), block_hashes=hashes)
             return decode
         bytes_moved = plan.num_blocks * self.config.block_size * self.config.kv_bytes_per_token
         transfer_ms = bytes_moved / (self.config.kv_transfer_gbps * 1e6)
@@ -260,12 +301,12 @@ class ReplaySimulator:
                 record.first_token_ms = now
                 if record.kv_source != "remote":
                     record.cached_tokens = output.cached_tokens
-                self.policy.active.mark_prefill_completed(output.request_id)
+                self.loads.first_token(output.request_id)
             else:
                 record.inter_token_ms.append(now - record.last_token_ms)
             record.tokens += 1
             record.last_token_ms = now
             if output.finish_reason is not None:
-                self.policy.active.free(output.request_id)
+                self.loads.free(output.request_id)
                 del by_id[output.request_id]
         return woken

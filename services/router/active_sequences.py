@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-WorkerKey = tuple[int, int]
+from kvmesh.common.hashing import blocks_needed
+from kvmesh.common.worker_key import WorkerKey
 
 
 @dataclass
@@ -91,7 +92,7 @@ class ActiveSequences:
 
     def _own_blocks(self, prompt_tokens: int, shared_blocks: int, output_tokens: int) -> int:
         tokens = prompt_tokens + (output_tokens if self.track_output_blocks else 0)
-        return -(-tokens // self.block_size) - shared_blocks
+        return blocks_needed(tokens, self.block_size) - shared_blocks
 
     def add(
         self,
@@ -157,12 +158,14 @@ class ActiveSequences:
             self.free(request_id)
         return stale
 
-    def remove_worker(self, worker_id: int) -> None:
-        """Forget a departed worker and every request that was on it."""
-        for request_id in [r for r, req in self._requests.items() if req.worker[0] == worker_id]:
+    def remove_worker(self, worker_id: int) -> list[str]:
+        """Forget a departed worker and every request that was on it; returns those requests' ids."""
+        removed = [r for r, req in self._requests.items() if req.worker[0] == worker_id]
+        for request_id in removed:
             del self._requests[request_id]
         for key in [k for k in self._loads if k[0] == worker_id]:
             del self._loads[key]
+        return removed
 
     def load(self, worker: WorkerKey) -> tuple[int, int]:
         """(prefill tokens, decode blocks) currently predicted for ``worker``."""

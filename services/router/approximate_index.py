@@ -19,8 +19,7 @@ from collections.abc import Mapping, Sequence
 
 from kvmesh.common.kv_events import BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, StoredBlock
 from kvmesh.common.prefix_index import PrefixIndex
-
-WorkerKey = tuple[int, int]
+from kvmesh.common.worker_key import WorkerKey
 
 
 class ApproximateIndex:

@@ -1,52 +1,39 @@
-"""Router configuration: one typed object, from flags and ``KVMESH_*`` environment variables."""
+"""Router options, each declared once and shared by every command that takes it.
+
+- :class:`RoutingOptions`: how a worker is chosen for a request (mode, cost, weights,
+  disaggregation thresholds). The router service, ``kvmesh up`` and ``kvmesh replay`` take these.
+- :class:`RouterOptions`: the rest of what a router replica needs (KV events or approximate mode,
+  busy thresholds, replica sync, migration, disaggregation orchestration). The router service and
+  ``kvmesh up`` take these; ``kvmesh up`` hands them to its routers with :func:`options_argv`.
+- :class:`RouterConfig`: the router service's whole configuration.
+
+Validation is declared with the options it checks, so every command validates alike.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvmesh.common.config import ConfigError, GrpcEndpointConfig, option
+from kvmesh.router.scheduler import COST_MODELS
 
 ROUTER_MODES = ("kv", "round-robin", "random", "direct")
 
 
 @dataclass
-class RouterConfig(GrpcEndpointConfig):
+class RoutingOptions:
+    """Routing: how the decision weighs cache overlap against load."""
+
     router_mode: str = option("kv", "how workers are chosen", choices=ROUTER_MODES)
     kv_cost: str = option(
-        "ttft", "KV cost model: predicted time to first token, or Dynamo's block formula", choices=("ttft", "blocks")
+        "ttft", "KV cost model: predicted time to first token, or Dynamo's block formula", choices=COST_MODELS
     )
     kv_overlap_score_weight: float = option(1.0, "weight of prefill work in the KV cost (0: load only)")
     router_temperature: float = option(0.0, "softmax temperature over normalised costs (0: pick the minimum)")
-    kv_events: bool = option(
-        True, "use the indexers' view built from KV events; --no-kv-events predicts caches from routing decisions"
-    )
-    router_ttl_secs: float = option(120.0, "approximate mode: seconds a routed block is assumed cached")
-    router_max_tree_size: int = option(1 << 20, "approximate mode: most (worker, block) pairs remembered")
-    indexer_timeout_ms: float = option(500.0, "deadline of one overlap query to an indexer replica")
     track_active_blocks: bool = option(
         True, "count active KV blocks in the cost (--no-track-active-blocks: prefill only)"
     )
     router_track_output_blocks: bool = option(False, "grow a request's predicted blocks as its output grows")
-    active_decode_blocks_threshold: int | None = option(
-        None, "a worker with more active blocks is busy; when all are busy requests are refused"
-    )
-    active_prefill_tokens_threshold: int | None = option(
-        None, "a worker with more queued prefill tokens is busy; when all are busy requests are refused"
-    )
-    request_timeout_secs: float = option(600.0, "forget a routed request after this long (a lost free)")
-    router_replica_sync: bool = option(False, "share routing decisions with the other router replicas over NATS")
-    migration_limit: int = option(3, "times a request whose worker fails mid-stream moves to another worker")
-    worker_avoid_secs: float = option(5.0, "seconds a worker that failed a stream is not chosen")
-    seed: int | None = option(None, "seed for tie-breaking and sampling (default: random)")
-    disagg_mode: str = option(
-        "bootstrap",
-        "prefill/decode orchestration when prefill workers are registered: bootstrap (decode starts at once and "
-        "meets the prefill at a rendezvous) or sync (wait for the prefill's result, then send the decode)",
-        choices=("bootstrap", "sync"),
-    )
-    enforce_disagg: bool = option(
-        False, "every request must prefill on a prefill worker: no prefill pool or a failed prefill is an error"
-    )
     disagg_min_uncached_tokens: int = option(
         512, "prefill on the decode worker itself when it lacks fewer prompt tokens than this (0: always remote)"
     )
@@ -57,9 +44,55 @@ class RouterConfig(GrpcEndpointConfig):
     def validate(self) -> None:
         if self.kv_overlap_score_weight < 0:
             raise ConfigError("--kv-overlap-score-weight must be >= 0")
-        if self.disagg_min_uncached_tokens < 0 or self.prefill_queue_limit_tokens <= 0:
-            raise ConfigError("--disagg-min-uncached-tokens must be >= 0 and --prefill-queue-limit-tokens > 0")
         if self.router_temperature < 0:
             raise ConfigError("--router-temperature must be >= 0")
+        if self.disagg_min_uncached_tokens < 0 or self.prefill_queue_limit_tokens <= 0:
+            raise ConfigError("--disagg-min-uncached-tokens must be >= 0 and --prefill-queue-limit-tokens > 0")
+
+
+@dataclass
+class RouterOptions(RoutingOptions):
+    """Router replicas: what a router takes besides its endpoint and the routing options."""
+
+    kv_events: bool = option(
+        True, "use the indexers' view built from KV events; --no-kv-events predicts caches from routing decisions"
+    )
+    router_ttl_secs: float = option(120.0, "approximate mode: seconds a routed block is assumed cached")
+    router_max_tree_size: int = option(1 << 20, "approximate mode: most (worker, block) pairs remembered")
+    indexer_timeout_ms: float = option(500.0, "deadline of one overlap query to an indexer replica")
+    active_decode_blocks_threshold: int | None = option(
+        None, "a worker with more active blocks is busy; when all are busy requests are refused"
+    )
+    active_prefill_tokens_threshold: int | None = option(
+        None, "a worker with more queued prefill tokens is busy; when all are busy requests are refused"
+    )
+    request_timeout_secs: float = option(600.0, "forget a routed request after this long (a lost free)")
+    router_replica_sync: bool = option(False, "share routing decisions with the other router replicas over NATS")
+    migration_limit: int = option(3, "times a request whose worker fails mid-stream moves to another worker")
+    worker_avoid_secs: float = option(5.0, "seconds a worker that failed a stream is not chosen")
+    disagg_mode: str = option(
+        "bootstrap",
+        "prefill/decode orchestration when prefill workers are registered: bootstrap (decode starts at once and "
+        "meets the prefill at a rendezvous) or sync (wait for the prefill's result, then send the decode)",
+        choices=("bootstrap", "sync"),
+    )
+    enforce_disagg: bool = option(
+        False, "every request must prefill on a prefill worker: no prefill pool or a failed prefill is an error"
+    )
+
+    def validate(self) -> None:
+        super().validate()
         if self.router_ttl_secs <= 0 or self.router_max_tree_size <= 0:
             raise ConfigError("--router-ttl-secs and --router-max-tree-size must be positive")
+        if self.request_timeout_secs <= 0 or self.indexer_timeout_ms <= 0:
+            raise ConfigError("--request-timeout-secs and --indexer-timeout-ms must be positive")
+        if self.migration_limit < 0 or self.worker_avoid_secs < 0:
+            raise ConfigError("--migration-limit and --worker-avoid-secs must be >= 0")
+
+
+@dataclass
+class RouterConfig(GrpcEndpointConfig, RouterOptions):
+    seed: int | None = option(None, "seed for tie-breaking and sampling (default: random)")
+
+    def validate(self) -> None:
+        RouterOptions.validate(self)

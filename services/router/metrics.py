@@ -8,12 +8,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvmesh.router.policy import RoutingPolicy
+from kvmesh.router.active_sequences import ActiveSequences
 
 
 class _LoadCollector(Collector):
-    def __init__(self, policies: Callable[[], Iterable[RoutingPolicy]], peers: Callable[[], int]) -> None:
-        self._policies = policies
+    def __init__(self, pictures: Callable[[], Iterable[ActiveSequences]], peers: Callable[[], int]) -> None:
+        self._pictures = pictures
         self._peers = peers
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -26,10 +26,10 @@ class _LoadCollector(Collector):
             "kvmesh_router_active_decode_blocks", "predicted active blocks per worker", labels=["worker_id", "dp_rank"]
         )
         requests = 0
-        for policy in self._policies():
-            requests += len(policy.active)
-            for worker in policy.active.workers():
-                tokens, decode = policy.active.load(worker)
+        for picture in self._pictures():
+            requests += len(picture)
+            for worker in picture.workers():
+                tokens, decode = picture.load(worker)
                 prefill.add_metric([str(worker[0]), str(worker[1])], tokens)
                 blocks.add_metric([str(worker[0]), str(worker[1])], decode)
         yield prefill
@@ -41,7 +41,7 @@ class _LoadCollector(Collector):
 
 
 class RouterMetrics:
-    def __init__(self, policies: Callable[[], Iterable[RoutingPolicy]], peers: Callable[[], int]) -> None:
+    def __init__(self, pictures: Callable[[], Iterable[ActiveSequences]], peers: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("kvmesh_router_requests", "requests by outcome", ["outcome"], registry=self.registry)
         self.migrations = Counter(
@@ -66,4 +66,4 @@ class RouterMetrics:
             ["backend"],
             registry=self.registry,
         )
-        self.registry.register(_LoadCollector(policies, peers))
+        self.registry.register(_LoadCollector(pictures, peers))

@@ -12,6 +12,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvmesh.common.worker_key import WorkerKey
 from kvmesh.router.active_sequences import ActiveSequences
 from kvmesh.router.scheduler import (
     BlockCost,
@@ -21,8 +22,6 @@ from kvmesh.router.scheduler import (
     RandomSelector,
     RoundRobinSelector,
 )
-
-WorkerKey = tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -44,8 +43,11 @@ class RoutingPolicy:
         cost_model: CostModel | None = None,
         track_active_blocks: bool = True,
         track_output_blocks: bool = False,
+        active: ActiveSequences | None = None,
     ) -> None:
-        """``cost_model`` defaults to Dynamo's block cost; the service and replay pass the one configured."""
+        """``cost_model`` defaults to Dynamo's block cost; the service and replay pass the one configured.
+        ``active`` is the load picture to read (a :class:`LoadTracker`'s for this block size); by
+        default the policy keeps its own."""
         if mode not in ("kv", "round-robin", "random"):
             raise ValueError(f"unknown routing mode {mode!r}")
         self.mode = mode
@@ -53,7 +55,9 @@ class RoutingPolicy:
         self.overlap_score_weight = overlap_score_weight
         self.temperature = temperature
         self._rng = rng or random.Random()
-        self.active = ActiveSequences(block_size, track_active_blocks, track_output_blocks)
+        self.active = (
+            active if active is not None else ActiveSequences(block_size, track_active_blocks, track_output_blocks)
+        )
         self._kv = KvSelector(cost_model or BlockCost(block_size), self._rng)
         self._round_robin = RoundRobinSelector()
         self._random = RandomSelector(self._rng)

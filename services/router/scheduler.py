@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvmesh.common.timing import TimingModel
-
-WorkerKey = tuple[int, int]
+from kvmesh.common.worker_key import WorkerKey
 
 
 @dataclass(frozen=True)

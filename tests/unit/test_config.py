@@ -47,3 +47,36 @@ def test_help_names_the_environment_variable(capsys):
     with pytest.raises(SystemExit):
         parse(["--help"])
     assert "KVMESH_RATIO" in capsys.readouterr().out
+
+
+def test_router_options_are_declared_once_and_handed_on_unchanged():
+    """`kvmesh up` takes every router option and passes it to its routers as flags."""
+    from kvmesh.common.config import options_argv
+    from kvmesh.router.config import RouterConfig, RouterOptions
+    from kvmesh.up import UpConfig
+
+    flags = ["--router-mode", "round-robin", "--no-kv-events", "--kv-overlap-score-weight", "0.25"]
+    flags += ["--active-decode-blocks-threshold", "7", "--enforce-disagg", "--no-track-active-blocks"]
+    up = parse_config(UpConfig, flags, prog="up", description="", environ={})
+    router = parse_config(RouterConfig, options_argv(RouterOptions, up), prog="r", description="", environ={})
+    for name in ("router_mode", "kv_events", "kv_overlap_score_weight", "active_decode_blocks_threshold"):
+        assert getattr(router, name) == getattr(up, name)
+    assert router.enforce_disagg and not router.track_active_blocks
+    assert {f: getattr(router, f) for f in vars(RouterOptions())} == {f: getattr(up, f) for f in vars(RouterOptions())}
+
+
+def test_every_command_validates_the_routing_options_alike(capsys):
+    from kvmesh.replay import cli
+    from kvmesh.router.config import RouterConfig
+    from kvmesh.up import UpConfig
+
+    for cls in (RouterConfig, UpConfig):
+        with pytest.raises(SystemExit):
+            parse_config(cls, ["--router-temperature", "-1"], prog="x", description="", environ={})
+        assert "--router-temperature must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["trace.jsonl", "--router-temperature", "-1"])
+    assert "--router-temperature must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["trace.jsonl", "--router-mode", "direct"])
+    assert "in a replay" in capsys.readouterr().err

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import random
+
 import grpc
 import pytest
 
+from kvmesh.common.channels import ChannelPool
 from kvmesh.common.discovery import InstanceRecord
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.disagg import LocalPrefill, RemotePrefill
-from kvmesh.router.server import ChannelPool, Router, RoutingError
+from kvmesh.router.indexer_client import IndexerClient
+from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
+from kvmesh.router.routing import Router, RoutingError
 
 MODEL = "kvmesh-tiny"
 
@@ -43,7 +47,7 @@ def worker(instance_id: int, role: str) -> InstanceRecord:
 def router(roles: dict[int, str], **options) -> Router:
     config = RouterConfig(seed=1, **options)
     workers = RegisteredWorkers([worker(i, role) for i, role in roles.items()])
-    return Router(config, workers, None, ChannelPool())
+    return Router(config, workers, IndexerClient(None, ChannelPool(), 0.5, random.Random(1)))
 
 
 def request(tokens: int) -> common_pb2.PreprocessedRequest:
@@ -83,5 +87,5 @@ async def test_prefill_pool_without_capacity_falls_back_or_refuses_when_enforced
         else:
             plan = await mesh.plan_prefill(request(2000))
             assert isinstance(plan, LocalPrefill) and plan.reason == "no_prefill_capacity"
-        mesh.track_free(prefill, "queued")
+        mesh.track_free("queued")
         assert isinstance(await mesh.plan_prefill(request(2000)), RemotePrefill)

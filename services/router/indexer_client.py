@@ -1,0 +1,56 @@
+"""The router's side of ``Indexer.FindMatches``: ask one replica, fail over to the next."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import grpc
+import structlog
+
+from kvmesh.common.channels import ChannelPool
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh.common.worker_key import WorkerKey
+
+log = structlog.get_logger(__name__)
+
+
+class CacheView(NamedTuple):
+    """What the caches hold for one request: matched prefix blocks and tree size per worker."""
+
+    matched: dict[WorkerKey, int]
+    tree_sizes: dict[WorkerKey, int]
+
+
+class IndexerClient:
+    """Queries indexer replicas in random order (spreading load) until one answers within the
+    deadline. Guarantees an answer: with no replica answering, an empty view, so routing goes on
+    load alone instead of failing the request."""
+
+    def __init__(
+        self, indexers: DiscoveryWatcher | None, channels: ChannelPool, timeout_s: float, rng: random.Random
+    ) -> None:
+        self._indexers = indexers
+        self._channels = channels
+        self._timeout_s = timeout_s
+        self._rng = rng
+
+    async def find_matches(self, block_hashes: Sequence[int]) -> CacheView:
+        replicas = self._indexers.instances() if self._indexers else []
+        self._rng.shuffle(replicas)
+        for replica in replicas:
+            stub = indexer_pb2_grpc.IndexerStub(self._channels.get(replica.address))
+            try:
+                response = await stub.FindMatches(
+                    indexer_pb2.FindMatchesRequest(sequence_hashes=block_hashes), timeout=self._timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                log.warning("indexer replica did not answer", address=replica.address, code=exc.code().name)
+                continue
+            matched = {(w.worker_id, w.dp_rank): w.matched_blocks for w in response.workers}
+            sizes = {(w.worker_id, w.dp_rank): w.total_blocks for w in response.workers}
+            return CacheView(matched, sizes)
+        log.warning("no indexer answered; routing on load alone")
+        return CacheView({}, {})

@@ -1,0 +1,75 @@
+"""Prefill/decode disaggregation in the router: whether a request prefills remotely, where, and the
+prefill request that runs beside (bootstrap) or before (sync) its decode.
+
+Active only while a prefill-role worker for the request's model is registered. Per request:
+
+1. the decode worker is chosen KV-aware as for an aggregated request; if it lacks fewer than
+   ``--disagg-min-uncached-tokens`` of the prompt, it prefills locally (a transfer would cost more
+   than it saves);
+2. otherwise a prefill worker with capacity is chosen KV-aware among the prefill pool (none with
+   capacity: local prefill), and the decode worker is chosen again on load alone (overlap weight 0),
+   since its cache no longer decides how much prefill it does.
+
+``--enforce-disagg`` turns every fallback into an error. See docs/decisions/0009.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvmesh.common.worker_key import WorkerKey
+from kvmesh.router.policy import RoutingPolicy
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one request prefills and decodes (sans-I/O; worker keys, not records).
+
+    ``prefill`` is None for a local prefill on ``decode``, with the ``reason``; ``overlap`` is the
+    cached prefix in blocks on the worker that prefills."""
+
+    decode: WorkerKey
+    prefill: WorkerKey | None
+    overlap: int
+    reason: str = ""
+
+
+class NoCapacity(Exception):
+    """Every prefill worker is at capacity (only raised when local prefill is not allowed)."""
+
+
+def place_prefill(
+    policy: RoutingPolicy,
+    decode_workers: Sequence[WorkerKey],
+    prefill_workers: Sequence[WorkerKey],
+    block_hashes: Sequence[int],
+    prompt_tokens: int,
+    overlaps: Mapping[WorkerKey, int],
+    tree_sizes: Mapping[WorkerKey, int],
+    *,
+    min_uncached_tokens: int,
+    prefill_queue_limit_tokens: int,
+    enforce: bool = False,
+    overlap_score_weight: float | None = None,
+    temperature: float | None = None,
+    expected_output_tokens: int = 0,
+    busy: Callable[[WorkerKey], bool] = lambda _key: False,
+) -> Placement:
+    """The per-request decision of the module docstring. The router service and ``kvmesh replay``
+    both call it, so the replay measures what the service does."""
+    args = (block_hashes, prompt_tokens, overlaps, tree_sizes)
+    local = policy.choose(decode_workers, *args, overlap_score_weight, temperature, expected_output_tokens)
+    uncached = prompt_tokens - local.overlap_blocks * policy.block_size
+    if not enforce and uncached < min_uncached_tokens:
+        return Placement(local.worker, None, local.overlap_blocks, "below_threshold")
+    with_capacity = [
+        key for key in prefill_workers if not busy(key) and policy.active.load(key)[0] < prefill_queue_limit_tokens
+    ]
+    if not with_capacity:
+        if enforce:
+            raise NoCapacity(f"all {len(prefill_workers)} prefill workers are at capacity")
+        return Placement(local.worker, None, local.overlap_blocks, "no_prefill_capacity")
+    prefill = policy.choose(with_capacity, *args, overlap_score_weight, temperature, 0)
+    decode = policy.choose(decode_workers, *args, 0.0, temperature, expected_output_tokens)
+    return Placement(decode.worker, prefill.worker, prefill.overlap_blocks)

@@ -1,0 +1,362 @@
+"""The routing decision of one router replica, and the load picture it keeps while requests run.
+
+:class:`Router` picks a worker (or a prefill + decode pair) for a request: it filters the discovered
+workers (:mod:`~kvmesh.router.eligibility`), asks the indexers or its approximate index what each
+caches, and lets the per-block-size :class:`RoutingPolicy` cost them. What it routes it tracks in a
+:class:`LoadTracker`, and with replica sync it tells the other replicas. Time comes from the clock it
+is given.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
+from kvmesh.common.hashing import local_block_hashes, sequence_hashes
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
+from kvmesh.common.status_error import StatusError
+from kvmesh.router.approximate_index import ApproximateIndex
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.eligibility import (
+    BusyThresholds,
+    FailedWorkers,
+    not_busy,
+    prefill_workers,
+    whole_request_workers,
+)
+from kvmesh.router.indexer_client import CacheView, IndexerClient
+from kvmesh.router.load_tracker import LoadTracker
+from kvmesh.router.policy import RoutingPolicy
+from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
+from kvmesh.router.prefill_placement import NoCapacity, place_prefill
+from kvmesh.router.replica_sync import ReplicaSync
+from kvmesh.router.scheduler import make_cost_model
+from kvmesh.router.sync_messages import ADD, SyncMessage
+
+log = structlog.get_logger(__name__)
+
+# Assumed when a worker does not advertise its step token budget.
+DEFAULT_MAX_BATCHED_TOKENS = 8192
+
+
+class RoutingError(StatusError):
+    """A request cannot be routed; carries the gRPC status to answer with."""
+
+
+@dataclass
+class Prepared:
+    """A request's candidates and hashes, computed once per routing decision."""
+
+    candidates: list[InstanceRecord]
+    by_id: dict[int, InstanceRecord]
+    policy: RoutingPolicy
+    local_hashes: list[int]
+    block_hashes: list[int]
+    prompt_tokens: int
+    expected_output_tokens: int
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The worker chosen for a whole request, its cached prefix there and the prompt's block hashes."""
+
+    worker: InstanceRecord
+    overlap_blocks: int
+    block_hashes: list[int]
+
+
+def config_overrides(request: common_pb2.PreprocessedRequest) -> tuple[float | None, float | None]:
+    """The request's (overlap score weight, router temperature) overrides; None where unset."""
+    override = request.routing.router_config_override
+    return (
+        override.overlap_score_weight if override.HasField("overlap_score_weight") else None,
+        override.router_temperature if override.HasField("router_temperature") else None,
+    )
+
+
+class Router:
+    """Routing decisions plus the load picture they rely on. One per router process.
+
+    Guarantees: every request it routes is added to the load picture, marked prefill-completed on
+    its first token and freed when it ends, in this replica and (with replica sync) in every other.
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        workers: DiscoveryWatcher,
+        indexers: IndexerClient,
+        router_id: str = "",
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        """``rng`` (tie-breaking, sampling) defaults to one seeded with ``--seed``; the service shares
+        it with the indexer client."""
+        self.config = config
+        self.workers = workers
+        self.indexers = indexers
+        self.router_id = router_id
+        self.clock = clock
+        self.sync: ReplicaSync | None = None
+        self.loads = LoadTracker(config.track_active_blocks, config.router_track_output_blocks)
+        self.failed = FailedWorkers(config.worker_avoid_secs)
+        self.thresholds = BusyThresholds(config.active_decode_blocks_threshold, config.active_prefill_tokens_threshold)
+        self._rng = rng or random.Random(config.seed)
+        self._policies: dict[int, RoutingPolicy] = {}
+        self._approximate: dict[int, ApproximateIndex] = {}
+
+    def policies(self) -> list[RoutingPolicy]:
+        return list(self._policies.values())
+
+    def avoid(self, worker_id: int) -> None:
+        """Do not choose this worker for ``--worker-avoid-secs`` (its stream just broke)."""
+        self.failed.mark(worker_id, self.clock())
+
+    def approximate_index(self, block_size: int) -> ApproximateIndex:
+        """Approximate mode's view of the caches of workers with this block size."""
+        index = self._approximate.get(block_size)
+        if index is None:
+            index = self._approximate[block_size] = ApproximateIndex(
+                block_size, self.config.router_ttl_secs, self.config.router_max_tree_size
+            )
+        return index
+
+    def policy(self, worker: InstanceRecord) -> RoutingPolicy:
+        """The policy of workers shaped like ``worker`` (same block size).
+
+        The cost model takes the engine shape (capacity, step token budget) from the first worker of
+        that block size it meets: a fleet serving one model is assumed homogeneous.
+        """
+        policy = self._policies.get(worker.block_size)
+        if policy is None:
+            config = self.config
+            mode = "kv" if config.router_mode == "direct" else config.router_mode
+            cost_model = make_cost_model(
+                config.kv_cost,
+                worker.block_size,
+                int(worker.extra.get("max_num_batched_tokens", DEFAULT_MAX_BATCHED_TOKENS)),
+                worker.capacity_blocks,
+            )
+            policy = self._policies[worker.block_size] = RoutingPolicy(
+                mode,
+                worker.block_size,
+                config.kv_overlap_score_weight,
+                config.router_temperature,
+                self._rng,
+                cost_model,
+                active=self.loads.sequences(worker.block_size),
+            )
+        return policy
+
+    def worker_left(self, record: InstanceRecord) -> None:
+        self.loads.remove_worker(record.instance_id)
+        self.failed.forget(record.instance_id)
+        for index in self._approximate.values():
+            index.remove_worker(record.instance_id)
+
+    # ---- the decision ----------------------------------------------------------------------
+    def prepare(self, request: common_pb2.PreprocessedRequest) -> Prepared:
+        candidates = whole_request_workers(self.workers.instances(), request.model, self.failed, self.clock()).eligible
+        if not candidates:
+            raise RoutingError(grpc.StatusCode.UNAVAILABLE, f"no worker available for model {request.model!r}")
+        block_size = candidates[0].block_size
+        lora = request.lora_name if request.HasField("lora_name") else None
+        local_hashes = local_block_hashes(request.token_ids, block_size, lora)
+        expected = request.expected_output_tokens if request.HasField("expected_output_tokens") else 0
+        return Prepared(
+            candidates,
+            {r.instance_id: r for r in candidates},
+            self.policy(candidates[0]),
+            local_hashes,
+            sequence_hashes(local_hashes),
+            len(request.token_ids),
+            expected,
+        )
+
+    def not_busy(self, prepared: Prepared, noun: str = "workers") -> list[InstanceRecord]:
+        """The prepared candidates under the busy thresholds; RESOURCE_EXHAUSTED when none is."""
+        active = prepared.policy.active
+        candidates = not_busy(prepared.candidates, lambda worker_id: active.load((worker_id, 0)), self.thresholds)
+        if not candidates.eligible:
+            raise RoutingError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"all {len(prepared.candidates)} {noun} are busy (over their active block or prefill thresholds)",
+            )
+        return candidates.eligible
+
+    def busy(self, policy: RoutingPolicy, worker_id: int) -> bool:
+        """Over ``--active-decode-blocks-threshold`` or ``--active-prefill-tokens-threshold``."""
+        return self.thresholds.exceeded(*policy.active.load((worker_id, 0)))
+
+    async def cache_view(self, prepared: Prepared) -> CacheView:
+        """(matched blocks, tree size) per worker: from the indexers, or approximate mode's memory."""
+        if not prepared.policy.needs_overlaps:
+            return CacheView({}, {})
+        if self.config.kv_events:
+            return await self.indexers.find_matches(prepared.block_hashes)
+        approximate = self.approximate_index(prepared.policy.block_size)
+        matched = approximate.find_matches_by_sequence(prepared.block_hashes, self.clock())
+        return CacheView(matched, dict(approximate.tree_sizes()))
+
+    async def choose(self, request: common_pb2.PreprocessedRequest, commit: bool = True) -> Choice:
+        """Pick the worker for a whole request. ``commit=False`` answers a query (BestWorker)
+        without leaving a trace in approximate mode."""
+        prepared = self.prepare(request)
+        forced = request.routing.worker_id if request.routing.HasField("worker_id") else None
+        if forced is not None or self.config.router_mode == "direct":
+            if forced is None:
+                raise RoutingError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "router mode 'direct' needs routing.worker_id in the request",
+                )
+            record = prepared.by_id.get(forced)
+            if record is None:
+                raise RoutingError(grpc.StatusCode.NOT_FOUND, f"worker {forced} is not registered for this model")
+            return Choice(record, 0, prepared.block_hashes)
+
+        candidates = self.not_busy(prepared)
+        matched, sizes = await self.cache_view(prepared)
+        weight, temperature = config_overrides(request)
+        decision = prepared.policy.choose(
+            [(r.instance_id, 0) for r in candidates],
+            prepared.block_hashes,
+            prepared.prompt_tokens,
+            matched,
+            sizes,
+            weight,
+            temperature,
+            prepared.expected_output_tokens,
+        )
+        if commit and not self.config.kv_events:
+            self.approximate_index(prepared.policy.block_size).record(
+                decision.worker, prepared.local_hashes, prepared.block_hashes, self.clock()
+            )
+        return Choice(prepared.by_id[decision.worker[0]], decision.overlap_blocks, prepared.block_hashes)
+
+    async def plan_prefill(self, request: common_pb2.PreprocessedRequest) -> RemotePrefill | LocalPrefill | None:
+        """Where this request prefills while prefill workers exist (see prefill_placement.py);
+        None when no prefill worker is registered (or none shares the decode workers' block size):
+        the request is routed as an aggregated one."""
+        enforce = self.config.enforce_disagg
+        registered = self.workers.instances()
+        pool: list[InstanceRecord] = []
+        if any(r.role == "prefill" for r in registered):
+            prepared = self.prepare(request)
+            block_size = prepared.policy.block_size
+            pool = prefill_workers(registered, request.model, block_size, self.failed, self.clock()).eligible
+        if not pool:
+            if enforce:
+                raise RoutingError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no prefill worker is available for model {request.model!r} and --enforce-disagg is set",
+                )
+            return None
+        candidates = self.not_busy(prepared, "decode workers")
+        matched, sizes = await self.cache_view(prepared)
+        weight, temperature = config_overrides(request)
+        policy = prepared.policy
+        try:
+            placement = place_prefill(
+                policy,
+                [(r.instance_id, 0) for r in candidates],
+                [(r.instance_id, 0) for r in pool],
+                prepared.block_hashes,
+                prepared.prompt_tokens,
+                matched,
+                sizes,
+                min_uncached_tokens=self.config.disagg_min_uncached_tokens,
+                prefill_queue_limit_tokens=self.config.prefill_queue_limit_tokens,
+                enforce=enforce,
+                overlap_score_weight=weight,
+                temperature=temperature,
+                expected_output_tokens=prepared.expected_output_tokens,
+                busy=lambda key: self.busy(policy, key[0]),
+            )
+        except NoCapacity as exc:
+            raise RoutingError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc} and --enforce-disagg is set") from None
+        decode = prepared.by_id[placement.decode[0]]
+        if placement.prefill is None:
+            return LocalPrefill(decode, placement.overlap, prepared.block_hashes, placement.reason)
+        prefill = next(r for r in pool if r.instance_id == placement.prefill[0])
+        return RemotePrefill(prefill, placement.overlap, decode, prepared.block_hashes)
+
+    async def potential_loads(self, request: common_pb2.PreprocessedRequest) -> list[router_pb2.WorkerLoad]:
+        prepared = self.prepare(request)
+        matched, _sizes = await self.cache_view(prepared)
+        workers = [(r.instance_id, 0) for r in prepared.candidates]
+        active = prepared.policy.active
+        loads = []
+        for load in active.potential_loads(
+            workers, prepared.block_hashes, prepared.prompt_tokens, matched, prepared.expected_output_tokens
+        ):
+            now_prefill, now_decode = active.load(load.worker)
+            loads.append(
+                router_pb2.WorkerLoad(
+                    worker_id=load.worker[0],
+                    dp_rank=load.worker[1],
+                    overlap_blocks=matched.get(load.worker, 0),
+                    potential_prefill_tokens=load.prefill_tokens,
+                    potential_decode_blocks=load.decode_blocks,
+                    active_prefill_tokens=now_prefill,
+                    active_decode_blocks=now_decode,
+                )
+            )
+        return loads
+
+    # ---- the load picture, shared with the other replicas ----------------------------------
+    def track_add(
+        self,
+        request_id: str,
+        record: InstanceRecord,
+        block_hashes: list[int],
+        prompt_tokens: int,
+        overlap: int,
+        expected_output_tokens: int,
+    ) -> None:
+        key = (record.instance_id, 0)
+        self.loads.add(
+            request_id,
+            key,
+            record.block_size,
+            block_hashes,
+            prompt_tokens,
+            overlap,
+            expected_output_tokens,
+            self.clock(),
+        )
+        if self.sync is not None:
+            self.sync.added(
+                request_id, key, record.block_size, block_hashes, prompt_tokens, overlap, expected_output_tokens
+            )
+
+    def track_first_token(self, request_id: str) -> None:
+        self.loads.first_token(request_id)
+        if self.sync is not None:
+            self.sync.prefill_completed(request_id)
+
+    def track_output(self, request_id: str, tokens: int) -> None:
+        self.loads.output(request_id, tokens)
+
+    def track_free(self, request_id: str) -> None:
+        self.loads.free(request_id)
+        if self.sync is not None:
+            self.sync.freed(request_id)
+
+    def apply_remote(self, message: SyncMessage) -> None:
+        """Another replica's request event (an ``add`` for a worker we do not know is ignored)."""
+        record = self.workers.get(message.worker_id) if message.kind == ADD else None
+        self.loads.apply_remote(message, record.block_size if record is not None else None, self.clock())
+
+    def forget_router(self, router_id: str) -> None:
+        """A replica went silent: drop every request it had told us about."""
+        self.loads.forget_router(router_id)
+
+    def expire_stale(self) -> None:
+        for key in self.loads.expire(self.clock(), self.config.request_timeout_secs):
+            log.warning("forgot a request routed too long ago", request_id=key)

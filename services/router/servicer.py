@@ -1,0 +1,319 @@
+"""``kvmesh.v1.Router`` over gRPC: route, relay the worker's stream, migrate when a worker dies.
+
+``Generate`` is a migration loop around two steps: an *attempt* (choose a worker, or a prefill +
+decode pair, and record the request in the load picture) and a *relay* (stream that worker's
+tokens to the client, tracking first token and output). If the worker's stream breaks — the worker
+died, it did not refuse — the request moves to another worker with the prompt plus the tokens
+generated so far and the remaining budget, up to ``--migration-limit`` times; the client sees one
+uninterrupted stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from kvmesh.common import disagg
+from kvmesh.common.channels import ChannelPool
+from kvmesh.common.disagg import DecodeOrder, DisaggParamsError, KvSource
+from kvmesh.common.discovery import InstanceRecord
+from kvmesh.common.grpc_errors import is_transport_failure, refuse
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
+from kvmesh.common.requests import DEFAULT_MAX_TOKENS, continue_request
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.prefill_job import (
+    LocalPrefill,
+    PrefillJob,
+    RemotePrefill,
+    bootstrap_order,
+    decode_request,
+    prefill_request,
+)
+from kvmesh.router.routing import Router, RoutingError
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Progress:
+    """What the client has been sent so far, across every attempt of one request."""
+
+    prompt_tokens: int
+    max_tokens: int
+    generated: list[int] = field(default_factory=list)
+    cached_tokens: int | None = None
+    migrations: int = 0
+
+
+@dataclass
+class Attempt:
+    """One try at serving a request: the request as sent to ``worker``, and its remote prefill."""
+
+    request: common_pb2.PreprocessedRequest
+    worker: InstanceRecord
+    prefill: PrefillJob | None = None
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Guarantees: every attempt is tracked in the load picture until it ends (freed however it
+    ends), and a client sees either one whole answer or one error with a gRPC status."""
+
+    def __init__(self, router: Router, channels: ChannelPool, metrics: RouterMetrics | None = None) -> None:
+        self.router = router
+        self.channels = channels
+        self.metrics = metrics or RouterMetrics(router.loads.pictures, lambda: 0)
+
+    async def Generate(
+        self, request: common_pb2.PreprocessedRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GenerateOutput]:
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        structlog.contextvars.bind_contextvars(request_id=request.request_id)
+        if not request.token_ids:
+            await refuse(context, "router", grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
+        if request.disaggregated_params:
+            await refuse(
+                context,
+                "router",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "disaggregated_params is set by the router itself; send the request without it",
+            )
+        progress = Progress(len(request.token_ids), request.stop.max_tokens or DEFAULT_MAX_TOKENS)
+        forced = request.routing.HasField("worker_id") or self.router.config.router_mode == "direct"
+        try:
+            while True:
+                attempt = await self._attempt(request, progress, forced, context)
+                try:
+                    async with contextlib.aclosing(self._relay(attempt, progress)) as outputs:
+                        async for output in outputs:
+                            yield output
+                    self.metrics.requests.labels("completed").inc()
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    last = await self._after_broken_stream(exc, attempt, progress, forced, context)
+                    if last is not None:
+                        yield last
+                        self.metrics.requests.labels("completed").inc()
+                        return
+                finally:
+                    self.router.track_free(attempt.request.request_id)
+                    if attempt.prefill is not None:
+                        await attempt.prefill.close()
+        finally:
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _attempt(
+        self,
+        request: common_pb2.PreprocessedRequest,
+        progress: Progress,
+        forced: bool,
+        context: grpc.aio.ServicerContext,
+    ) -> Attempt:
+        """Choose where this try runs and record it in the load picture; refuse the call when the
+        request cannot be routed. A migrated try continues from the tokens already sent."""
+        migration = progress.migrations
+        sent = (
+            request
+            if not migration
+            else continue_request(request, progress.generated, progress.max_tokens, f"m{migration}")
+        )
+        prefill: PrefillJob | None = None
+        try:
+            with self.metrics.decision_seconds.time():
+                plan = None if forced or migration else await self.router.plan_prefill(sent)
+                if plan is None:
+                    choice = await self.router.choose(sent)
+                    worker, overlap, block_hashes = choice.worker, choice.overlap_blocks, choice.block_hashes
+                elif isinstance(plan, LocalPrefill):
+                    worker, overlap, block_hashes = plan.decode, plan.overlap, plan.block_hashes
+                    self.metrics.prefills.labels("local", plan.reason).inc()
+                else:
+                    worker, block_hashes = plan.decode, plan.block_hashes
+                    overlap = len(block_hashes)  # its KV arrives: only the tail is computed there
+            if isinstance(plan, RemotePrefill):
+                sent, prefill = await self._start_prefill(sent, plan)
+                if prefill is None:  # sync path, prefill failed: this worker prefills itself
+                    overlap = 0
+        except RoutingError as exc:
+            self.metrics.requests.labels(exc.code.name.lower()).inc()
+            await refuse(context, "router", exc.code, str(exc))
+        expected = sent.expected_output_tokens if sent.HasField("expected_output_tokens") else 0
+        self.router.track_add(sent.request_id, worker, block_hashes, len(sent.token_ids), overlap, expected)
+        log.info(
+            "routed",
+            worker_id=worker.instance_id,
+            overlap_blocks=overlap,
+            mode=self.router.config.router_mode,
+            migration=migration,
+            prefill_worker_id=plan.prefill.instance_id if isinstance(plan, RemotePrefill) else None,
+        )
+        return Attempt(sent, worker, prefill)
+
+    async def _relay(self, attempt: Attempt, progress: Progress) -> AsyncIterator[common_pb2.GenerateOutput]:
+        """The worker's stream, with usage as the client asked (the original prompt, every token of
+        every attempt). Raises ``grpc.aio.AioRpcError`` when the stream breaks."""
+        request_id = attempt.request.request_id
+        call = worker_pb2_grpc.WorkerStub(self.channels.get(attempt.worker.address)).Generate(attempt.request)
+        first = True
+        try:
+            async for output in call:
+                if first:
+                    first = False
+                    self.router.track_first_token(request_id)
+                    if attempt.prefill is not None:
+                        remote_cached = await self._account_kv_source(output, attempt.prefill)
+                        if remote_cached is not None:
+                            progress.cached_tokens = remote_cached
+                output.ClearField("disaggregated_params")
+                self.router.track_output(request_id, len(output.token_ids))
+                progress.generated.extend(output.token_ids)
+                if progress.cached_tokens is None:
+                    progress.cached_tokens = output.usage.cached_prompt_tokens
+                output.usage.prompt_tokens = progress.prompt_tokens
+                output.usage.completion_tokens = len(progress.generated)
+                output.usage.cached_prompt_tokens = progress.cached_tokens
+                yield output
+        finally:
+            call.cancel()  # a no-op once the stream ended; frees the worker's request when the client left
+
+    async def _after_broken_stream(
+        self,
+        exc: grpc.aio.AioRpcError,
+        attempt: Attempt,
+        progress: Progress,
+        forced: bool,
+        context: grpc.aio.ServicerContext,
+    ) -> common_pb2.GenerateOutput | None:
+        """Decide what a broken worker stream means: pass a refusal on, give up past the migration
+        limit, finish for a worker that died after the last token (returns that last message), or
+        count a migration (returns None: the loop tries again)."""
+        if not is_transport_failure(exc):
+            await refuse(context, "router", exc.code(), exc.details() or exc.code().name)
+        worker_id = attempt.worker.instance_id
+        self.router.avoid(worker_id)
+        log.warning(
+            "worker stream broke", worker_id=worker_id, code=exc.code().name, tokens_so_far=len(progress.generated)
+        )
+        if forced or progress.migrations >= self.router.config.migration_limit:
+            await refuse(
+                context,
+                "router",
+                grpc.StatusCode.UNAVAILABLE,
+                f"worker {worker_id} failed after {len(progress.generated)} tokens "
+                f"({'forced worker' if forced else f'{progress.migrations} migrations'})",
+            )
+        if len(progress.generated) >= progress.max_tokens:
+            return finished_output(progress, worker_id)
+        progress.migrations += 1
+        self.metrics.migrations.inc()
+        return None
+
+    async def _start_prefill(
+        self, request: common_pb2.PreprocessedRequest, plan: RemotePrefill
+    ) -> tuple[common_pb2.PreprocessedRequest, PrefillJob | None]:
+        """Send the prefill half to the prefill worker; return the decode half to send and the job.
+
+        Bootstrap: the decode half carries the rendezvous at once. Sync: wait for the prefill's
+        answer and inject it; if the prefill failed, the request goes to the decode worker whole
+        (no job), or fails under --enforce-disagg."""
+        config = self.router.config
+        room = disagg.new_room()
+        prefill_half = prefill_request(request, room)
+        record = plan.prefill
+        self.router.track_add(
+            prefill_half.request_id, record, plan.block_hashes, len(request.token_ids), plan.prefill_overlap, 0
+        )
+
+        def prefill_done() -> None:
+            self.router.track_free(prefill_half.request_id)
+
+        stub = worker_pb2_grpc.WorkerStub(self.channels.get(record.address))
+        job = PrefillJob(record.instance_id, stub, prefill_half, prefill_done)
+        allow_local = not config.enforce_disagg
+        if config.disagg_mode == "bootstrap":
+            return decode_request(request, bootstrap_order(record, room, allow_local)), job
+        result = await job.result()
+        if result is None:
+            if job.transport_failed:
+                self.router.avoid(record.instance_id)
+            if config.enforce_disagg:
+                raise RoutingError(
+                    grpc.StatusCode.UNAVAILABLE, f"prefill on worker {record.instance_id} failed: {job.error}"
+                )
+            self.metrics.prefills.labels("local", "prefill_failed").inc()
+            return request, None
+        return decode_request(request, DecodeOrder.from_ready(result.ready, allow_local)), job
+
+    async def _account_kv_source(self, output: common_pb2.GenerateOutput, prefill: PrefillJob) -> int | None:
+        """Count where the decode worker got the prompt's KV; returns the prefill worker's cached
+        prompt tokens when the KV came from it (the usage the client sees), else None."""
+        try:
+            source = disagg.decode_as(output.disaggregated_params, KvSource)
+        except DisaggParamsError:
+            source = KvSource.local("transfer_failed")
+        if source.source == "remote":
+            self.metrics.prefills.labels("remote", "").inc()
+            self.metrics.kv_transfer_bytes.labels(source.backend).inc(source.bytes)
+            # the prefill answered before the decode worker could pull: this does not wait in practice
+            result = await prefill.result(timeout=1.0)
+            return result.cached_tokens if result is not None else None
+        reason = source.reason
+        if prefill.task.done() and prefill.task.result() is None:
+            reason = "prefill_failed"
+            if prefill.transport_failed:
+                self.router.avoid(prefill.worker_id)
+        self.metrics.prefills.labels("local", reason).inc()
+        return None
+
+    async def BestWorker(
+        self, request: router_pb2.RoutingQuery, context: grpc.aio.ServicerContext
+    ) -> router_pb2.BestWorkerResponse:
+        if not request.token_ids:
+            await refuse(context, "router", grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
+        try:
+            choice = await self.router.choose(as_request(request), commit=False)
+        except RoutingError as exc:
+            await refuse(context, "router", exc.code, str(exc))
+        return router_pb2.BestWorkerResponse(
+            worker_id=choice.worker.instance_id, dp_rank=0, overlap_blocks=choice.overlap_blocks
+        )
+
+    async def PotentialLoads(
+        self, request: router_pb2.RoutingQuery, context: grpc.aio.ServicerContext
+    ) -> router_pb2.PotentialLoadsResponse:
+        if not request.token_ids:
+            await refuse(context, "router", grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
+        try:
+            loads = await self.router.potential_loads(as_request(request))
+        except RoutingError as exc:
+            await refuse(context, "router", exc.code, str(exc))
+        return router_pb2.PotentialLoadsResponse(loads=loads)
+
+
+def as_request(query: router_pb2.RoutingQuery) -> common_pb2.PreprocessedRequest:
+    """A routing query in the shape of the request it asks about."""
+    request = common_pb2.PreprocessedRequest(model=query.model, token_ids=query.token_ids)
+    if query.HasField("lora_name"):
+        request.lora_name = query.lora_name
+    if query.HasField("expected_output_tokens"):
+        request.expected_output_tokens = query.expected_output_tokens
+    request.routing.router_config_override.CopyFrom(query.router_config_override)
+    return request
+
+
+def finished_output(progress: Progress, worker_id: int) -> common_pb2.GenerateOutput:
+    """The closing message for a worker that died right after its last token."""
+    return common_pb2.GenerateOutput(
+        finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        worker_id=worker_id,
+        usage=common_pb2.Usage(
+            prompt_tokens=progress.prompt_tokens,
+            completion_tokens=len(progress.generated),
+            cached_prompt_tokens=progress.cached_tokens or 0,
+        ),
+    )
