@@ -35,7 +35,8 @@ from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.runtime import connect_nats
 from kvmesh.up import MeshProcess
 from kvmesh.worker.kv_buffer import KvBuffer
-from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, NixlAgent, nixl_available
+from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer
+from kvmesh.worker.nixl_agent import NixlAgent, nixl_available
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_BYTES = 256 << 10  # 256 KiB blocks: 64 MiB is 256 of them
@@ -195,9 +196,9 @@ def serving_part(args: argparse.Namespace) -> None:
 def replay_part(args: argparse.Namespace) -> None:
     """``kvmesh replay``'s engine and router in virtual time: no CPU contention, Dynamo's timing model,
     a modelled model (128 KiB of KV per token) over a 25 GB/s link."""
+    from kvmesh.replay.mooncake_trace import read_trace
     from kvmesh.replay.report import summarise
     from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
-    from kvmesh.replay.trace import read_trace
 
     trace = read_trace(args.trace)
     setups = [("3 aggregated", 3, 0), ("1 prefill + 2 decode", 2, 1), ("6 aggregated", 6, 0), ("2P + 4D", 4, 2)]

@@ -61,7 +61,7 @@ class WorkerConfig(GrpcEndpointConfig):
     def resolved_transfer_backend(self) -> str:
         """The backend this worker uses. Aggregated workers never serve a prefill for another worker,
         so ``auto`` spares them NIXL's start-up; they can still receive KV over TCP."""
-        from kvmesh.worker.kv_transfer import nixl_available
+        from kvmesh.worker.nixl_agent import nixl_available
 
         if self.kv_transfer_backend == "nixl":
             if not nixl_available():

@@ -1,20 +1,28 @@
-"""Drives the sans-I/O mock engine in real time and hands its tokens to waiting streams."""
+"""The mock engine as an :class:`Engine`: drives the sans-I/O scheduler in real time and hands its
+tokens to waiting streams."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
 import structlog
 
 from kvmesh.common.runtime import cancel_and_wait
+from kvmesh.worker.engine import (
+    CachedBlock,
+    Engine,
+    EngineRequestSpec,
+    EngineStatus,
+    TokenOutput,
+    TransferPlan,
+)
 from kvmesh.worker.event_publisher import KvEventPublisher
-from kvmesh.worker.mock_engine import EngineRequest, MockEngine, TokenOutput, TransferPlan
+from kvmesh.worker.mock_engine import MockEngine
 
 log = structlog.get_logger(__name__)
 
 
-class EngineLoop:
+class MockEngineLoop(Engine):
     """Runs engine steps back to back while there is work, sleeping each step's simulated duration.
 
     Tokens of a step are delivered, and its KV events queued for publishing, at the end of the step,
@@ -23,57 +31,39 @@ class EngineLoop:
 
     def __init__(self, engine: MockEngine, publisher: KvEventPublisher | None) -> None:
         self.engine = engine
+        self.block_size = engine.block_size
         self._publisher = publisher
         self._streams: dict[str, asyncio.Queue[TokenOutput]] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
+    async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
 
-    def submit(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        stop_token_ids: Sequence[int],
-        seed: int,
-        lora_name: str | None,
-        hold_on_finish: bool = False,
-    ) -> tuple[EngineRequest, asyncio.Queue[TokenOutput]]:
-        """Queue a request; raises ``EngineRequestError`` for one the engine can never serve."""
-        request = self.engine.add_request(
-            request_id, prompt, max_tokens, stop_token_ids, seed, lora_name, hold_on_finish=hold_on_finish
-        )
+    def submit(self, spec: EngineRequestSpec, hold_on_finish: bool = False) -> asyncio.Queue[TokenOutput]:
+        self.engine.add_request(spec, hold_on_finish=hold_on_finish)
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
-        self._streams[request_id] = queue
+        self._streams[spec.request_id] = queue
         self._wakeup.set()
-        return request, queue
+        return queue
 
-    def submit_remote(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        stop_token_ids: Sequence[int],
-        seed: int,
-        lora_name: str | None,
-    ) -> tuple[TransferPlan | None, asyncio.Queue[TokenOutput]]:
-        """Reserve blocks for a prompt whose KV comes from another worker (None: no memory for it;
-        nothing was queued then). Call :meth:`finish_transfer` when the transfer ends."""
-        plan = self.engine.add_remote_prefill(request_id, prompt, max_tokens, stop_token_ids, seed, lora_name)
+    def reserve_remote(self, spec: EngineRequestSpec) -> tuple[TransferPlan | None, asyncio.Queue[TokenOutput]]:
+        plan = self.engine.add_remote_prefill(spec)
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         if plan is not None:
-            self._streams[request_id] = queue
+            self._streams[spec.request_id] = queue
         return plan, queue
 
     def finish_transfer(self, request_id: str, received: bool) -> None:
         self.engine.finish_transfer(request_id, received)
         self._publish_events()
         self._wakeup.set()
+
+    def held_slots(self, request_id: str, num_blocks: int) -> list[int]:
+        return self.engine.held_slots(request_id, num_blocks)
 
     def release_held(self, request_id: str) -> None:
         if self.engine.release_held(request_id):
@@ -84,6 +74,27 @@ class EngineLoop:
         if self.engine.abort(request_id):
             log.info("request aborted", request_id=request_id)
             self._publish_events()
+
+    def status(self) -> EngineStatus:
+        engine = self.engine
+        return EngineStatus(
+            block_size=engine.block_size,
+            total_blocks=engine.config.num_blocks,
+            cached_blocks=engine.cache.num_cached,
+            active_blocks=engine.cache.num_active,
+            running_requests=len(engine.running),
+            waiting_requests=len(engine.waiting),
+            held_prefills=len(engine.held),
+        )
+
+    def dump_kv_state(self) -> tuple[int, list[CachedBlock]]:
+        """Events the current step produced are numbered first, so the dump reflects exactly the
+        events up to the returned id; runs without awaiting, so no step can interleave."""
+        self._publish_events()
+        last = self._publisher.last_event_id if self._publisher is not None else -1
+        # the mock engine's block id is our sequence hash
+        blocks = [CachedBlock(h, local, parent, h) for h, local, parent in self.engine.cache.cached_blocks()]
+        return last, blocks
 
     async def _run(self) -> None:
         while True:
@@ -101,16 +112,6 @@ class EngineLoop:
                     queue.put_nowait(output)
                 if output.finish_reason is not None:
                     self._streams.pop(output.request_id, None)
-
-    def dump_state(self) -> tuple[int, list[tuple[int, int, int | None]]]:
-        """(last event id, cached blocks) as one consistent picture.
-
-        Events the current step produced are numbered first, so the dump reflects exactly the
-        events up to the returned id; runs without awaiting, so no step can interleave.
-        """
-        self._publish_events()
-        last = self._publisher.last_event_id if self._publisher is not None else -1
-        return last, self.engine.blocks.cached_blocks()
 
     def _publish_events(self) -> None:
         events = self.engine.drain_events()

@@ -45,7 +45,7 @@ class KvEventPublisher:
         """Id of the last event numbered so far (-1 before the first)."""
         return self._next_event_id - 1
 
-    def start(self) -> None:
+    async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"kv-publisher-{self.worker_id}")
 
     def enqueue(self, events: Iterable[EventData]) -> None:

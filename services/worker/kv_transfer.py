@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,90 +28,21 @@ from dataclasses import dataclass, field
 import msgpack
 import structlog
 
-from kvmesh.worker.kv_buffer import KvBuffer, contiguous_runs
+from kvmesh.worker.kv_buffer import KvBuffer
+from kvmesh.worker.nixl_agent import NixlAgent
+from kvmesh.worker.transfer_messages import (
+    PullDone,
+    PullGranted,
+    PullRefused,
+    PullRequest,
+    TransferError,
+    answer_from_frame,
+)
 
 log = structlog.get_logger(__name__)
 
 _LENGTH = struct.Struct("<I")
 MAX_FRAME = 64 << 20
-
-
-class TransferError(Exception):
-    """A pull that did not deliver the blocks. ``retryable`` is False when the prefill side answered
-    that the room can never be served (its prefill failed), so asking again is pointless."""
-
-    def __init__(self, message: str, retryable: bool = True) -> None:
-        super().__init__(message)
-        self.retryable = retryable
-
-
-def nixl_available() -> bool:
-    try:
-        import nixl._api  # noqa: F401
-    except Exception:  # not installed, or its native libraries cannot load
-        return False
-    return True
-
-
-class NixlAgent:
-    """One NIXL agent per worker with the worker's whole KV buffer registered as DRAM (UCX backend).
-
-    NIXL calls block, so they run in a thread; the lock keeps one transfer at a time per agent."""
-
-    def __init__(self, name: str, kv: KvBuffer) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        self.name = name
-        self.kv = kv
-        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-        self._agent.register_memory([(kv.address, kv.size, 0, "")], mem_type="DRAM")
-        self.metadata: bytes = self._agent.get_agent_metadata()
-        self._remotes: set[str] = set()
-        self._lock = threading.Lock()
-
-    def read(
-        self,
-        remote_name: str,
-        remote_metadata: bytes,
-        remote_address: int,
-        remote_slots: list[int],
-        local_slots: list[int],
-        deadline: float,
-    ) -> None:
-        """READ the remote slots into the local ones (same block size), blocking until done."""
-        size = self.kv.block_bytes
-        local, remote = [], []
-        for start_local, start_remote, count in contiguous_runs(local_slots, remote_slots):
-            local.append((self.kv.address + start_local * size, count * size, 0))
-            remote.append((remote_address + start_remote * size, count * size, 0))
-        with self._lock:
-            if remote_name not in self._remotes:
-                self._agent.add_remote_agent(remote_metadata)
-                self._remotes.add(remote_name)
-            handle = self._agent.initialize_xfer(
-                "READ",
-                self._agent.get_xfer_descs(local, mem_type="DRAM"),
-                self._agent.get_xfer_descs(remote, mem_type="DRAM"),
-                remote_name,
-            )
-            try:
-                state = self._agent.transfer(handle)
-                while state == "PROC":
-                    if time.monotonic() > deadline:
-                        raise TransferError("NIXL read timed out")
-                    time.sleep(0.0002)
-                    state = self._agent.check_xfer_state(handle)
-                if state != "DONE":
-                    raise TransferError(f"NIXL read ended in state {state}")
-            except Exception:
-                # the peer may be gone: forget it, so a retry starts from its fresh metadata
-                with contextlib.suppress(Exception):
-                    self._agent.remove_remote_agent(remote_name)
-                self._remotes.discard(remote_name)
-                raise
-            finally:
-                with contextlib.suppress(Exception):
-                    self._agent.release_xfer_handle(handle)
 
 
 # ---- frames: a little-endian u32 length, then a msgpack map --------------------------------------
@@ -187,6 +117,7 @@ class _Room:
     slots: list[int] | None = None
     error: str | None = None
     expires: asyncio.TimerHandle | None = None
+    waiting: int = 0  # pulls that arrived before the prefill finished
 
 
 class KvTransferServer:
@@ -233,6 +164,11 @@ class KvTransferServer:
     def held_rooms(self) -> int:
         return sum(1 for r in self._rooms.values() if r.slots is not None)
 
+    def pulls_waiting(self, room: int) -> int:
+        """Pulls waiting at the rendezvous for ``room`` (arrived before its prefill finished)."""
+        entry = self._rooms.get(room)
+        return entry.waiting if entry is not None else 0
+
     def ready(self, room: int, request_id: str, slots: list[int]) -> None:
         """The prefill for ``room`` finished; its blocks are held in ``slots`` until released."""
         entry = self._room(room)
@@ -264,44 +200,45 @@ class KvTransferServer:
         room = None
         moving = False
         try:
-            ask = await read_frame(reader)
-            room = int(ask["room"])
+            ask = PullRequest.from_frame(await read_frame(reader))
+            room = ask.room
             entry = self._room(room)
+            entry.waiting += 1
             try:
-                await asyncio.wait_for(entry.ready.wait(), float(ask.get("wait_s", 30.0)))
+                await asyncio.wait_for(entry.ready.wait(), ask.wait_s)
             except TimeoutError:
-                await write_frame(writer, {"ok": False, "error": f"room {room} was not ready in time"})
+                await write_frame(writer, PullRefused(f"room {room} was not ready in time").to_frame())
                 return
+            finally:
+                entry.waiting -= 1
             if entry.error is not None or entry.slots is None:
-                await write_frame(writer, {"ok": False, "retry": False, "error": entry.error or "room failed"})
+                await write_frame(writer, PullRefused(entry.error or "room failed", retry=False).to_frame())
                 return
-            first, count = int(ask["first_block"]), int(ask["num_blocks"])
-            if int(ask["block_bytes"]) != self.kv.block_bytes or first < 0 or first + count > len(entry.slots):
-                await write_frame(
-                    writer,
-                    {
-                        "ok": False,
-                        "retry": False,
-                        "error": f"asked for blocks {first}..{first + count} of {len(entry.slots)} "
-                        f"at {ask['block_bytes']} bytes each; this worker holds {self.kv.block_bytes}",
-                    },
+            first, count = ask.first_block, ask.num_blocks
+            if ask.block_bytes != self.kv.block_bytes or first < 0 or first + count > len(entry.slots):
+                refusal = PullRefused(
+                    f"asked for blocks {first}..{first + count} of {len(entry.slots)} "
+                    f"at {ask.block_bytes} bytes each; this worker holds {self.kv.block_bytes}",
+                    retry=False,
                 )
+                await write_frame(writer, refusal.to_frame())
                 return
             slots = entry.slots[first : first + count]
-            backend = "nixl" if self.nixl is not None and ask.get("backend") == "nixl" else "tcp"
-            answer: dict = {"ok": True, "backend": backend, "slots": slots}
-            if backend == "nixl":
-                answer |= {"agent": self.nixl.name, "metadata": self.nixl.metadata, "address": self.kv.address}
+            if self.nixl is not None and ask.backend == "nixl":
+                answer = PullGranted("nixl", slots, self.nixl.name, self.nixl.metadata, self.kv.address)
+            else:
+                answer = PullGranted("tcp", slots)
             # counted from here: a pull waiting at the rendezvous is not moving bytes yet
             moving = True
             self.stats.in_flight += 1
-            await write_frame(writer, answer)
-            if backend == "tcp":
+            await write_frame(writer, answer.to_frame())
+            if answer.backend == "tcp":
                 for slot in slots:
                     writer.write(self.kv.region(slot))
                 await writer.drain()
-            done = await read_frame(reader)
-            if done.get("received"):
+            done = PullDone.from_frame(await read_frame(reader))
+            backend = answer.backend
+            if done.received:
                 self.stats.count(self.stats.bytes_sent, backend, count * self.kv.block_bytes)
                 self._drop(room)
         except (asyncio.IncompleteReadError, ConnectionError, TransferError, KeyError, ValueError) as exc:
@@ -364,37 +301,23 @@ class KvTransferClient:
                 sock.setblocking(False)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 await loop.sock_connect(sock, (host, port))
-                await _sock_write_frame(
-                    loop,
-                    sock,
-                    {
-                        "room": room,
-                        "first_block": first_block,
-                        "num_blocks": len(slots),
-                        "block_bytes": self.kv.block_bytes,
-                        "backend": self.backend,
-                        "wait_s": max(0.0, timeout_s - 0.5),
-                    },
+                ask = PullRequest(
+                    room, first_block, len(slots), self.kv.block_bytes, self.backend, max(0.0, timeout_s - 0.5)
                 )
-                answer = await _sock_read_frame(loop, sock)
-                if not answer.get("ok"):
-                    raise TransferError(str(answer.get("error")), retryable=bool(answer.get("retry", True)))
-                if len(answer["slots"]) != len(slots):
+                await _sock_write_frame(loop, sock, ask.to_frame())
+                answer = answer_from_frame(await _sock_read_frame(loop, sock))
+                if isinstance(answer, PullRefused):
+                    raise TransferError(answer.error, retryable=answer.retry)
+                if len(answer.slots) != len(slots):
                     raise TransferError("the prefill worker answered with a different number of blocks")
                 moving = True
                 self.stats.in_flight += 1
-                backend = answer["backend"]
+                backend = answer.backend
                 if backend == "nixl":
                     if self.nixl is None:
                         raise TransferError("the prefill worker chose NIXL, which this worker lacks")
                     await asyncio.to_thread(
-                        self.nixl.read,
-                        answer["agent"],
-                        answer["metadata"],
-                        int(answer["address"]),
-                        list(answer["slots"]),
-                        slots,
-                        deadline,
+                        self.nixl.read, answer.agent, answer.metadata, answer.address, answer.slots, slots, deadline
                     )
                 else:
                     # a blocking receive in a thread: no event-loop round trip per 64 KiB chunk, and
@@ -404,7 +327,7 @@ class KvTransferClient:
                 bad = await asyncio.to_thread(self.kv.count_mismatches, slots, contents) if verify else 0
                 if bad:
                     raise TransferError(f"{bad} of {len(slots)} received blocks do not hold the expected KV")
-                await _sock_write_frame(loop, sock, {"received": True})
+                await _sock_write_frame(loop, sock, PullDone().to_frame())
         except TimeoutError:
             self.stats.count(self.stats.pulls, "failed")
             raise TransferError(f"KV transfer from {host}:{port} timed out after {timeout_s}s") from None

@@ -8,30 +8,28 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvmesh.worker.engine import Engine
 from kvmesh.worker.event_publisher import KvEventPublisher
 from kvmesh.worker.kv_transfer import KvTransferServer
-from kvmesh.worker.mock_engine import MockEngine
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: MockEngine, publisher: KvEventPublisher, transfer: KvTransferServer) -> None:
+    def __init__(self, engine: Engine, publisher: KvEventPublisher, transfer: KvTransferServer) -> None:
         self._engine = engine
         self._publisher = publisher
         self._transfer = transfer
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        engine = self._engine
+        status = self._engine.status()
         yield GaugeMetricFamily(
-            "kvmesh_worker_cached_blocks", "blocks registered in the prefix cache", value=engine.blocks.num_cached
+            "kvmesh_worker_cached_blocks", "blocks registered in the prefix cache", value=status.cached_blocks
         )
         yield GaugeMetricFamily(
-            "kvmesh_worker_active_blocks", "blocks held by running sequences", value=engine.blocks.num_active
+            "kvmesh_worker_active_blocks", "blocks held by running sequences", value=status.active_blocks
         )
-        yield GaugeMetricFamily(
-            "kvmesh_worker_total_blocks", "KV cache capacity in blocks", value=engine.config.num_blocks
-        )
-        yield GaugeMetricFamily("kvmesh_worker_running_requests", "sequences running", value=len(engine.running))
-        yield GaugeMetricFamily("kvmesh_worker_waiting_requests", "sequences waiting", value=len(engine.waiting))
+        yield GaugeMetricFamily("kvmesh_worker_total_blocks", "KV cache capacity in blocks", value=status.total_blocks)
+        yield GaugeMetricFamily("kvmesh_worker_running_requests", "sequences running", value=status.running_requests)
+        yield GaugeMetricFamily("kvmesh_worker_waiting_requests", "sequences waiting", value=status.waiting_requests)
         yield CounterMetricFamily(
             "kvmesh_worker_kv_events_published",
             "KV events published to JetStream",
@@ -67,7 +65,7 @@ class _EngineCollector(Collector):
 
 
 class WorkerMetrics:
-    def __init__(self, engine: MockEngine, publisher: KvEventPublisher, transfer: KvTransferServer) -> None:
+    def __init__(self, engine: Engine, publisher: KvEventPublisher, transfer: KvTransferServer) -> None:
         """``transfer``: the worker's KV transfer server, whose stats its client shares."""
         self.registry = CollectorRegistry()
         self.requests = Counter(

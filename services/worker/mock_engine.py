@@ -16,8 +16,8 @@ It models what a vLLM-style engine does with time and memory, without a model:
 For disaggregation it can also *hold* a finished prefill's blocks for a KV transfer
 (``hold_on_finish``), and admit a request whose prompt KV arrives from another worker
 (:meth:`MockEngine.add_remote_prefill` reserves the blocks, :meth:`MockEngine.finish_transfer`
-hands them over or falls back to a local prefill). With a :class:`KvBuffer`, each computed block's
-bytes are written into its slot.
+hands them over or falls back to a local prefill). Memory is the :class:`KvCacheManager`'s: this
+class schedules, that one allocates, registers and (with a :class:`KvBuffer`) fills the blocks.
 
 It never sleeps or does I/O: the caller runs steps, waits ``StepResult.duration_ms`` (really or in
 virtual time) and then delivers the step's outputs and KV events.
@@ -30,28 +30,39 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 
 import xxhash
 
-from kvmesh.common.hashing import hash_block_tokens, local_block_hashes, lora_seed, sequence_hashes
+from kvmesh.common.finish_reasons import FinishReason
+from kvmesh.common.hashing import blocks_needed, hash_block_tokens
 from kvmesh.common.kv_events import EventData
 from kvmesh.common.timing import TimingModel
 from kvmesh.worker.block_manager import BlockManager, KvBlock
+from kvmesh.worker.engine import (
+    EngineRequestError,
+    EngineRequestSpec,
+    TokenOutput,
+    TransferPlan,
+    transferable_blocks,
+)
 from kvmesh.worker.kv_buffer import KvBuffer
+from kvmesh.worker.kv_cache_manager import KvCacheManager
+
+__all__ = [
+    "EngineConfig",
+    "EngineRequest",
+    "EngineRequestError",
+    "EngineRequestSpec",
+    "FinishReason",
+    "MockEngine",
+    "StepResult",
+    "TokenOutput",
+    "TransferPlan",
+    "transferable_blocks",
+]
 
 # Printable ASCII byte ids: with the bundled byte-level tokenizer they decode to readable text.
 DEFAULT_OUTPUT_VOCAB: tuple[int, ...] = (*range(97, 123), 32, 32, 32, 46)
-
-
-class FinishReason(Enum):
-    LENGTH = "length"
-    STOP = "stop"
-    CANCELLED = "cancelled"
-
-
-class EngineRequestError(ValueError):
-    """A request the engine can never serve (for instance a prompt larger than the whole cache)."""
 
 
 @dataclass(frozen=True)
@@ -99,38 +110,6 @@ class EngineRequest:
 
 
 @dataclass(frozen=True)
-class TokenOutput:
-    """A token produced for a request in one step; ``finish_reason`` is set on its last one."""
-
-    request_id: str
-    token_id: int
-    finish_reason: FinishReason | None
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class TransferPlan:
-    """Where a remote prefill's KV lands: blocks ``first_block`` … ``first_block + len(slots) - 1`` of
-    the prompt go into these slots; the blocks before ``first_block`` are already cached here."""
-
-    request: EngineRequest
-    first_block: int
-    slots: list[int]
-    sequence_hashes: list[int]
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.slots)
-
-
-def transferable_blocks(prompt_tokens: int, block_size: int) -> int:
-    """Full prompt blocks a decode worker takes from a remote prefill. At least one prompt token is
-    always left to compute locally, since the step that computes it samples the first output token
-    (vLLM's decode side recomputes the last prompt token for the same reason)."""
-    return max(0, (prompt_tokens - 1) // block_size)
-
-
-@dataclass(frozen=True)
 class StepResult:
     duration_ms: float
     outputs: list[TokenOutput]
@@ -139,16 +118,13 @@ class StepResult:
 
 
 class MockEngine:
-    """The engine's scheduler and memory. Guarantees: every admitted request eventually finishes or is
-    aborted; cached-token counts and KV events describe exactly what the block pool did."""
+    """The engine's scheduler. Guarantees: every admitted request eventually finishes or is aborted;
+    cached-token counts and KV events describe exactly what the block pool did."""
 
     def __init__(self, config: EngineConfig, kv: KvBuffer | None = None) -> None:
         self.config = config
-        self.kv = kv
-        if kv is not None and kv.num_blocks != config.num_blocks:
-            raise ValueError("the KV buffer must have one region per block")
         self.block_size = config.block_size
-        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.cache = KvCacheManager(config.num_blocks, config.block_size, kv)
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self._by_id: dict[str, EngineRequest] = {}
@@ -158,15 +134,16 @@ class MockEngine:
         self.transferring: dict[str, EngineRequest] = {}
         self.capacity_tokens = config.num_blocks * config.block_size
 
+    @property
+    def blocks(self) -> BlockManager:
+        """The block pool (for inspection and tests)."""
+        return self.cache.blocks
+
     # ---- requests ------------------------------------------------------------------------
     def add_request(
         self,
-        request_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        stop_token_ids: Sequence[int] = (),
-        seed: int = 0,
-        lora_name: str | None = None,
+        spec: EngineRequestSpec,
+        *,
         block_hashes: tuple[Sequence[int], Sequence[int]] | None = None,
         hold_on_finish: bool = False,
     ) -> EngineRequest:
@@ -174,43 +151,27 @@ class MockEngine:
         hashes of its full blocks — the trace replay has them already for routing; they must match
         the prompt. ``hold_on_finish`` keeps its blocks after the last token, until
         :meth:`release_held`."""
-        request = self._new_request(request_id, prompt, max_tokens, stop_token_ids, seed, lora_name, block_hashes)
+        request = self._new_request(spec, block_hashes)
         request.hold_on_finish = hold_on_finish
         self.waiting.append(request)
-        self._by_id[request_id] = request
+        self._by_id[spec.request_id] = request
         return request
 
     def add_remote_prefill(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        stop_token_ids: Sequence[int] = (),
-        seed: int = 0,
-        lora_name: str | None = None,
-        block_hashes: tuple[Sequence[int], Sequence[int]] | None = None,
+        self, spec: EngineRequestSpec, *, block_hashes: tuple[Sequence[int], Sequence[int]] | None = None
     ) -> TransferPlan | None:
         """Reserve blocks for a prompt whose KV another worker computed.
 
-        The prompt's cached prefix here is reused; fresh blocks are allocated for the rest of the
-        transferable blocks, and the request waits outside the scheduler until
-        :meth:`finish_transfer`. Returns None, leaving nothing behind, when this worker lacks the
-        memory (the caller prefills locally instead). A plan with no slots means everything
-        transferable is cached here already.
+        The request waits outside the scheduler until :meth:`finish_transfer`. Returns None,
+        leaving nothing behind, when this worker lacks the memory (the caller prefills locally
+        instead); see :meth:`KvCacheManager.reserve_transfer`.
         """
-        request = self._new_request(request_id, prompt, max_tokens, stop_token_ids, seed, lora_name, block_hashes)
-        wanted = transferable_blocks(len(request.prompt), self.block_size)
-        hashes = request.seq_hashes[:wanted]
-        cached = self.blocks.cached_prefix_length(hashes)
-        fresh = wanted - cached
-        if fresh + self.blocks.inactive_count(hashes[:cached]) > self.blocks.num_available:
-            return None
-        request.blocks = self.blocks.acquire_cached(hashes[:cached])
-        request.blocks.extend(self.blocks.allocate(fresh))
-        request.cached_tokens = cached * self.block_size
-        self.transferring[request_id] = request
-        self._by_id[request_id] = request
-        return TransferPlan(request, cached, [b.slot for b in request.blocks[cached:]], hashes[cached:])
+        request = self._new_request(spec, block_hashes)
+        plan = self.cache.reserve_transfer(request)
+        if plan is not None:
+            self.transferring[spec.request_id] = request
+            self._by_id[spec.request_id] = request
+        return plan
 
     def finish_transfer(self, request_id: str, received: bool) -> None:
         """The transfer of a planned request ended. ``received``: the blocks hold the remote KV, the
@@ -220,69 +181,56 @@ class MockEngine:
         if request is None:
             return  # aborted meanwhile
         if not received:
-            self._free(request)
+            self.cache.free(request)
             self.waiting.append(request)
             return
-        full = len(request.blocks)
-        cached = request.cached_tokens // self.block_size if request.cached_tokens else 0
-        parent = request.seq_hashes[cached - 1] if cached > 0 else None
-        self.blocks.register(
-            request.blocks[cached:full], request.seq_hashes[cached:full], request.local_hashes[cached:full], parent
-        )
-        request.num_computed = full * self.block_size
-        request.num_registered = full
+        self.cache.commit_transfer(request)
         self.running.append(request)
+
+    def held_slots(self, request_id: str, num_blocks: int) -> list[int]:
+        """KV slots of the first ``num_blocks`` blocks of a held (finished) prefill."""
+        request = self.held.get(request_id)
+        if request is None:
+            raise EngineRequestError(f"request {request_id!r} holds no KV")
+        return [block.slot for block in request.blocks[:num_blocks]]
 
     def release_held(self, request_id: str) -> bool:
         """Drop a finished prefill's blocks (after its KV transfer, or when nobody came for it)."""
         request = self.held.pop(request_id, None)
         if request is None:
             return False
-        self._free(request)
+        self.cache.free(request)
         return True
 
     def _new_request(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        stop_token_ids: Sequence[int],
-        seed: int,
-        lora_name: str | None,
-        block_hashes: tuple[Sequence[int], Sequence[int]] | None,
+        self, spec: EngineRequestSpec, block_hashes: tuple[Sequence[int], Sequence[int]] | None
     ) -> EngineRequest:
+        request_id, prompt = spec.request_id, spec.prompt
         if request_id in self._by_id or request_id in self.held:
             raise EngineRequestError(f"request {request_id!r} is already in the engine")
         if not prompt:
             raise EngineRequestError("the prompt is empty")
-        if max_tokens <= 0:
+        if spec.max_tokens <= 0:
             raise EngineRequestError("max_tokens must be at least 1")
-        needed = -(-(len(prompt) + max_tokens) // self.block_size)
+        needed = blocks_needed(len(prompt) + spec.max_tokens, self.block_size)
         if needed > self.config.num_blocks:
             raise EngineRequestError(
                 f"prompt + max_tokens needs {needed} KV blocks; this worker has {self.config.num_blocks}"
             )
         if not isinstance(prompt, list | array):
             prompt = list(prompt)
-        if block_hashes is None:
-            local = local_block_hashes(prompt, self.block_size, lora_name)
-            chained = sequence_hashes(local)
-        else:
-            local, chained = list(block_hashes[0]), list(block_hashes[1])
-            if not len(local) == len(chained) == len(prompt) // self.block_size:
-                raise EngineRequestError("block_hashes does not match the prompt's full blocks")
-        request = EngineRequest(
+        local, chained = self.cache.prompt_hashes(prompt, spec.lora_name, block_hashes)
+        return EngineRequest(
             request_id=request_id,
             prompt=prompt,
-            max_tokens=max_tokens,
-            stop_token_ids=frozenset(stop_token_ids),
-            seed=seed,
-            lora_name=lora_name,
+            max_tokens=spec.max_tokens,
+            stop_token_ids=frozenset(spec.stop_token_ids),
+            seed=spec.seed,
+            lora_name=spec.lora_name,
             prompt_key=hash_block_tokens(prompt),
             local_hashes=local,
             seq_hashes=chained,
         )
-        return request
 
     def abort(self, request_id: str) -> bool:
         """Remove a request wherever it is and free its blocks; False if it is unknown."""
@@ -292,7 +240,7 @@ class MockEngine:
         # it is in exactly one place: waiting for its KV, running, or waiting to be scheduled
         if self.transferring.pop(request_id, None) is None:
             (self.running if request in self.running else self.waiting).remove(request)
-        self._free(request)
+        self.cache.free(request)
         return True
 
     def has_work(self) -> bool:
@@ -303,17 +251,17 @@ class MockEngine:
         return len(self._by_id)
 
     def drain_events(self) -> list[EventData]:
-        return self.blocks.drain_events()
+        return self.cache.drain_events()
 
     def cached_prefix_tokens(self, prompt: Sequence[int], lora_name: str | None = None) -> int:
         """Prompt tokens this engine's cache would serve right now (for tests and inspection)."""
-        hashes = sequence_hashes(local_block_hashes(prompt, self.block_size, lora_name))
-        return self.blocks.cached_prefix_length(hashes) * self.block_size
+        return self.cache.cached_prefix_tokens(prompt, lora_name)
 
     # ---- one iteration -------------------------------------------------------------------
     def step(self) -> StepResult:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[EngineRequest, int]] = []
+        cache = self.cache
 
         # Running sequences first, oldest first; a sequence that cannot get a block preempts the
         # youngest running one (possibly itself).
@@ -321,7 +269,7 @@ class MockEngine:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             count = self._tokens_this_step(request, budget)
-            while not self._grow(request, request.num_computed + count):
+            while not cache.grow(request, request.num_computed + count):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is request:
@@ -336,7 +284,7 @@ class MockEngine:
         # Then waiting sequences, FCFS, while there is budget, room and memory.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self._admit(request, budget):
+            if not cache.admit(request, budget):
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -351,60 +299,12 @@ class MockEngine:
         # Chunked prefill: a long prompt takes what is left of the step's budget.
         return min(request.num_pending, budget)
 
-    def _grow(self, request: EngineRequest, num_tokens: int) -> bool:
-        """Give the request blocks for ``num_tokens`` tokens; False if the pool cannot."""
-        needed = -(-num_tokens // self.block_size) - len(request.blocks)
-        if needed <= 0:
-            return True
-        if needed > self.blocks.num_available:
-            return False
-        request.blocks.extend(self.blocks.allocate(needed))
-        return True
-
-    def _admit(self, request: EngineRequest, budget: int) -> bool:
-        """Attach the cached prefix and the blocks of the first chunk; False if memory is short."""
-        all_hashes = self._full_block_hashes(request)
-        cached = self.blocks.cached_prefix_length(all_hashes)
-        # At least one token is always computed, so the step has a token to sample from.
-        cached = min(cached, (request.num_tokens - 1) // self.block_size)
-        prefix = all_hashes[:cached]
-        computed = cached * self.block_size
-        first_chunk = min(request.num_tokens - computed, budget)
-        fresh = -(-(computed + first_chunk) // self.block_size) - cached
-        if fresh + self.blocks.inactive_count(prefix) > self.blocks.num_available:
-            return False
-        request.blocks = self.blocks.acquire_cached(prefix)
-        request.blocks.extend(self.blocks.allocate(fresh))
-        request.num_computed = computed
-        request.num_registered = cached
-        if request.cached_tokens is None:
-            request.cached_tokens = min(computed, len(request.prompt))
-        return True
-
-    def _full_block_hashes(self, request: EngineRequest) -> list[int]:
-        """Sequence hashes of every full block of prompt + output so far."""
-        full = request.num_tokens // self.block_size
-        hashes = request.seq_hashes
-        if full > len(hashes):
-            seed = lora_seed(request.lora_name)
-            for b in range(len(hashes), full):
-                start = b * self.block_size
-                tokens = [request.token_at(i) for i in range(start, start + self.block_size)]
-                local = hash_block_tokens(tokens, seed)
-                request.local_hashes.append(local)
-                hashes.extend(sequence_hashes([local], hashes[-1] if hashes else None))
-        return hashes[:full]
-
     def _preempt(self, request: EngineRequest) -> None:
         self.running.remove(request)
-        self._free(request)
+        self.cache.free(request)
         request.num_computed = 0
         request.num_registered = 0
         self.waiting.appendleft(request)
-
-    def _free(self, request: EngineRequest) -> None:
-        self.blocks.release(request.blocks)
-        request.blocks = []
 
     def _execute(self, scheduled: list[tuple[EngineRequest, int]]) -> StepResult:
         prefill_tokens = 0
@@ -419,24 +319,13 @@ class MockEngine:
         duration = self.config.timing.step_ms(prefill_tokens, decode_context, self.capacity_tokens, decoding > 0)
 
         outputs: list[TokenOutput] = []
+        register = self.cache.register_full_blocks
         for request, count in scheduled:
             request.num_computed += count
-            self._register_full_blocks(request)
+            register(request)
             if request.num_pending == 0:
                 outputs.append(self._sample(request))
         return StepResult(duration, outputs, prefill_tokens, decoding)
-
-    def _register_full_blocks(self, request: EngineRequest) -> None:
-        full = request.num_computed // self.block_size
-        if full <= request.num_registered:
-            return
-        hashes = self._full_block_hashes(request)
-        start = request.num_registered
-        parent = hashes[start - 1] if start > 0 else None
-        self.blocks.register(request.blocks[start:full], hashes[start:full], request.local_hashes[start:full], parent)
-        request.num_registered = full
-        if self.kv is not None:
-            self.kv.fill_many([block.slot for block in request.blocks[start:full]], hashes[start:full])
 
     def _sample(self, request: EngineRequest) -> TokenOutput:
         position = len(request.output)
@@ -455,5 +344,5 @@ class MockEngine:
             if request.hold_on_finish:
                 self.held[request.request_id] = request
             else:
-                self._free(request)
+                self.cache.free(request)
         return TokenOutput(request.request_id, token, finish, request.cached_tokens or 0)

@@ -17,12 +17,12 @@ import nats
 import openai
 import pytest
 
-from kvmesh.common.disagg import DECODE, DisaggParams
+from kvmesh.common import disagg
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from kvmesh.frontend.app import WORKER_ID_HEADER
+from kvmesh.frontend.gateway import WORKER_ID_HEADER
 from kvmesh.up import MeshProcess
-from kvmesh.worker.kv_transfer import nixl_available
+from kvmesh.worker.nixl_agent import nixl_available
 from tests.e2e.conftest import descendants, start_mesh
 from tests.support import wait_until
 
@@ -183,7 +183,7 @@ def test_the_router_refuses_disaggregated_params_from_its_caller(bootstrap_mesh)
     """Well-formed decode params (pointing at no prefill worker) would make the decode worker fall
     back and answer; the router refuses them before, since only it may set them."""
     router = instances(bootstrap_mesh, "router")[0]
-    params = DisaggParams(DECODE, room=1, host="127.0.0.1", port=1).encode()
+    params = disagg.encode(disagg.DecodeOrder(room=1, host="127.0.0.1", port=1, worker_id=0))
     request = common_pb2.PreprocessedRequest(model=MODEL, token_ids=[1, 2, 3], disaggregated_params=params)
     assert generate_status(router.address, router_pb2_grpc.RouterStub, request) == grpc.StatusCode.INVALID_ARGUMENT
     request.ClearField("disaggregated_params")

@@ -11,7 +11,7 @@ from kvmesh.common.prefix_index import PrefixIndex
 from kvmesh.common.streams import ensure_kv_events_stream
 from kvmesh.indexer.consumer import EventStreamConsumer
 from kvmesh.worker.event_publisher import KvEventPublisher
-from kvmesh.worker.mock_engine import EngineConfig, MockEngine
+from kvmesh.worker.mock_engine import EngineConfig, EngineRequestSpec, MockEngine
 from tests.support import wait_until_async
 
 pytestmark = pytest.mark.integration
@@ -20,7 +20,7 @@ NAMESPACE = "itest"
 
 def run_requests(engine: MockEngine, publisher: KvEventPublisher, prompts: list[list[int]]) -> None:
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}-{len(prompt)}-{prompt[0]}", prompt, max_tokens=3)
+        engine.add_request(EngineRequestSpec(f"r{i}-{len(prompt)}-{prompt[0]}", prompt, max_tokens=3))
         while engine.has_work():
             engine.step()
             publisher.enqueue(engine.drain_events())
@@ -37,7 +37,7 @@ async def test_events_flow_from_worker_to_indexer(nc: NatsClient):
     engines = {wid: MockEngine(EngineConfig(num_blocks=40, block_size=16)) for wid in (101, 202)}
     publishers = {wid: KvEventPublisher(js, NAMESPACE, wid) for wid in engines}
     for p in publishers.values():
-        p.start()
+        await p.start()
     index = PrefixIndex()
     consumer = EventStreamConsumer(js, NAMESPACE, "a", index)
     await consumer.start()
@@ -86,7 +86,7 @@ async def test_a_restarted_indexer_resumes_from_its_durable_consumer(nc: NatsCli
     await ensure_kv_events_stream(js)
     engine = MockEngine(EngineConfig(num_blocks=64, block_size=16))
     publisher = KvEventPublisher(js, NAMESPACE, 55)
-    publisher.start()
+    await publisher.start()
     first_index = PrefixIndex()
     first = EventStreamConsumer(js, NAMESPACE, "r1", first_index)
     await first.start()

@@ -7,13 +7,17 @@ import asyncio
 import pytest
 
 from kvmesh.worker.kv_buffer import KvBuffer, KvLayout
-from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, NixlAgent, TransferError, nixl_available
-from kvmesh.worker.mock_engine import EngineConfig, MockEngine, transferable_blocks
+from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, TransferError
+from kvmesh.worker.mock_engine import EngineConfig, EngineRequestSpec, MockEngine, transferable_blocks
+from kvmesh.worker.nixl_agent import NixlAgent, nixl_available
+from tests.support import wait_until_async
 
 BLOCK = 16
 BLOCKS = 64
 BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl not installed"))]
 PROMPT = list(range(1000, 1100))  # 100 tokens: 6 transferable blocks
+
+pytestmark = pytest.mark.integration
 
 
 def make_engine() -> tuple[MockEngine, KvBuffer]:
@@ -31,7 +35,7 @@ def run_to_end(engine: MockEngine) -> dict[str, list[int]]:
 
 def prefill(engine: MockEngine, request_id: str, prompt: list[int]) -> list[int]:
     """Prefill with max_tokens=1 and hold; returns the slots of the transferable blocks."""
-    engine.add_request(request_id, prompt, 1, hold_on_finish=True, seed=7)
+    engine.add_request(EngineRequestSpec(request_id, prompt, 1, seed=7), hold_on_finish=True)
     run_to_end(engine)
     held = engine.held[request_id]
     return [block.slot for block in held.blocks[: transferable_blocks(len(prompt), BLOCK)]]
@@ -56,7 +60,7 @@ class Pair:
         await self.server.stop()
 
     async def pull(self, room: int, request_id: str, prompt: list[int], timeout: float = 5.0):
-        plan = self.decode_engine.add_remote_prefill(request_id, prompt, 8, seed=7)
+        plan = self.decode_engine.add_remote_prefill(EngineRequestSpec(request_id, prompt, 8, seed=7))
         assert plan is not None
         result = await self.client.pull(
             "127.0.0.1", self.server.port, room, plan.first_block, plan.slots, plan.sequence_hashes, timeout
@@ -68,7 +72,7 @@ class Pair:
 async def test_decode_receives_the_prefill_kv_and_answers_as_an_aggregated_worker(backend):
     async with Pair(backend) as pair:
         # the decode worker already caches the first 2 blocks: only the other 4 move
-        pair.decode_engine.add_request("warm", PROMPT[:40], 1)
+        pair.decode_engine.add_request(EngineRequestSpec("warm", PROMPT[:40], 1))
         run_to_end(pair.decode_engine)
         slots = prefill(pair.prefill_engine, "p", PROMPT)
         pair.server.ready(42, "p", slots)
@@ -81,7 +85,7 @@ async def test_decode_receives_the_prefill_kv_and_answers_as_an_aggregated_worke
         for slot, content in zip(plan.slots, plan.sequence_hashes, strict=True):
             assert pair.decode_kv.holds(slot, content)
         # the prefill worker released what it held once the decode worker said it had the blocks
-        await asyncio.wait_for(_until(lambda: not pair.prefill_engine.held), 5)
+        await wait_until_async(lambda: not pair.prefill_engine.held, timeout=5, what="the prefill to release its KV")
         assert pair.prefill_engine.blocks.num_active == 0
 
         pair.decode_engine.finish_transfer("d", True)
@@ -90,7 +94,7 @@ async def test_decode_receives_the_prefill_kv_and_answers_as_an_aggregated_worke
         decoded = [o.token_id for o in step.outputs] + run_to_end(pair.decode_engine)["d"]
 
         aggregated, _ = make_engine()
-        aggregated.add_request("a", PROMPT, 8, seed=7)
+        aggregated.add_request(EngineRequestSpec("a", PROMPT, 8, seed=7))
         assert decoded == run_to_end(aggregated)["a"]
         # the received blocks are now cached on the decode worker (and announced in KV events)
         assert pair.decode_engine.cached_prefix_tokens(PROMPT) == 6 * BLOCK
@@ -99,7 +103,7 @@ async def test_decode_receives_the_prefill_kv_and_answers_as_an_aggregated_worke
 async def test_a_pull_that_arrives_before_the_prefill_waits_for_it():
     async with Pair("tcp") as pair:
         pulling = asyncio.create_task(pair.pull(7, "d", PROMPT))
-        await asyncio.sleep(0.05)  # the decode side is now waiting at the rendezvous
+        await wait_until_async(lambda: pair.server.pulls_waiting(7) == 1, what="the pull waits at the rendezvous")
         assert not pulling.done()
         pair.server.ready(7, "p", prefill(pair.prefill_engine, "p", PROMPT))
         plan, result = await asyncio.wait_for(pulling, 5)
@@ -118,7 +122,7 @@ async def test_a_failed_prefill_is_reported_and_not_retried():
 async def test_a_prefill_worker_that_is_gone_fails_the_pull_and_the_decode_can_prefill_locally():
     async with Pair("tcp") as pair:
         port = pair.server.port
-    plan = pair.decode_engine.add_remote_prefill("d", PROMPT, 4, seed=7)
+    plan = pair.decode_engine.add_remote_prefill(EngineRequestSpec("d", PROMPT, 4, seed=7))
     with pytest.raises(TransferError):
         await pair.client.pull("127.0.0.1", port, 1, plan.first_block, plan.slots, plan.sequence_hashes, 2.0)
     pair.decode_engine.finish_transfer("d", False)  # falls back to an ordinary local prefill
@@ -143,30 +147,7 @@ async def test_held_blocks_are_released_when_nobody_comes():
     try:
         server.ready(3, "p", prefill(engine, "p", PROMPT))
         assert engine.blocks.num_active > 0
-        await asyncio.wait_for(_until(lambda: not engine.held), 5)
+        await wait_until_async(lambda: not engine.held, timeout=5, what="the hold to time out")
         assert engine.blocks.num_active == 0
     finally:
         await server.stop()
-
-
-def test_remote_prefill_without_memory_leaves_nothing_behind():
-    engine, _ = make_engine()
-    engine.add_request("big", list(range(BLOCKS * BLOCK - 8)), 8)  # runs on, holding every block
-    engine.step()
-    assert engine.add_remote_prefill("d", PROMPT, 4) is None
-    assert "d" not in engine.transferring
-
-
-def test_aborting_a_request_mid_transfer_frees_its_blocks():
-    engine, _ = make_engine()
-    plan = engine.add_remote_prefill("d", PROMPT, 4)
-    assert plan is not None and engine.blocks.num_active == plan.num_blocks
-    assert engine.abort("d")
-    assert engine.blocks.num_active == 0
-    engine.finish_transfer("d", True)  # a transfer ending after the abort is ignored
-    assert not engine.has_work()
-
-
-async def _until(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0.01)

@@ -1,0 +1,152 @@
+"""The one interface a worker's inference engine implements, and the types that cross it.
+
+The worker's gRPC servicer talks to an :class:`Engine` only: it submits a request
+(:class:`EngineRequestSpec`) and reads its tokens from a queue, reserves memory for a prompt whose
+KV arrives from another worker, hands a finished prefill's KV over, aborts, and reads
+:class:`EngineStatus` and the cached blocks for ``GetStatus``, ``DumpKvState`` and the metrics.
+The mock engine (:class:`~kvmesh.worker.engine_loop.MockEngineLoop`) implements it; a real engine
+slots in beside it without touching the server.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvmesh.common.finish_reasons import FinishReason
+from kvmesh.common.proto.kvmesh.v1 import common_pb2
+from kvmesh.common.requests import DEFAULT_MAX_TOKENS
+
+
+class EngineRequestError(ValueError):
+    """A request the engine can never serve (for instance a prompt larger than the whole cache)."""
+
+
+@dataclass(frozen=True)
+class EngineRequestSpec:
+    """What the caller asks of the engine for one request."""
+
+    request_id: str
+    prompt: Sequence[int]
+    max_tokens: int
+    stop_token_ids: Sequence[int] = ()
+    seed: int = 0
+    lora_name: str | None = None
+
+    @classmethod
+    def from_proto(cls, request: common_pb2.PreprocessedRequest) -> EngineRequestSpec:
+        return cls(
+            request_id=request.request_id,
+            prompt=list(request.token_ids),
+            max_tokens=request.stop.max_tokens or DEFAULT_MAX_TOKENS,
+            stop_token_ids=tuple(request.stop.stop_token_ids),
+            seed=request.sampling.seed if request.sampling.HasField("seed") else 0,
+            lora_name=request.lora_name if request.HasField("lora_name") else None,
+        )
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """A token produced for a request in one step; ``finish_reason`` is set on its last one."""
+
+    request_id: str
+    token_id: int
+    finish_reason: FinishReason | None
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Where a remote prefill's KV lands: blocks ``first_block`` … ``first_block + len(slots) - 1`` of
+    the prompt go into these slots; the blocks before ``first_block`` are already cached here."""
+
+    first_block: int
+    slots: list[int]
+    sequence_hashes: list[int]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.slots)
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """The engine's memory and queues right now."""
+
+    block_size: int
+    total_blocks: int
+    cached_blocks: int
+    active_blocks: int
+    running_requests: int
+    waiting_requests: int
+    held_prefills: int
+
+
+class CachedBlock(NamedTuple):
+    """One block the engine's prefix cache holds, as ``DumpKvState`` reports it."""
+
+    block_hash: int  # the engine's own id (parent links and removals use it)
+    tokens_hash: int  # our local hash of the block's tokens (DESIGN §2)
+    parent_hash: int | None  # the engine id of the block before it
+    sequence_hash: int  # our hash of the block and its whole prefix
+
+
+def transferable_blocks(prompt_tokens: int, block_size: int) -> int:
+    """Full prompt blocks a decode worker takes from a remote prefill. At least one prompt token is
+    always left to compute locally, since the step that computes it samples the first output token
+    (vLLM's decode side recomputes the last prompt token for the same reason)."""
+    return max(0, (prompt_tokens - 1) // block_size)
+
+
+class Engine(abc.ABC):
+    """An inference engine behind a worker. Guarantees callers can rely on:
+
+    - every submitted request's queue receives its tokens in order, the last one with a finish
+      reason, unless the request is aborted first;
+    - ``abort`` frees whatever the request holds, wherever it is (idempotent);
+    - KV events describe exactly what the cache did, and ``dump_kv_state`` is consistent with the
+      events numbered up to the id it returns.
+    """
+
+    block_size: int
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...
+
+    @abc.abstractmethod
+    def submit(self, spec: EngineRequestSpec, hold_on_finish: bool = False) -> asyncio.Queue[TokenOutput]:
+        """Queue a request; ``hold_on_finish`` keeps its KV after the last token, for a transfer,
+        until :meth:`release_held`. Raises :class:`EngineRequestError` for one it can never serve."""
+
+    @abc.abstractmethod
+    def reserve_remote(self, spec: EngineRequestSpec) -> tuple[TransferPlan | None, asyncio.Queue[TokenOutput]]:
+        """Reserve memory for a prompt whose KV another worker computed (None: no room; nothing was
+        queued then). Call :meth:`finish_transfer` when the transfer ends."""
+
+    @abc.abstractmethod
+    def finish_transfer(self, request_id: str, received: bool) -> None:
+        """The KV of a reserved request arrived (run it from there) or did not (prefill it here)."""
+
+    @abc.abstractmethod
+    def held_slots(self, request_id: str, num_blocks: int) -> list[int]:
+        """The KV slots of the first ``num_blocks`` blocks of a finished, held prefill."""
+
+    @abc.abstractmethod
+    def release_held(self, request_id: str) -> None:
+        """Drop a held prefill's KV (transferred, or nobody came for it)."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def status(self) -> EngineStatus: ...
+
+    @abc.abstractmethod
+    def dump_kv_state(self) -> tuple[int, list[CachedBlock]]:
+        """(last KV event id published, every cached block) as one consistent picture."""

@@ -1,0 +1,171 @@
+"""``kvmesh.v1.Worker`` over gRPC, in front of any :class:`Engine`.
+
+A request may carry ``disaggregated_params`` (:mod:`kvmesh.common.disagg`): a
+:class:`~kvmesh.common.disagg.PrefillOrder` makes this worker prefill and then hold the prompt's KV
+for a decode worker; a :class:`~kvmesh.common.disagg.DecodeOrder` makes it pull the prompt's KV from
+a prefill worker before decoding (see :class:`~kvmesh.worker.kv_handover.KvHandover`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from kvmesh.common import disagg
+from kvmesh.common.disagg import DecodeOrder, DisaggParamsError, KvSource, PrefillOrder
+from kvmesh.common.finish_reasons import to_proto
+from kvmesh.common.grpc_errors import refuse
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.common.status_error import StatusError
+from kvmesh.worker.engine import Engine, EngineRequestError, EngineRequestSpec, TokenOutput
+from kvmesh.worker.kv_handover import KvHandover
+from kvmesh.worker.metrics import WorkerMetrics
+
+log = structlog.get_logger(__name__)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves ``Generate`` from the engine; a cancelled stream aborts its request and frees its KV."""
+
+    def __init__(
+        self, worker_id: int, model_name: str, engine: Engine, metrics: WorkerMetrics, handover: KvHandover
+    ) -> None:
+        self.worker_id = worker_id
+        self.model_name = model_name
+        self.engine = engine
+        self.metrics = metrics
+        self.handover = handover
+
+    async def Generate(
+        self, request: common_pb2.PreprocessedRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GenerateOutput]:
+        request_id = request.request_id
+        if not request_id:
+            await refuse(context, "worker", grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        if request.model and request.model != self.model_name:
+            await refuse(
+                context,
+                "worker",
+                grpc.StatusCode.NOT_FOUND,
+                f"this worker serves model {self.model_name!r}, not {request.model!r}",
+            )
+        order: PrefillOrder | DecodeOrder | None = None
+        if request.disaggregated_params:
+            try:
+                order = disagg.decode(request.disaggregated_params)
+            except DisaggParamsError as exc:
+                await refuse(context, "worker", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if not isinstance(order, PrefillOrder | DecodeOrder):
+                await refuse(
+                    context, "worker", grpc.StatusCode.INVALID_ARGUMENT, f"a request cannot carry {order.kind!r} params"
+                )
+        spec = EngineRequestSpec.from_proto(request)
+        prefill = order if isinstance(order, PrefillOrder) else None
+        handed_over = False
+        try:
+            source: KvSource | None = None
+            try:
+                if isinstance(order, DecodeOrder):
+                    queue, source = await self.handover.receive(spec, order)
+                else:
+                    queue = self.engine.submit(spec, hold_on_finish=prefill is not None)
+            except (EngineRequestError, StatusError) as exc:
+                code = exc.code if isinstance(exc, StatusError) else grpc.StatusCode.INVALID_ARGUMENT
+                await refuse(context, "worker", code, str(exc))
+            log.info(
+                "request accepted",
+                request_id=request_id,
+                prompt_tokens=len(spec.prompt),
+                disagg=order.kind if order else None,
+                kv_source=source.source if source else None,
+            )
+            completion = 0
+            while True:
+                output = await queue.get()
+                completion += 1
+                message = self._output(spec, output, completion)
+                if source is not None and completion == 1:
+                    message.disaggregated_params = disagg.encode(source)
+                if output.finish_reason is None:
+                    yield message
+                    continue
+                if prefill is not None:
+                    message.disaggregated_params = disagg.encode(self.handover.hand_over(spec, prefill))
+                    handed_over = True
+                self._count_finished(spec, output, completion)
+                yield message
+                log.info(
+                    "request finished",
+                    request_id=request_id,
+                    completion_tokens=completion,
+                    cached_tokens=output.cached_tokens,
+                )
+                return
+        finally:
+            if prefill is not None and not handed_over:
+                self.handover.prefill_failed(prefill, "the prefill did not finish")
+            if not handed_over:
+                # Runs on normal end too, where it is a no-op; on cancellation it frees the blocks.
+                self.engine.abort(request_id)
+
+    def _output(self, spec: EngineRequestSpec, output: TokenOutput, completion: int) -> common_pb2.GenerateOutput:
+        # Usage rides on every piece, so a client that stops early still knows its cached tokens.
+        message = common_pb2.GenerateOutput(
+            token_ids=[output.token_id],
+            worker_id=self.worker_id,
+            dp_rank=0,
+            usage=common_pb2.Usage(
+                prompt_tokens=len(spec.prompt),
+                completion_tokens=completion,
+                cached_prompt_tokens=output.cached_tokens,
+            ),
+        )
+        if output.finish_reason is not None:
+            message.finish_reason = to_proto(output.finish_reason)
+        return message
+
+    def _count_finished(self, spec: EngineRequestSpec, output: TokenOutput, completion: int) -> None:
+        self.metrics.requests.labels(output.finish_reason.value).inc()
+        self.metrics.prompt_tokens.inc(len(spec.prompt))
+        self.metrics.cached_tokens.inc(output.cached_tokens)
+        self.metrics.generated_tokens.inc(completion)
+
+    async def DumpKvState(
+        self, request: worker_pb2.DumpKvStateRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KvStateDump:
+        if request.dp_rank != 0:
+            await refuse(
+                context, "worker", grpc.StatusCode.NOT_FOUND, f"this worker has only dp rank 0, not {request.dp_rank}"
+            )
+        last_event_id, blocks = self.engine.dump_kv_state()
+        log.info("dumped KV state", last_event_id=last_event_id, blocks=len(blocks))
+        cached = []
+        for b in blocks:
+            block = worker_pb2.CachedBlock(
+                block_hash=b.block_hash, tokens_hash=b.tokens_hash, sequence_hash=b.sequence_hash
+            )
+            if b.parent_hash is not None:
+                block.parent_hash = b.parent_hash
+            cached.append(block)
+        return worker_pb2.KvStateDump(worker_id=self.worker_id, dp_rank=0, last_event_id=last_event_id, blocks=cached)
+
+    async def GetStatus(
+        self, request: worker_pb2.WorkerStatusRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStatus:
+        status = self.engine.status()
+        transfer = self.handover.transfer
+        return worker_pb2.WorkerStatus(
+            worker_id=self.worker_id,
+            model=self.model_name,
+            block_size=status.block_size,
+            total_blocks=status.total_blocks,
+            cached_blocks=status.cached_blocks,
+            active_blocks=status.active_blocks,
+            running_requests=status.running_requests,
+            waiting_requests=status.waiting_requests,
+            kv_transfer_backend=transfer.backend,
+            kv_transfers_in_flight=transfer.stats.in_flight,
+            held_prefills=status.held_prefills,
+        )
