@@ -20,22 +20,18 @@ import grpc
 
 from kvmesh.common import names
 from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.finish_reasons import finish_name
 from kvmesh.common.grpc_server import insecure_channel
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from kvmesh.common.runtime import connect_nats
-
-_FINISH = {
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
-    common_pb2.FINISH_REASON_ERROR: "error",
-}
+from kvmesh.common.status_error import StatusError
 
 
-class RouterApiError(RuntimeError):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
+class RouterApiError(StatusError):
+    """The router answered with a gRPC status other than OK."""
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
 
 
 @dataclass(frozen=True)
@@ -162,7 +158,7 @@ class RouterApi:
             request.sampling.seed = seed
         try:
             async for output in self._stub.Generate(request):
-                yield Chunk(tuple(output.token_ids), _FINISH.get(output.finish_reason), output.worker_id)
+                yield Chunk(tuple(output.token_ids), finish_name(output.finish_reason), output.worker_id)
         except grpc.aio.AioRpcError as exc:
             raise RouterApiError(exc.code(), exc.details() or "") from exc
 
@@ -187,7 +183,7 @@ class RouterApi:
             raise RouterApiError(grpc.StatusCode.INTERNAL, "the router sent no output")
         return Completion(
             tuple(tokens),
-            _FINISH.get(last.finish_reason, "stop"),
+            finish_name(last.finish_reason, "stop"),
             last.worker_id,
             last.usage.prompt_tokens,
             last.usage.completion_tokens,

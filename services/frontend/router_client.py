@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator
 
-import grpc
+from nats.js import JetStreamContext
 
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.grpc_server import insecure_channel
+from kvmesh.common.channels import ChannelPool
+from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
 
 
@@ -17,20 +17,29 @@ class NoRouterError(RuntimeError):
 
 
 class RouterClient:
-    """Streams ``Router.Generate`` from a router replica, spreading requests over the replicas."""
+    """Streams ``Router.Generate`` from a router replica, spreading requests over the replicas.
+
+    Holds one channel per live replica: :meth:`router_left` (the watcher's removal callback) drops a
+    departed replica's channel."""
 
     def __init__(self, watcher: DiscoveryWatcher | None = None, fixed_address: str | None = None) -> None:
-        if watcher is None and fixed_address is None:
-            raise ValueError("need a discovery watcher or a fixed router address")
+        """One fixed router address, a watcher, or neither yet (then call :meth:`watch`)."""
         self._watcher = watcher
         self._fixed = fixed_address
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool()
         self._counter = itertools.count()
+
+    def watch(self, js: JetStreamContext, namespace: str) -> DiscoveryWatcher:
+        """Follow the router replicas in discovery (start the returned watcher); a replica that
+        leaves loses its channel."""
+        self._watcher = DiscoveryWatcher(js, namespace, "router", on_removed=self.router_left)
+        return self._watcher
 
     def addresses(self) -> list[str]:
         if self._fixed:
             return [self._fixed]
-        assert self._watcher is not None
+        if self._watcher is None:
+            raise NoRouterError("no router address is configured")
         return sorted(r.address for r in self._watcher.instances())
 
     def pick(self, avoid: frozenset[str] = frozenset()) -> str:
@@ -45,12 +54,14 @@ class RouterClient:
         self, request: common_pb2.PreprocessedRequest, address: str
     ) -> AsyncIterator[common_pb2.GenerateOutput]:
         """The stream of ``Router.Generate`` at ``address``; raises ``grpc.aio.AioRpcError``."""
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = insecure_channel(address)
-        return router_pb2_grpc.RouterStub(channel).Generate(request)
+        return router_pb2_grpc.RouterStub(self._channels.get(address)).Generate(request)
+
+    def channel_addresses(self) -> list[str]:
+        """Addresses with an open channel (for tests and inspection)."""
+        return self._channels.addresses()
+
+    async def router_left(self, record: InstanceRecord) -> None:
+        await self._channels.drop(record.address)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._channels.close()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import grpc
 import structlog
+from nats.js import JetStreamContext
 from prometheus_client import Histogram
 
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
@@ -21,8 +22,7 @@ from kvmesh.common.hashing import block_set_digest
 from kvmesh.common.metrics import MetricsEndpoint
 from kvmesh.common.prefix_index import PrefixIndex
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
-from kvmesh.common.runtime import cancel_and_wait, connect_nats
-from kvmesh.common.service import registered_grpc_service, service_main
+from kvmesh.common.service import ServiceStack, service_main
 from kvmesh.common.streams import ensure_kv_events_stream
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.indexer.config import IndexerConfig
@@ -120,65 +120,48 @@ async def reconcile_forever(index: PrefixIndex, workers: DiscoveryWatcher, grace
 
 async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
     instance_id = new_instance_id()
-    nc = await connect_nats(config.nats_url, name=f"kvmesh-indexer-{config.replica_id}")
-    js = nc.jetstream()
-    await ensure_kv_events_stream(js, config.kv_events_max_age)
-    index = PrefixIndex()
-    state = IndexerState()
-    registry, query_latency = build_registry(index, state)
+    async with ServiceStack() as stack:
+        nc = await stack.nats(config, f"kvmesh-indexer-{config.replica_id}")
+        js = nc.jetstream()
+        await ensure_kv_events_stream(js, config.kv_events_max_age)
+        index = PrefixIndex()
+        state = IndexerState()
+        registry, query_latency = build_registry(index, state)
 
-    def worker_left(record: InstanceRecord) -> None:
-        index.remove_worker(record.instance_id)
-        log.info("dropped the blocks of a departed worker", worker_id=record.instance_id)
+        def worker_left(record: InstanceRecord) -> None:
+            index.remove_worker(record.instance_id)
+            log.info("dropped the blocks of a departed worker", worker_id=record.instance_id)
 
-    workers = DiscoveryWatcher(js, config.namespace, "worker", on_removed=worker_left)
-    await workers.start()
-    recovery = GapRecovery(index, workers)
+        workers = await stack.start(DiscoveryWatcher(js, config.namespace, "worker", on_removed=worker_left))
+        recovery = GapRecovery(index, workers)
+        stack.push_async_callback(recovery.stop)
+        start_after = await restore_snapshot(js, config, index, state)
 
-    start_after = 0
-    if not config.router_reset_states:
-        try:
-            restored = await snapshots.load(js, config.namespace)
-        except snapshots.SnapshotError as exc:
-            log.error("ignoring an unreadable snapshot", error=str(exc))
-            restored = None
-        if restored is not None:
-            started = time.perf_counter()
-            snapshots.restore(index, restored)
-            start_after = state.snapshot_sequence = restored.stream_sequence
-            log.info(
-                "restored snapshot",
-                stream_sequence=start_after,
-                blocks=restored.num_blocks,
-                seconds=round(time.perf_counter() - started, 3),
-            )
+        def applied(sequence: int) -> None:
+            state.applied_sequence = sequence
+            if index.gaps_pending:
+                recovery.poke()
 
-    def applied(sequence: int) -> None:
-        state.applied_sequence = sequence
-        if index.gaps_pending:
-            recovery.poke()
-
-    consumer = EventStreamConsumer(js, config.namespace, config.replica_id, index, on_applied=applied)
-    await consumer.start(reset=config.router_reset_states, start_after=start_after)
-    snapshotter = snapshots.Snapshotter(
-        js,
-        config.namespace,
-        f"{config.replica_id}:{instance_id}",
-        index,
-        lambda: consumer.applied_sequence,
-        state,
-        config.router_snapshot_threshold,
-        config.snapshot_check_interval,
-    )
-    tasks = [
-        asyncio.create_task(snapshotter.run_forever(), name="snapshotter"),
-        asyncio.create_task(reconcile_forever(index, workers, grace_s=2 * config.lease_ttl), name="reconcile"),
-    ]
-    metrics = MetricsEndpoint(config, registry)
-    extra: dict[str, object] = {"replica_id": config.replica_id, **metrics.discovery_extra()}
-    servicer = IndexerServicer(config.replica_id, index, consumer, state, query_latency)
-    try:
-        async with registered_grpc_service(
+        consumer = EventStreamConsumer(js, config.namespace, config.replica_id, index, on_applied=applied)
+        await consumer.start(reset=config.router_reset_states, start_after=start_after)
+        stack.push_async_callback(consumer.stop)
+        snapshotter = snapshots.Snapshotter(
+            js,
+            config.namespace,
+            f"{config.replica_id}:{instance_id}",
+            index,
+            lambda: consumer.applied_sequence,
+            state,
+            config.router_snapshot_threshold,
+            config.snapshot_check_interval,
+        )
+        stack.task(snapshotter.run_forever(), "snapshotter")
+        stack.task(reconcile_forever(index, workers, grace_s=2 * config.lease_ttl), "reconcile")
+        metrics = MetricsEndpoint(config, registry)
+        stack.push_async_callback(metrics.close)
+        extra: dict[str, object] = {"replica_id": config.replica_id, **metrics.discovery_extra()}
+        servicer = IndexerServicer(config.replica_id, index, consumer, state, query_latency)
+        record = await stack.grpc_service(
             js,
             config,
             component="indexer",
@@ -186,18 +169,33 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
             service_name=indexer_pb2.DESCRIPTOR.services_by_name["Indexer"].full_name,
             add_servicer=lambda server: indexer_pb2_grpc.add_IndexerServicer_to_server(servicer, server),
             extra=extra,
-        ) as record:
-            log.info(
-                "indexer ready", address=record.address, replica_id=config.replica_id, metrics=extra.get("metrics")
-            )
-            await stop.wait()
-    finally:
-        await cancel_and_wait(*tasks)
-        await recovery.stop()
-        await consumer.stop()
-        await workers.stop()
-        await metrics.close()
-        await nc.close()
+        )
+        log.info("indexer ready", address=record.address, replica_id=config.replica_id, metrics=extra.get("metrics"))
+        await stop.wait()
+
+
+async def restore_snapshot(js: JetStreamContext, config: IndexerConfig, index: PrefixIndex, state: IndexerState) -> int:
+    """Load the namespace's snapshot into ``index`` (unless ``--router-reset-states``); returns the
+    stream sequence it covers (0: none, replay the stream from its start)."""
+    if config.router_reset_states:
+        return 0
+    try:
+        restored = await snapshots.load(js, config.namespace)
+    except snapshots.SnapshotError as exc:
+        log.error("ignoring an unreadable snapshot", error=str(exc))
+        return 0
+    if restored is None:
+        return 0
+    started = time.perf_counter()
+    snapshots.restore(index, restored)
+    state.snapshot_sequence = restored.stream_sequence
+    log.info(
+        "restored snapshot",
+        stream_sequence=restored.stream_sequence,
+        blocks=restored.num_blocks,
+        seconds=round(time.perf_counter() - started, 3),
+    )
+    return restored.stream_sequence
 
 
 def main(argv: Sequence[str] | None = None) -> None:

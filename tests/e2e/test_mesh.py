@@ -12,7 +12,7 @@ import pytest
 
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
-from kvmesh.frontend.app import WORKER_ID_HEADER
+from kvmesh.frontend.gateway import WORKER_ID_HEADER
 
 pytestmark = pytest.mark.e2e
 MODEL = "kvmesh-tiny"

@@ -1,0 +1,134 @@
+"""OpenAI response bodies for one request: a whole completion as JSON, or server-sent events."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import structlog
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvmesh.frontend.errors import OpenAIError, UpstreamError
+from kvmesh.frontend.gateway import WORKER_ID_HEADER, Frontend, Piece, UsageCounter
+from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
+
+log = structlog.get_logger(__name__)
+
+
+async def respond(
+    frontend: Frontend, body: ChatCompletionRequest | CompletionRequest, token_ids: list[int], chat: bool
+) -> Response:
+    prefix = "chatcmpl" if chat else "cmpl"
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    started = time.monotonic()
+    created = int(time.time())
+    usage = UsageCounter(prompt_tokens=len(token_ids))
+    request = frontend.build_request(request_id, body, token_ids)
+    pieces = frontend.generate(request, body.stop_strings(), usage)
+    # Wait for the first piece before answering, so routing errors still get their HTTP status.
+    try:
+        first = await anext(pieces)
+    except StopAsyncIteration as exc:
+        raise UpstreamError("the router returned no output") from exc
+    frontend.metrics.ttft.observe(time.monotonic() - started)
+    log.info("first token", prompt_tokens=len(token_ids), ttft_ms=round((time.monotonic() - started) * 1000, 2))
+
+    def finished() -> None:
+        frontend.metrics.latency.observe(time.monotonic() - started)
+        frontend.metrics.prompt_tokens.inc(usage.prompt_tokens)
+        frontend.metrics.cached_tokens.inc(usage.cached_tokens)
+        log.info("request done", completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens)
+
+    if not body.stream:
+        text = [first.text]
+        finish = first.finish_reason
+        async for piece in pieces:
+            text.append(piece.text)
+            finish = piece.finish_reason or finish
+        finished()
+        content = "".join(text)
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
+            obj = "text_completion"
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": obj,
+                "created": created,
+                "model": body.model,
+                "choices": [choice],
+                "usage": usage.body(),
+            },
+            headers=_served_by(usage),
+        )
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(piece: Piece, first_chunk: bool) -> dict[str, object]:
+        if chat:
+            delta: dict[str, object] = {"content": piece.text}
+            if first_chunk:
+                delta["role"] = "assistant"
+            choice = {"index": 0, "delta": delta, "finish_reason": piece.finish_reason, "logprobs": None}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": piece.text, "finish_reason": piece.finish_reason, "logprobs": None}
+            obj = "text_completion"
+        out: dict[str, object] = {
+            "id": request_id,
+            "object": obj,
+            "created": created,
+            "model": body.model,
+            "choices": [choice],
+        }
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            yield _sse(chunk(first, True))
+            async for piece in pieces:
+                yield _sse(chunk(piece, False))
+            if include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield _sse(
+                    {
+                        "id": request_id,
+                        "object": obj,
+                        "created": created,
+                        "model": body.model,
+                        "choices": [],
+                        "usage": usage.body(),
+                    }
+                )
+            finished()
+            yield b"data: [DONE]\n\n"
+        except OpenAIError as exc:
+            log.warning("stream failed", error=exc.message)
+            yield _sse(exc.body())
+            yield b"data: [DONE]\n\n"
+        finally:
+            await pieces.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=_served_by(usage))
+
+
+def _served_by(usage: UsageCounter) -> dict[str, str]:
+    """Response headers naming the worker that served the request (known once the first token came)."""
+    return {WORKER_ID_HEADER: str(usage.worker_id)} if usage.worker_id is not None else {}
+
+
+def _sse(payload: object) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()

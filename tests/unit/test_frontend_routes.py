@@ -1,0 +1,42 @@
+"""The frontend's request metrics are labelled by route template, and its router channels follow
+discovery (both in process: no router is needed for either)."""
+
+from __future__ import annotations
+
+import httpx
+
+from kvmesh.common.discovery import InstanceRecord
+from kvmesh.common.proto.kvmesh.v1 import common_pb2
+from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
+from kvmesh.frontend.app import create_app
+from kvmesh.frontend.gateway import Frontend, ServedModel
+from kvmesh.frontend.router_client import RouterClient
+from kvmesh.frontend.tokenizer import ModelTokenizer
+
+
+def frontend(routers: RouterClient) -> Frontend:
+    return Frontend(ServedModel(MODEL_NAME, ModelTokenizer(MODEL_DIR), 0), routers)
+
+
+async def test_request_metrics_are_labelled_by_route_not_by_raw_path():
+    app = create_app(frontend(RouterClient(fixed_address="127.0.0.1:1")))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://frontend") as client:
+        assert (await client.get("/v1/models")).status_code == 200
+        for i in range(50):  # a scanner trying paths
+            assert (await client.get(f"/wp-admin/{i}.php")).status_code == 404
+        metrics = (await client.get("/metrics")).text
+    series = [line for line in metrics.splitlines() if line.startswith("kvmesh_frontend_requests_total")]
+    assert 'kvmesh_frontend_requests_total{endpoint="/v1/models",status="200"} 1.0' in series
+    assert 'kvmesh_frontend_requests_total{endpoint="unmatched",status="404"} 50.0' in series
+    assert not any("wp-admin" in line for line in series)
+
+
+async def test_a_departed_router_loses_its_channel():
+    routers = RouterClient(fixed_address="127.0.0.1:1")
+    for address in ("127.0.0.1:7001", "127.0.0.1:7002"):
+        routers.generate(common_pb2.PreprocessedRequest(), address).cancel()  # opens the address's channel
+    assert sorted(routers.channel_addresses()) == ["127.0.0.1:7001", "127.0.0.1:7002"]
+    await routers.router_left(InstanceRecord("router", 1, "127.0.0.1:7001"))
+    assert routers.channel_addresses() == ["127.0.0.1:7002"]
+    await routers.close()
+    assert routers.channel_addresses() == []
