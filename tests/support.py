@@ -9,11 +9,14 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
+from kvmesh.common.config import parse_config
 from kvmesh.common.nats_server import free_port
 
-__all__ = ["free_port", "running", "service_process", "wait_until", "wait_until_async"]
+__all__ = ["free_port", "running", "service_config", "service_process", "wait_until", "wait_until_async"]
+
+ConfigT = TypeVar("ConfigT")
 
 
 async def wait_until_async(
@@ -69,3 +72,9 @@ def service_process(service: str, nats_url: str, namespace: str, *args: str) -> 
         ],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+def service_config(config_class: type[ConfigT], argv: list[str]) -> ConfigT:
+    """A service's typed configuration exactly as its command line builds it, blind to ``KVMESH_*``
+    variables of the machine running the tests."""
+    return parse_config(config_class, argv, prog=config_class.__name__, description="", environ={})

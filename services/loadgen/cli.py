@@ -10,7 +10,7 @@ from pathlib import Path
 
 import openai
 
-from kvmesh.common.logging import configure_logging
+from kvmesh.common.structured_logging import configure_logging
 from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
 from kvmesh.frontend.tokenizer import ModelTokenizer
 from kvmesh.loadgen.report import build_report, compare, write_outputs
@@ -22,7 +22,7 @@ from kvmesh.loadgen.workload import (
     synthetic_workload,
     trace_workload,
 )
-from kvmesh.replay.trace import TraceError, read_trace
+from kvmesh.replay.mooncake_trace import TraceError, read_trace
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.frontend.tokenizer import ModelTokenizer
-from kvmesh.replay.trace import TraceRequest
+from kvmesh.replay.mooncake_trace import TraceRequest
 
 _WORDS = [
     "cache",

@@ -6,14 +6,13 @@ import grpc
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.config import parse_config
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
-from tests.support import running, wait_until_async
+from tests.support import running, service_config, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "cancel"
@@ -21,10 +20,8 @@ NAMESPACE = "cancel"
 
 async def test_cancelling_a_stream_frees_the_workers_blocks(nats_url: str, nc: NatsClient):
     common = ["--nats-url", nats_url, "--namespace", NAMESPACE]
-    worker_config = parse_config(WorkerConfig, common, prog="w", description="", environ={})
-    router_config = parse_config(
-        RouterConfig, [*common, "--router-mode", "round-robin"], prog="r", description="", environ={}
-    )
+    worker_config = service_config(WorkerConfig, common)
+    router_config = service_config(RouterConfig, [*common, "--router-mode", "round-robin"])
     workers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "worker")
     routers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "router")
     await workers.start()

@@ -7,12 +7,11 @@ import contextlib
 import httpx
 import pytest
 
-from kvmesh.common.config import parse_config
 from kvmesh.frontend import server as frontend_server
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
-from tests.support import free_port, running, wait_until_async
+from tests.support import free_port, running, service_config, wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -20,10 +19,8 @@ pytestmark = pytest.mark.integration
 async def test_no_worker_is_503_and_no_router_is_503(nats_url: str):
     port = free_port()
     common = ["--nats-url", nats_url, "--namespace", "empty"]
-    router_config = parse_config(RouterConfig, common, prog="r", description="", environ={})
-    frontend_config = parse_config(
-        FrontendConfig, [*common, "--http-port", str(port)], prog="f", description="", environ={}
-    )
+    router_config = service_config(RouterConfig, common)
+    frontend_config = service_config(FrontendConfig, [*common, "--http-port", str(port)])
     body = {"model": "kvmesh-tiny", "messages": [{"role": "user", "content": "anyone there?"}]}
     async with (
         httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as http,
@@ -59,13 +56,9 @@ async def test_busy_workers_are_a_quick_503_with_an_openai_error(nats_url: str):
 
     port = free_port()
     common = ["--nats-url", nats_url, "--namespace", "busy"]
-    worker_config = parse_config(WorkerConfig, [*common, "--speedup-ratio", "1"], prog="w", description="", environ={})
-    router_config = parse_config(
-        RouterConfig, [*common, "--active-decode-blocks-threshold", "4"], prog="r", description="", environ={}
-    )
-    frontend_config = parse_config(
-        FrontendConfig, [*common, "--http-port", str(port)], prog="f", description="", environ={}
-    )
+    worker_config = service_config(WorkerConfig, [*common, "--speedup-ratio", "1"])
+    router_config = service_config(RouterConfig, [*common, "--active-decode-blocks-threshold", "4"])
+    frontend_config = service_config(FrontendConfig, [*common, "--http-port", str(port)])
     import nats
 
     nc = await nats.connect(nats_url)

@@ -14,7 +14,6 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common import names
-from kvmesh.common.config import parse_config
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.hashing import block_set_digest
 from kvmesh.common.proto.kvmesh.v1 import (
@@ -30,7 +29,7 @@ from kvmesh.indexer.config import IndexerConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.event_publisher import KvEventPublisher
-from tests.support import running, service_process, wait_until_async
+from tests.support import running, service_config, service_process, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "replicas"
@@ -39,22 +38,13 @@ WORKER_ARGS = ["--speedup-ratio", "100", "--block-size", "16", "--num-gpu-blocks
 
 
 def worker_config(nats_url: str) -> WorkerConfig:
-    return parse_config(
-        WorkerConfig,
-        ["--nats-url", nats_url, "--namespace", NAMESPACE, *WORKER_ARGS],
-        prog="w",
-        description="",
-        environ={},
-    )
+    return service_config(WorkerConfig, ["--nats-url", nats_url, "--namespace", NAMESPACE, *WORKER_ARGS])
 
 
 def indexer_config(nats_url: str, replica: str, *extra: str) -> IndexerConfig:
-    return parse_config(
+    return service_config(
         IndexerConfig,
         ["--nats-url", nats_url, "--namespace", NAMESPACE, "--replica-id", replica, "--lease-ttl", "2", *extra],
-        prog="i",
-        description="",
-        environ={},
     )
 
 
@@ -79,6 +69,10 @@ async def view(address: str) -> indexer_pb2.IndexerStatus:
         return await indexer_pb2_grpc.IndexerStub(channel).GetStatus(
             indexer_pb2.IndexerStatusRequest(include_digests=True), timeout=5
         )
+
+
+async def workers_cache_blocks(workers: DiscoveryWatcher) -> bool:
+    return any(count for count, _digest in (await truth(workers)).values())
 
 
 def as_truth(status: indexer_pb2.IndexerStatus) -> dict[int, tuple[int, int]]:
@@ -162,8 +156,7 @@ async def test_a_replica_killed_mid_stream_converges_after_restart(nats_url: str
         try:
             await wait_until_async(lambda: len(indexers.instances()) == 1, what="replica registered")
             background = asyncio.create_task(load(workers, requests=200, concurrency=4, seed=1))
-            await wait_until_async(lambda: len(workers.instances()) and True, what="load running")
-            await asyncio.sleep(0)  # let the load start before the kill
+            await wait_until_async(lambda: workers_cache_blocks(workers), what="load running (workers cache blocks)")
             first = indexers.instances()[0]
             await wait_until_async(lambda: _applied_some(first.address), what="replica applied events")
             process.send_signal(signal.SIGKILL)

@@ -12,14 +12,13 @@ import grpc
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.config import parse_config
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
-from tests.support import running, service_process, wait_until_async
+from tests.support import running, service_config, service_process, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "failover"
@@ -37,10 +36,8 @@ async def generate(router_address: str, request_id: str, prompt: list[int]) -> c
 @contextlib.asynccontextmanager
 async def mesh(nats_url: str, nc: NatsClient, *router_args: str):
     common = ["--nats-url", nats_url, "--namespace", NAMESPACE]
-    worker_config = parse_config(
-        WorkerConfig, [*common, "--speedup-ratio", "100", "--lease-ttl", "2"], prog="w", description="", environ={}
-    )
-    router_config = parse_config(RouterConfig, [*common, *router_args], prog="r", description="", environ={})
+    worker_config = service_config(WorkerConfig, [*common, "--speedup-ratio", "100", "--lease-ttl", "2"])
+    router_config = service_config(RouterConfig, [*common, *router_args])
     workers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "worker")
     routers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "router")
     await workers.start()
@@ -99,9 +96,9 @@ async def test_kv_routing_survives_a_dead_indexer_replica(nats_url: str, nc: Nat
 
 async def test_prefill_role_workers_get_no_whole_requests(nats_url: str, nc: NatsClient):
     common = ["--nats-url", nats_url, "--namespace", "roles"]
-    prefill_worker = parse_config(WorkerConfig, [*common, "--role", "prefill"], prog="w", description="", environ={})
-    decode_worker = parse_config(WorkerConfig, [*common, "--role", "decode"], prog="w", description="", environ={})
-    router = parse_config(RouterConfig, common, prog="r", description="", environ={})
+    prefill_worker = service_config(WorkerConfig, [*common, "--role", "prefill"])
+    decode_worker = service_config(WorkerConfig, [*common, "--role", "decode"])
+    router = service_config(RouterConfig, common)
     workers = DiscoveryWatcher(nc.jetstream(), "roles", "worker")
     routers = DiscoveryWatcher(nc.jetstream(), "roles", "router")
     await workers.start()

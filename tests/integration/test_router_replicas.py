@@ -14,37 +14,24 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.client import RouterApi
-from kvmesh.common.config import parse_config
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
-from tests.support import running, service_process, wait_until_async
+from tests.support import running, service_config, service_process, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "routers"
 
 
 def router_config(nats_url: str, *extra: str) -> RouterConfig:
-    return parse_config(
-        RouterConfig,
-        ["--nats-url", nats_url, "--namespace", NAMESPACE, "--lease-ttl", "2", *extra],
-        prog="r",
-        description="",
-        environ={},
-    )
+    return service_config(RouterConfig, ["--nats-url", nats_url, "--namespace", NAMESPACE, "--lease-ttl", "2", *extra])
 
 
 def worker_config(nats_url: str, *extra: str) -> WorkerConfig:
-    return parse_config(
-        WorkerConfig,
-        ["--nats-url", nats_url, "--namespace", NAMESPACE, "--lease-ttl", "2", *extra],
-        prog="w",
-        description="",
-        environ={},
-    )
+    return service_config(WorkerConfig, ["--nats-url", nats_url, "--namespace", NAMESPACE, "--lease-ttl", "2", *extra])
 
 
 async def watch(nc: NatsClient, component: str) -> DiscoveryWatcher:

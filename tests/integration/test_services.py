@@ -8,7 +8,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.config import parse_config
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, Registration
 from kvmesh.common.hashing import local_block_hashes
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc, worker_pb2_grpc
@@ -16,7 +15,7 @@ from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
-from tests.support import running, wait_until_async
+from tests.support import running, service_config, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "svc"
@@ -52,12 +51,8 @@ async def test_a_graceful_stop_deregisters_at_once(nc: NatsClient):
 
 
 async def test_worker_serves_generate_health_and_reflection(nats_url: str, nc: NatsClient):
-    config = parse_config(
-        WorkerConfig,
-        ["--nats-url", nats_url, "--namespace", NAMESPACE, "--speedup-ratio", "100", "--block-size", "16"],
-        prog="w",
-        description="",
-        environ={},
+    config = service_config(
+        WorkerConfig, ["--nats-url", nats_url, "--namespace", NAMESPACE, "--speedup-ratio", "100", "--block-size", "16"]
     )
     watcher = await watcher_for(nc, "worker")
     async with running(worker_server.serve, config):
@@ -103,20 +98,10 @@ async def _reflected_services(channel: grpc.aio.Channel) -> set[str]:
 
 
 async def test_indexer_answers_and_forgets_a_departed_worker(nats_url: str, nc: NatsClient):
-    worker_config = parse_config(
-        WorkerConfig,
-        ["--nats-url", nats_url, "--namespace", NAMESPACE, "--speedup-ratio", "100", "--lease-ttl", "1.5"],
-        prog="w",
-        description="",
-        environ={},
+    worker_config = service_config(
+        WorkerConfig, ["--nats-url", nats_url, "--namespace", NAMESPACE, "--speedup-ratio", "100", "--lease-ttl", "1.5"]
     )
-    indexer_config = parse_config(
-        IndexerConfig,
-        ["--nats-url", nats_url, "--namespace", NAMESPACE],
-        prog="i",
-        description="",
-        environ={},
-    )
+    indexer_config = service_config(IndexerConfig, ["--nats-url", nats_url, "--namespace", NAMESPACE])
     workers = await watcher_for(nc, "worker")
     indexers = await watcher_for(nc, "indexer")
     prompt = list(range(100))

@@ -10,7 +10,7 @@ from kvmesh.loadgen.workload import (
     synthetic_workload,
     trace_workload,
 )
-from kvmesh.replay.trace import TraceRequest
+from kvmesh.replay.mooncake_trace import TraceRequest
 
 
 @pytest.fixture(scope="module")
