@@ -2,4 +2,6 @@
 
 from kvmesh.cli import main
 
-main()
+# guarded: vLLM starts its engine core with multiprocessing "spawn", which imports __main__ again
+if __name__ == "__main__":
+    main()

@@ -16,6 +16,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("kvmesh.replay.cli", "replay a request trace offline in virtual time (routing quality)"),
     "bench": ("kvmesh.loadgen.cli", "load an OpenAI-compatible endpoint and report latency, throughput, cache hits"),
     "gen-protos": ("kvmesh.common.protogen", "regenerate the Python gRPC code from protos/"),
+    "build-tiny-model": (
+        "kvmesh.worker.tiny_llama",
+        "build the random-weight kvmesh-tiny Llama for `kvmesh worker --engine vllm --model DIR`",
+    ),
 }
 
 

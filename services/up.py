@@ -46,7 +46,13 @@ class UpConfig(CommonConfig, RouterOptions):
     nats_url: str | None = option(None, "use this NATS server instead of starting an embedded one")
     http_host: str = option("127.0.0.1", "address of the HTTP API")
     http_port: int = option(8000, "port of the OpenAI-compatible HTTP API")
-    workers: int = option(2, "number of mock workers (decode workers when --prefill-workers is set)")
+    engine: str = option(
+        "mock",
+        "workers' engine: the simulated mock, or vLLM (vLLM's own engine arguments, such as --model or "
+        "--max-model-len, follow the flags and go to every worker; no --model: the tiny random-weight Llama)",
+        choices=("mock", "vllm"),
+    )
+    workers: int = option(2, "number of workers (decode workers when --prefill-workers is set)")
     prefill_workers: int = option(
         0, "number of prefill-role mock workers; with any, the other workers run as decode workers (disaggregation)"
     )
@@ -57,15 +63,31 @@ class UpConfig(CommonConfig, RouterOptions):
     indexers: int = option(1, "number of indexer replicas")
     routers: int = option(1, "number of router replicas behind the frontend")
     router_snapshot_threshold: int = option(1_000_000, "indexer snapshot threshold (stream messages)")
-    block_size: int = option(16, "tokens per KV block of the mock workers")
-    num_gpu_blocks: int = option(16384, "KV blocks per mock worker", flag="--num-gpu-blocks-override")
+    block_size: int | None = option(None, "tokens per KV block of the workers (default: the engine's own)")
+    num_gpu_blocks: int | None = option(
+        None, "KV blocks per worker (default: the engine's own)", flag="--num-gpu-blocks-override"
+    )
     speedup_ratio: float = option(1.0, "mock engine speed-up (divides simulated step times)")
     model_name: str = option(MODEL_NAME, "model name served")
     model_path: str = option(str(MODEL_DIR), "model directory (tokenizer.json, tokenizer_config.json)")
-    startup_timeout: float = option(60.0, "seconds to wait for every service to come up")
+    startup_timeout: float | None = option(
+        None, "seconds to wait for every service to come up (default: 60, or 600 with --engine vllm)"
+    )
+    engine_args: list[str] = option(None, "with --engine vllm: vLLM engine arguments for the workers", passthrough=True)
+
+    def resolved_startup_timeout(self) -> float:
+        # a vLLM worker loads (or first builds) its model and profiles its memory before it registers
+        if self.startup_timeout is not None:
+            return self.startup_timeout
+        return 600.0 if self.engine == "vllm" else 60.0
 
     def validate(self) -> None:
         RouterOptions.validate(self)
+        if self.engine == "mock" and self.engine_args:
+            unknown = " ".join(self.engine_args)
+            raise ConfigError(f"unrecognized arguments: {unknown} (engine arguments need --engine vllm)")
+        if self.engine == "vllm" and self.prefill_workers:
+            raise ConfigError("--prefill-workers needs the mock engine: disaggregation with vLLM is not available yet")
         if self.workers < 1:
             raise ConfigError("--workers must be at least 1")
         if self.indexers < 1:
@@ -128,18 +150,19 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
     services += [ServiceProcess(f"router-{i}", "kvmesh.router", router_args) for i in range(config.routers)]
     worker_args = [
         *common,
+        "--engine",
+        config.engine,
         "--model-name",
         config.model_name,
-        "--block-size",
-        str(config.block_size),
-        "--num-gpu-blocks-override",
-        str(config.num_gpu_blocks),
+        *(["--block-size", str(config.block_size)] if config.block_size else []),
+        *(["--num-gpu-blocks-override", str(config.num_gpu_blocks)] if config.num_gpu_blocks else []),
         "--speedup-ratio",
         str(config.speedup_ratio),
         "--kv-transfer-backend",
         config.kv_transfer_backend,
         "--num-layers",
         str(config.num_layers),
+        *config.engine_args,
     ]
     role = "decode" if config.prefill_workers else "aggregated"
     services += [
@@ -175,7 +198,8 @@ async def wait_until_ready(config: UpConfig, nats_url: str, services: list[Servi
     js = nc.jetstream()
     expected = {"worker": config.workers + config.prefill_workers, "indexer": config.indexers, "router": config.routers}
     watchers = {c: DiscoveryWatcher(js, config.namespace, c) for c in expected}
-    deadline = time.monotonic() + config.startup_timeout
+    timeout = config.resolved_startup_timeout()
+    deadline = time.monotonic() + timeout
     try:
         for watcher in watchers.values():
             await watcher.start()
@@ -188,7 +212,7 @@ async def wait_until_ready(config: UpConfig, nats_url: str, services: list[Servi
             if all(counts[c] >= n for c, n in expected.items()) and await _http_healthy(config):
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"mesh not ready after {config.startup_timeout}s: registered {counts}")
+                raise RuntimeError(f"mesh not ready after {timeout}s: registered {counts}")
             await asyncio.sleep(0.1)
     finally:
         for watcher in watchers.values():

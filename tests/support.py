@@ -61,7 +61,7 @@ def service_process(service: str, nats_url: str, namespace: str, *args: str) -> 
         [
             sys.executable,
             "-m",
-            f"services.{service}",
+            f"kvmesh.{service}",
             "--nats-url",
             nats_url,
             "--namespace",

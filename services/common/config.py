@@ -32,12 +32,15 @@ def option(
     flag: str | None = None,
     choices: Sequence[Any] | None = None,
     positional: bool = False,
+    passthrough: bool = False,
 ) -> Any:
     """Declare one configuration field: its default, its help text and optionally its flag name.
 
     A ``positional`` field is a required command-line argument (no flag, no environment variable).
+    A ``passthrough`` field (a list) receives the arguments the parser does not know, for a component
+    with a parser of its own (vLLM's engine arguments); ``validate`` decides whether any are allowed.
     """
-    metadata = {"help": help, "flag": flag, "choices": choices, "positional": positional}
+    metadata = {"help": help, "flag": flag, "choices": choices, "positional": positional, "passthrough": passthrough}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -88,7 +91,11 @@ def _convert(raw: str, kind: type, name: str) -> Any:
 
 def build_parser(cls: type, prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        prog=prog,
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        # no abbreviations: an engine flag such as vLLM's --model must not pass for --model-name
+        allow_abbrev=False,
     )
     hints = typing.get_type_hints(cls)
     for title, group_fields in _option_groups(cls):
@@ -115,6 +122,8 @@ def _option_groups(cls: type) -> list[tuple[str | None, list[dataclasses.Field]]
 
 
 def _add_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f: dataclasses.Field, hint: Any) -> None:
+    if f.metadata.get("passthrough"):
+        return
     kind, _optional = _base_type(hint)
     if f.metadata.get("positional"):
         parser.add_argument(f.name, type=kind, help=f.metadata.get("help", ""))
@@ -143,7 +152,8 @@ def parse_config(
     hints = typing.get_type_hints(cls)
     env_defaults: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        raw = None if f.metadata.get("positional") else environ.get(env_var_name(f.name))
+        skip_env = f.metadata.get("positional") or f.metadata.get("passthrough")
+        raw = None if skip_env else environ.get(env_var_name(f.name))
         if raw is not None:
             kind, _ = _base_type(hints[f.name])
             try:
@@ -151,7 +161,12 @@ def parse_config(
             except ConfigError as exc:
                 parser.error(str(exc))
     parser.set_defaults(**env_defaults)
-    namespace = parser.parse_args(argv)
+    passthrough = [f.name for f in dataclasses.fields(cls) if f.metadata.get("passthrough")]
+    if passthrough:
+        namespace, unknown = parser.parse_known_args(argv)
+        setattr(namespace, passthrough[0], unknown)
+    else:
+        namespace = parser.parse_args(argv)
     config = cls(**vars(namespace))
     validate = getattr(config, "validate", None)
     if validate is not None:

@@ -1,3 +1,5 @@
 from kvmesh.worker.server import main
 
-main()
+# guarded: vLLM starts its engine core with multiprocessing "spawn", which imports __main__ again
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from kvmesh.common.config import ConfigError, GrpcEndpointConfig, option
 
 DEFAULT_MODEL_NAME = "kvmesh-tiny"
+# The mock engine's shape where a flag is not given (vLLM picks its own).
+MOCK_DEFAULTS = {"block_size": 16, "num_gpu_blocks": 16384, "max_num_seqs": 256, "max_num_batched_tokens": 8192}
 
 
 @dataclass
@@ -14,17 +16,32 @@ class WorkerConfig(GrpcEndpointConfig):
     kv_events_max_age: float = option(
         3600.0, "seconds the KV event stream keeps a message, if this process creates the stream"
     )
-    engine: str = option("mock", "inference engine", choices=("mock",))
+    engine: str = option(
+        "mock",
+        "inference engine: the simulated mock, or vLLM in-process (vLLM's own engine arguments such as --model, "
+        "--max-model-len or --gpu-memory-utilization follow the worker's flags and go to vLLM)",
+        choices=("mock", "vllm"),
+    )
     role: str = option(
         "aggregated",
         "worker role, part of its registration; routers never send whole requests to prefill workers",
         choices=("aggregated", "prefill", "decode"),
     )
     model_name: str = option(DEFAULT_MODEL_NAME, "model name served (what clients put in `model`)")
-    block_size: int = option(16, "tokens per KV block")
-    num_gpu_blocks: int = option(16384, "KV blocks in the cache (capacity)", flag="--num-gpu-blocks-override")
-    max_num_seqs: int = option(256, "most sequences running at once")
-    max_num_batched_tokens: int = option(8192, "token budget of one engine step (chunked prefill)")
+    block_size: int | None = option(
+        None, f"tokens per KV block (default: {MOCK_DEFAULTS['block_size']} for the mock, vLLM's own)"
+    )
+    num_gpu_blocks: int | None = option(
+        None,
+        f"KV blocks in the cache (default: {MOCK_DEFAULTS['num_gpu_blocks']} for the mock; vLLM sizes its own)",
+        flag="--num-gpu-blocks-override",
+    )
+    max_num_seqs: int | None = option(
+        None, f"most sequences running at once (default: {MOCK_DEFAULTS['max_num_seqs']})"
+    )
+    max_num_batched_tokens: int | None = option(
+        None, f"token budget of one engine step, chunked prefill (default: {MOCK_DEFAULTS['max_num_batched_tokens']})"
+    )
     speedup_ratio: float = option(1.0, "divide simulated step times by this (>1 runs faster than real)")
     num_layers: int = option(2, "model shape for the KV buffer: layers")
     num_kv_heads: int = option(2, "model shape for the KV buffer: KV heads")
@@ -44,15 +61,30 @@ class WorkerConfig(GrpcEndpointConfig):
         30.0, "prefill side: release a finished prefill's KV if no decode worker has taken it by then"
     )
 
+    engine_args: list[str] = option(
+        None, "with --engine vllm: the arguments the worker does not know itself, handed to vLLM", passthrough=True
+    )
+
     def validate(self) -> None:
-        if self.block_size <= 0:
-            raise ConfigError("--block-size must be positive")
-        if self.num_gpu_blocks <= 0:
-            raise ConfigError("--num-gpu-blocks-override must be positive")
+        for name, flag in (
+            ("block_size", "--block-size"),
+            ("num_gpu_blocks", "--num-gpu-blocks-override"),
+            ("max_num_seqs", "--max-num-seqs"),
+            ("max_num_batched_tokens", "--max-num-batched-tokens"),
+        ):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{flag} must be positive")
         if self.speedup_ratio <= 0:
             raise ConfigError("--speedup-ratio must be positive")
-        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
-            raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be positive")
+        if self.engine == "mock" and self.engine_args:
+            raise ConfigError(
+                f"unrecognized arguments: {' '.join(self.engine_args)} (engine arguments need --engine vllm)"
+            )
+        if self.engine == "vllm" and self.role != "aggregated":
+            raise ConfigError(
+                "--engine vllm serves --role aggregated only: disaggregation with vLLM is not available yet"
+            )
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype_bytes) <= 0:
             raise ConfigError("--num-layers, --num-kv-heads, --head-dim and --kv-dtype-bytes must be positive")
         if self.kv_transfer_timeout_secs <= 0 or self.disagg_hold_timeout_secs <= 0:
@@ -73,3 +105,8 @@ class WorkerConfig(GrpcEndpointConfig):
         if self.kv_transfer_backend == "auto" and self.role != "aggregated" and nixl_available():
             return "nixl"
         return "tcp"
+
+    def mock_shape(self, name: str) -> int:
+        """The mock engine's value of a shape option (``block_size``, ``num_gpu_blocks``, ...)."""
+        value = getattr(self, name)
+        return MOCK_DEFAULTS[name] if value is None else value

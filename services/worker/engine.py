@@ -33,29 +33,45 @@ class EngineRequestSpec:
     prompt: Sequence[int]
     max_tokens: int
     stop_token_ids: Sequence[int] = ()
-    seed: int = 0
+    seed: int | None = None  # None: the engine's own randomness
     lora_name: str | None = None
+    temperature: float | None = None  # None: the engine's default
+    top_p: float | None = None
+    ignore_eos: bool = False
 
     @classmethod
     def from_proto(cls, request: common_pb2.PreprocessedRequest) -> EngineRequestSpec:
+        sampling = request.sampling
         return cls(
             request_id=request.request_id,
             prompt=list(request.token_ids),
             max_tokens=request.stop.max_tokens or DEFAULT_MAX_TOKENS,
             stop_token_ids=tuple(request.stop.stop_token_ids),
-            seed=request.sampling.seed if request.sampling.HasField("seed") else 0,
+            seed=sampling.seed if sampling.HasField("seed") else None,
             lora_name=request.lora_name if request.HasField("lora_name") else None,
+            temperature=sampling.temperature if sampling.HasField("temperature") else None,
+            top_p=sampling.top_p if sampling.HasField("top_p") else None,
+            ignore_eos=request.stop.ignore_eos,
         )
 
 
 @dataclass(frozen=True)
 class TokenOutput:
-    """A token produced for a request in one step; ``finish_reason`` is set on its last one."""
+    """A token produced for a request in one step; ``finish_reason`` is set on its last one.
+    ``token_id`` is None only on a last output that carries no new token (the engine stopped)."""
 
     request_id: str
-    token_id: int
+    token_id: int | None
     finish_reason: FinishReason | None
     cached_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """Put in a request's queue instead of its next token when the engine failed it (engine dead,
+    internal error); the request is over."""
+
+    message: str
 
 
 @dataclass(frozen=True)
@@ -85,6 +101,10 @@ class EngineStatus:
     held_prefills: int
 
 
+# A request's outputs, in order: tokens, the last with a finish reason, or an EngineFailure.
+TokenQueue = asyncio.Queue[TokenOutput | EngineFailure]
+
+
 class CachedBlock(NamedTuple):
     """One block the engine's prefix cache holds, as ``DumpKvState`` reports it."""
 
@@ -112,6 +132,7 @@ class Engine(abc.ABC):
     """
 
     block_size: int
+    max_num_batched_tokens: int  # tokens one engine step takes at most (the router's cost model reads it)
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -120,12 +141,12 @@ class Engine(abc.ABC):
     async def stop(self) -> None: ...
 
     @abc.abstractmethod
-    def submit(self, spec: EngineRequestSpec, hold_on_finish: bool = False) -> asyncio.Queue[TokenOutput]:
+    def submit(self, spec: EngineRequestSpec, hold_on_finish: bool = False) -> TokenQueue:
         """Queue a request; ``hold_on_finish`` keeps its KV after the last token, for a transfer,
         until :meth:`release_held`. Raises :class:`EngineRequestError` for one it can never serve."""
 
     @abc.abstractmethod
-    def reserve_remote(self, spec: EngineRequestSpec) -> tuple[TransferPlan | None, asyncio.Queue[TokenOutput]]:
+    def reserve_remote(self, spec: EngineRequestSpec) -> tuple[TransferPlan | None, TokenQueue]:
         """Reserve memory for a prompt whose KV another worker computed (None: no room; nothing was
         queued then). Call :meth:`finish_transfer` when the transfer ends."""
 

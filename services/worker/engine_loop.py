@@ -13,7 +13,7 @@ from kvmesh.worker.engine import (
     Engine,
     EngineRequestSpec,
     EngineStatus,
-    TokenOutput,
+    TokenQueue,
     TransferPlan,
 )
 from kvmesh.worker.event_publisher import KvEventPublisher
@@ -32,8 +32,9 @@ class MockEngineLoop(Engine):
     def __init__(self, engine: MockEngine, publisher: KvEventPublisher | None) -> None:
         self.engine = engine
         self.block_size = engine.block_size
+        self.max_num_batched_tokens = engine.config.max_num_batched_tokens
         self._publisher = publisher
-        self._streams: dict[str, asyncio.Queue[TokenOutput]] = {}
+        self._streams: dict[str, TokenQueue] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -43,16 +44,16 @@ class MockEngineLoop(Engine):
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
 
-    def submit(self, spec: EngineRequestSpec, hold_on_finish: bool = False) -> asyncio.Queue[TokenOutput]:
+    def submit(self, spec: EngineRequestSpec, hold_on_finish: bool = False) -> TokenQueue:
         self.engine.add_request(spec, hold_on_finish=hold_on_finish)
-        queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        queue: TokenQueue = asyncio.Queue()
         self._streams[spec.request_id] = queue
         self._wakeup.set()
         return queue
 
-    def reserve_remote(self, spec: EngineRequestSpec) -> tuple[TransferPlan | None, asyncio.Queue[TokenOutput]]:
+    def reserve_remote(self, spec: EngineRequestSpec) -> tuple[TransferPlan | None, TokenQueue]:
         plan = self.engine.add_remote_prefill(spec)
-        queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        queue: TokenQueue = asyncio.Queue()
         if plan is not None:
             self._streams[spec.request_id] = queue
         return plan, queue

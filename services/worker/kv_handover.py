@@ -17,7 +17,7 @@ import structlog
 
 from kvmesh.common.disagg import DecodeOrder, KvReady, KvSource, PrefillOrder
 from kvmesh.common.status_error import StatusError
-from kvmesh.worker.engine import Engine, EngineRequestSpec, TokenOutput, transferable_blocks
+from kvmesh.worker.engine import Engine, EngineRequestSpec, TokenQueue, transferable_blocks
 from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, TransferError, TransferStats
 
 log = structlog.get_logger(__name__)
@@ -71,7 +71,7 @@ class KvHandover:
         self.transfer.server.fail(order.room, reason)
 
     # ---- decode side -----------------------------------------------------------------------
-    async def receive(self, spec: EngineRequestSpec, order: DecodeOrder) -> tuple[asyncio.Queue[TokenOutput], KvSource]:
+    async def receive(self, spec: EngineRequestSpec, order: DecodeOrder) -> tuple[TokenQueue, KvSource]:
         """Pull the prompt's KV from the prefill worker into reserved blocks (one retry), or fall
         back to a local prefill when allowed. Returns the request's token queue and where its KV
         came from; raises :class:`StatusError` when the KV cannot come and local prefill is not

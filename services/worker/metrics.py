@@ -14,7 +14,7 @@ from kvmesh.worker.kv_transfer import KvTransferServer
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: Engine, publisher: KvEventPublisher, transfer: KvTransferServer) -> None:
+    def __init__(self, engine: Engine, publisher: KvEventPublisher, transfer: KvTransferServer | None) -> None:
         self._engine = engine
         self._publisher = publisher
         self._transfer = transfer
@@ -35,6 +35,8 @@ class _EngineCollector(Collector):
             "KV events published to JetStream",
             value=self._publisher.published_events,
         )
+        if self._transfer is None:  # an engine without KV transfer (vLLM, for now)
+            return
         backend = GaugeMetricFamily(
             "kvmesh_worker_kv_transfer_backend", "KV transfer backend in use", labels=["backend"]
         )
@@ -65,7 +67,7 @@ class _EngineCollector(Collector):
 
 
 class WorkerMetrics:
-    def __init__(self, engine: Engine, publisher: KvEventPublisher, transfer: KvTransferServer) -> None:
+    def __init__(self, engine: Engine, publisher: KvEventPublisher, transfer: KvTransferServer | None) -> None:
         """``transfer``: the worker's KV transfer server, whose stats its client shares."""
         self.registry = CollectorRegistry()
         self.requests = Counter(

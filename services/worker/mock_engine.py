@@ -225,7 +225,7 @@ class MockEngine:
             prompt=prompt,
             max_tokens=spec.max_tokens,
             stop_token_ids=frozenset(spec.stop_token_ids),
-            seed=spec.seed,
+            seed=spec.seed or 0,  # unseeded requests answer alike on every worker
             lora_name=spec.lora_name,
             prompt_key=hash_block_tokens(prompt),
             local_hashes=local,

@@ -25,6 +25,7 @@ from kvmesh.worker.metrics import WorkerMetrics
 from kvmesh.worker.mock_engine import EngineConfig, MockEngine
 from kvmesh.worker.nixl_agent import NixlAgent
 from kvmesh.worker.servicer import WorkerServicer
+from kvmesh.worker.vllm_engine import VllmEngine
 
 log = structlog.get_logger(__name__)
 
@@ -36,14 +37,25 @@ def kv_layout(config: WorkerConfig) -> KvLayout:
 def build_mock_engine(config: WorkerConfig, kv: KvBuffer | None = None) -> MockEngine:
     return MockEngine(
         EngineConfig(
-            num_blocks=config.num_gpu_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            num_blocks=config.mock_shape("num_gpu_blocks"),
+            block_size=config.mock_shape("block_size"),
+            max_num_seqs=config.mock_shape("max_num_seqs"),
+            max_num_batched_tokens=config.mock_shape("max_num_batched_tokens"),
             timing=TimingModel(speedup_ratio=config.speedup_ratio),
         ),
         kv,
     )
+
+
+def vllm_overrides(config: WorkerConfig) -> dict[str, object]:
+    """The worker's options that are also vLLM engine arguments (None: vLLM's own default)."""
+    return {
+        "block_size": config.block_size,
+        "num_gpu_blocks_override": config.num_gpu_blocks,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "served_model_name": [config.model_name],
+    }
 
 
 async def serve(
@@ -61,14 +73,30 @@ async def serve(
         js = nc.jetstream()
         await ensure_kv_events_stream(js, config.kv_events_max_age)
         publisher = await stack.start(publisher_class(js, config.namespace, worker_id))
-        kv = KvBuffer(config.num_gpu_blocks, kv_layout(config).block_bytes(config.block_size))
-        engine: Engine = await stack.start(MockEngineLoop(build_mock_engine(config, kv), publisher))
-        transfer = await start_kv_transfer(stack, config, worker_id, kv, engine)
-        metrics = WorkerMetrics(engine, publisher, transfer.server)
+        handover: KvHandover | None = None
+        extra: dict[str, object] = {"engine": config.engine}
+        if config.engine == "vllm":
+            engine: Engine = await stack.start(
+                VllmEngine(
+                    config.engine_args, vllm_overrides(config), publisher.enqueue, lambda: publisher.last_event_id
+                )
+            )
+        else:
+            shape = kv_layout(config).block_bytes(config.mock_shape("block_size"))
+            kv = KvBuffer(config.mock_shape("num_gpu_blocks"), shape)
+            engine = await stack.start(MockEngineLoop(build_mock_engine(config, kv), publisher))
+            transfer = await start_kv_transfer(stack, config, worker_id, kv, engine)
+            handover = KvHandover(worker_id, engine, transfer, config.kv_transfer_timeout_secs)
+            extra |= {
+                "kv_transfer_host": transfer.host,
+                "kv_transfer_port": transfer.server.port,
+                "kv_transfer_backend": transfer.backend,
+            }
+        metrics = WorkerMetrics(engine, publisher, handover.transfer.server if handover else None)
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
-        handover = KvHandover(worker_id, engine, transfer, config.kv_transfer_timeout_secs)
         servicer = WorkerServicer(worker_id, config.model_name, engine, metrics, handover)
+        status = engine.status()
         record = await stack.grpc_service(
             js,
             config,
@@ -78,25 +106,17 @@ async def serve(
             add_servicer=lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server),
             role=config.role,
             model=config.model_name,
-            block_size=config.block_size,
-            capacity_blocks=config.num_gpu_blocks,
-            extra={
-                "max_num_batched_tokens": config.max_num_batched_tokens,
-                "engine": config.engine,
-                "kv_transfer_host": transfer.host,
-                "kv_transfer_port": transfer.server.port,
-                "kv_transfer_backend": transfer.backend,
-                **endpoint.discovery_extra(),
-            },
+            block_size=status.block_size,
+            capacity_blocks=status.total_blocks,
+            extra={"max_num_batched_tokens": engine.max_num_batched_tokens, **extra, **endpoint.discovery_extra()},
         )
         log.info(
             "worker ready",
             address=record.address,
             engine=config.engine,
             role=config.role,
-            kv_transfer_backend=transfer.backend,
-            kv_transfer_port=transfer.server.port,
-            kv_block_bytes=kv.block_bytes,
+            block_size=status.block_size,
+            kv_transfer_backend=extra.get("kv_transfer_backend"),
         )
         await stop.wait()
         log.info("worker shutting down")

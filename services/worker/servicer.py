@@ -19,7 +19,7 @@ from kvmesh.common.finish_reasons import to_proto
 from kvmesh.common.grpc_errors import refuse
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.common.status_error import StatusError
-from kvmesh.worker.engine import Engine, EngineRequestError, EngineRequestSpec, TokenOutput
+from kvmesh.worker.engine import Engine, EngineFailure, EngineRequestError, EngineRequestSpec, TokenOutput
 from kvmesh.worker.kv_handover import KvHandover
 from kvmesh.worker.metrics import WorkerMetrics
 
@@ -30,7 +30,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves ``Generate`` from the engine; a cancelled stream aborts its request and frees its KV."""
 
     def __init__(
-        self, worker_id: int, model_name: str, engine: Engine, metrics: WorkerMetrics, handover: KvHandover
+        self, worker_id: int, model_name: str, engine: Engine, metrics: WorkerMetrics, handover: KvHandover | None
     ) -> None:
         self.worker_id = worker_id
         self.model_name = model_name
@@ -61,6 +61,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 await refuse(
                     context, "worker", grpc.StatusCode.INVALID_ARGUMENT, f"a request cannot carry {order.kind!r} params"
                 )
+        if order is not None and self.handover is None:
+            await refuse(
+                context,
+                "worker",
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this worker's engine does not do disaggregation",
+            )
         spec = EngineRequestSpec.from_proto(request)
         prefill = order if isinstance(order, PrefillOrder) else None
         handed_over = False
@@ -84,7 +91,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             completion = 0
             while True:
                 output = await queue.get()
-                completion += 1
+                if isinstance(output, EngineFailure):
+                    # not marked as a refusal: the router takes it as a failed worker and migrates
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, output.message)
+                if output.token_id is not None:
+                    completion += 1
                 message = self._output(spec, output, completion)
                 if source is not None and completion == 1:
                     message.disaggregated_params = disagg.encode(source)
@@ -113,7 +124,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _output(self, spec: EngineRequestSpec, output: TokenOutput, completion: int) -> common_pb2.GenerateOutput:
         # Usage rides on every piece, so a client that stops early still knows its cached tokens.
         message = common_pb2.GenerateOutput(
-            token_ids=[output.token_id],
+            token_ids=[] if output.token_id is None else [output.token_id],
             worker_id=self.worker_id,
             dp_rank=0,
             usage=common_pb2.Usage(
@@ -155,7 +166,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.WorkerStatusRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStatus:
         status = self.engine.status()
-        transfer = self.handover.transfer
+        transfer = self.handover.transfer if self.handover is not None else None
         return worker_pb2.WorkerStatus(
             worker_id=self.worker_id,
             model=self.model_name,
@@ -165,7 +176,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             active_blocks=status.active_blocks,
             running_requests=status.running_requests,
             waiting_requests=status.waiting_requests,
-            kv_transfer_backend=transfer.backend,
-            kv_transfers_in_flight=transfer.stats.in_flight,
+            kv_transfer_backend=transfer.backend if transfer else "",
+            kv_transfers_in_flight=transfer.stats.in_flight if transfer else 0,
             held_prefills=status.held_prefills,
         )

@@ -1,0 +1,244 @@
+"""vLLM's v1 async engine (``AsyncLLM``) in-process, as an :class:`Engine`.
+
+Engine arguments are vLLM's own (``--model``, ``--max-model-len``, ``--gpu-memory-utilization``,
+``--tensor-parallel-size``, ...), parsed by vLLM's own argument parser; the worker's
+``--block-size``, ``--num-gpu-blocks-override``, ``--max-num-seqs`` and
+``--max-num-batched-tokens`` are handed to vLLM when given. Prefix caching is always on, and vLLM's
+KV event publisher is always enabled and relayed to JetStream (:mod:`~kvmesh.worker.vllm_events`).
+With no ``--model``, the random-weight ``kvmesh-tiny`` Llama is built on first use and served.
+
+Prefill/decode disaggregation through vLLM's KV connectors is not implemented yet: a vLLM worker
+serves whole requests only (the worker refuses another role at start-up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+
+from kvmesh.common.finish_reasons import FinishReason
+from kvmesh.common.kv_events import EventData
+from kvmesh.common.nats_server import free_port
+from kvmesh.worker import tiny_llama
+from kvmesh.worker.engine import (
+    CachedBlock,
+    Engine,
+    EngineFailure,
+    EngineRequestError,
+    EngineRequestSpec,
+    EngineStatus,
+    TokenOutput,
+    TokenQueue,
+    TransferPlan,
+)
+from kvmesh.worker.vllm_events import VllmEventRelay, VllmEventTranslator
+
+log = structlog.get_logger(__name__)
+
+_FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": FinishReason.CANCELLED}
+_NO_DISAGGREGATION = "prefill/decode disaggregation is not available with the vllm engine yet"
+_MAX_SEED = (1 << 63) - 1
+
+
+class VllmEngineArgsError(ValueError):
+    """vLLM's argument parser rejected the engine arguments; the message is its own."""
+
+
+def engine_args(argv: Sequence[str], overrides: dict[str, Any]) -> Any:
+    """``AsyncEngineArgs`` from vLLM's own flags, then the worker's shared options (``overrides``,
+    None entries left to vLLM), prefix caching on, and the tiny model when no ``--model`` is given."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="kvmesh worker --engine vllm", exit_on_error=False)
+    AsyncEngineArgs.add_cli_args(parser)
+    try:
+        namespace = parser.parse_args(list(argv))
+    except (SystemExit, Exception) as exc:
+        raise VllmEngineArgsError(f"invalid vLLM engine arguments {list(argv)}: {exc}") from None
+    args = AsyncEngineArgs.from_cli_args(namespace)
+    if not any(a == "--model" or a.startswith("--model=") for a in argv):
+        args.model = str(tiny_llama.ensure())
+        args.tokenizer = args.model
+    for name, value in overrides.items():
+        if value is not None:
+            setattr(args, name, value)
+    args.enable_prefix_caching = True
+    return args
+
+
+class VllmEngine(Engine):
+    """Guarantees beyond :class:`Engine`'s: a request cancelled by its caller is aborted in vLLM
+    (its blocks freed); a request vLLM fails ends its queue with an :class:`EngineFailure`."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        overrides: dict[str, Any],
+        deliver_events: Callable[[list[EventData]], None],
+        last_event_id: Callable[[], int],
+    ) -> None:
+        self._argv = list(argv)
+        self._overrides = overrides
+        self._deliver_events = deliver_events
+        self._last_event_id = last_event_id
+        self._llm: Any = None
+        self._relay: VllmEventRelay | None = None
+        self._translator = VllmEventTranslator()
+        self._requests: dict[str, asyncio.Task[None]] = {}
+        self.block_size = 0
+        self.max_num_batched_tokens = 0
+        self.num_blocks = 0
+        self.max_model_len = 0
+        self.model = ""
+
+    async def start(self) -> None:
+        from vllm.config import KVEventsConfig
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = await asyncio.to_thread(engine_args, self._argv, self._overrides)
+        events_port, replay_port = free_port(), free_port()
+        # bound before the engine starts, so its publisher's first batch finds us
+        self._relay = VllmEventRelay(
+            f"tcp://127.0.0.1:{events_port}",
+            f"tcp://127.0.0.1:{replay_port}",
+            self._translator,
+            self._deliver_events,
+        )
+        args.kv_events_config = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=self._relay.sub_endpoint,
+            replay_endpoint=self._relay.replay_endpoint,
+        )
+        await self._relay.start()
+        log.info("starting vLLM", model=args.model, block_size=args.block_size)
+        self._llm = AsyncLLM.from_engine_args(args)
+        config = self._llm.vllm_config
+        self.block_size = config.cache_config.block_size
+        self.num_blocks = config.cache_config.num_gpu_blocks or 0
+        self.max_model_len = config.model_config.max_model_len
+        self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
+        self.model = args.model
+        log.info(
+            "vLLM ready",
+            model=self.model,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            max_model_len=self.max_model_len,
+        )
+
+    async def stop(self) -> None:
+        for task in list(self._requests.values()):
+            task.cancel()
+        for task in list(self._requests.values()):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._llm is not None:
+            self._llm.shutdown()
+        if self._relay is not None:
+            await self._relay.stop()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def submit(self, spec: EngineRequestSpec, hold_on_finish: bool = False) -> TokenQueue:
+        if hold_on_finish:
+            raise EngineRequestError(_NO_DISAGGREGATION)
+        if spec.request_id in self._requests:
+            raise EngineRequestError(f"request {spec.request_id!r} is already in the engine")
+        if not spec.prompt:
+            raise EngineRequestError("the prompt is empty")
+        if len(spec.prompt) + spec.max_tokens > self.max_model_len:
+            raise EngineRequestError(
+                f"the prompt ({len(spec.prompt)} tokens) plus max_tokens ({spec.max_tokens}) is longer than "
+                f"the model's context of {self.max_model_len} tokens"
+            )
+        queue: TokenQueue = asyncio.Queue()
+        task = asyncio.create_task(self._generate(spec, queue), name=f"vllm-{spec.request_id}")
+        self._requests[spec.request_id] = task
+        task.add_done_callback(lambda _t: self._requests.pop(spec.request_id, None))
+        return queue
+
+    def _sampling_params(self, spec: EngineRequestSpec) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        options: dict[str, Any] = {
+            "max_tokens": spec.max_tokens,
+            "stop_token_ids": list(spec.stop_token_ids),
+            "ignore_eos": spec.ignore_eos,
+            "output_kind": RequestOutputKind.DELTA,
+        }
+        if spec.temperature is not None:
+            options["temperature"] = spec.temperature
+        if spec.top_p is not None:
+            options["top_p"] = spec.top_p
+        if spec.seed is not None:
+            options["seed"] = spec.seed & _MAX_SEED
+        return SamplingParams(**options)
+
+    async def _generate(self, spec: EngineRequestSpec, queue: TokenQueue) -> None:
+        prompt = {"prompt_token_ids": list(spec.prompt)}
+        cached = 0
+        try:
+            # cancelling this task cancels the generator, which aborts the request in vLLM
+            async for output in self._llm.generate(prompt, self._sampling_params(spec), spec.request_id):
+                cached = output.num_cached_tokens or cached
+                completion = output.outputs[0]
+                tokens = list(completion.token_ids)
+                finish = _FINISH.get(completion.finish_reason) if output.finished else None
+                if output.finished and finish is None:
+                    finish = FinishReason.STOP
+                for i, token in enumerate(tokens):
+                    last = finish if i == len(tokens) - 1 else None
+                    queue.put_nowait(TokenOutput(spec.request_id, token, last, cached))
+                if output.finished and not tokens:  # finished without a new token
+                    queue.put_nowait(TokenOutput(spec.request_id, None, finish, cached))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.error("vLLM request failed", request_id=spec.request_id, error=f"{type(exc).__name__}: {exc}")
+            queue.put_nowait(EngineFailure(f"the vLLM engine failed the request: {type(exc).__name__}: {exc}"))
+
+    def abort(self, request_id: str) -> None:
+        task = self._requests.pop(request_id, None)
+        if task is not None and not task.done():
+            task.cancel()
+            log.info("request aborted", request_id=request_id)
+
+    # ---- disaggregation (not yet with vLLM) ---------------------------------------------------
+    def reserve_remote(self, spec: EngineRequestSpec) -> tuple[TransferPlan | None, TokenQueue]:
+        raise EngineRequestError(_NO_DISAGGREGATION)
+
+    def finish_transfer(self, request_id: str, received: bool) -> None:
+        raise EngineRequestError(_NO_DISAGGREGATION)
+
+    def held_slots(self, request_id: str, num_blocks: int) -> list[int]:
+        raise EngineRequestError(_NO_DISAGGREGATION)
+
+    def release_held(self, request_id: str) -> None:
+        return None  # nothing is ever held
+
+    # ---- state -------------------------------------------------------------------------------
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            block_size=self.block_size,
+            total_blocks=self.num_blocks,
+            cached_blocks=len(self._translator),
+            active_blocks=0,  # vLLM does not report it per request; its own metrics have the usage
+            running_requests=len(self._requests),
+            waiting_requests=0,
+            held_prefills=0,
+        )
+
+    def dump_kv_state(self) -> tuple[int, list[CachedBlock]]:
+        """The relay's view: every batch received so far has been translated and enqueued (the relay
+        runs on this event loop), so the blocks match the events up to the returned id."""
+        return self._last_event_id(), self._translator.cached_blocks()
+
+    @property
+    def relay(self) -> VllmEventRelay | None:
+        return self._relay
