@@ -11,10 +11,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import nats
+
 from kvmesh.common.config import parse_config
+from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.nats_server import free_port
 
-__all__ = ["free_port", "running", "service_config", "service_process", "wait_until", "wait_until_async"]
+__all__ = ["discovered", "free_port", "running", "service_config", "service_process", "wait_until", "wait_until_async"]
 
 ConfigT = TypeVar("ConfigT")
 
@@ -78,3 +81,20 @@ def service_config(config_class: type[ConfigT], argv: list[str]) -> ConfigT:
     """A service's typed configuration exactly as its command line builds it, blind to ``KVMESH_*``
     variables of the machine running the tests."""
     return parse_config(config_class, argv, prog=config_class.__name__, description="", environ={})
+
+
+def discovered(nats_url: str, component: str, namespace: str = "default") -> list[InstanceRecord]:
+    """The instances of ``component`` registered right now (from a synchronous test)."""
+
+    async def read() -> list[InstanceRecord]:
+        nc = await nats.connect(nats_url)
+        try:
+            watcher = DiscoveryWatcher(nc.jetstream(), namespace, component)
+            await watcher.start()
+            found = watcher.instances()
+            await watcher.stop()
+            return found
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())

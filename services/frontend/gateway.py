@@ -122,7 +122,8 @@ class Frontend:
         request = common_pb2.PreprocessedRequest(request_id=request_id, model=body.model, token_ids=token_ids)
         request.stop.max_tokens = max_tokens
         eos = self.model.tokenizer.eos_token_id
-        if eos is not None:
+        request.stop.ignore_eos = body.ignore_eos
+        if eos is not None and not body.ignore_eos:
             request.stop.stop_token_ids.append(eos)
         if body.temperature is not None:
             request.sampling.temperature = body.temperature

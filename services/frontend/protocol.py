@@ -42,6 +42,8 @@ class _SamplingRequest(_Lenient):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    # vLLM's extension: generate max_tokens tokens even past the end-of-sequence token
+    ignore_eos: bool = False
     kvmesh: KvmeshExtension | None = None
 
     @field_validator("n")

