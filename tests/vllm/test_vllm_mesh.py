@@ -4,16 +4,22 @@ vLLM, bad input, cancellation, and the indexers' view against what vLLM holds af
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import os
+import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
+import httpx
 import openai
 import pytest
 
 from kvmesh.common.hashing import block_set_digest
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.frontend.gateway import WORKER_ID_HEADER
 from kvmesh.up import MeshProcess
 from tests.support import discovered, wait_until
 
@@ -151,3 +157,55 @@ def test_the_index_holds_exactly_what_vllm_holds_after_evictions(client: openai.
     held = truth()
     assert sum(count for count, _ in held.values()) <= 2 * 48
     assert sum(count for count, _ in held.values()) > 0
+
+
+def pid_listening_on(port: int) -> int:
+    """The process with a listening TCP socket on ``port`` (read from /proc; no tools needed)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(fields[9])
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    return int(entry.name)
+    raise AssertionError(f"no process listens on port {port}")
+
+
+def test_a_vllm_worker_killed_mid_stream_hands_the_stream_to_the_other(vllm_mesh: MeshProcess):
+    """Runs last in this module: the killed worker is restarted by kvmesh up, which takes a while."""
+    max_tokens = 600
+    body = {
+        "model": "kvmesh-tiny",
+        "prompt": "keep going",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    text, usage, killed = [], None, None
+    with httpx.stream("POST", f"{vllm_mesh.api}/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        worker_id = int(response.headers[WORKER_ID_HEADER])
+        record = next(r for r in discovered(vllm_mesh.nats_url, "worker") if r.instance_id == worker_id)
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk["choices"]:
+                text.append(chunk["choices"][0]["text"])
+                if len(text) == 20 and killed is None:
+                    killed = pid_listening_on(int(record.address.rsplit(":", 1)[1]))
+                    os.kill(killed, signal.SIGKILL)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    assert killed is not None, "the stream ended before the worker could be killed"
+    assert usage is not None and usage["completion_tokens"] == max_tokens
