@@ -18,6 +18,7 @@ from kvmesh.common.grpc_server import insecure_channel
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.common.runtime import connect_nats
 from kvmesh.common.structured_logging import configure_logging
+from kvmesh.common.timing import from_constants
 
 
 async def _instances(nats_url: str, namespace: str, component: str):
@@ -97,6 +98,8 @@ async def inspect_workers(nats_url: str, namespace: str, timeout: float) -> list
             "role": record.role,
             "model": record.model,
             "metrics": record.extra.get("metrics"),
+            "engine": record.extra.get("engine"),
+            "timing": record.extra.get("timing"),
         }
         status, error = await _status(
             record.address,
@@ -153,6 +156,16 @@ def render_workers(rows: list[dict[str, Any]]) -> str:
             f"{row['cached_blocks']} cached blocks, {row['active_blocks']} active of {row['total_blocks']}, "
             f"{row['running']} running, {row['waiting']} waiting"
         )
+        timing = row.get("timing")
+        if timing:
+            model = from_constants(timing)
+            lines.append(
+                f"    fitted step time ({row.get('engine') or 'engine'}): prefill ms = {model.prefill_a:.3g}·T² + "
+                f"{model.prefill_b:.4g}·T + {model.prefill_c:.4g}; decode ms = {model.decode_a:.4g}·u² + "
+                f"{model.decode_b:.4g}·u + {model.decode_c:.4g}  (1k-token prefill {model.prefill_ms(1000):.1f} ms)"
+            )
+        else:
+            lines.append("    fitted step time: not yet (no steps measured)")
     return "\n".join(lines)
 
 

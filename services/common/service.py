@@ -41,7 +41,7 @@ class ServiceStack(contextlib.AsyncExitStack):
         async with ServiceStack() as stack:
             nc = await stack.nats(config, "kvmesh-router-1")
             watcher = await stack.start(DiscoveryWatcher(...))
-            record = await stack.grpc_service(js, config, ...)   # registered last, deregistered first
+            registration = await stack.grpc_service(js, config, ...)   # registered last, deregistered first
             await stop.wait()
     """
 
@@ -63,8 +63,9 @@ class ServiceStack(contextlib.AsyncExitStack):
         self.push_async_callback(cancel_and_wait, task)
         return task
 
-    async def grpc_service(self, js: JetStreamContext, config: GrpcEndpointConfig, **kwargs: Any) -> InstanceRecord:
-        """Serve gRPC and stay registered until the stack unwinds (see :func:`registered_grpc_service`)."""
+    async def grpc_service(self, js: JetStreamContext, config: GrpcEndpointConfig, **kwargs: Any) -> Registration:
+        """Serve gRPC and stay registered until the stack unwinds (see :func:`registered_grpc_service`);
+        the registration's record can be updated while serving."""
         return await self.enter_async_context(registered_grpc_service(js, config, **kwargs))
 
 
@@ -93,7 +94,7 @@ async def registered_grpc_service(
     service_name: str,
     add_servicer: Callable[[grpc.aio.Server], None],
     **record_fields: Any,
-) -> AsyncIterator[InstanceRecord]:
+) -> AsyncIterator[Registration]:
     """Serve gRPC and keep this instance registered; on exit, deregister first, then stop serving,
     so that nobody is sent to an address that is going away."""
     server = await start_grpc_server(add_servicer, [service_name], host=config.host, port=config.port)
@@ -108,7 +109,7 @@ async def registered_grpc_service(
     registration = Registration(js, record)
     try:
         await registration.start()
-        yield record
+        yield registration
     finally:
         await registration.stop()
         await server.stop()

@@ -12,6 +12,7 @@ A step takes prefill ms + decode ms, divided by the speed-up ratio.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -40,3 +41,37 @@ class TimingModel:
     def step_ms(self, prefill_tokens: int, decode_context_tokens: int, capacity_tokens: int, decoding: bool) -> float:
         raw = self.prefill_ms(prefill_tokens) + self.decode_ms(decode_context_tokens, capacity_tokens, decoding)
         return raw / self.speedup_ratio
+
+
+def scaled(model: TimingModel, prefill_factor: float, decode_factor: float | None = None) -> TimingModel:
+    """The model with prefill times ``prefill_factor`` times as long and decode times
+    ``decode_factor`` times (default: the same factor) — a slower engine, or a prior wrong by that much."""
+    decode_factor = prefill_factor if decode_factor is None else decode_factor
+    return dataclasses.replace(
+        model,
+        prefill_a=model.prefill_a * prefill_factor,
+        prefill_b=model.prefill_b * prefill_factor,
+        prefill_c=model.prefill_c * prefill_factor,
+        decode_a=model.decode_a * decode_factor,
+        decode_b=model.decode_b * decode_factor,
+        decode_c=model.decode_c * decode_factor,
+    )
+
+
+def real_time(model: TimingModel) -> TimingModel:
+    """The same model with its speed-up folded into the constants (``speedup_ratio`` 1): what a fit
+    of the steps' measured durations converges to."""
+    return dataclasses.replace(scaled(model, 1.0 / model.speedup_ratio), speedup_ratio=1.0)
+
+
+def as_constants(model: TimingModel) -> dict[str, float]:
+    """The model's constants, as a worker advertises them (speed-up folded in)."""
+    fitted = real_time(model)
+    return {name: getattr(fitted, name) for name in TIMING_CONSTANTS}
+
+
+def from_constants(constants: dict[str, float]) -> TimingModel:
+    return TimingModel(**{name: float(constants[name]) for name in TIMING_CONSTANTS})
+
+
+TIMING_CONSTANTS = ("prefill_a", "prefill_b", "prefill_c", "decode_a", "decode_b", "decode_c")

@@ -161,7 +161,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
         stack.push_async_callback(metrics.close)
         extra: dict[str, object] = {"replica_id": config.replica_id, **metrics.discovery_extra()}
         servicer = IndexerServicer(config.replica_id, index, consumer, state, query_latency)
-        record = await stack.grpc_service(
+        registration = await stack.grpc_service(
             js,
             config,
             component="indexer",
@@ -170,6 +170,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
             add_servicer=lambda server: indexer_pb2_grpc.add_IndexerServicer_to_server(servicer, server),
             extra=extra,
         )
+        record = registration.record
         log.info("indexer ready", address=record.address, replica_id=config.replica_id, metrics=extra.get("metrics"))
         await stop.wait()
 

@@ -18,6 +18,7 @@ routed after that step's events are applied.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -28,13 +29,14 @@ from kvmesh.common.config import ConfigError, option
 from kvmesh.common.hashing import sequence_hashes
 from kvmesh.common.kv_events import KvEvent, KvEventBatch
 from kvmesh.common.prefix_index import PrefixIndex
-from kvmesh.common.timing import TimingModel
+from kvmesh.common.timing import TimingModel, scaled
+from kvmesh.common.timing_fit import TimingFit
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
 from kvmesh.router.config import RoutingOptions
 from kvmesh.router.load_tracker import LoadTracker
 from kvmesh.router.policy import RoutingPolicy
 from kvmesh.router.prefill_placement import place_prefill
-from kvmesh.router.scheduler import make_cost_model
+from kvmesh.router.scheduler import PerWorkerTtftCost, make_cost_model
 from kvmesh.worker.engine import EngineRequestSpec
 from kvmesh.worker.mock_engine import EngineConfig, MockEngine, StepResult
 
@@ -61,6 +63,20 @@ class ReplayConfig(RoutingOptions):
     kv_bytes_per_token: int = option(131072, "KV bytes per token of the modelled model (transfer size)")
     # KV transfer bandwidth, GB/s (25: a 200 Gb/s RDMA link)
     kv_transfer_gbps: float = option(25.0, "KV transfer bandwidth, GB/s")
+    slow_workers: int = option(
+        0, "the first N workers' engines are --slow-worker-factor times slower (heterogeneous fleet)"
+    )
+    slow_worker_factor: float = option(2.0, "how much slower the slow workers' steps are")
+    router_timing: str = option(
+        "exact",
+        "what the router's ttft cost knows of each worker's step times: exact (its true model), prior (the "
+        "nominal model scaled by --router-prefill-scale / --router-decode-scale, for every worker), or learned "
+        "(fitted from the steps each worker runs, starting from that prior)",
+        choices=("exact", "prior", "learned"),
+    )
+    router_prefill_scale: float = option(1.0, "the prior's prefill times are the nominal ones times this")
+    router_decode_scale: float = option(1.0, "the prior's decode times are the nominal ones times this")
+    timing_refit_steps: int = option(50, "with --learn-timing: steps between refits of a worker's model")
 
     def validate(self) -> None:
         RoutingOptions.validate(self)
@@ -75,6 +91,10 @@ class ReplayConfig(RoutingOptions):
             raise ConfigError("--prefill-workers must be >= 0")
         if self.kv_bytes_per_token <= 0 or self.kv_transfer_gbps <= 0:
             raise ConfigError("--kv-bytes-per-token and --kv-transfer-gbps must be positive")
+        if min(self.router_prefill_scale, self.router_decode_scale, self.slow_worker_factor) <= 0:
+            raise ConfigError("--router-prefill-scale, --router-decode-scale and --slow-worker-factor must be positive")
+        if self.timing_refit_steps <= 0 or not 0 <= self.slow_workers <= self.workers:
+            raise ConfigError("--timing-refit-steps must be positive and --slow-workers at most --workers")
 
 
 @dataclass
@@ -120,19 +140,31 @@ class ReplaySimulator:
             timing=TimingModel(),
         )
         total = config.workers + config.prefill_workers
-        self.engines = [MockEngine(engine_config) for _ in range(total)]
+        slow = dataclasses.replace(engine_config, timing=scaled(TimingModel(), config.slow_worker_factor))
+        self.engines = [MockEngine(slow if w < config.slow_workers else engine_config) for w in range(total)]
         # the router's own load tracking, in virtual time
         self.loads = LoadTracker(config.track_active_blocks, config.router_track_output_blocks)
+        prior = scaled(TimingModel(), config.router_prefill_scale, config.router_decode_scale)
         self.policy = RoutingPolicy(
             config.router_mode,
             config.block_size,
             config.kv_overlap_score_weight,
             config.router_temperature,
             random.Random(config.seed),
-            make_cost_model(config.kv_cost, config.block_size, config.max_num_batched_tokens, config.num_blocks),
+            make_cost_model(
+                config.kv_cost,
+                config.block_size,
+                config.max_num_batched_tokens,
+                config.num_blocks,
+                prior,
+            ),
             active=self.loads.sequences(config.block_size),
         )
         self.index = PrefixIndex()
+        self._fits = [TimingFit(prior) for _ in range(total)] if config.router_timing == "learned" else []
+        if config.router_timing == "exact" and isinstance(self.policy.cost_model, PerWorkerTtftCost):
+            for w, engine in enumerate(self.engines):
+                self.policy.cost_model.set_timing((w, 0), engine.config.timing)
         self._builder = PromptBuilder(config.trace_block_size, config.block_size)
         self._next_event_id = [0] * total
         self._workers = [(w, 0) for w in range(config.workers)]
@@ -252,6 +284,18 @@ class ReplaySimulator:
         self._awaiting_kv[prefill_id] = (request_id, decode, prompt, record.output_length, hashes)
         return prefill
 
+    def _learn(self, worker: int, result: StepResult) -> None:
+        """Feed a finished step to the worker's timing fit; refit its cost every few steps."""
+        fit = self._fits[worker]
+        capacity = self.config.num_blocks * self.config.block_size
+        decoding = result.decoding_requests > 0
+        if result.prefill_tokens or decoding:
+            fit.observe(result.prefill_tokens, result.decode_context_tokens, capacity, decoding, result.duration_ms)
+        if fit.observations % self.config.timing_refit_steps == 0 and isinstance(
+            self.policy.cost_model, PerWorkerTtftCost
+        ):
+            self.policy.cost_model.set_timing((worker, 0), fit.model())
+
     def _track(
         self,
         request_id: str,
@@ -285,6 +329,8 @@ class ReplaySimulator:
 
     def _finish_step(self, worker: int, result: StepResult, now: float, by_id: dict[str, RequestRecord]) -> list[int]:
         """Apply a finished step; returns decode workers that got a request to run at once."""
+        if self._fits:
+            self._learn(worker, result)
         events = self.engines[worker].drain_events()
         if events:
             first = self._next_event_id[worker]

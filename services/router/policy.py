@@ -58,7 +58,8 @@ class RoutingPolicy:
         self.active = (
             active if active is not None else ActiveSequences(block_size, track_active_blocks, track_output_blocks)
         )
-        self._kv = KvSelector(cost_model or BlockCost(block_size), self._rng)
+        self.cost_model = cost_model or BlockCost(block_size)
+        self._kv = KvSelector(self.cost_model, self._rng)
         self._round_robin = RoundRobinSelector()
         self._random = RandomSelector(self._rng)
 

@@ -21,6 +21,7 @@ from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.hashing import local_block_hashes, sequence_hashes
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
 from kvmesh.common.status_error import StatusError
+from kvmesh.common.timing import from_constants
 from kvmesh.router.approximate_index import ApproximateIndex
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.eligibility import (
@@ -36,7 +37,7 @@ from kvmesh.router.policy import RoutingPolicy
 from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
 from kvmesh.router.prefill_placement import NoCapacity, place_prefill
 from kvmesh.router.replica_sync import ReplicaSync
-from kvmesh.router.scheduler import make_cost_model
+from kvmesh.router.scheduler import PerWorkerTtftCost, make_cost_model
 from kvmesh.router.sync_messages import ADD, SyncMessage
 
 log = structlog.get_logger(__name__)
@@ -110,6 +111,7 @@ class Router:
         self._rng = rng or random.Random(config.seed)
         self._policies: dict[int, RoutingPolicy] = {}
         self._approximate: dict[int, ApproximateIndex] = {}
+        self._timing_seen: dict[int, object] = {}  # worker -> the advertised constants last adopted
 
     def policies(self) -> list[RoutingPolicy]:
         return list(self._policies.values())
@@ -154,8 +156,28 @@ class Router:
             )
         return policy
 
+    def _adopt_advertised_timing(self, policy: RoutingPolicy, records: list[InstanceRecord]) -> None:
+        """Each worker's fitted step-time constants (advertised in discovery) into the ttft cost.
+        A record is a new object after every lease refresh, so an identity check per candidate is
+        all a request pays; the cost is rebuilt only when a worker's record changed."""
+        cost = policy.cost_model
+        if not isinstance(cost, PerWorkerTtftCost):
+            return
+        for record in records:
+            constants = record.extra.get("timing")
+            if constants is not None and self._timing_seen.get(record.instance_id) is not constants:
+                self._timing_seen[record.instance_id] = constants
+                try:
+                    cost.set_timing((record.instance_id, 0), from_constants(constants))
+                except (KeyError, TypeError, ValueError):
+                    log.warning("ignoring unreadable timing constants", worker_id=record.instance_id)
+
     def worker_left(self, record: InstanceRecord) -> None:
         self.loads.remove_worker(record.instance_id)
+        self._timing_seen.pop(record.instance_id, None)
+        for policy in self._policies.values():
+            if isinstance(policy.cost_model, PerWorkerTtftCost):
+                policy.cost_model.forget((record.instance_id, 0))
         self.failed.forget(record.instance_id)
         for index in self._approximate.values():
             index.remove_worker(record.instance_id)
@@ -166,13 +188,15 @@ class Router:
         if not candidates:
             raise RoutingError(grpc.StatusCode.UNAVAILABLE, f"no worker available for model {request.model!r}")
         block_size = candidates[0].block_size
+        policy = self.policy(candidates[0])
+        self._adopt_advertised_timing(policy, candidates)
         lora = request.lora_name if request.HasField("lora_name") else None
         local_hashes = local_block_hashes(request.token_ids, block_size, lora)
         expected = request.expected_output_tokens if request.HasField("expected_output_tokens") else 0
         return Prepared(
             candidates,
             {r.instance_id: r for r in candidates},
-            self.policy(candidates[0]),
+            policy,
             local_hashes,
             sequence_hashes(local_hashes),
             len(request.token_ids),

@@ -87,15 +87,49 @@ class PredictedTtftCost:
         return overlap_score_weight * prefill_ms + steps * decode_ms
 
 
+class PerWorkerTtftCost:
+    """:class:`PredictedTtftCost` with each worker's own timing model where one is known (fitted from
+    the steps it ran, see :mod:`kvmesh.common.timing_fit`), the shared prior elsewhere — so workers
+    of different speeds get different costs."""
+
+    name = "ttft"
+
+    def __init__(self, block_size: int, max_num_batched_tokens: int, capacity_tokens: int, prior: TimingModel) -> None:
+        self._shape = (block_size, max_num_batched_tokens, capacity_tokens)
+        self.default = PredictedTtftCost(*self._shape, prior)
+        self._by_worker: dict[WorkerKey, PredictedTtftCost] = {}
+
+    def set_timing(self, worker: WorkerKey, timing: TimingModel) -> None:
+        self._by_worker[worker] = PredictedTtftCost(*self._shape, timing)
+
+    def timing(self, worker: WorkerKey) -> TimingModel:
+        return self._by_worker.get(worker, self.default).timing
+
+    def forget(self, worker: WorkerKey) -> None:
+        self._by_worker.pop(worker, None)
+
+    def cost(self, candidate: Candidate, overlap_score_weight: float) -> float:
+        return self._by_worker.get(candidate.worker, self.default).cost(candidate, overlap_score_weight)
+
+
 COST_MODELS = ("ttft", "blocks")
 
 
-def make_cost_model(name: str, block_size: int, max_num_batched_tokens: int, capacity_blocks: int) -> CostModel:
-    """The named cost model for workers of this shape."""
+def make_cost_model(
+    name: str,
+    block_size: int,
+    max_num_batched_tokens: int,
+    capacity_blocks: int,
+    prior: TimingModel | None = None,
+) -> CostModel:
+    """The named cost model for workers of this shape (``prior``: the ttft cost's timing model until
+    a worker's own is known; Dynamo's mocker constants by default)."""
     if name == "blocks":
         return BlockCost(block_size)
     if name == "ttft":
-        return PredictedTtftCost(block_size, max_num_batched_tokens, capacity_blocks * block_size)
+        return PerWorkerTtftCost(
+            block_size, max_num_batched_tokens, capacity_blocks * block_size, prior or TimingModel()
+        )
     raise ValueError(f"unknown KV cost model {name!r}; choose one of {', '.join(COST_MODELS)}")
 
 

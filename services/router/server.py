@@ -60,7 +60,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
         servicer = RouterServicer(router, channels, metrics)
-        record = await stack.grpc_service(
+        registration = await stack.grpc_service(
             js,
             config,
             component="router",
@@ -73,6 +73,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
                 **endpoint.discovery_extra(),
             },
         )
+        record = registration.record
         log.info("router ready", address=record.address, mode=config.router_mode)
         await stop.wait()
 

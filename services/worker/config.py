@@ -61,6 +61,9 @@ class WorkerConfig(GrpcEndpointConfig):
         30.0, "prefill side: release a finished prefill's KV if no decode worker has taken it by then"
     )
 
+    timing_advertise_secs: float = option(
+        5.0, "seconds between updates of the fitted step-time constants this worker advertises to the routers"
+    )
     engine_args: list[str] = option(
         None, "with --engine vllm: the arguments the worker does not know itself, handed to vLLM", passthrough=True
     )
@@ -75,8 +78,8 @@ class WorkerConfig(GrpcEndpointConfig):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{flag} must be positive")
-        if self.speedup_ratio <= 0:
-            raise ConfigError("--speedup-ratio must be positive")
+        if self.speedup_ratio <= 0 or self.timing_advertise_secs <= 0:
+            raise ConfigError("--speedup-ratio and --timing-advertise-secs must be positive")
         if self.engine == "mock" and self.engine_args:
             raise ConfigError(
                 f"unrecognized arguments: {' '.join(self.engine_args)} (engine arguments need --engine vllm)"

@@ -19,6 +19,7 @@ from typing import NamedTuple
 from kvmesh.common.finish_reasons import FinishReason
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.common.requests import DEFAULT_MAX_TOKENS
+from kvmesh.common.timing import TimingModel
 
 
 class EngineRequestError(ValueError):
@@ -167,6 +168,11 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def status(self) -> EngineStatus: ...
+
+    def fitted_timing(self) -> TimingModel | None:
+        """The step-time model fitted from the steps this engine ran (None before any), which the
+        worker advertises for the router's ttft cost."""
+        return None
 
     @abc.abstractmethod
     def dump_kv_state(self) -> tuple[int, list[CachedBlock]]:

@@ -4,10 +4,13 @@ tokens to waiting streams."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 
 from kvmesh.common.runtime import cancel_and_wait
+from kvmesh.common.timing import TimingModel, real_time
+from kvmesh.common.timing_fit import TimingFit
 from kvmesh.worker.engine import (
     CachedBlock,
     Engine,
@@ -17,7 +20,7 @@ from kvmesh.worker.engine import (
     TransferPlan,
 )
 from kvmesh.worker.event_publisher import KvEventPublisher
-from kvmesh.worker.mock_engine import MockEngine
+from kvmesh.worker.mock_engine import MockEngine, StepResult
 
 log = structlog.get_logger(__name__)
 
@@ -31,6 +34,8 @@ class MockEngineLoop(Engine):
 
     def __init__(self, engine: MockEngine, publisher: KvEventPublisher | None) -> None:
         self.engine = engine
+        # what the steps really took (sleep overshoot and event-loop load included), not the model
+        self.timing_fit = TimingFit(real_time(engine.config.timing))
         self.block_size = engine.block_size
         self.max_num_batched_tokens = engine.config.max_num_batched_tokens
         self._publisher = publisher
@@ -103,9 +108,11 @@ class MockEngineLoop(Engine):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            started = time.perf_counter()
             result = self.engine.step()
             if result.duration_ms > 0:
                 await asyncio.sleep(result.duration_ms / 1000.0)
+            self._observe(result, (time.perf_counter() - started) * 1000.0)
             self._publish_events()
             for output in result.outputs:
                 queue = self._streams.get(output.request_id)
@@ -113,6 +120,17 @@ class MockEngineLoop(Engine):
                     queue.put_nowait(output)
                 if output.finish_reason is not None:
                     self._streams.pop(output.request_id, None)
+
+    def fitted_timing(self) -> TimingModel | None:
+        return self.timing_fit.model() if self.timing_fit.observations else None
+
+    def _observe(self, result: StepResult, measured_ms: float) -> None:
+        decoding = result.decoding_requests > 0
+        if result.prefill_tokens or decoding:
+            capacity = self.engine.capacity_tokens
+            self.timing_fit.observe(
+                result.prefill_tokens, result.decode_context_tokens, capacity, decoding, measured_ms
+            )
 
     def _publish_events(self) -> None:
         events = self.engine.drain_events()

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvmesh.common.timing import as_constants
 from kvmesh.worker.engine import Engine
 from kvmesh.worker.event_publisher import KvEventPublisher
 from kvmesh.worker.kv_transfer import KvTransferServer
@@ -21,6 +22,16 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         status = self._engine.status()
+        fitted = self._engine.fitted_timing()
+        if fitted is not None:
+            constants = GaugeMetricFamily(
+                "kvmesh_worker_step_time_constant",
+                "fitted step-time model (prefill ms = a·T²+b·T+c, decode ms = a·u²+b·u+c), as advertised to routers",
+                labels=["constant"],
+            )
+            for name, value in as_constants(fitted).items():
+                constants.add_metric([name], value)
+            yield constants
         yield GaugeMetricFamily(
             "kvmesh_worker_cached_blocks", "blocks registered in the prefix cache", value=status.cached_blocks
         )

@@ -115,6 +115,7 @@ class StepResult:
     outputs: list[TokenOutput]
     prefill_tokens: int
     decoding_requests: int
+    decode_context_tokens: int = 0
 
 
 class MockEngine:
@@ -325,7 +326,7 @@ class MockEngine:
             register(request)
             if request.num_pending == 0:
                 outputs.append(self._sample(request))
-        return StepResult(duration, outputs, prefill_tokens, decoding)
+        return StepResult(duration, outputs, prefill_tokens, decoding, decode_context)
 
     def _sample(self, request: EngineRequest) -> TokenOutput:
         position = len(request.output)

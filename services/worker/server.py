@@ -4,16 +4,17 @@ serves ``kvmesh.v1.Worker`` (:mod:`~kvmesh.worker.servicer`) and stays registere
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 
 import structlog
 
-from kvmesh.common.discovery import new_instance_id
+from kvmesh.common.discovery import Registration, new_instance_id
 from kvmesh.common.metrics import MetricsEndpoint
 from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.common.service import ServiceStack, service_main
 from kvmesh.common.streams import ensure_kv_events_stream
-from kvmesh.common.timing import TimingModel
+from kvmesh.common.timing import TimingModel, as_constants
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.engine import Engine
 from kvmesh.worker.engine_loop import MockEngineLoop
@@ -45,6 +46,20 @@ def build_mock_engine(config: WorkerConfig, kv: KvBuffer | None = None) -> MockE
         ),
         kv,
     )
+
+
+async def advertise_timing_forever(engine: Engine, registration: Registration, period_s: float) -> None:
+    """Put the engine's fitted step-time constants into this worker's discovery record, for the
+    routers' ttft cost (each worker its own: heterogeneous workers get different costs)."""
+    while True:
+        await asyncio.sleep(period_s)
+        fitted = engine.fitted_timing()
+        if fitted is None:
+            continue
+        constants = as_constants(fitted)
+        record = registration.record
+        if record.extra.get("timing") != constants:
+            await registration.update(dataclasses.replace(record, extra={**record.extra, "timing": constants}))
 
 
 def vllm_overrides(config: WorkerConfig) -> dict[str, object]:
@@ -97,7 +112,7 @@ async def serve(
         stack.push_async_callback(endpoint.close)
         servicer = WorkerServicer(worker_id, config.model_name, engine, metrics, handover)
         status = engine.status()
-        record = await stack.grpc_service(
+        registration = await stack.grpc_service(
             js,
             config,
             component="worker",
@@ -110,6 +125,8 @@ async def serve(
             capacity_blocks=status.total_blocks,
             extra={"max_num_batched_tokens": engine.max_num_batched_tokens, **extra, **endpoint.discovery_extra()},
         )
+        record = registration.record
+        stack.task(advertise_timing_forever(engine, registration, config.timing_advertise_secs), "advertise-timing")
         log.info(
             "worker ready",
             address=record.address,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ import structlog
 from kvmesh.common.finish_reasons import FinishReason
 from kvmesh.common.kv_events import EventData
 from kvmesh.common.nats_server import free_port
+from kvmesh.common.timing import TimingModel
+from kvmesh.common.timing_fit import TimingFit
 from kvmesh.worker import tiny_llama
 from kvmesh.worker.engine import (
     CachedBlock,
@@ -42,6 +45,33 @@ log = structlog.get_logger(__name__)
 _FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": FinishReason.CANCELLED}
 _NO_DISAGGREGATION = "prefill/decode disaggregation is not available with the vllm engine yet"
 _MAX_SEED = (1 << 63) - 1
+
+
+def step_timing_logger(fit: TimingFit) -> Callable[..., Any]:
+    """A vLLM stat logger factory that feeds every engine step the core timed into ``fit``: its
+    prefill tokens, whether it decoded, its elapsed ms, and the KV cache usage standing in for the
+    model's decoding-context share."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class StepTimingLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.steps = 0
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0):
+            details = getattr(scheduler_stats, "iteration_details", None)
+            if details is None or details.is_dummy or details.elapsed_ms <= 0:
+                return
+            decoding = details.num_generation_requests > 0
+            if details.num_ctx_tokens or decoding:
+                usage = float(getattr(scheduler_stats, "kv_cache_usage", 0.0))
+                # the fit takes context tokens over capacity; usage is that share already
+                fit.observe(details.num_ctx_tokens, int(usage * 1_000_000), 1_000_000, decoding, details.elapsed_ms)
+                self.steps += 1
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return StepTimingLogger
 
 
 class VllmEngineArgsError(ValueError):
@@ -90,6 +120,8 @@ class VllmEngine(Engine):
         self._relay: VllmEventRelay | None = None
         self._translator = VllmEventTranslator()
         self._requests: dict[str, asyncio.Task[None]] = {}
+        # vLLM's steps as the engine core timed them; the prior is the mock's model until steps arrive
+        self.timing_fit = TimingFit(TimingModel())
         self.block_size = 0
         self.max_num_batched_tokens = 0
         self.num_blocks = 0
@@ -116,8 +148,13 @@ class VllmEngine(Engine):
             replay_endpoint=self._relay.replay_endpoint,
         )
         await self._relay.start()
+        # per-step details (prefill tokens, decoding requests, elapsed ms) feed the timing fit; vLLM's
+        # own stat logger would print each of them, so its periodic lines are all it keeps
+        args.disable_log_stats = False
+        args.enable_logging_iteration_details = True
+        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
         log.info("starting vLLM", model=args.model, block_size=args.block_size)
-        self._llm = AsyncLLM.from_engine_args(args)
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[step_timing_logger(self.timing_fit)])
         config = self._llm.vllm_config
         self.block_size = config.cache_config.block_size
         self.num_blocks = config.cache_config.num_gpu_blocks or 0
@@ -233,6 +270,9 @@ class VllmEngine(Engine):
             waiting_requests=0,
             held_prefills=0,
         )
+
+    def fitted_timing(self) -> TimingModel | None:
+        return self.timing_fit.model() if self.timing_fit.observations else None
 
     def dump_kv_state(self) -> tuple[int, list[CachedBlock]]:
         """The relay's view: every batch received so far has been translated and enqueued (the relay

@@ -205,3 +205,23 @@ def test_disaggregation_trades_ttft_for_decode_tail_latency_on_the_shared_trace(
     assert split["prefills"]["remote"] > 0
     assert split["itl_ms"]["p99"] < aggregated["itl_ms"]["p99"] / 2
     assert split["ttft_ms"]["p50"] > aggregated["ttft_ms"]["p50"]
+
+
+@needs_trace
+def test_a_learned_timing_model_routes_a_heterogeneous_fleet_like_the_exact_one(shared_trace):
+    """4 of 8 workers are 2x slower. A router that assumes they are all alike has a worse TTFT tail;
+    one that fits each worker's model from its steps gets within 5% of one that knows them exactly,
+    whether its prior was 2x too slow or 2x too fast (the whole trace: the fit needs its steps)."""
+    trace = shared_trace
+
+    def ttft(**options):
+        config = ReplayConfig(arrival_speedup_ratio=4, slow_workers=4, **options)
+        return summarise(ReplaySimulator(config).run(trace))["ttft_ms"]
+
+    exact = ttft(router_timing="exact")
+    assumed_alike = ttft(router_timing="prior")
+    assert assumed_alike["p99"] > 1.1 * exact["p99"]
+    for scale in (0.5, 2.0):
+        learned = ttft(router_timing="learned", router_prefill_scale=scale, router_decode_scale=scale)
+        assert learned["mean"] == pytest.approx(exact["mean"], rel=0.05)
+        assert learned["p99"] == pytest.approx(exact["p99"], rel=0.05)

@@ -89,3 +89,17 @@ async def test_prefill_pool_without_capacity_falls_back_or_refuses_when_enforced
             assert isinstance(plan, LocalPrefill) and plan.reason == "no_prefill_capacity"
         mesh.track_free("queued")
         assert isinstance(await mesh.plan_prefill(request(2000)), RemotePrefill)
+
+
+async def test_the_router_adopts_each_workers_advertised_timing_and_forgets_a_departed_one():
+    from kvmesh.common.timing import TimingModel, as_constants, from_constants, scaled
+
+    mesh = router({1: "aggregated", 2: "aggregated"})
+    slow = as_constants(scaled(TimingModel(), 2.0))
+    mesh.workers.get(2).extra["timing"] = slow
+    prepared = mesh.prepare(request(64))
+    cost = prepared.policy.cost_model
+    assert cost.timing((2, 0)) == from_constants(slow)
+    assert cost.timing((1, 0)) == TimingModel()  # nothing advertised: the prior
+    mesh.worker_left(mesh.workers.get(2))
+    assert cost.timing((2, 0)) == TimingModel()

@@ -160,6 +160,30 @@ def test_the_index_holds_exactly_what_vllm_holds_after_evictions(client: openai.
     assert sum(count for count, _ in held.values()) > 0
 
 
+def test_workers_advertise_step_times_fitted_from_vllms_own_steps(vllm_mesh: MeshProcess, client: openai.OpenAI):
+    from kvmesh.common.timing import TimingModel, from_constants
+
+    for record in discovered(vllm_mesh.nats_url, "worker"):  # every worker runs steps
+        client.completions.create(
+            model="kvmesh-tiny",
+            prompt=long_prompt(99, 60),
+            max_tokens=4,
+            extra_body={"kvmesh": {"worker_id": record.instance_id}},
+        )
+
+    def fitted() -> list[dict]:
+        return [r.extra["timing"] for r in discovered(vllm_mesh.nats_url, "worker") if "timing" in r.extra]
+
+    wait_until(lambda: len(fitted()) == 2, timeout=30, what="both workers to advertise fitted constants")
+    for constants in fitted():
+        model = from_constants(constants)
+        assert model != TimingModel()  # moved off the prior by the steps vLLM timed
+        assert 0 < model.prefill_ms(1000) < 10_000
+    record = discovered(vllm_mesh.nats_url, "worker")[0]
+    metrics = httpx.get(f"http://{record.extra['metrics']}/metrics", timeout=10).text
+    assert 'kvmesh_worker_step_time_constant{constant="prefill_b"}' in metrics
+
+
 def pid_listening_on(port: int) -> int:
     """The process with a listening TCP socket on ``port`` (read from /proc; no tools needed)."""
     inodes = set()

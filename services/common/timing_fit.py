@@ -1,0 +1,87 @@
+"""Learning a worker's step-time model from the steps it runs (sans-I/O).
+
+The router's ``ttft`` cost predicts with :class:`TimingModel`; its constants are exact for the mock
+engine and unknown for a real one. :class:`TimingFit` fits them online by least squares over the
+observed steps,
+
+    step ms = a·T² + b·T + c·[T > 0] + d·u² + e·u + f·[decoding]
+
+(T: prefill tokens of the step, u: decoding context ÷ KV capacity), pulled toward a prior model with
+the weight of ``prior_weight`` observations — so a few steps move it a little and many steps decide —
+and with exponential forgetting (``decay`` per observation) so it follows an engine whose speed
+changes. Features are scaled (T in thousands) to keep the 6×6 system well conditioned.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvmesh.common.timing import TimingModel
+
+_T_SCALE = 1000.0
+_FEATURES = 6
+
+
+def _features(prefill_tokens: int, utilisation: float, decoding: bool) -> np.ndarray:
+    t = prefill_tokens / _T_SCALE
+    prefilling = 1.0 if prefill_tokens > 0 else 0.0
+    u = utilisation if decoding else 0.0
+    return np.array([t * t, t, prefilling, u * u, u, 1.0 if decoding else 0.0])
+
+
+def _as_vector(model: TimingModel) -> np.ndarray:
+    scale = _T_SCALE
+    return np.array(
+        [
+            model.prefill_a * scale * scale,
+            model.prefill_b * scale,
+            model.prefill_c,
+            model.decode_a,
+            model.decode_b,
+            model.decode_c,
+        ]
+    )
+
+
+def _as_model(theta: np.ndarray) -> TimingModel:
+    scale = _T_SCALE
+    return TimingModel(
+        prefill_a=float(theta[0] / (scale * scale)),
+        prefill_b=float(theta[1] / scale),
+        prefill_c=float(theta[2]),
+        decode_a=float(theta[3]),
+        decode_b=float(theta[4]),
+        decode_c=float(theta[5]),
+    )
+
+
+class TimingFit:
+    """Guarantees: :meth:`model` is the prior until steps are observed, and converges to the least
+    squares fit of the observed steps as their weight outgrows the prior's."""
+
+    def __init__(self, prior: TimingModel, prior_weight: float = 1.0, decay: float = 0.9995) -> None:
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self._theta_prior = _as_vector(prior)
+        self._xtx = np.zeros((_FEATURES, _FEATURES))
+        self._xty = np.zeros(_FEATURES)
+        self.observations = 0
+
+    def observe(
+        self, prefill_tokens: int, decode_context_tokens: int, capacity_tokens: int, decoding: bool, ms: float
+    ) -> None:
+        """One engine step: its prefill tokens, decoding context and measured duration (ms,
+        unscaled: the engine's real time)."""
+        utilisation = min(1.0, decode_context_tokens / capacity_tokens) if capacity_tokens else 0.0
+        x = _features(prefill_tokens, utilisation, decoding)
+        self._xtx = self.decay * self._xtx + np.outer(x, x)
+        self._xty = self.decay * self._xty + x * ms
+        self.observations += 1
+
+    def model(self) -> TimingModel:
+        if not self.observations:
+            return self.prior
+        ridge = self.prior_weight * np.eye(_FEATURES)
+        theta = np.linalg.solve(self._xtx + ridge, self._xty + self.prior_weight * self._theta_prior)
+        return _as_model(theta)

@@ -1,0 +1,64 @@
+"""The router learns a worker's step-time model from the steps it runs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvmesh.common.timing import TimingModel, scaled
+from kvmesh.common.timing_fit import TimingFit
+from kvmesh.router.scheduler import Candidate, make_cost_model
+
+CAPACITY = 16384 * 64
+
+
+def steps(truth: TimingModel, count: int, seed: int = 0):
+    rng = random.Random(seed)
+    for _ in range(count):
+        tokens = rng.choice([0, rng.randrange(1, 8192)])
+        decoding = tokens == 0 or rng.random() < 0.7
+        context = rng.randrange(0, CAPACITY // 2)
+        yield tokens, context, decoding, truth.step_ms(tokens, context, CAPACITY, decoding) * rng.uniform(0.97, 1.03)
+
+
+def test_without_steps_the_fit_is_its_prior():
+    prior = scaled(TimingModel(), 2.0)
+    assert TimingFit(prior).model() == prior
+
+
+@pytest.mark.parametrize("prior_scale", [0.5, 2.0])
+def test_a_prior_wrong_by_2x_converges_to_the_engines_model(prior_scale):
+    truth = TimingModel()
+    fit = TimingFit(scaled(truth, prior_scale))
+    for tokens, context, decoding, ms in steps(truth, 2000):
+        fit.observe(tokens, context, CAPACITY, decoding, ms)
+    model = fit.model()
+    for tokens in (256, 2048, 8192):
+        assert model.prefill_ms(tokens) == pytest.approx(truth.prefill_ms(tokens), rel=0.05)
+    for share in (0.1, 0.4):
+        context = int(CAPACITY * share)
+        assert model.decode_ms(context, CAPACITY, True) == pytest.approx(
+            truth.decode_ms(context, CAPACITY, True), rel=0.1
+        )
+
+
+def test_forgetting_follows_an_engine_that_slows_down():
+    fit = TimingFit(TimingModel())
+    for tokens, context, decoding, ms in steps(TimingModel(), 2000):
+        fit.observe(tokens, context, CAPACITY, decoding, ms)
+    slower = scaled(TimingModel(), 2.0)
+    for tokens, context, decoding, ms in steps(slower, 6000, seed=1):
+        fit.observe(tokens, context, CAPACITY, decoding, ms)
+    assert fit.model().prefill_ms(4096) == pytest.approx(slower.prefill_ms(4096), rel=0.1)
+
+
+def test_workers_of_different_speeds_get_different_costs():
+    cost = make_cost_model("ttft", 16, 8192, 16384)
+    fast, slow = (1, 0), (2, 0)
+    cost.set_timing(slow, scaled(TimingModel(), 2.0))
+    same_load = [Candidate(worker, 4000, 100) for worker in (fast, slow)]
+    fast_cost, slow_cost = (cost.cost(c, 1.0) for c in same_load)
+    assert slow_cost == pytest.approx(2 * fast_cost)
+    cost.forget(slow)
+    assert cost.cost(same_load[1], 1.0) == pytest.approx(fast_cost)
