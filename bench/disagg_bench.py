@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import re
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.live_load import run_load
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.runtime import connect_nats
 from kvmesh.up import MeshProcess
@@ -144,33 +144,18 @@ def serving_part(args: argparse.Namespace) -> None:
     for label, setup in setups:
         mesh = MeshProcess(*common, *setup).start(timeout=120)
         try:
-            with tempfile.TemporaryDirectory() as out:
-                subprocess.run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "kvmesh",
-                        "bench",
-                        "--url",
-                        mesh.api,
-                        "--trace",
-                        str(args.trace),
-                        "--limit",
-                        str(args.limit),
-                        "--request-rate",
-                        str(args.request_rate),
-                        "--max-output-tokens",
-                        str(args.max_output_tokens),
-                        "--output-dir",
-                        out,
-                        "--label",
-                        label,
-                        "--no-progress",
-                    ],
-                    check=True,
-                    stdout=subprocess.DEVNULL,
-                )
-                report = json.loads((Path(out) / "report.json").read_text())
+            report = run_load(
+                mesh.api,
+                label,
+                "--trace",
+                str(args.trace),
+                "--limit",
+                str(args.limit),
+                "--request-rate",
+                str(args.request_rate),
+                "--max-output-tokens",
+                str(args.max_output_tokens),
+            )
             prefills = asyncio.run(router_prefill_counts(mesh.nats_url))
         finally:
             mesh.stop()

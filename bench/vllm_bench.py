@@ -13,13 +13,9 @@ TTFT p50/p99, requests/s and output tokens/s; the setups alternate ``--rounds`` 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
+from bench.live_load import run_load
 from kvmesh.up import MeshProcess
 
 ENGINE_ARGS = ["--block-size", "32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.5", "--enforce-eager"]
@@ -30,41 +26,26 @@ def run_setup(mode: str, args: argparse.Namespace) -> dict:
         "--engine", "vllm", "--workers", "2", "--router-mode", mode, "--log-level", "warning", *ENGINE_ARGS
     ).start(timeout=600)
     try:
-        with tempfile.TemporaryDirectory() as out:
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvmesh",
-                    "bench",
-                    "--url",
-                    mesh.api,
-                    "--endpoint",
-                    "completions",
-                    "--num-requests",
-                    str(args.num_requests),
-                    "--num-prefixes",
-                    str(args.num_prefixes),
-                    "--prefix-tokens",
-                    str(args.prefix_tokens),
-                    "--suffix-tokens",
-                    str(args.suffix_tokens),
-                    "--output-tokens",
-                    str(args.output_tokens),
-                    "--concurrency",
-                    str(args.concurrency),
-                    "--seed",
-                    str(args.seed),
-                    "--output-dir",
-                    out,
-                    "--label",
-                    mode,
-                    "--no-progress",
-                ],
-                check=True,
-                stdout=subprocess.DEVNULL,
-            )
-            return json.loads((Path(out) / "report.json").read_text())
+        return run_load(
+            mesh.api,
+            mode,
+            "--endpoint",
+            "completions",
+            "--num-requests",
+            str(args.num_requests),
+            "--num-prefixes",
+            str(args.num_prefixes),
+            "--prefix-tokens",
+            str(args.prefix_tokens),
+            "--suffix-tokens",
+            str(args.suffix_tokens),
+            "--output-tokens",
+            str(args.output_tokens),
+            "--concurrency",
+            str(args.concurrency),
+            "--seed",
+            str(args.seed),
+        )
     finally:
         mesh.stop()
 
