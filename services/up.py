@@ -86,8 +86,6 @@ class UpConfig(CommonConfig, RouterOptions):
         if self.engine == "mock" and self.engine_args:
             unknown = " ".join(self.engine_args)
             raise ConfigError(f"unrecognized arguments: {unknown} (engine arguments need --engine vllm)")
-        if self.engine == "vllm" and self.prefill_workers:
-            raise ConfigError("--prefill-workers needs the mock engine: disaggregation with vLLM is not available yet")
         if self.workers < 1:
             raise ConfigError("--workers must be at least 1")
         if self.indexers < 1:

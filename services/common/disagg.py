@@ -48,6 +48,8 @@ class KvReady:
     worker_id: int
     blocks: int  # transferable prompt blocks held for the room
     backend: str
+    # an engine's own KV connector parameters (vLLM's kv_transfer_params, msgpack), opaque to the router
+    engine_params: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,11 @@ class DecodeOrder:
     worker_id: int
     # whether a failed transfer may fall back to a local prefill (not under --enforce-disagg)
     allow_local: bool = True
+    engine_params: bytes = b""  # from KvReady: the engine's connector pulls the KV with them
 
     @classmethod
     def from_ready(cls, ready: KvReady, allow_local: bool) -> DecodeOrder:
-        return cls(ready.room, ready.host, ready.port, ready.worker_id, allow_local)
+        return cls(ready.room, ready.host, ready.port, ready.worker_id, allow_local, ready.engine_params)
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ class KvSource:
 
 
 DisaggMessage = PrefillOrder | KvReady | DecodeOrder | KvSource
-_FIELD_TYPES = {"int": int, "str": str, "bool": bool}
+_FIELD_TYPES = {"int": int, "str": str, "bool": bool, "bytes": bytes}
 _BY_KIND: dict[str, type[DisaggMessage]] = {t.kind: t for t in (PrefillOrder, KvReady, DecodeOrder, KvSource)}
 
 

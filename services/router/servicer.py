@@ -235,7 +235,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         stub = worker_pb2_grpc.WorkerStub(self.channels.get(record.address))
         job = PrefillJob(record.instance_id, stub, prefill_half, prefill_done)
         allow_local = not config.enforce_disagg
-        if config.disagg_mode == "bootstrap":
+        # an engine with its own KV connector (vLLM) hands out its KV's whereabouts only once the
+        # prefill has run: those pairs always take the sync path
+        if config.disagg_mode == "bootstrap" and record.extra.get("engine", "mock") == "mock":
             return decode_request(request, bootstrap_order(record, room, allow_local)), job
         result = await job.result()
         if result is None:

@@ -84,10 +84,6 @@ class WorkerConfig(GrpcEndpointConfig):
             raise ConfigError(
                 f"unrecognized arguments: {' '.join(self.engine_args)} (engine arguments need --engine vllm)"
             )
-        if self.engine == "vllm" and self.role != "aggregated":
-            raise ConfigError(
-                "--engine vllm serves --role aggregated only: disaggregation with vLLM is not available yet"
-            )
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype_bytes) <= 0:
             raise ConfigError("--num-layers, --num-kv-heads, --head-dim and --kv-dtype-bytes must be positive")
         if self.kv_transfer_timeout_secs <= 0 or self.disagg_hold_timeout_secs <= 0:

@@ -14,7 +14,7 @@ import abc
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvmesh.common.finish_reasons import FinishReason
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
@@ -65,6 +65,8 @@ class TokenOutput:
     token_id: int | None
     finish_reason: FinishReason | None
     cached_tokens: int
+    # on the last output of a held prefill, from an engine with its own KV connector: where its KV waits
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -142,9 +144,13 @@ class Engine(abc.ABC):
     async def stop(self) -> None: ...
 
     @abc.abstractmethod
-    def submit(self, spec: EngineRequestSpec, hold_on_finish: bool = False) -> TokenQueue:
+    def submit(
+        self, spec: EngineRequestSpec, hold_on_finish: bool = False, kv_transfer_params: dict[str, Any] | None = None
+    ) -> TokenQueue:
         """Queue a request; ``hold_on_finish`` keeps its KV after the last token, for a transfer,
-        until :meth:`release_held`. Raises :class:`EngineRequestError` for one it can never serve."""
+        until :meth:`release_held`; ``kv_transfer_params`` (engines with their own KV connector) say
+        where its prompt's KV is to be pulled from. Raises :class:`EngineRequestError` for one it can
+        never serve."""
 
     @abc.abstractmethod
     def reserve_remote(self, spec: EngineRequestSpec) -> tuple[TransferPlan | None, TokenQueue]:

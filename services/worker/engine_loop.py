@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import structlog
 
@@ -14,6 +15,7 @@ from kvmesh.common.timing_fit import TimingFit
 from kvmesh.worker.engine import (
     CachedBlock,
     Engine,
+    EngineRequestError,
     EngineRequestSpec,
     EngineStatus,
     TokenQueue,
@@ -49,7 +51,11 @@ class MockEngineLoop(Engine):
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
 
-    def submit(self, spec: EngineRequestSpec, hold_on_finish: bool = False) -> TokenQueue:
+    def submit(
+        self, spec: EngineRequestSpec, hold_on_finish: bool = False, kv_transfer_params: dict[str, Any] | None = None
+    ) -> TokenQueue:
+        if kv_transfer_params:
+            raise EngineRequestError("the mock engine moves KV through the worker's transfer server, not a connector")
         self.engine.add_request(spec, hold_on_finish=hold_on_finish)
         queue: TokenQueue = asyncio.Queue()
         self._streams[spec.request_id] = queue

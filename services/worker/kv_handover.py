@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import structlog
 
 from kvmesh.common.disagg import DecodeOrder, KvReady, KvSource, PrefillOrder
 from kvmesh.common.status_error import StatusError
-from kvmesh.worker.engine import Engine, EngineRequestSpec, TokenQueue, transferable_blocks
+from kvmesh.worker.engine import Engine, EngineRequestSpec, TokenOutput, TokenQueue, transferable_blocks
 from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, TransferError, TransferStats
 
 log = structlog.get_logger(__name__)
@@ -41,8 +41,30 @@ class KvTransfer:
         return self.server.stats
 
 
+class Handover(Protocol):
+    """A worker's half of disaggregation, whoever moves the bytes (the worker's transfer server, or
+    the engine's own connector)."""
+
+    @property
+    def backend(self) -> str: ...
+
+    def transfers_in_flight(self) -> int: ...
+
+    def hand_over(self, spec: EngineRequestSpec, order: PrefillOrder, last: TokenOutput) -> KvReady:
+        """The prefill finished (``last`` is its final output): where its KV waits."""
+        ...
+
+    def prefill_failed(self, order: PrefillOrder, reason: str) -> None: ...
+
+    async def receive(self, spec: EngineRequestSpec, order: DecodeOrder) -> tuple[TokenQueue, KvSource]:
+        """Submit a decode request whose prompt KV comes from the prefill worker; its token queue and
+        where the KV came from."""
+        ...
+
+
 class KvHandover:
-    """Moves prompts' KV between this worker's engine and other workers'."""
+    """Moves prompts' KV between this worker's engine and other workers' over the worker's own
+    transfer server and client (the mock engine's blocks)."""
 
     def __init__(self, worker_id: int, engine: Engine, transfer: KvTransfer, timeout_s: float) -> None:
         self.worker_id = worker_id
@@ -52,7 +74,10 @@ class KvHandover:
         self._tasks: set[asyncio.Future[None]] = set()
 
     # ---- prefill side ----------------------------------------------------------------------
-    def hand_over(self, spec: EngineRequestSpec, order: PrefillOrder) -> KvReady:
+    def transfers_in_flight(self) -> int:
+        return self.transfer.stats.in_flight
+
+    def hand_over(self, spec: EngineRequestSpec, order: PrefillOrder, last: TokenOutput) -> KvReady:
         """The prefill is done: hold its transferable blocks for the room, say where they are."""
         count = transferable_blocks(len(spec.prompt), self.engine.block_size)
         slots = self.engine.held_slots(spec.request_id, count)

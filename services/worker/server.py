@@ -16,11 +16,12 @@ from kvmesh.common.service import ServiceStack, service_main
 from kvmesh.common.streams import ensure_kv_events_stream
 from kvmesh.common.timing import TimingModel, as_constants
 from kvmesh.worker.config import WorkerConfig
+from kvmesh.worker.connector_handover import ConnectorHandover
 from kvmesh.worker.engine import Engine
 from kvmesh.worker.engine_loop import MockEngineLoop
 from kvmesh.worker.event_publisher import KvEventPublisher
 from kvmesh.worker.kv_buffer import KvBuffer, KvLayout
-from kvmesh.worker.kv_handover import KvHandover, KvTransfer
+from kvmesh.worker.kv_handover import Handover, KvHandover, KvTransfer
 from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, TransferStats
 from kvmesh.worker.metrics import WorkerMetrics
 from kvmesh.worker.mock_engine import EngineConfig, MockEngine
@@ -88,14 +89,22 @@ async def serve(
         js = nc.jetstream()
         await ensure_kv_events_stream(js, config.kv_events_max_age)
         publisher = await stack.start(publisher_class(js, config.namespace, worker_id))
-        handover: KvHandover | None = None
+        handover: Handover | None = None
         extra: dict[str, object] = {"engine": config.engine}
         if config.engine == "vllm":
-            engine: Engine = await stack.start(
-                VllmEngine(
-                    config.engine_args, vllm_overrides(config), publisher.enqueue, lambda: publisher.last_event_id
-                )
+            # prefill and decode workers move KV with vLLM's NIXL connector; aggregated ones need none
+            connector_host = None if config.role == "aggregated" else (config.advertise_host or config.host)
+            vllm = VllmEngine(
+                config.engine_args,
+                vllm_overrides(config),
+                publisher.enqueue,
+                lambda: publisher.last_event_id,
+                kv_connector_host=connector_host,
             )
+            engine: Engine = await stack.start(vllm)
+            if connector_host is not None:
+                handover = ConnectorHandover(worker_id, vllm)
+                extra["kv_transfer_backend"] = handover.backend
         else:
             shape = kv_layout(config).block_bytes(config.mock_shape("block_size"))
             kv = KvBuffer(config.mock_shape("num_gpu_blocks"), shape)
@@ -107,7 +116,8 @@ async def serve(
                 "kv_transfer_port": transfer.server.port,
                 "kv_transfer_backend": transfer.backend,
             }
-        metrics = WorkerMetrics(engine, publisher, handover.transfer.server if handover else None)
+        transfer_server = handover.transfer.server if isinstance(handover, KvHandover) else None
+        metrics = WorkerMetrics(engine, publisher, transfer_server)
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
         servicer = WorkerServicer(worker_id, config.model_name, engine, metrics, handover)

@@ -3,7 +3,7 @@
 A request may carry ``disaggregated_params`` (:mod:`kvmesh.common.disagg`): a
 :class:`~kvmesh.common.disagg.PrefillOrder` makes this worker prefill and then hold the prompt's KV
 for a decode worker; a :class:`~kvmesh.common.disagg.DecodeOrder` makes it pull the prompt's KV from
-a prefill worker before decoding (see :class:`~kvmesh.worker.kv_handover.KvHandover`).
+a prefill worker before decoding (see :mod:`~kvmesh.worker.kv_handover`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kvmesh.common.grpc_errors import refuse
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.common.status_error import StatusError
 from kvmesh.worker.engine import Engine, EngineFailure, EngineRequestError, EngineRequestSpec, TokenOutput
-from kvmesh.worker.kv_handover import KvHandover
+from kvmesh.worker.kv_handover import Handover
 from kvmesh.worker.metrics import WorkerMetrics
 
 log = structlog.get_logger(__name__)
@@ -30,7 +30,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves ``Generate`` from the engine; a cancelled stream aborts its request and frees its KV."""
 
     def __init__(
-        self, worker_id: int, model_name: str, engine: Engine, metrics: WorkerMetrics, handover: KvHandover | None
+        self, worker_id: int, model_name: str, engine: Engine, metrics: WorkerMetrics, handover: Handover | None
     ) -> None:
         self.worker_id = worker_id
         self.model_name = model_name
@@ -103,7 +103,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     yield message
                     continue
                 if prefill is not None:
-                    message.disaggregated_params = disagg.encode(self.handover.hand_over(spec, prefill))
+                    message.disaggregated_params = disagg.encode(self.handover.hand_over(spec, prefill, output))
                     handed_over = True
                 self._count_finished(spec, output, completion)
                 yield message
@@ -166,7 +166,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.WorkerStatusRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStatus:
         status = self.engine.status()
-        transfer = self.handover.transfer if self.handover is not None else None
+        handover = self.handover
         return worker_pb2.WorkerStatus(
             worker_id=self.worker_id,
             model=self.model_name,
@@ -176,7 +176,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             active_blocks=status.active_blocks,
             running_requests=status.running_requests,
             waiting_requests=status.waiting_requests,
-            kv_transfer_backend=transfer.backend if transfer else "",
-            kv_transfers_in_flight=transfer.stats.in_flight if transfer else 0,
+            kv_transfer_backend=handover.backend if handover else "",
+            kv_transfers_in_flight=handover.transfers_in_flight() if handover else 0,
             held_prefills=status.held_prefills,
         )

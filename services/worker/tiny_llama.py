@@ -3,9 +3,9 @@
 No model can be downloaded where kvmesh is tested, and a real engine needs weights to load. This
 builds a ~1.3 MB Llama (2 layers, hidden 128, 2 attention heads of 64, 1 KV head) over the bundled
 byte-level ``kvmesh-tiny`` tokenizer and chat template, from a fixed seed: its text is nonsense, but
-greedy decoding is deterministic, which is what tests need. ``kvmesh build-tiny-model DIR`` writes
-it for ``--model DIR``; ``kvmesh worker --engine vllm`` with no ``--model`` builds it on first use
-into the user's cache directory.
+greedy decoding is deterministic and depends on the whole prompt, which is what tests need.
+``kvmesh build-tiny-model DIR`` writes it for ``--model DIR``; ``kvmesh worker --engine vllm`` with
+no ``--model`` builds it on first use into the user's cache directory.
 """
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ from pathlib import Path
 from kvmesh.common.tiny_model import MODEL_DIR, SPECIAL_TOKENS, build_tokenizer
 
 SEED = 0
+# Wider than Hugging Face's default initialisation (0.02), whose near-flat logits make greedy decoding
+# repeat one token whatever the prompt; at 0.3 the output depends on the whole context, so equal
+# output is evidence of equal KV (the disaggregation tests rely on that).
+INITIALIZER_RANGE = 0.3
+# Bumped whenever the weights change, so a model built by an older version is rebuilt, not reused.
+BUILD = 2
 # Shape: the smallest Llama vLLM's CPU attention accepts (head size 64); the KV cache per token is
 # 2 layers × 1 KV head × 64 × 2 (K and V) × 4 bytes.
 HIDDEN = 128
@@ -33,7 +39,7 @@ MAX_POSITIONS = 8192
 def default_dir() -> Path:
     """Where the model is built on first use: ``$XDG_CACHE_HOME/kvmesh`` (``~/.cache/kvmesh``)."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "kvmesh" / "kvmesh-tiny-llama"
+    return cache / "kvmesh" / f"kvmesh-tiny-llama-v{BUILD}"
 
 
 def build(directory: Path) -> Path:
@@ -56,6 +62,7 @@ def build(directory: Path) -> Path:
         eos_token_id=eos,
         pad_token_id=tokenizer.token_to_id(SPECIAL_TOKENS[0]),
         tie_word_embeddings=True,
+        initializer_range=INITIALIZER_RANGE,
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config)

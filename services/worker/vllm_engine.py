@@ -7,8 +7,10 @@ Engine arguments are vLLM's own (``--model``, ``--max-model-len``, ``--gpu-memor
 KV event publisher is always enabled and relayed to JetStream (:mod:`~kvmesh.worker.vllm_events`).
 With no ``--model``, the random-weight ``kvmesh-tiny`` Llama is built on first use and served.
 
-Prefill/decode disaggregation through vLLM's KV connectors is not implemented yet: a vLLM worker
-serves whole requests only (the worker refuses another role at start-up).
+A prefill or decode worker moves KV with vLLM's own NIXL connector (host buffer on a CPU build,
+device buffer on GPUs): a held prefill runs with ``do_remote_decode`` and its last output carries
+vLLM's ``kv_transfer_params``; the decode side submits them with ``do_remote_prefill`` and vLLM pulls
+the blocks (see :class:`~kvmesh.worker.connector_handover.ConnectorHandover`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,7 +46,8 @@ from kvmesh.worker.vllm_events import VllmEventRelay, VllmEventTranslator
 log = structlog.get_logger(__name__)
 
 _FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": FinishReason.CANCELLED}
-_NO_DISAGGREGATION = "prefill/decode disaggregation is not available with the vllm engine yet"
+_NO_DISAGGREGATION = "this vLLM worker runs without a KV connector: only prefill and decode workers move KV"
+_CONNECTOR_MOVES_KV = "a vLLM worker's KV moves through vLLM's connector, not the worker's transfer server"
 _MAX_SEED = (1 << 63) - 1
 
 
@@ -72,6 +76,17 @@ def step_timing_logger(fit: TimingFit) -> Callable[..., Any]:
             pass
 
     return StepTimingLogger
+
+
+def kv_bytes_per_block(vllm_config: Any) -> int:
+    """Bytes of KV one block holds (K and V, every layer), to report what a transfer moved; 0 where
+    the model's shape cannot be read."""
+    try:
+        model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+        per_token = 2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * model.get_head_size()
+        return per_token * model.dtype.itemsize * cache.block_size
+    except Exception:
+        return 0
 
 
 class VllmEngineArgsError(ValueError):
@@ -111,8 +126,12 @@ class VllmEngine(Engine):
         overrides: dict[str, Any],
         deliver_events: Callable[[list[EventData]], None],
         last_event_id: Callable[[], int],
+        kv_connector_host: str | None = None,
     ) -> None:
+        """``kv_connector_host``: set for prefill and decode workers, which move KV with vLLM's NIXL
+        connector; its side channel listens there (on a free port)."""
         self._argv = list(argv)
+        self._connector_host = kv_connector_host
         self._overrides = overrides
         self._deliver_events = deliver_events
         self._last_event_id = last_event_id
@@ -127,6 +146,8 @@ class VllmEngine(Engine):
         self.num_blocks = 0
         self.max_model_len = 0
         self.model = ""
+        self.connector_backend = ""
+        self.kv_bytes_per_block = 0
 
     async def start(self) -> None:
         from vllm.config import KVEventsConfig
@@ -147,6 +168,8 @@ class VllmEngine(Engine):
             endpoint=self._relay.sub_endpoint,
             replay_endpoint=self._relay.replay_endpoint,
         )
+        if self._connector_host is not None:
+            self._configure_connector(args)
         await self._relay.start()
         # per-step details (prefill tokens, decoding requests, elapsed ms) feed the timing fit; vLLM's
         # own stat logger would print each of them, so its periodic lines are all it keeps
@@ -160,6 +183,7 @@ class VllmEngine(Engine):
         self.num_blocks = config.cache_config.num_gpu_blocks or 0
         self.max_model_len = config.model_config.max_model_len
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
+        self.kv_bytes_per_block = kv_bytes_per_block(config)
         self.model = args.model
         log.info(
             "vLLM ready",
@@ -168,6 +192,21 @@ class VllmEngine(Engine):
             num_blocks=self.num_blocks,
             max_model_len=self.max_model_len,
         )
+
+    def _configure_connector(self, args: Any) -> None:
+        """vLLM's NIXL connector, both roles, its KV buffer in host memory on a CPU build and on the
+        device elsewhere. Its side channel's address is read from the environment by the engine core
+        process, which inherits ours when it starts."""
+        from vllm.config import KVTransferConfig
+        from vllm.platforms import current_platform
+
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self._connector_host or "127.0.0.1"
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+        device = "cpu" if current_platform.is_cpu() else current_platform.device_type
+        args.kv_transfer_config = KVTransferConfig(
+            kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device=device
+        )
+        self.connector_backend = "nixl"
 
     async def stop(self) -> None:
         for task in list(self._requests.values()):
@@ -181,8 +220,10 @@ class VllmEngine(Engine):
             await self._relay.stop()
 
     # ---- requests ----------------------------------------------------------------------------
-    def submit(self, spec: EngineRequestSpec, hold_on_finish: bool = False) -> TokenQueue:
-        if hold_on_finish:
+    def submit(
+        self, spec: EngineRequestSpec, hold_on_finish: bool = False, kv_transfer_params: dict[str, Any] | None = None
+    ) -> TokenQueue:
+        if (hold_on_finish or kv_transfer_params) and not self.connector_backend:
             raise EngineRequestError(_NO_DISAGGREGATION)
         if spec.request_id in self._requests:
             raise EngineRequestError(f"request {spec.request_id!r} is already in the engine")
@@ -193,13 +234,16 @@ class VllmEngine(Engine):
                 f"the prompt ({len(spec.prompt)} tokens) plus max_tokens ({spec.max_tokens}) is longer than "
                 f"the model's context of {self.max_model_len} tokens"
             )
+        if hold_on_finish:  # a prefill for another worker: vLLM keeps its blocks for the decode side's pull
+            kv_transfer_params = {"do_remote_decode": True}
         queue: TokenQueue = asyncio.Queue()
-        task = asyncio.create_task(self._generate(spec, queue), name=f"vllm-{spec.request_id}")
+        generate = self._generate(spec, queue, kv_transfer_params)
+        task = asyncio.create_task(generate, name=f"vllm-{spec.request_id}")
         self._requests[spec.request_id] = task
         task.add_done_callback(lambda _t: self._requests.pop(spec.request_id, None))
         return queue
 
-    def _sampling_params(self, spec: EngineRequestSpec) -> Any:
+    def _sampling_params(self, spec: EngineRequestSpec, kv_transfer_params: dict[str, Any] | None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -215,25 +259,33 @@ class VllmEngine(Engine):
             options["top_p"] = spec.top_p
         if spec.seed is not None:
             options["seed"] = spec.seed & _MAX_SEED
+        if kv_transfer_params:
+            options["extra_args"] = {"kv_transfer_params": kv_transfer_params}
         return SamplingParams(**options)
 
-    async def _generate(self, spec: EngineRequestSpec, queue: TokenQueue) -> None:
+    async def _generate(
+        self, spec: EngineRequestSpec, queue: TokenQueue, kv_transfer_params: dict[str, Any] | None
+    ) -> None:
         prompt = {"prompt_token_ids": list(spec.prompt)}
         cached = 0
         try:
             # cancelling this task cancels the generator, which aborts the request in vLLM
-            async for output in self._llm.generate(prompt, self._sampling_params(spec), spec.request_id):
+            sampling = self._sampling_params(spec, kv_transfer_params)
+            async for output in self._llm.generate(prompt, sampling, spec.request_id):
                 cached = output.num_cached_tokens or cached
                 completion = output.outputs[0]
                 tokens = list(completion.token_ids)
                 finish = _FINISH.get(completion.finish_reason) if output.finished else None
                 if output.finished and finish is None:
                     finish = FinishReason.STOP
+                handoff = output.kv_transfer_params if output.finished else None
                 for i, token in enumerate(tokens):
-                    last = finish if i == len(tokens) - 1 else None
-                    queue.put_nowait(TokenOutput(spec.request_id, token, last, cached))
+                    last = i == len(tokens) - 1
+                    queue.put_nowait(
+                        TokenOutput(spec.request_id, token, finish if last else None, cached, handoff if last else None)
+                    )
                 if output.finished and not tokens:  # finished without a new token
-                    queue.put_nowait(TokenOutput(spec.request_id, None, finish, cached))
+                    queue.put_nowait(TokenOutput(spec.request_id, None, finish, cached, handoff))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -246,18 +298,18 @@ class VllmEngine(Engine):
             task.cancel()
             log.info("request aborted", request_id=request_id)
 
-    # ---- disaggregation (not yet with vLLM) ---------------------------------------------------
+    # ---- the worker's own transfer server's hooks: vLLM's connector moves its KV instead ----------
     def reserve_remote(self, spec: EngineRequestSpec) -> tuple[TransferPlan | None, TokenQueue]:
-        raise EngineRequestError(_NO_DISAGGREGATION)
+        raise EngineRequestError(_CONNECTOR_MOVES_KV)
 
     def finish_transfer(self, request_id: str, received: bool) -> None:
-        raise EngineRequestError(_NO_DISAGGREGATION)
+        raise EngineRequestError(_CONNECTOR_MOVES_KV)
 
     def held_slots(self, request_id: str, num_blocks: int) -> list[int]:
-        raise EngineRequestError(_NO_DISAGGREGATION)
+        raise EngineRequestError(_CONNECTOR_MOVES_KV)
 
     def release_held(self, request_id: str) -> None:
-        return None  # nothing is ever held
+        return None  # vLLM frees a held prefill's blocks itself, once pulled or expired
 
     # ---- state -------------------------------------------------------------------------------
     def status(self) -> EngineStatus:

@@ -1,0 +1,80 @@
+"""A worker's half of disaggregation when its engine moves KV with a connector of its own (vLLM's
+NIXL connector): the worker only carries the engine's parameters between the two sides.
+
+Prefill side: the held prefill's last output carries vLLM's ``kv_transfer_params`` (where the blocks
+wait: engine id, block ids, side-channel host and port); they travel to the router in ``KvReady``.
+Decode side: the parameters from the ``DecodeOrder`` go back into vLLM with ``do_remote_prefill``;
+vLLM pulls the missing blocks over NIXL and computes the rest. The rendezvous is vLLM's, so the
+router runs these pairs on the sync path (the decode request starts once the prefill has answered).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import msgpack
+import structlog
+
+from kvmesh.common.disagg import DecodeOrder, KvReady, KvSource, PrefillOrder
+from kvmesh.common.status_error import StatusError
+from kvmesh.worker.engine import EngineRequestSpec, TokenOutput, TokenQueue
+from kvmesh.worker.vllm_engine import VllmEngine
+
+log = structlog.get_logger(__name__)
+
+
+def held_blocks(params: dict[str, Any]) -> int:
+    """Blocks a prefill's ``kv_transfer_params`` hold (vLLM lists them per KV cache group)."""
+    groups = params.get("remote_block_ids") or []
+    return len(groups[0]) if groups and isinstance(groups[0], list) else len(groups)
+
+
+class ConnectorHandover:
+    """Guarantees: a decode request never pulls without parameters; with none (or unreadable ones)
+    it prefills locally when the router allowed it and is refused otherwise."""
+
+    def __init__(self, worker_id: int, engine: VllmEngine) -> None:
+        self.worker_id = worker_id
+        self.engine = engine
+        self.transfers = 0
+
+    @property
+    def backend(self) -> str:
+        return self.engine.connector_backend
+
+    def transfers_in_flight(self) -> int:
+        return 0  # vLLM's connector does not report its pulls to us
+
+    def hand_over(self, spec: EngineRequestSpec, order: PrefillOrder, last: TokenOutput) -> KvReady:
+        params = last.kv_transfer_params or {}
+        return KvReady(
+            room=order.room,
+            host=str(params.get("remote_host", "")),
+            port=int(params.get("remote_port", 0) or 0),
+            worker_id=self.worker_id,
+            blocks=held_blocks(params),
+            backend=self.backend,
+            engine_params=msgpack.packb(params),
+        )
+
+    def prefill_failed(self, order: PrefillOrder, reason: str) -> None:
+        """Nothing to release: vLLM frees an aborted prefill's blocks itself."""
+
+    async def receive(self, spec: EngineRequestSpec, order: DecodeOrder) -> tuple[TokenQueue, KvSource]:
+        try:
+            params = msgpack.unpackb(order.engine_params) if order.engine_params else None
+        except Exception:  # garbage from the wire: treated as no parameters
+            params = None
+        if not isinstance(params, dict) or not params.get("remote_engine_id"):
+            if not order.allow_local:
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the decode order carries no vLLM KV parameters")
+            return self.engine.submit(spec), KvSource.local("transfer_failed")
+        params = {**params, "do_remote_prefill": True, "do_remote_decode": False}
+        blocks = held_blocks(params)
+        queue = self.engine.submit(spec, kv_transfer_params=params)
+        self.transfers += 1
+        log.info("KV pull handed to vLLM", blocks=blocks, prefill_worker=order.worker_id)
+        return queue, KvSource(
+            "remote", backend=self.backend, bytes=blocks * self.engine.kv_bytes_per_block, blocks=blocks
+        )
