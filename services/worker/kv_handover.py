@@ -74,6 +74,10 @@ class KvHandover:
         self._tasks: set[asyncio.Future[None]] = set()
 
     # ---- prefill side ----------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return self.transfer.backend
+
     def transfers_in_flight(self) -> int:
         return self.transfer.stats.in_flight
 
