@@ -24,6 +24,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 import structlog
@@ -104,8 +105,9 @@ class TransferStats:
     bytes_received: dict[str, int] = field(default_factory=dict)
     pulls: dict[str, int] = field(default_factory=dict)  # outcome -> count
     in_flight: int = 0  # pulls moving bytes now (not those still waiting for their prefill)
+    pull_seconds: dict[str, float] = field(default_factory=dict)  # time received pulls took, by backend
 
-    def count(self, table: dict[str, int], key: str, amount: int = 1) -> None:
+    def count(self, table: dict[str, Any], key: str, amount: float = 1) -> None:
         table[key] = table.get(key, 0) + amount
 
 
@@ -345,7 +347,9 @@ class KvTransferClient:
         size = len(slots) * self.kv.block_bytes
         self.stats.count(self.stats.pulls, "ok")
         self.stats.count(self.stats.bytes_received, backend, size)
-        return PullResult(backend, size, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.stats.count(self.stats.pull_seconds, backend, seconds)
+        return PullResult(backend, size, seconds)
 
     def _receive_blocks(self, sock: socket.socket, slots: list[int], deadline: float) -> None:
         sock.setblocking(True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -11,7 +12,7 @@ from prometheus_client.registry import Collector
 from kvmesh.common.timing import as_constants
 from kvmesh.worker.engine import Engine
 from kvmesh.worker.event_publisher import KvEventPublisher
-from kvmesh.worker.kv_transfer import KvTransferServer
+from kvmesh.worker.kv_transfer import KvTransferServer, TransferStats
 
 
 class _EngineCollector(Collector):
@@ -46,7 +47,7 @@ class _EngineCollector(Collector):
             "KV events published to JetStream",
             value=self._publisher.published_events,
         )
-        if self._transfer is None:  # an engine without KV transfer (vLLM, for now)
+        if self._transfer is None:  # an aggregated vLLM worker moves no KV
             return
         backend = GaugeMetricFamily(
             "kvmesh_worker_kv_transfer_backend", "KV transfer backend in use", labels=["backend"]
@@ -67,6 +68,12 @@ class _EngineCollector(Collector):
         for key, value in stats.pulls.items():
             pulls.add_metric([key], value)
         yield pulls
+        seconds = CounterMetricFamily(
+            "kvmesh_worker_kv_pull_seconds", "time the KV pulls this worker received took", labels=["backend"]
+        )
+        for key, value in stats.pull_seconds.items():
+            seconds.add_metric([key], value)
+        yield seconds
         yield GaugeMetricFamily(
             "kvmesh_worker_kv_transfers_in_flight", "KV pulls served or made right now", value=stats.in_flight
         )
@@ -77,9 +84,23 @@ class _EngineCollector(Collector):
         )
 
 
+@dataclass
+class TransferView:
+    """What the metrics read of a worker's KV transfer, whoever moves it (the worker's transfer
+    server and client, or the engine's own connector)."""
+
+    backend: str
+    stats: TransferStats
+    held_rooms: Callable[[], int] = lambda: 0
+
+    @classmethod
+    def of_server(cls, server: KvTransferServer) -> TransferView:
+        return cls(server.backend, server.stats, server.held_rooms)
+
+
 class WorkerMetrics:
-    def __init__(self, engine: Engine, publisher: KvEventPublisher, transfer: KvTransferServer | None) -> None:
-        """``transfer``: the worker's KV transfer server, whose stats its client shares."""
+    def __init__(self, engine: Engine, publisher: KvEventPublisher, transfer: TransferView | None) -> None:
+        """``transfer``: what moved KV for this worker (None: nothing does)."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvmesh_worker_requests", "requests by finish reason", ["finish_reason"], registry=self.registry

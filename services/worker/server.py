@@ -23,7 +23,7 @@ from kvmesh.worker.event_publisher import KvEventPublisher
 from kvmesh.worker.kv_buffer import KvBuffer, KvLayout
 from kvmesh.worker.kv_handover import Handover, KvHandover, KvTransfer
 from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, TransferStats
-from kvmesh.worker.metrics import WorkerMetrics
+from kvmesh.worker.metrics import TransferView, WorkerMetrics
 from kvmesh.worker.mock_engine import EngineConfig, MockEngine
 from kvmesh.worker.nixl_agent import NixlAgent
 from kvmesh.worker.servicer import WorkerServicer
@@ -116,8 +116,12 @@ async def serve(
                 "kv_transfer_port": transfer.server.port,
                 "kv_transfer_backend": transfer.backend,
             }
-        transfer_server = handover.transfer.server if isinstance(handover, KvHandover) else None
-        metrics = WorkerMetrics(engine, publisher, transfer_server)
+        transfer_view = None
+        if isinstance(handover, KvHandover):
+            transfer_view = TransferView.of_server(handover.transfer.server)
+        elif isinstance(handover, ConnectorHandover):
+            transfer_view = TransferView(handover.backend, vllm.transfer_stats)
+        metrics = WorkerMetrics(engine, publisher, transfer_view)
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
         servicer = WorkerServicer(worker_id, config.model_name, engine, metrics, handover)

@@ -41,6 +41,7 @@ from kvmesh.worker.engine import (
     TokenQueue,
     TransferPlan,
 )
+from kvmesh.worker.kv_transfer import TransferStats
 from kvmesh.worker.vllm_events import VllmEventRelay, VllmEventTranslator
 
 log = structlog.get_logger(__name__)
@@ -51,10 +52,10 @@ _CONNECTOR_MOVES_KV = "a vLLM worker's KV moves through vLLM's connector, not th
 _MAX_SEED = (1 << 63) - 1
 
 
-def step_timing_logger(fit: TimingFit) -> Callable[..., Any]:
-    """A vLLM stat logger factory that feeds every engine step the core timed into ``fit``: its
+def step_timing_logger(fit: TimingFit, transfers: TransferStats) -> Callable[..., Any]:
+    """A vLLM stat logger factory that feeds every engine step the core timed into ``fit`` (its
     prefill tokens, whether it decoded, its elapsed ms, and the KV cache usage standing in for the
-    model's decoding-context share."""
+    model's decoding-context share) and what its KV connector pulled into ``transfers``."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class StepTimingLogger(StatLoggerBase):
@@ -62,6 +63,9 @@ def step_timing_logger(fit: TimingFit) -> Callable[..., Any]:
             self.steps = 0
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0):
+            connector = getattr(scheduler_stats, "kv_connector_stats", None)
+            if isinstance(connector, dict):
+                record_connector_stats(connector, transfers)
             details = getattr(scheduler_stats, "iteration_details", None)
             if details is None or details.is_dummy or details.elapsed_ms <= 0:
                 return
@@ -87,6 +91,20 @@ def kv_bytes_per_block(vllm_config: Any) -> int:
         return per_token * model.dtype.itemsize * cache.block_size
     except Exception:
         return 0
+
+
+def record_connector_stats(stats: dict[str, Any], transfers: TransferStats) -> None:
+    """vLLM's NIXL connector stats of one interval (lists of per-transfer figures) into ours."""
+    durations = stats.get("transfer_duration") or []
+    moved = stats.get("bytes_transferred") or []
+    if moved:
+        transfers.count(transfers.bytes_received, "nixl", int(sum(moved)))
+        transfers.count(transfers.pulls, "ok", len(moved))
+    if durations:
+        transfers.count(transfers.pull_seconds, "nixl", float(sum(durations)))
+    failed = len(stats.get("num_failed_transfers") or []) + len(stats.get("num_failed_handshakes") or [])
+    if failed:
+        transfers.count(transfers.pulls, "failed", failed)
 
 
 class VllmEngineArgsError(ValueError):
@@ -141,6 +159,8 @@ class VllmEngine(Engine):
         self._requests: dict[str, asyncio.Task[None]] = {}
         # vLLM's steps as the engine core timed them; the prior is the mock's model until steps arrive
         self.timing_fit = TimingFit(TimingModel())
+        # what vLLM's KV connector reports it pulled (bytes, seconds), for the worker's metrics
+        self.transfer_stats = TransferStats()
         self.block_size = 0
         self.max_num_batched_tokens = 0
         self.num_blocks = 0
@@ -177,7 +197,8 @@ class VllmEngine(Engine):
         args.enable_logging_iteration_details = True
         logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
         log.info("starting vLLM", model=args.model, block_size=args.block_size)
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[step_timing_logger(self.timing_fit)])
+        logger = step_timing_logger(self.timing_fit, self.transfer_stats)
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[logger])
         config = self._llm.vllm_config
         self.block_size = config.cache_config.block_size
         self.num_blocks = config.cache_config.num_gpu_blocks or 0

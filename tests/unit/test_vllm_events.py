@@ -149,3 +149,15 @@ async def test_the_relay_delivers_in_order_and_recovers_a_gap_from_the_replay_so
     finally:
         publisher.close()
         await relay.stop()
+
+
+def test_vllms_connector_stats_become_the_workers_transfer_counters():
+    from kvmesh.worker.kv_transfer import TransferStats
+    from kvmesh.worker.vllm_engine import record_connector_stats
+
+    stats = TransferStats()
+    record_connector_stats({"transfer_duration": [0.002, 0.003], "bytes_transferred": [4096, 8192]}, stats)
+    record_connector_stats({"num_failed_transfers": [1], "transfer_duration": [], "bytes_transferred": []}, stats)
+    assert stats.bytes_received == {"nixl": 12288}
+    assert stats.pulls == {"ok": 2, "failed": 1}
+    assert stats.pull_seconds["nixl"] == pytest.approx(0.005)

@@ -17,7 +17,7 @@ import pytest
 
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
 from kvmesh.up import MeshProcess
-from tests.support import discovered
+from tests.support import discovered, wait_until
 
 pytestmark = [
     pytest.mark.vllm,
@@ -69,6 +69,15 @@ def test_one_prefill_and_one_decode_vllm_worker_answer_as_one_aggregated_worker(
     try:
         assert greedy_tokens(split) == expected
         counters = router_counters(split)
+        decode = next(r for r in discovered(split.nats_url, "worker") if r.role == "decode")
+
+        def pulls_timed() -> bool:
+            text = httpx.get(f"http://{decode.extra['metrics']}/metrics", timeout=10).text
+            match = re.search(r'^kvmesh_worker_kv_pull_seconds_total\{backend="nixl"\} (\S+)$', text, re.MULTILINE)
+            return match is not None and float(match.group(1)) > 0
+
+        # vLLM reports its connector's transfers with its periodic stats
+        wait_until(pulls_timed, timeout=30, what="the decode worker to report how long its NIXL pulls took")
     finally:
         assert split.stop() == 0
     assert counters.get('kvmesh_router_prefills_total{reason="",where="remote"}') == len(PROMPTS)
