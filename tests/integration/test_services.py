@@ -133,3 +133,25 @@ async def test_indexer_answers_and_forgets_a_departed_worker(nats_url: str, nc: 
         await index_channel.close()
     await workers.stop()
     await indexers.stop()
+
+
+async def test_a_worker_advertises_the_step_times_it_measured(nats_url: str, nc: NatsClient):
+    """The mock worker times its own steps, fits the step-time model and, once it has measured steps,
+    puts it into its discovery record, where routers read it. (The fit itself is tested in
+    test_timing_fit; here: nothing is advertised before a step, real-time constants after.)"""
+    from kvmesh.common.timing import TimingModel, from_constants
+
+    argv = ["--nats-url", nats_url, "--namespace", NAMESPACE, "--speedup-ratio", "10", "--timing-advertise-secs", "0.2"]
+    workers = await watcher_for(nc, "worker")
+    async with running(worker_server.serve, service_config(WorkerConfig, argv)):
+        await wait_until_async(lambda: len(workers.instances()) == 1, what="worker registered")
+        assert "timing" not in workers.instances()[0].extra  # nothing measured yet
+        async with grpc.aio.insecure_channel(workers.instances()[0].address) as channel:
+            for i in range(5):
+                request = common_pb2.PreprocessedRequest(request_id=f"t{i}", token_ids=list(range(i, 1500 + i)))
+                request.stop.max_tokens = 8
+                [o async for o in worker_pb2_grpc.WorkerStub(channel).Generate(request)]
+        await wait_until_async(lambda: "timing" in workers.instances()[0].extra, what="the fitted constants advertised")
+        fitted = from_constants(workers.instances()[0].extra["timing"])
+        nominal = TimingModel().prefill_ms(1500)
+        assert fitted.prefill_ms(1500) < nominal / 2  # real time at speed-up 10, not the nominal model
