@@ -68,16 +68,19 @@ class TimingFit:
         self._xty = np.zeros(_FEATURES)
         self.observations = 0
 
-    def observe(
-        self, prefill_tokens: int, decode_context_tokens: int, capacity_tokens: int, decoding: bool, ms: float
-    ) -> None:
-        """One engine step: its prefill tokens, decoding context and measured duration (ms,
-        unscaled: the engine's real time)."""
-        utilisation = min(1.0, decode_context_tokens / capacity_tokens) if capacity_tokens else 0.0
+    def observe(self, prefill_tokens: int, decode_context: float, capacity: float, decoding: bool, ms: float) -> bool:
+        """One engine step: its prefill tokens, its decoding context out of the KV capacity (tokens
+        over tokens, or a share over 1) and its measured duration (ms, unscaled: the engine's real
+        time). A step that neither prefilled nor decoded says nothing and is skipped; returns
+        whether the step was counted."""
+        if not prefill_tokens and not decoding:
+            return False
+        utilisation = min(1.0, decode_context / capacity) if capacity else 0.0
         x = _features(prefill_tokens, utilisation, decoding)
         self._xtx = self.decay * self._xtx + np.outer(x, x)
         self._xty = self.decay * self._xty + x * ms
         self.observations += 1
+        return True
 
     def model(self) -> TimingModel:
         if not self.observations:

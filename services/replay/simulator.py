@@ -289,12 +289,12 @@ class ReplaySimulator:
         fit = self._fits[worker]
         capacity = self.config.num_blocks * self.config.block_size
         decoding = result.decoding_requests > 0
-        if result.prefill_tokens or decoding:
-            fit.observe(result.prefill_tokens, result.decode_context_tokens, capacity, decoding, result.duration_ms)
-        if fit.observations % self.config.timing_refit_steps == 0 and isinstance(
-            self.policy.cost_model, PerWorkerTtftCost
-        ):
-            self.policy.cost_model.set_timing((worker, 0), fit.model())
+        counted = fit.observe(
+            result.prefill_tokens, result.decode_context_tokens, capacity, decoding, result.duration_ms
+        )
+        cost = self.policy.cost_model
+        if counted and fit.observations % self.config.timing_refit_steps == 0 and isinstance(cost, PerWorkerTtftCost):
+            cost.set_timing((worker, 0), fit.model())
 
     def _track(
         self,

@@ -117,24 +117,23 @@ class LoadTracker:
     # ---- housekeeping ----------------------------------------------------------------------
     def expire(self, now: float, max_age: float) -> list[str]:
         """Drop requests tracked longer than ``max_age`` (their free was lost); returns their keys."""
-        expired = []
-        for sequences in self._sequences.values():
-            for key in sequences.expire(now, max_age):
-                self._block_size_of.pop(key, None)
-                router_id, _, rest = key.partition("/")
-                if rest:
-                    self._remote_by_router.get(router_id, set()).discard(key)
-                expired.append(key)
+        expired = [key for sequences in self._sequences.values() for key in sequences.expire(now, max_age)]
+        for key in expired:
+            self._forget_key(key)
         return expired
 
     def remove_worker(self, worker_id: int) -> None:
         """A worker left: forget it and every request that was on it."""
         for sequences in self._sequences.values():
             for key in sequences.remove_worker(worker_id):
-                self._block_size_of.pop(key, None)
-                router_id, _, rest = key.partition("/")
-                if rest:
-                    self._remote_by_router.get(router_id, set()).discard(key)
+                self._forget_key(key)
+
+    def _forget_key(self, key: str) -> None:
+        """Drop the bookkeeping of a request its picture already let go of."""
+        self._block_size_of.pop(key, None)
+        router_id, _, rest = key.partition("/")
+        if rest:
+            self._remote_by_router.get(router_id, set()).discard(key)
 
     def __len__(self) -> int:
         return len(self._block_size_of)

@@ -132,11 +132,8 @@ class MockEngineLoop(Engine):
 
     def _observe(self, result: StepResult, measured_ms: float) -> None:
         decoding = result.decoding_requests > 0
-        if result.prefill_tokens or decoding:
-            capacity = self.engine.capacity_tokens
-            self.timing_fit.observe(
-                result.prefill_tokens, result.decode_context_tokens, capacity, decoding, measured_ms
-            )
+        capacity = self.engine.capacity_tokens
+        self.timing_fit.observe(result.prefill_tokens, result.decode_context_tokens, capacity, decoding, measured_ms)
 
     def _publish_events(self) -> None:
         events = self.engine.drain_events()

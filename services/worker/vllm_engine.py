@@ -70,10 +70,8 @@ def step_timing_logger(fit: TimingFit, transfers: TransferStats) -> Callable[...
             if details is None or details.is_dummy or details.elapsed_ms <= 0:
                 return
             decoding = details.num_generation_requests > 0
-            if details.num_ctx_tokens or decoding:
-                usage = float(getattr(scheduler_stats, "kv_cache_usage", 0.0))
-                # the fit takes context tokens over capacity; usage is that share already
-                fit.observe(details.num_ctx_tokens, int(usage * 1_000_000), 1_000_000, decoding, details.elapsed_ms)
+            usage = float(getattr(scheduler_stats, "kv_cache_usage", 0.0))  # already a share of the capacity
+            if fit.observe(details.num_ctx_tokens, usage, 1.0, decoding, details.elapsed_ms):
                 self.steps += 1
 
         def log_engine_initialized(self) -> None:
