@@ -158,15 +158,18 @@ class Router:
 
     def _adopt_advertised_timing(self, policy: RoutingPolicy, records: list[InstanceRecord]) -> None:
         """Each worker's fitted step-time constants (advertised in discovery) into the ttft cost.
-        A record is a new object after every lease refresh, so an identity check per candidate is
-        all a request pays; the cost is rebuilt only when a worker's record changed."""
+        A request pays an identity check per candidate; a lease refresh (a new record object) pays a
+        comparison; the worker's cost is rebuilt only when its constants really changed."""
         cost = policy.cost_model
         if not isinstance(cost, PerWorkerTtftCost):
             return
         for record in records:
             constants = record.extra.get("timing")
-            if constants is not None and self._timing_seen.get(record.instance_id) is not constants:
-                self._timing_seen[record.instance_id] = constants
+            seen = self._timing_seen.get(record.instance_id)
+            if constants is None or seen is constants:
+                continue
+            self._timing_seen[record.instance_id] = constants
+            if seen != constants:
                 try:
                     cost.set_timing((record.instance_id, 0), from_constants(constants))
                 except (KeyError, TypeError, ValueError):
@@ -274,6 +277,7 @@ class Router:
             prepared = self.prepare(request)
             block_size = prepared.policy.block_size
             pool = prefill_workers(registered, request.model, block_size, self.failed, self.clock()).eligible
+            self._adopt_advertised_timing(prepared.policy, pool)  # prefill workers are costed too
         if not pool:
             if enforce:
                 raise RoutingError(

@@ -103,3 +103,14 @@ async def test_the_router_adopts_each_workers_advertised_timing_and_forgets_a_de
     assert cost.timing((1, 0)) == TimingModel()  # nothing advertised: the prior
     mesh.worker_left(mesh.workers.get(2))
     assert cost.timing((2, 0)) == TimingModel()
+
+
+async def test_a_prefill_workers_advertised_timing_is_adopted_when_prefills_are_placed():
+    from kvmesh.common.timing import TimingModel, as_constants, from_constants, scaled
+
+    mesh = router({1: "decode", 3: "prefill"})
+    slow = as_constants(scaled(TimingModel(), 3.0))
+    mesh.workers.get(3).extra["timing"] = slow
+    plan = await mesh.plan_prefill(request(2000))
+    assert isinstance(plan, RemotePrefill)
+    assert mesh.prepare(request(64)).policy.cost_model.timing((3, 0)) == from_constants(slow)
