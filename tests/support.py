@@ -9,15 +9,28 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import nats
+import openai
 
 from kvmesh.common.config import parse_config
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.nats_server import free_port
 
-__all__ = ["discovered", "free_port", "running", "service_config", "service_process", "wait_until", "wait_until_async"]
+__all__ = [
+    "StreamedAnswer",
+    "api_answers",
+    "discovered",
+    "free_port",
+    "running",
+    "service_config",
+    "service_process",
+    "stream_chat",
+    "wait_until",
+    "wait_until_async",
+]
 
 ConfigT = TypeVar("ConfigT")
 
@@ -75,6 +88,51 @@ def service_process(service: str, nats_url: str, namespace: str, *args: str) -> 
         ],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+@dataclass(frozen=True)
+class StreamedAnswer:
+    """What one streamed chat completion delivered to the client."""
+
+    text: str
+    completion_tokens: int  # from the final usage chunk
+    finish_reason: str | None
+
+
+def api_answers(api: str) -> bool:
+    """Whether an OpenAI-compatible endpoint at ``api`` lists its models (for waiting on start-up)."""
+    try:
+        return bool(openai.OpenAI(base_url=api, api_key="unused", max_retries=0, timeout=2).models.list().data)
+    except openai.APIError:
+        return False
+
+
+async def stream_chat(
+    client: openai.AsyncOpenAI,
+    content: str,
+    max_tokens: int,
+    model: str = "kvmesh-tiny",
+    on_first_token: Callable[[], None] | None = None,
+) -> StreamedAnswer:
+    """One streaming chat completion read to its end; ``on_first_token`` runs at its first chunk."""
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text: list[str] = []
+    usage, finish = 0, None
+    async for chunk in stream:
+        if chunk.choices:
+            if not text and on_first_token is not None:
+                on_first_token()
+            text.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+    return StreamedAnswer("".join(text), usage, finish)
 
 
 def service_config(config_class: type[ConfigT], argv: list[str]) -> ConfigT:

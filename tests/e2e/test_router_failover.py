@@ -14,7 +14,7 @@ import pytest
 
 from kvmesh.up import MeshProcess
 from tests.e2e.conftest import descendants, start_mesh
-from tests.support import wait_until
+from tests.support import StreamedAnswer, stream_chat, wait_until
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 60
@@ -45,35 +45,23 @@ def test_streams_survive_a_router_killed_mid_flight(two_router_mesh):
     routers = router_pids(two_router_mesh)
     assert len(routers) == 2
 
-    async def drill() -> list[tuple[str, int, str | None]]:
+    async def drill() -> list[StreamedAnswer]:
         client = openai.AsyncOpenAI(base_url=two_router_mesh.api, api_key="unused", max_retries=0, timeout=120)
         started = 0
         enough_started = asyncio.Event()
 
-        async def one(i: int) -> tuple[str, int, str | None]:
+        def count_started() -> None:
             nonlocal started
-            stream = await client.chat.completions.create(
-                model="kvmesh-tiny",
-                messages=[{"role": "user", "content": f"request {i}: tell me something long"}],
-                max_tokens=MAX_TOKENS,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            text, usage, finish, first = [], 0, None, True
-            async for chunk in stream:
-                if chunk.choices:
-                    text.append(chunk.choices[0].delta.content or "")
-                    finish = chunk.choices[0].finish_reason or finish
-                    if first:
-                        first = False
-                        started += 1
-                        if started >= KILL_AFTER_STARTED:
-                            enough_started.set()
-                if chunk.usage is not None:
-                    usage = chunk.usage.completion_tokens
-            return "".join(text), usage, finish
+            started += 1
+            if started >= KILL_AFTER_STARTED:
+                enough_started.set()
 
-        tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
+        tasks = [
+            asyncio.create_task(
+                stream_chat(client, f"request {i}: tell me something long", MAX_TOKENS, on_first_token=count_started)
+            )
+            for i in range(STREAMS)
+        ]
         await asyncio.wait_for(enough_started.wait(), timeout=60)
         os.kill(routers[0], signal.SIGKILL)
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
@@ -82,8 +70,9 @@ def test_streams_survive_a_router_killed_mid_flight(two_router_mesh):
 
     results = asyncio.run(drill())
     assert len(results) == STREAMS
-    for text, completion_tokens, finish in results:
-        assert completion_tokens == MAX_TOKENS and len(text) == MAX_TOKENS and finish == "length"
+    for answer in results:
+        assert answer.completion_tokens == MAX_TOKENS and len(answer.text) == MAX_TOKENS
+        assert answer.finish_reason == "length"
     # streams really were cut mid-flight and continued on the other replica, and kvmesh up restarted
     # the killed one (the log is read by a thread that may lag: wait for the lines, do not assume them)
     for line_part in ("router replica failed; continuing on another", "restarting it"):

@@ -1,0 +1,116 @@
+"""SIGTERM (a clean stop: ``docker stop``, a rolling restart) of a worker or a router replica under
+load loses no request: the stopping service deregisters, serves its open streams for a grace period,
+and whatever it has not finished by then continues elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from kvmesh.common.nats_server import free_port
+from tests.support import api_answers, discovered, service_process, stream_chat, wait_until
+
+pytestmark = pytest.mark.integration
+NAMESPACE = "graceful"
+STREAMS = 30
+STOP_AFTER_STARTED = 15
+# longer than a service's 2 s shutdown grace at real-time speed, so the stop cuts streams mid-flight
+MAX_TOKENS = 500
+
+
+@contextlib.contextmanager
+def processes(*started: subprocess.Popen[bytes]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    running = list(started)
+    try:
+        yield running
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.terminate()
+        for process in running:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def frontend(nats_url: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    return service_process("frontend", nats_url, NAMESPACE, "--http-port", str(port)), f"http://127.0.0.1:{port}/v1"
+
+
+def wait_for(nats_url: str, component: str, count: int) -> None:
+    wait_until(
+        lambda: len(discovered(nats_url, component, NAMESPACE)) == count,
+        timeout=30,
+        what=f"{count} {component} instance(s)",
+    )
+
+
+async def load_and_stop(api: str, victim: subprocess.Popen[bytes]) -> list:
+    """STREAMS streaming chats; SIGTERM ``victim`` once STOP_AFTER_STARTED of them have begun."""
+    client = openai.AsyncOpenAI(base_url=api, api_key="unused", max_retries=0, timeout=60)
+    started = 0
+    enough_started = asyncio.Event()
+
+    def count_started() -> None:
+        nonlocal started
+        started += 1
+        if started >= STOP_AFTER_STARTED:
+            enough_started.set()
+
+    tasks = [
+        asyncio.create_task(stream_chat(client, f"request {i}: a long answer", MAX_TOKENS, on_first_token=count_started))
+        for i in range(STREAMS)
+    ]
+    await asyncio.wait_for(enough_started.wait(), timeout=60)
+    victim.send_signal(signal.SIGTERM)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+    await client.close()
+    assert await asyncio.to_thread(victim.wait, 30) == 0, "the stopped service did not exit cleanly"
+    return results
+
+
+def assert_all_whole(results: list) -> None:
+    assert len(results) == STREAMS
+    for answer in results:
+        assert answer.finish_reason == "length"
+        assert answer.completion_tokens == MAX_TOKENS and len(answer.text) == MAX_TOKENS
+
+
+def test_a_worker_stopped_under_load_loses_no_request(nats_url: str):
+    worker_args = ("--speedup-ratio", "1", "--lease-ttl", "30")
+    victim = service_process("worker", nats_url, NAMESPACE, *worker_args)
+    web, api = frontend(nats_url)
+    with processes(
+        service_process("router", nats_url, NAMESPACE),
+        service_process("worker", nats_url, NAMESPACE, *worker_args),
+        victim,
+        web,
+    ):
+        wait_for(nats_url, "worker", 2)
+        wait_for(nats_url, "router", 1)
+        wait_until(lambda: api_answers(api), timeout=30, what="the frontend to answer")
+        assert_all_whole(asyncio.run(load_and_stop(api, victim)))
+
+
+def test_a_router_replica_stopped_under_load_loses_no_request(nats_url: str):
+    victim = service_process("router", nats_url, NAMESPACE, "--lease-ttl", "30")
+    web, api = frontend(nats_url)
+    with processes(
+        victim,
+        service_process("router", nats_url, NAMESPACE, "--lease-ttl", "30"),
+        service_process("worker", nats_url, NAMESPACE, "--speedup-ratio", "1"),
+        service_process("worker", nats_url, NAMESPACE, "--speedup-ratio", "1"),
+        web,
+    ):
+        wait_for(nats_url, "worker", 2)
+        wait_for(nats_url, "router", 2)
+        wait_until(lambda: api_answers(api), timeout=30, what="the frontend to answer")
+        assert_all_whole(asyncio.run(load_and_stop(api, victim)))
