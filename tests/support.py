@@ -28,6 +28,7 @@ __all__ = [
     "service_config",
     "service_process",
     "stream_chat",
+    "streams_interrupted_by",
     "wait_until",
     "wait_until_async",
 ]
@@ -133,6 +134,39 @@ async def stream_chat(
         if chunk.usage is not None:
             usage = chunk.usage.completion_tokens
     return StreamedAnswer("".join(text), usage, finish)
+
+
+async def streams_interrupted_by(
+    api: str,
+    interruption: Callable[[], Awaitable[object]],
+    *,
+    streams: int,
+    max_tokens: int,
+    after_started: int,
+    timeout: float = 120,
+) -> list[StreamedAnswer]:
+    """``streams`` concurrent streaming chats against ``api``; ``interruption`` (a kill, a stop, a
+    restart) runs once ``after_started`` of them have begun. Returns every answer, in order."""
+    client = openai.AsyncOpenAI(base_url=api, api_key="unused", max_retries=0, timeout=timeout)
+    started = 0
+    enough_started = asyncio.Event()
+
+    def count_started() -> None:
+        nonlocal started
+        started += 1
+        if started >= after_started:
+            enough_started.set()
+
+    prompts = [f"request {i}: a long answer" for i in range(streams)]
+    tasks = [asyncio.create_task(stream_chat(client, p, max_tokens, on_first_token=count_started)) for p in prompts]
+    try:
+        await asyncio.wait_for(enough_started.wait(), timeout=60)
+        await interruption()
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await client.close()
 
 
 def service_config(config_class: type[ConfigT], argv: list[str]) -> ConfigT:

@@ -9,12 +9,11 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 
 from kvmesh.up import MeshProcess
 from tests.e2e.conftest import descendants, start_mesh
-from tests.support import StreamedAnswer, stream_chat, wait_until
+from tests.support import streams_interrupted_by, wait_until
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 60
@@ -45,30 +44,14 @@ def test_streams_survive_a_router_killed_mid_flight(two_router_mesh):
     routers = router_pids(two_router_mesh)
     assert len(routers) == 2
 
-    async def drill() -> list[StreamedAnswer]:
-        client = openai.AsyncOpenAI(base_url=two_router_mesh.api, api_key="unused", max_retries=0, timeout=120)
-        started = 0
-        enough_started = asyncio.Event()
-
-        def count_started() -> None:
-            nonlocal started
-            started += 1
-            if started >= KILL_AFTER_STARTED:
-                enough_started.set()
-
-        tasks = [
-            asyncio.create_task(
-                stream_chat(client, f"request {i}: tell me something long", MAX_TOKENS, on_first_token=count_started)
-            )
-            for i in range(STREAMS)
-        ]
-        await asyncio.wait_for(enough_started.wait(), timeout=60)
+    async def kill() -> None:
         os.kill(routers[0], signal.SIGKILL)
-        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
-        await client.close()
-        return results
 
-    results = asyncio.run(drill())
+    results = asyncio.run(
+        streams_interrupted_by(
+            two_router_mesh.api, kill, streams=STREAMS, max_tokens=MAX_TOKENS, after_started=KILL_AFTER_STARTED
+        )
+    )
     assert len(results) == STREAMS
     for answer in results:
         assert answer.completion_tokens == MAX_TOKENS and len(answer.text) == MAX_TOKENS

@@ -10,11 +10,17 @@ import signal
 import subprocess
 from collections.abc import Iterator
 
-import openai
 import pytest
 
 from kvmesh.common.nats_server import free_port
-from tests.support import api_answers, discovered, service_process, stream_chat, wait_until
+from tests.support import (
+    StreamedAnswer,
+    api_answers,
+    discovered,
+    service_process,
+    streams_interrupted_by,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "graceful"
@@ -53,31 +59,20 @@ def wait_for(nats_url: str, component: str, count: int) -> None:
     )
 
 
-async def load_and_stop(api: str, victim: subprocess.Popen[bytes]) -> list:
+async def load_and_stop(api: str, victim: subprocess.Popen[bytes]) -> list[StreamedAnswer]:
     """STREAMS streaming chats; SIGTERM ``victim`` once STOP_AFTER_STARTED of them have begun."""
-    client = openai.AsyncOpenAI(base_url=api, api_key="unused", max_retries=0, timeout=60)
-    started = 0
-    enough_started = asyncio.Event()
 
-    def count_started() -> None:
-        nonlocal started
-        started += 1
-        if started >= STOP_AFTER_STARTED:
-            enough_started.set()
+    async def stop() -> None:
+        victim.send_signal(signal.SIGTERM)
 
-    tasks = [
-        asyncio.create_task(stream_chat(client, f"request {i}: a long answer", MAX_TOKENS, on_first_token=count_started))
-        for i in range(STREAMS)
-    ]
-    await asyncio.wait_for(enough_started.wait(), timeout=60)
-    victim.send_signal(signal.SIGTERM)
-    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
-    await client.close()
+    results = await streams_interrupted_by(
+        api, stop, streams=STREAMS, max_tokens=MAX_TOKENS, after_started=STOP_AFTER_STARTED
+    )
     assert await asyncio.to_thread(victim.wait, 30) == 0, "the stopped service did not exit cleanly"
     return results
 
 
-def assert_all_whole(results: list) -> None:
+def assert_all_whole(results: list[StreamedAnswer]) -> None:
     assert len(results) == STREAMS
     for answer in results:
         assert answer.finish_reason == "length"
