@@ -1,5 +1,5 @@
-"""Fixtures: a real NATS server per test (embedded binary, or a testcontainers container when a
-Docker engine answers and ``KVMESH_TEST_NATS=container``)."""
+"""Fixtures: a real NATS server per test: the embedded binary, or with ``KVMESH_TEST_NATS=container``
+a testcontainers container (see tests/containers/docker_engine.py for which image and network)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,16 @@ import nats
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.nats_server import EmbeddedNatsServer
+from kvmesh.common.nats_server import EmbeddedNatsServer, free_port
 
 
 def _container_nats() -> Iterator[str]:
-    from testcontainers.core.container import DockerContainer
-    from testcontainers.core.waiting_utils import wait_for_logs
+    from tests.containers.docker_engine import nats_container, nats_url_of, require_engine
 
-    container = DockerContainer("nats:2.11").with_command("-js").with_exposed_ports(4222)
+    require_engine()
+    container, planned_url = nats_container(free_port())
     with container:
-        wait_for_logs(container, "Server is ready", timeout=30)
-        yield f"nats://{container.get_container_host_ip()}:{container.get_exposed_port(4222)}"
+        yield nats_url_of(container, planned_url)
 
 
 @pytest.fixture

@@ -6,8 +6,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvmesh.common import protogen, tiny_model
+from tests.containers.docker_engine import compose_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,29 +33,40 @@ def test_bundled_tiny_model_matches_its_builder(tmp_path):
         assert json.loads((tmp_path / name).read_text()) == json.loads((tiny_model.MODEL_DIR / name).read_text())
 
 
-def _compose_command() -> list[str] | None:
-    """`docker compose` (v2 plugin) where installed, else the standalone `docker-compose`."""
-    if shutil.which("docker"):
-        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
-        if probe.returncode == 0:
-            return ["docker", "compose"]
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    return None
-
-
-COMPOSE = _compose_command()
+COMPOSE = compose_command()
+COMPOSE_FILES = ["docker-compose.yml", "docker-compose.host.yml"]
 
 
 @pytest.mark.skipif(COMPOSE is None, reason="neither `docker compose` nor `docker-compose` is installed")
-def test_docker_compose_file_is_valid():
+@pytest.mark.parametrize("name", COMPOSE_FILES)
+def test_docker_compose_file_is_valid(name):
     result = subprocess.run(
-        [*COMPOSE, "-f", str(REPO / "docker-compose.yml"), "config", "--quiet"],
+        [*COMPOSE, "-f", str(REPO / name), "config", "--quiet"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+def _role(command: list[str]) -> str:
+    return command[command.index("--role") + 1] if "--role" in command else "aggregated"
+
+
+def test_the_host_network_compose_file_runs_the_same_services():
+    bridge = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    host = yaml.safe_load((REPO / "docker-compose.host.yml").read_text())["services"]
+    assert sorted(host) == sorted(bridge)
+    for name, service in host.items():
+        assert service["network_mode"] == "host", name
+        assert "ports" not in service, f"{name}: a host-network container cannot publish ports"
+        assert service.get("profiles") == bridge[name].get("profiles"), name
+        if name == "nats":
+            continue
+        # the same kvmesh service in the same role; only addresses differ
+        assert service["command"][0] == bridge[name]["command"][0], name
+        assert _role(service["command"]) == _role(bridge[name]["command"]), name
+        assert service["init"] is True and bridge[name]["init"] is True, f"{name}: PID 1 must forward SIGTERM"
 
 
 @pytest.mark.skipif(COMPOSE is None, reason="neither `docker compose` nor `docker-compose` is installed")
