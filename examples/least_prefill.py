@@ -1,7 +1,7 @@
 """Pick the worker with the least prefill work for a prompt, then send the prompt there.
 
-    kvmesh up &            # prints the NATS URL
-    python examples/least_prefill.py --nats-url nats://127.0.0.1:PORT
+    kvmesh up &
+    python examples/least_prefill.py      # finds the running mesh through its run file
 
 Uses the typed router client (services/client.py): PotentialLoads asks the router what each worker's
 load would be with this request (prefill tokens left after its cached prefix, queued prefill, active
@@ -37,7 +37,7 @@ async def main(nats_url: str, prompt: str) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nats-url", required=True)
+    parser.add_argument("--nats-url", help="NATS server URL (default: that of the running `kvmesh up`)")
     parser.add_argument("--prompt", default="An example prompt long enough to fill a few KV blocks. " * 4)
     args = parser.parse_args()
     asyncio.run(main(args.nats_url, args.prompt))

@@ -18,11 +18,11 @@ from types import TracebackType
 
 import grpc
 
-from kvmesh.common import names
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.finish_reasons import finish_name
 from kvmesh.common.grpc_server import insecure_channel
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvmesh.common.run_file import default_namespace, resolve_nats_url
 from kvmesh.common.runtime import connect_nats
 from kvmesh.common.status_error import StatusError
 
@@ -80,9 +80,12 @@ class RouterApi:
 
     @classmethod
     async def discover(
-        cls, nats_url: str, namespace: str = names.DEFAULT_NAMESPACE, model: str = "", timeout: float = 10.0
+        cls, nats_url: str | None = None, namespace: str | None = None, model: str = "", timeout: float = 10.0
     ) -> RouterApi:
-        """Connect to a router replica found in discovery."""
+        """Connect to a router replica found in discovery. Without ``nats_url``: ``KVMESH_NATS_URL``,
+        else the running ``kvmesh up`` of the namespace (its run file), else the default URL."""
+        namespace = namespace or default_namespace()
+        nats_url, _source = resolve_nats_url(nats_url, namespace)
         nc = await connect_nats(nats_url, name="kvmesh-client")
         try:
             watcher = DiscoveryWatcher(nc.jetstream(), namespace, "router")

@@ -1,4 +1,5 @@
-"""``kvmesh inspect indexer|worker``: what each replica or worker holds, found through discovery."""
+"""``kvmesh inspect indexer|worker|router``: what each indexer replica, worker or router replica holds
+or sees, found through discovery (on the NATS server of the running ``kvmesh up`` by default)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ import nats.js.errors
 from kvmesh.common import names
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.grpc_server import insecure_channel
-from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import (
+    indexer_pb2,
+    indexer_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from kvmesh.common.run_file import default_namespace, resolve_nats_url
 from kvmesh.common.runtime import connect_nats
 from kvmesh.common.structured_logging import configure_logging
 from kvmesh.common.timing import from_constants
@@ -121,6 +130,74 @@ async def inspect_workers(nats_url: str, namespace: str, timeout: float) -> list
     return rows
 
 
+async def inspect_routers(nats_url: str, namespace: str, timeout: float) -> list[dict[str, Any]]:
+    records, _ = await _instances(nats_url, namespace, "router")
+    rows = []
+    for record in records:
+        row: dict[str, Any] = {
+            "router_id": record.instance_id,
+            "address": record.address,
+            "metrics": record.extra.get("metrics"),
+            "mode": record.extra.get("mode"),
+        }
+        status, error = await _status(
+            record.address,
+            lambda channel: router_pb2_grpc.RouterStub(channel).GetStatus(
+                router_pb2.RouterStatusRequest(), timeout=timeout
+            ),
+        )
+        if error is not None:
+            row["error"] = error
+        else:
+            row.update(
+                replica_sync=status.replica_sync,
+                sync_peers=status.sync_peers,
+                active_requests=status.active_requests,
+                workers=[
+                    {
+                        "worker_id": load.worker_id,
+                        "dp_rank": load.dp_rank,
+                        "active_prefill_tokens": load.active_prefill_tokens,
+                        "active_decode_blocks": load.active_decode_blocks,
+                    }
+                    for load in status.loads
+                ],
+                outcome_window_seconds=status.outcome_window_seconds,
+                recent_outcomes=dict(status.recent_outcomes),
+                total_outcomes=dict(status.total_outcomes),
+                migrations=status.migrations,
+            )
+        rows.append(row)
+    return rows
+
+
+def render_routers(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no router replica is registered"
+
+    def counts(outcomes: dict[str, int]) -> str:
+        return ", ".join(f"{n} {name}" for name, n in sorted(outcomes.items())) or "none"
+
+    lines = []
+    for row in rows:
+        where = f"router {row['router_id']} at {row['address']} (metrics http://{row['metrics']}/metrics)"
+        if "error" in row:
+            lines.append(f"{where}: unreachable ({row['error']})")
+            continue
+        sync = f"replica sync with {row['sync_peers']} peer(s)" if row["replica_sync"] else "no replica sync"
+        lines.append(f"{where}: mode {row['mode']}, {sync}, {row['active_requests']} request(s) in flight")
+        for w in row["workers"]:
+            lines.append(
+                f"    worker {w['worker_id']} rank {w['dp_rank']}: predicted {w['active_prefill_tokens']} prefill "
+                f"tokens, {w['active_decode_blocks']} active blocks"
+            )
+        lines.append(
+            f"    last {row['outcome_window_seconds']} s: {counts(row['recent_outcomes'])}; "
+            f"since start: {counts(row['total_outcomes'])}; {row['migrations']} migration(s)"
+        )
+    return "\n".join(lines)
+
+
 def render_indexers(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no indexer replica is registered"
@@ -169,25 +246,39 @@ def render_workers(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+INSPECTORS = {
+    "indexer": (inspect_indexers, render_indexers),
+    "worker": (inspect_workers, render_workers),
+    "router": (inspect_routers, render_routers),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="kvmesh inspect",
-        description="Show what indexer replicas or workers hold; instances are found through NATS discovery.",
+        description=(
+            "Show what indexer replicas or workers hold, or what each router replica sees (its mode, predicted "
+            "load per worker, recent outcomes); instances are found through NATS discovery."
+        ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("what", choices=("indexer", "worker"), help="which component to inspect")
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server URL")
-    parser.add_argument("--namespace", default=names.DEFAULT_NAMESPACE, help="mesh namespace")
+    parser.add_argument("what", choices=sorted(INSPECTORS), help="which component to inspect")
+    parser.add_argument(
+        "--nats-url",
+        default=None,
+        help="NATS server URL (default: $KVMESH_NATS_URL, else that of the running `kvmesh up` of the namespace, "
+        "else nats://127.0.0.1:4222)",
+    )
+    parser.add_argument("--namespace", default=default_namespace(), help="mesh namespace [env KVMESH_NAMESPACE]")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each instance")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     configure_logging("warning", service="inspect")  # results go to stdout, logs to stderr
-    inspect = inspect_indexers if args.what == "indexer" else inspect_workers
-    rows = asyncio.run(inspect(args.nats_url, args.namespace, args.timeout))
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print(render_indexers(rows) if args.what == "indexer" else render_workers(rows))
+    nats_url, source = resolve_nats_url(args.nats_url, args.namespace)
+    print(f"NATS {nats_url} ({source}), namespace {args.namespace}", file=sys.stderr)
+    inspect, render = INSPECTORS[args.what]
+    rows = asyncio.run(inspect(nats_url, args.namespace, args.timeout))
+    print(json.dumps(rows, indent=2) if args.json else render(rows))
     return 0
 
 

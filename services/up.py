@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import structlog
@@ -26,6 +28,7 @@ import structlog
 from kvmesh.common.config import CommonConfig, ConfigError, describe, option, options_argv, parse_config
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.nats_server import EmbeddedNatsServer
+from kvmesh.common.run_file import RunRecord, remove_run_record, write_run_record
 from kvmesh.common.runtime import connect_nats
 from kvmesh.common.structured_logging import configure_logging
 from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
@@ -227,13 +230,19 @@ async def _http_healthy(config: UpConfig) -> bool:
         return False
 
 
-def _ready_banner(config: UpConfig, nats_url: str) -> str:
-    base = f"http://{config.http_host}:{config.http_port}"
+def _api_base(config: UpConfig) -> str:
+    host = "127.0.0.1" if config.http_host in ("0.0.0.0", "") else config.http_host
+    return f"http://{host}:{config.http_port}"
+
+
+def _ready_banner(config: UpConfig, nats_url: str, run_file: Path) -> str:
+    base = _api_base(config)
     return (
         f"kvmesh is up: {config.workers} worker(s), {config.indexers} indexer(s), {config.routers} router(s), "
         f"router mode {config.router_mode}\n"
         f"  OpenAI API: {base}/v1   model: {config.model_name}\n"
         f"  NATS: {nats_url}   namespace: {config.namespace}\n"
+        f"  recorded in {run_file}: kvmesh inspect, kvmesh bench and the client find this mesh\n"
         f"  try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
         f'-d \'{{"model": "{config.model_name}", "messages": [{{"role": "user", "content": "hi"}}]}}\'\n'
         f"  stop with Ctrl-C"
@@ -264,7 +273,9 @@ async def run(config: UpConfig) -> int:
             ready.cancel()
             return 0
         ready.result()
-        print(_ready_banner(config, nats_url), flush=True)
+        record = RunRecord(nats_url, config.namespace, f"{_api_base(config)}/v1", os.getpid())
+        run_file = write_run_record(record)
+        print(_ready_banner(config, nats_url, run_file), flush=True)
         restarts: list[float] = []
         while not stop.is_set():
             for service in services:
@@ -298,6 +309,7 @@ async def run(config: UpConfig) -> int:
             service.wait_or_kill(deadline)
         if nats_server is not None:
             nats_server.stop()
+        remove_run_record(config.namespace, os.getpid())
         log.info("all services stopped")
     return exit_code
 

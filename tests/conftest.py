@@ -4,6 +4,7 @@ a testcontainers container (see tests/containers/docker_engine.py for which imag
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 
 import nats
@@ -11,6 +12,12 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.nats_server import EmbeddedNatsServer, free_port
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # `kvmesh up` records itself for the other tools in a per-user run folder: the meshes the tests
+    # start (and the tools they run) use a folder of their own, never the developer's running mesh.
+    os.environ["KVMESH_RUN_DIR"] = tempfile.mkdtemp(prefix="kvmesh-test-run-")
 
 
 def _container_nats() -> Iterator[str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import openai
 
+from kvmesh.common.run_file import default_namespace, read_run_record
 from kvmesh.common.structured_logging import configure_logging
 from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
 from kvmesh.frontend.tokenizer import ModelTokenizer
@@ -24,6 +25,8 @@ from kvmesh.loadgen.workload import (
 )
 from kvmesh.replay.mooncake_trace import TraceError, read_trace
 
+DEFAULT_API = "http://127.0.0.1:8000/v1"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -35,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="base URL of the OpenAI API")
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="base URL of the OpenAI API (default: that of the running `kvmesh up`, else http://127.0.0.1:8000/v1)",
+    )
     parser.add_argument("--model", default=MODEL_NAME, help="model name to request")
     parser.add_argument("--api-key", default="unused", help="API key sent as a bearer token")
     parser.add_argument(
@@ -132,6 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.concurrency is not None and args.request_rate is not None:
         parser.error("give --concurrency or --request-rate, not both")
+    if args.url is None:
+        running = read_run_record(default_namespace())
+        args.url = running.api if running is not None else DEFAULT_API
+        origin = f" (the kvmesh up with pid {running.pid})" if running else ""
+        print(f"endpoint: {args.url}{origin}", file=sys.stderr)
     for name in ("concurrency", "num_requests", "num_prefixes", "prefix_tokens", "output_tokens", "trace_block_size"):
         value = getattr(args, name)
         if value is not None and value <= 0:

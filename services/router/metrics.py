@@ -9,6 +9,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvmesh.router.active_sequences import ActiveSequences
+from kvmesh.router.outcomes import OutcomeWindow
 
 
 class _LoadCollector(Collector):
@@ -41,8 +42,12 @@ class _LoadCollector(Collector):
 
 
 class RouterMetrics:
+    """The router's Prometheus registry, and its request outcomes kept for ``GetStatus`` as well."""
+
     def __init__(self, pictures: Callable[[], Iterable[ActiveSequences]], peers: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
+        self.outcomes = OutcomeWindow()
+        self.migrations_total = 0
         self.requests = Counter("kvmesh_router_requests", "requests by outcome", ["outcome"], registry=self.registry)
         self.migrations = Counter(
             "kvmesh_router_migrations", "requests moved off a failed worker", registry=self.registry
@@ -67,3 +72,13 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.registry.register(_LoadCollector(pictures, peers))
+
+    def migrated(self) -> None:
+        """A request moved off a failed worker."""
+        self.migrations.inc()
+        self.migrations_total += 1
+
+    def outcome(self, outcome: str) -> None:
+        """A request ended this way (``completed``, or the gRPC status it was refused with)."""
+        self.requests.labels(outcome).inc()
+        self.outcomes.record(outcome)

@@ -337,6 +337,25 @@ class Router:
             )
         return loads
 
+    def load_by_worker(self) -> list[router_pb2.WorkerLoad]:
+        """Every registered worker's predicted load now (zero for one with nothing in flight), and
+        any load still recorded for a worker that has left."""
+
+        def load(worker: tuple[int, int], prefill: int, decode: int) -> router_pb2.WorkerLoad:
+            return router_pb2.WorkerLoad(
+                worker_id=worker[0], dp_rank=worker[1], active_prefill_tokens=prefill, active_decode_blocks=decode
+            )
+
+        loads = {
+            (r.instance_id, 0): load((r.instance_id, 0), *self.loads.sequences(r.block_size).load((r.instance_id, 0)))
+            for r in self.workers.instances()
+        }
+        for picture in self.loads.pictures():
+            for worker in picture.workers():
+                if worker not in loads:
+                    loads[worker] = load(worker, *picture.load(worker))
+        return sorted(loads.values(), key=lambda entry: (entry.worker_id, entry.dp_rank))
+
     # ---- the load picture, shared with the other replicas ----------------------------------
     def track_add(
         self,

@@ -10,6 +10,7 @@ uninterrupted stream.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
@@ -75,11 +76,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request.request_id = uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         if not request.token_ids:
-            await refuse(context, "router", grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
         if request.disaggregated_params:
-            await refuse(
+            await self._refuse(
                 context,
-                "router",
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "disaggregated_params is set by the router itself; send the request without it",
             )
@@ -92,20 +92,28 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     async with contextlib.aclosing(self._relay(attempt, progress)) as outputs:
                         async for output in outputs:
                             yield output
-                    self.metrics.requests.labels("completed").inc()
+                    self.metrics.outcome("completed")
                     return
                 except grpc.aio.AioRpcError as exc:
                     last = await self._after_broken_stream(exc, attempt, progress, forced, context)
                     if last is not None:
                         yield last
-                        self.metrics.requests.labels("completed").inc()
+                        self.metrics.outcome("completed")
                         return
                 finally:
                     self.router.track_free(attempt.request.request_id)
                     if attempt.prefill is not None:
                         await attempt.prefill.close()
+        except asyncio.CancelledError:
+            self.metrics.outcome("cancelled")  # the client went away
+            raise
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        """Refuse a Generate call, counting it as an outcome named after its status."""
+        self.metrics.outcome(code.name.lower())
+        await refuse(context, "router", code, message)
 
     async def _attempt(
         self,
@@ -140,8 +148,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if prefill is None:  # sync path, prefill failed: this worker prefills itself
                     overlap = 0
         except RoutingError as exc:
-            self.metrics.requests.labels(exc.code.name.lower()).inc()
-            await refuse(context, "router", exc.code, str(exc))
+            await self._refuse(context, exc.code, str(exc))
         expected = sent.expected_output_tokens if sent.HasField("expected_output_tokens") else 0
         self.router.track_add(sent.request_id, worker, block_hashes, len(sent.token_ids), overlap, expected)
         log.info(
@@ -193,16 +200,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         limit, finish for a worker that died after the last token (returns that last message), or
         count a migration (returns None: the loop tries again)."""
         if not is_transport_failure(exc):
-            await refuse(context, "router", exc.code(), exc.details() or exc.code().name)
+            await self._refuse(context, exc.code(), exc.details() or exc.code().name)
         worker_id = attempt.worker.instance_id
         self.router.avoid(worker_id)
         log.warning(
             "worker stream broke", worker_id=worker_id, code=exc.code().name, tokens_so_far=len(progress.generated)
         )
         if forced or progress.migrations >= self.router.config.migration_limit:
-            await refuse(
+            await self._refuse(
                 context,
-                "router",
                 grpc.StatusCode.UNAVAILABLE,
                 f"worker {worker_id} failed after {len(progress.generated)} tokens "
                 f"({'forced worker' if forced else f'{progress.migrations} migrations'})",
@@ -210,7 +216,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if len(progress.generated) >= progress.max_tokens:
             return finished_output(progress, worker_id)
         progress.migrations += 1
-        self.metrics.migrations.inc()
+        self.metrics.migrated()
         return None
 
     async def _start_prefill(
@@ -295,6 +301,24 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except RoutingError as exc:
             await refuse(context, "router", exc.code, str(exc))
         return router_pb2.PotentialLoadsResponse(loads=loads)
+
+    async def GetStatus(
+        self, request: router_pb2.RouterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.RouterStatus:
+        router = self.router
+        outcomes = self.metrics.outcomes
+        return router_pb2.RouterStatus(
+            router_id=router.router_id,
+            mode=router.config.router_mode,
+            replica_sync=router.sync is not None,
+            sync_peers=len(router.sync.peers()) if router.sync is not None else 0,
+            loads=router.load_by_worker(),
+            active_requests=len(router.loads),
+            outcome_window_seconds=int(outcomes.window_seconds),
+            recent_outcomes=outcomes.recent(),
+            total_outcomes=outcomes.totals(),
+            migrations=self.metrics.migrations_total,
+        )
 
 
 def as_request(query: router_pb2.RoutingQuery) -> common_pb2.PreprocessedRequest:

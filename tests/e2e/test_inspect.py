@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,6 +15,8 @@ import openai
 import pytest
 
 from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.run_file import read_run_record
+from kvmesh.inspector import inspect_routers
 from kvmesh.up import MeshProcess
 from tests.e2e.conftest import start_mesh
 from tests.support import wait_until
@@ -100,3 +103,50 @@ def test_every_grpc_service_serves_prometheus_metrics(two_indexer_mesh):
         "kvmesh_router_migrations_total",
     ):
         assert name in scraped, name
+
+
+def test_inspect_finds_the_running_mesh_without_flags(two_indexer_mesh):
+    """`kvmesh up` recorded its NATS URL in the run file: `kvmesh inspect worker` needs no --nats-url."""
+    record = read_run_record("default")
+    assert record is not None and record.nats_url == two_indexer_mesh.nats_url
+    assert record.api == two_indexer_mesh.api
+    result = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "inspect", "worker", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={k: v for k, v in os.environ.items() if k != "KVMESH_NATS_URL"},
+    )
+    assert len(json.loads(result.stdout)) == 2
+    assert f"kvmesh up (pid {record.pid}" in result.stderr
+
+
+def test_inspect_router_shows_mode_predicted_load_and_recent_outcomes(two_indexer_mesh):
+    client = openai.OpenAI(base_url=two_indexer_mesh.api, api_key="unused", max_retries=0, timeout=60)
+    (before,) = inspect(two_indexer_mesh, "router")
+    # a long stream stays in flight while the router is asked: its worker carries predicted load
+    stream = client.completions.create(model="kvmesh-tiny", prompt="hold on " * 40, max_tokens=4000, stream=True)
+    next(iter(stream))
+    (during,) = asyncio.run(inspect_routers(two_indexer_mesh.nats_url, "default", timeout=5))
+    stream.close()
+    assert during["mode"] == "kv" and during["metrics"] and during["address"]
+    assert len(during["workers"]) == 2
+    assert during["active_requests"] >= 1
+    assert any(w["active_decode_blocks"] > 0 for w in during["workers"])
+
+    for i in range(3):
+        client.completions.create(model="kvmesh-tiny", prompt=f"outcome {i} " * 10, max_tokens=2)
+    (after,) = inspect(two_indexer_mesh, "router")
+    completed_before = before["recent_outcomes"].get("completed", 0)
+    assert after["recent_outcomes"].get("completed", 0) >= completed_before + 3
+    assert after["total_outcomes"]["completed"] >= after["recent_outcomes"]["completed"]
+
+    text = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "inspect", "router", "--nats-url", two_indexer_mesh.nats_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "mode kv" in text and "predicted" in text and "completed" in text

@@ -54,3 +54,45 @@ class PotentialLoadsResponse(_message.Message):
     LOADS_FIELD_NUMBER: _ClassVar[int]
     loads: _containers.RepeatedCompositeFieldContainer[WorkerLoad]
     def __init__(self, loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ...) -> None: ...
+
+class RouterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RouterStatus(_message.Message):
+    __slots__ = ("router_id", "mode", "replica_sync", "sync_peers", "loads", "active_requests", "outcome_window_seconds", "recent_outcomes", "total_outcomes", "migrations")
+    class RecentOutcomesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TotalOutcomesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SYNC_FIELD_NUMBER: _ClassVar[int]
+    SYNC_PEERS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    mode: str
+    replica_sync: bool
+    sync_peers: int
+    loads: _containers.RepeatedCompositeFieldContainer[WorkerLoad]
+    active_requests: int
+    outcome_window_seconds: int
+    recent_outcomes: _containers.ScalarMap[str, int]
+    total_outcomes: _containers.ScalarMap[str, int]
+    migrations: int
+    def __init__(self, router_id: _Optional[str] = ..., mode: _Optional[str] = ..., replica_sync: _Optional[bool] = ..., sync_peers: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., active_requests: _Optional[int] = ..., outcome_window_seconds: _Optional[int] = ..., recent_outcomes: _Optional[_Mapping[str, int]] = ..., total_outcomes: _Optional[_Mapping[str, int]] = ..., migrations: _Optional[int] = ...) -> None: ...

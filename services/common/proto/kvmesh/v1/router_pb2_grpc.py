@@ -51,6 +51,11 @@ class RouterStub:
                 request_serializer=kvmesh_dot_v1_dot_router__pb2.RoutingQuery.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_router__pb2.PotentialLoadsResponse.FromString,
                 _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/kvmesh.v1.Router/GetStatus',
+                request_serializer=kvmesh_dot_v1_dot_router__pb2.RouterStatusRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_router__pb2.RouterStatus.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -77,6 +82,13 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStatus(self, request, context):
+        """This replica's view: its mode, its predicted load per worker, and how recent requests ended.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +106,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.PotentialLoads,
                     request_deserializer=kvmesh_dot_v1_dot_router__pb2.RoutingQuery.FromString,
                     response_serializer=kvmesh_dot_v1_dot_router__pb2.PotentialLoadsResponse.SerializeToString,
+            ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=kvmesh_dot_v1_dot_router__pb2.RouterStatusRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_router__pb2.RouterStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +195,33 @@ class Router:
             '/kvmesh.v1.Router/PotentialLoads',
             kvmesh_dot_v1_dot_router__pb2.RoutingQuery.SerializeToString,
             kvmesh_dot_v1_dot_router__pb2.PotentialLoadsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Router/GetStatus',
+            kvmesh_dot_v1_dot_router__pb2.RouterStatusRequest.SerializeToString,
+            kvmesh_dot_v1_dot_router__pb2.RouterStatus.FromString,
             options,
             channel_credentials,
             insecure,
