@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import nats
@@ -150,3 +152,37 @@ def test_inspect_router_shows_mode_predicted_load_and_recent_outcomes(two_indexe
         check=True,
     ).stdout
     assert "mode kv" in text and "predicted" in text and "completed" in text
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "observability" / "grafana" / "dashboards" / "kvmesh.json"
+_SAMPLE_SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created")
+
+
+def _family(name: str) -> str:
+    for suffix in _SAMPLE_SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
+
+
+def charted_metrics() -> set[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    assert exprs, "the dashboard charts nothing"
+    return {name for expr in exprs for name in re.findall(r"\bkvmesh_[a-z_]+", expr)}
+
+
+def test_every_metric_the_grafana_dashboard_charts_exists_on_a_running_mesh(two_indexer_mesh):
+    client = openai.OpenAI(base_url=two_indexer_mesh.api, api_key="unused", max_retries=0)
+    client.completions.create(model="kvmesh-tiny", prompt="dashboard " * 20, max_tokens=3)
+    endpoints = [two_indexer_mesh.api.removesuffix("/v1")]  # the frontend serves /metrics on its HTTP port
+    for what in ("router", "worker", "indexer"):
+        endpoints += [f"http://{row['metrics']}" for row in inspect(two_indexer_mesh, what)]
+    exposed: set[str] = set()
+    for endpoint in endpoints:
+        text = httpx.get(f"{endpoint}/metrics", timeout=10).text
+        # families with no sample yet (labelled counters never incremented) still have a TYPE line
+        exposed |= {_family(n) for n in re.findall(r"^# TYPE (\S+)", text, re.MULTILINE)}
+        exposed |= {_family(n) for n in re.findall(r"^(kvmesh_[a-z_]+)", text, re.MULTILINE)}
+    missing = sorted(name for name in charted_metrics() if _family(name) not in exposed)
+    assert not missing, f"the dashboard charts metrics no service exposes: {missing}"

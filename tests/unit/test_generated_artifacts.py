@@ -53,8 +53,13 @@ def _role(command: list[str]) -> str:
     return command[command.index("--role") + 1] if "--role" in command else "aggregated"
 
 
+def _kvmesh_services(services: dict) -> dict:
+    """The mesh's own services (not the observability profile's Prometheus and Grafana)."""
+    return {name: s for name, s in services.items() if "observability" not in s.get("profiles", [])}
+
+
 def test_the_host_network_compose_file_runs_the_same_services():
-    bridge = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    bridge = _kvmesh_services(yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"])
     host = yaml.safe_load((REPO / "docker-compose.host.yml").read_text())["services"]
     assert sorted(host) == sorted(bridge)
     for name, service in host.items():
@@ -75,3 +80,15 @@ def test_docker_compose_check_rejects_a_broken_file(tmp_path):
     broken.write_text("services:\n  frontend:\n    ports: 8000\n")
     result = subprocess.run([*COMPOSE, "-f", str(broken), "config", "--quiet"], capture_output=True, timeout=60)
     assert result.returncode != 0
+
+
+def test_prometheus_scrapes_every_kvmesh_service_of_the_compose_file():
+    services = _kvmesh_services(yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"])
+    config = yaml.safe_load((REPO / "observability" / "prometheus.yml").read_text())
+    targets = {
+        target.split(":")[0]
+        for job in config["scrape_configs"]
+        for static in job["static_configs"]
+        for target in static["targets"]
+    }
+    assert targets == set(services) - {"nats"}
