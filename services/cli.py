@@ -14,6 +14,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("kvmesh.worker.server", "run an inference worker"),
     "inspect": ("kvmesh.inspector", "show what indexer replicas or workers hold (via discovery)"),
     "replay": ("kvmesh.replay.cli", "replay a request trace offline in virtual time (routing quality)"),
+    "profile": ("kvmesh.profiler.cli", "measure an engine's prefill and decode times into a profile for the planner"),
+    "planner": ("kvmesh.planner.cli", "the SLA planner: `kvmesh planner history` prints its recent decisions"),
     "bench": ("kvmesh.loadgen.cli", "load an OpenAI-compatible endpoint and report latency, throughput, cache hits"),
     "gen-protos": ("kvmesh.common.protogen", "regenerate the Python gRPC code from protos/"),
     "build-tiny-model": (

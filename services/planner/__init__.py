@@ -1,4 +1,5 @@
-"""The planner (DESIGN §8): scales prefill and decode workers to meet TTFT / ITL targets.
+"""The planner (DESIGN §8): sizes the worker pools to meet TTFT / ITL targets at the least cost.
 
-Not built yet: no issue asks for it so far, and ``kvmesh`` exposes no planner command until one does.
+Sans-I/O core (``load``, ``predictors``, ``capacity``, ``planner``) driven by the live service and by
+``kvmesh replay --planner`` alike; ``state`` keeps its history in SQLite.
 """

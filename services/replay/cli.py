@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import sys
@@ -9,11 +10,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvmesh.common.config import build_parser, option, parse_config
+from kvmesh.common.engine_profile import EngineProfile, ProfileError
 from kvmesh.common.structured_logging import configure_logging
+from kvmesh.planner.planner import Planner
+from kvmesh.planner.state import PlannerState
+from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.replay.mooncake_trace import TraceError, read_trace
-from kvmesh.replay.report import summarise, write_csv
+from kvmesh.replay.report import plot_timeline, sla_attainment, summarise, write_csv
 from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
 
 DESCRIPTION = (
@@ -31,6 +37,11 @@ class ReplayArgs(ReplayConfig):
     limit: int | None = option(None, "replay only the first N requests")
     csv: Path | None = option(None, "also write one CSV row per request here")
     output: Path | None = option(None, "write the JSON summary here too")
+    engine_profile: Path | None = option(
+        None, "planner: engine profile from `kvmesh profile` (default: measured from the replay's mock engine)"
+    )
+    plot: Path | None = option(None, "planner: write the pool sizes and request rate over time as a PNG here")
+    state_db: Path | None = option(None, "planner: record every step in this SQLite file (`kvmesh planner history`)")
 
     def replay_config(self) -> ReplayConfig:
         return ReplayConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ReplayConfig)})
@@ -50,13 +61,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace = trace[: args.limit]
     config = args.replay_config()
     started = time.perf_counter()
+    simulator = ReplaySimulator(config)
+    if config.planner:
+        try:
+            profile = EngineProfile.load(args.engine_profile) if args.engine_profile else None
+        except ProfileError as exc:
+            parser.error(str(exc))
+        simulator.attach_planner(Planner(config, profile or profile_mock_engine(simulator.engine_config)))
     try:
-        records = ReplaySimulator(config).run(trace)
+        records = simulator.run(trace)
     except TraceError as exc:
         parser.error(str(exc))
     summary = {
         "config": dataclasses.asdict(config),
         **summarise(records),
+        **fleet_summary(simulator, records, config),
         "wall_clock_s": time.perf_counter() - started,
     }
     text = json.dumps(summary, indent=2)
@@ -65,7 +84,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.output.write_text(text + "\n")
     if args.csv:
         write_csv(records, args.csv)
+    if args.state_db:
+        if not config.planner:
+            parser.error("--state-db records the planner's steps: add --planner")
+        asyncio.run(record_steps(args.state_db, simulator.steps))
+    if args.plot:
+        if simulator.fleet is None:
+            parser.error("--plot draws the planner's timeline: add --planner")
+        plot_timeline(simulator.fleet.timeline, args.plot, f"planner ({config.load_predictor}) on {args.trace.name}")
     return 0
+
+
+async def record_steps(path: Path, steps: list) -> None:
+    async with PlannerState(path) as state:
+        for observation, decision in steps:
+            await state.record(observation, decision)
+
+
+def fleet_summary(simulator: ReplaySimulator, records: list, config: ReplayConfig) -> dict[str, Any]:
+    """SLA attainment and what the fleet cost (worker-seconds); with the planner, its timeline."""
+    end_ms = max((r.last_token_ms for r in records), default=0.0)
+    fleet = simulator.fleet
+    worker_seconds = fleet.worker_seconds(end_ms) if fleet else len(simulator.engines) * end_ms / 1000.0
+    summary: dict[str, Any] = {
+        "sla": {
+            "ttft_target_ms": config.ttft_target_ms,
+            "itl_target_ms": config.itl_target_ms,
+            "sla_attainment": sla_attainment(records, config.ttft_target_ms, config.itl_target_ms),
+        },
+        "worker_seconds": worker_seconds,
+    }
+    if fleet is not None:
+        sizes = [point["workers"] for point in fleet.timeline]
+        summary["planner"] = {
+            "decisions": len(simulator.decisions),
+            "workers_started": len(fleet.workers),
+            "pool_size": {"min": min(sizes, default=0), "max": max(sizes, default=0)},
+            "timeline": fleet.timeline,
+        }
+    return summary
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ import csv
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvmesh.replay.simulator import RequestRecord
+if TYPE_CHECKING:  # the simulator imports this module's percentile (through the fleet)
+    from kvmesh.replay.simulator import RequestRecord
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -98,3 +99,41 @@ def write_csv(records: Sequence[RequestRecord], path: Path) -> None:
                     f"{r.e2e_ms:.3f}",
                 ]
             )
+
+
+def sla_attainment(records: Sequence[RequestRecord], ttft_target_ms: float, itl_target_ms: float) -> float:
+    """Share of requests whose TTFT and mean inter-token latency both met their targets."""
+    if not records:
+        return math.nan
+
+    def met(r: RequestRecord) -> bool:
+        itl_ok = r.tokens <= 1 or r.tpot_ms <= itl_target_ms
+        return r.ttft_ms <= ttft_target_ms and itl_ok
+
+    return sum(1 for r in records if met(r)) / len(records)
+
+
+def plot_timeline(timeline: Sequence[dict[str, float]], path: Path, title: str) -> None:
+    """Pool size and request rate over time (the planner's view), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [p["t_s"] for p in timeline]
+    figure, workers_axis = plt.subplots(figsize=(9, 4))
+    workers_axis.step(t, [p["workers"] for p in timeline], where="post", label="live workers", color="tab:blue")
+    workers_axis.step(t, [p["target"] for p in timeline], where="post", label="planner target", color="tab:cyan")
+    workers_axis.set_xlabel("simulated time (s)")
+    workers_axis.set_ylabel("workers")
+    rate_axis = workers_axis.twinx()
+    rate_axis.plot(t, [p["observed_rate"] for p in timeline], label="observed rate", color="tab:orange")
+    rate_axis.plot(t, [p["predicted_rate"] for p in timeline], label="predicted rate", color="tab:red", ls="--")
+    rate_axis.set_ylabel("requests / s")
+    lines = workers_axis.get_legend_handles_labels()[0] + rate_axis.get_legend_handles_labels()[0]
+    labels = workers_axis.get_legend_handles_labels()[1] + rate_axis.get_legend_handles_labels()[1]
+    workers_axis.legend(lines, labels, loc="upper left", fontsize="small")
+    workers_axis.set_title(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

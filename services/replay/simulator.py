@@ -31,6 +31,10 @@ from kvmesh.common.kv_events import KvEvent, KvEventBatch
 from kvmesh.common.prefix_index import PrefixIndex
 from kvmesh.common.timing import TimingModel, scaled
 from kvmesh.common.timing_fit import TimingFit
+from kvmesh.planner.load import IntervalObservation
+from kvmesh.planner.planner import Decision, Planner, PlannerOptions, PoolSizes
+from kvmesh.replay.arrival_profile import parse_arrival_profile
+from kvmesh.replay.fleet import IntervalRecorder, VirtualFleet
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
 from kvmesh.router.config import RoutingOptions
 from kvmesh.router.load_tracker import LoadTracker
@@ -45,8 +49,9 @@ REPLAY_MODES = ("kv", "round-robin", "random")
 
 
 @dataclass
-class ReplayConfig(RoutingOptions):
-    """The simulated fleet and trace handling; the routing options are the router's own."""
+class ReplayConfig(RoutingOptions, PlannerOptions):
+    """The simulated fleet and trace handling; the routing options are the router's own, the SLA
+    targets and scaling options the planner's."""
 
     workers: int = option(8, "simulated workers (decode workers when --prefill-workers is set)")
     block_size: int = option(64, "tokens per KV block")
@@ -77,9 +82,19 @@ class ReplayConfig(RoutingOptions):
     router_prefill_scale: float = option(1.0, "the prior's prefill times are the nominal ones times this")
     router_decode_scale: float = option(1.0, "the prior's decode times are the nominal ones times this")
     timing_refit_steps: int = option(50, "with --learn-timing: steps between refits of a worker's model")
+    arrival_profile: str = option(
+        "", "reshape the arrival rate over time: sine:period=S,amplitude=A or step:at=S,factor=F (seconds)"
+    )
+    planner: bool = option(
+        False, "scale the fleet with the planner (virtual connector); --workers is then the starting size"
+    )
 
     def validate(self) -> None:
         RoutingOptions.validate(self)
+        PlannerOptions.validate(self)
+        parse_arrival_profile(self.arrival_profile)
+        if self.planner and self.prefill_workers:
+            raise ConfigError("--planner sizes an aggregated fleet in a replay; drop --prefill-workers")
         if self.router_mode not in REPLAY_MODES:
             raise ConfigError(f"--router-mode must be one of {', '.join(REPLAY_MODES)} in a replay")
         for name in ("workers", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -140,6 +155,7 @@ class ReplaySimulator:
             timing=TimingModel(),
         )
         total = config.workers + config.prefill_workers
+        self.engine_config = engine_config
         slow = dataclasses.replace(engine_config, timing=scaled(TimingModel(), config.slow_worker_factor))
         self.engines = [MockEngine(slow if w < config.slow_workers else engine_config) for w in range(total)]
         # the router's own load tracking, in virtual time
@@ -173,12 +189,35 @@ class ReplaySimulator:
         self._awaiting_kv: dict[str, tuple[str, int, list[int], int, tuple[list[int], list[int]]]] = {}
         self._transfers: list[tuple[float, int, str, int, int]] = []  # (done at, seq, request id, decode, prefill)
         self._transfer_seq = itertools.count()
+        # with --planner: the fleet it scales, its decisions, and the events it schedules
+        self.planner: Planner | None = None
+        self.fleet: VirtualFleet | None = None
+        self.decisions: list[Decision] = []
+        self.steps: list[tuple[IntervalObservation, Decision]] = []
+        self._timers: list[tuple[float, int, str, int]] = []  # (at, seq, "tick" | "join", worker)
+
+    def attach_planner(self, planner: Planner) -> None:
+        """Let ``planner`` size the fleet during :meth:`run` (the virtual connector)."""
+        self.planner = planner
+        self.fleet = VirtualFleet(self.config.worker_startup_secs * 1000.0)
+        for worker in range(self.config.workers):
+            self.fleet.start(worker, 0.0, immediately=True)
 
     def run(self, trace: list[TraceRequest]) -> list[RequestRecord]:
         speedup = self.config.arrival_speedup_ratio
+        profile = parse_arrival_profile(self.config.arrival_profile)
         records = [
-            RequestRecord(i, r.timestamp_ms / speedup, r.input_length, r.output_length) for i, r in enumerate(trace)
+            RequestRecord(
+                i,
+                profile.warp_ms(r.timestamp_ms / speedup) if profile else r.timestamp_ms / speedup,
+                r.input_length,
+                r.output_length,
+            )
+            for i, r in enumerate(trace)
         ]
+        self.records = records
+        if self.planner is not None:
+            self._schedule("tick", self.config.adjustment_interval * 1000.0)
         by_id: dict[str, RequestRecord] = {}
         completions: list[tuple[float, int, int]] = []  # (end time, tie-breaker, worker)
         in_flight: dict[int, StepResult] = {}
@@ -197,6 +236,11 @@ class ReplaySimulator:
         while next_arrival < len(trace) or completions or self._transfers:
             arrival_time = records[next_arrival].arrival_ms if next_arrival < len(trace) else math.inf
             transfer_time = self._transfers[0][0] if self._transfers else math.inf
+            timer_time = self._timers[0][0] if self._timers else math.inf
+            if timer_time <= min(arrival_time, transfer_time) and (not completions or timer_time < completions[0][0]):
+                now, _, kind, worker = heapq.heappop(self._timers)
+                self._on_timer(kind, worker, now, next_arrival < len(trace) or bool(completions))
+                continue
             if transfer_time <= arrival_time and (not completions or transfer_time < completions[0][0]):
                 now, _, request_id, decode, prefill = heapq.heappop(self._transfers)
                 self.engines[prefill].release_held(f"{request_id}:p")
@@ -211,6 +255,8 @@ class ReplaySimulator:
                         start_step(decode, now)
                 if worker not in in_flight and self.engines[worker].has_work():
                     start_step(worker, now)
+                elif worker not in in_flight:
+                    self._stop_if_drained(worker, now)
                 continue
             record = records[next_arrival]
             request = trace[next_arrival]
@@ -219,6 +265,65 @@ class ReplaySimulator:
             if worker not in in_flight:
                 start_step(worker, record.arrival_ms)
         return records
+
+    # ---- the planner and its virtual fleet ----------------------------------------------------------
+    def _schedule(self, kind: str, at_ms: float, worker: int = -1) -> None:
+        heapq.heappush(self._timers, (at_ms, next(self._transfer_seq), kind, worker))
+
+    def _on_timer(self, kind: str, worker: int, now: float, busy: bool) -> None:
+        assert self.planner is not None and self.fleet is not None
+        if kind == "join":
+            if self.fleet.workers[worker].draining_since_ms is None:
+                self._workers.append((worker, 0))
+            return
+        interval_ms = self.config.adjustment_interval * 1000.0
+        live = self.fleet.live()
+        recorder = IntervalRecorder(self.config.ttft_target_ms, self.config.itl_target_ms)
+        observation = recorder.observe(self.records, now - interval_ms, now, len(live))
+        decision = self.planner.step(observation, PoolSizes(aggregated=len(live)))
+        self.decisions.append(decision)
+        self.steps.append((observation, decision))
+        self.fleet.timeline.append(
+            {
+                "t_s": now / 1000.0,
+                "workers": len(live),
+                "target": decision.target.aggregated,
+                "observed_rate": observation.request_rate,
+                "predicted_rate": decision.forecast.request_rate,
+            }
+        )
+        change = decision.target.aggregated - len(live)
+        if change > 0:
+            for _ in range(change):
+                self._add_worker(now)
+        elif change < 0:
+            for drained in self.fleet.drain(-change, now):
+                if (drained.index, 0) in self._workers:
+                    self._workers.remove((drained.index, 0))
+                self._stop_if_drained(drained.index, now)
+        if busy:
+            self._schedule("tick", now + interval_ms)
+
+    def _add_worker(self, now: float) -> None:
+        assert self.fleet is not None
+        index = len(self.engines)
+        self.engines.append(MockEngine(self.engine_config))
+        self._next_event_id.append(0)
+        if self._fits:
+            self._fits.append(TimingFit(self._fits[0].prior))
+        if self.config.router_timing == "exact" and isinstance(self.policy.cost_model, PerWorkerTtftCost):
+            self.policy.cost_model.set_timing((index, 0), self.engine_config.timing)
+        worker = self.fleet.start(index, now)
+        self._schedule("join", worker.joins_ms, index)
+
+    def _stop_if_drained(self, worker: int, now: float) -> None:
+        if self.fleet is None or worker >= len(self.fleet.workers):
+            return
+        state = self.fleet.workers[worker]
+        if state.draining_since_ms is not None and state.stopped_ms is None and not self.engines[worker].has_work():
+            state.stopped_ms = now
+            self.index.remove_worker(worker)
+            self.loads.remove_worker(worker)
 
     def _route(self, record: RequestRecord, request: TraceRequest, by_id: dict[str, RequestRecord]) -> int:
         prompt = self._builder.tokens(request)

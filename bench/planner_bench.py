@@ -1,0 +1,77 @@
+"""Does the planner meet the SLA with fewer worker-seconds than a fixed fleet? (``kvmesh replay``)
+
+On the shared trace with a time-varying arrival rate (default: a sinusoid, period 500 s, amplitude
+0.7, at arrival speed-up 2), replays every fixed fleet size in a range and the planner with each load
+predictor (workers start 15 s after the planner asks, decisions every 15 s), and prints for each:
+SLA attainment (TTFT ≤ 2 s and mean ITL ≤ 50 ms), worker-seconds, and for the planner the smallest
+fixed fleet reaching at least its attainment and how many worker-seconds fewer the planner used.
+
+    python -m bench.planner_bench [--profile sine:period=500,amplitude=0.7] [--fixed 4 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from kvmesh.planner.planner import Planner
+from kvmesh.planner.predictors import PREDICTORS
+from kvmesh.profiler.mock import profile_mock_engine
+from kvmesh.replay.mooncake_trace import read_trace
+from kvmesh.replay.report import sla_attainment
+from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
+
+TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+
+
+def replay(setup: tuple[str, dict]) -> tuple[str, float, float, int]:
+    """(label, SLA attainment, worker-seconds, largest pool)."""
+    label, options = setup
+    config = ReplayConfig(**options)
+    config.validate()
+    simulator = ReplaySimulator(config)
+    if config.planner:
+        simulator.attach_planner(Planner(config, profile_mock_engine(simulator.engine_config)))
+    records = simulator.run(read_trace(TRACE))
+    end_ms = max(r.last_token_ms for r in records)
+    if simulator.fleet is not None:
+        seconds = simulator.fleet.worker_seconds(end_ms)
+        largest = max(p["workers"] for p in simulator.fleet.timeline)
+    else:
+        seconds, largest = config.workers * end_ms / 1000, config.workers
+    return label, sla_attainment(records, config.ttft_target_ms, config.itl_target_ms), seconds, largest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="sine:period=500,amplitude=0.7", help="--arrival-profile of the runs")
+    parser.add_argument("--arrival-speedup-ratio", type=float, default=2.0)
+    parser.add_argument("--fixed", type=int, nargs=2, default=(4, 8), metavar=("LOW", "HIGH"), help="fleet sizes")
+    parser.add_argument("--interval", type=float, default=15.0, help="planner: --adjustment-interval")
+    parser.add_argument("--startup", type=float, default=15.0, help="planner: --worker-startup-secs")
+    parser.add_argument("--jobs", type=int, default=2, help="replays run in parallel")
+    args = parser.parse_args()
+    common = {"arrival_profile": args.profile, "arrival_speedup_ratio": args.arrival_speedup_ratio}
+    setups = [(f"fixed {n}", {**common, "workers": n}) for n in range(args.fixed[0], args.fixed[1] + 1)]
+    planned = {"planner": True, "workers": 4, "adjustment_interval": args.interval}
+    planned["worker_startup_secs"] = args.startup
+    setups += [(f"planner {p}", {**common, **planned, "load_predictor": p}) for p in PREDICTORS]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(replay, setups))
+    fixed = [r for r in results if r[0].startswith("fixed")]
+    print(f"trace {TRACE.name}, speed-up {args.arrival_speedup_ratio}, arrival profile {args.profile}")
+    print(f"{'setup':<26} {'SLA attainment':>14} {'worker-s':>9} {'max pool':>8}   vs fixed fleet")
+    for label, attained, seconds, largest in results:
+        line = f"{label:<26} {attained:14.3f} {seconds:9.0f} {largest:8d}"
+        if label.startswith("planner"):
+            match = next((f for f in fixed if f[1] >= attained), None)
+            if match:
+                line += f"   {match[0]} ({match[1]:.3f}, {match[2]:.0f} s): {1 - seconds / match[2]:.1%} fewer"
+            else:
+                line += "   no fixed fleet in range reaches it"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The performance model: TTFT and ITL that a pool of workers would give under a forecast load,
+from a measured engine profile; and the smallest pools that meet the targets.
+
+Aggregated worker (the router spreads load evenly; λw = λ / N requests/s per worker):
+  P   = mean prefill work per request (ms): the profile's TTFT averaged over the prompt lengths,
+        taken as gamma-distributed with the forecast's mean and cv² (prefill time is convex in the
+        length, so the mean prompt's time would understate it); E[P²] likewise
+  ρ   = λw · P / 1000                       share of engine time spent prefilling
+  ITL = d(c) / (1 − ρ)                      a step carries decode d(c) plus its share of prefill;
+  c   = λw · OSL · ITL / 1000               Little's law: sequences decoding at once (fixed point)
+  TTFT = W + P + chunks · d(c),  W = ρ · P · (1 + cv²) / (2 (1 − ρ))
+                                             M/G/1 (Pollaczek-Khinchine) wait for the prefills queued
+                                             ahead; cv² of the prefill times is that of the prompt lengths
+
+Prefill worker: the same without decode (TTFT = W + P). Decode worker: ITL = d(c), no prefill.
+The model speaks of means; the planner corrects it with what it observes (see planner.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvmesh.common.engine_profile import EngineProfile
+from kvmesh.planner.load import LoadForecast
+
+MAX_UTILISATION = 0.95  # beyond this the queue model says "unbounded": never plan for it
+
+
+@dataclass(frozen=True)
+class Estimate:
+    ttft_ms: float
+    itl_ms: float
+    utilisation: float
+
+    @property
+    def stable(self) -> bool:
+        return self.utilisation < MAX_UTILISATION
+
+
+def _decode_fixed_point(profile: EngineProfile, rate_per_worker: float, forecast: LoadForecast, rho: float) -> float:
+    context = forecast.mean_input_tokens + forecast.mean_output_tokens / 2
+    itl = profile.itl_ms(1, context) / (1 - rho)
+    for _ in range(50):
+        concurrency = rate_per_worker * forecast.mean_output_tokens * itl / 1000
+        updated = profile.itl_ms(max(concurrency, 1.0), context) / (1 - rho)
+        if abs(updated - itl) < 1e-6:
+            break
+        itl = updated
+    return itl
+
+
+QUANTILES = 32  # points of the prompt-length distribution the prefill moments average over
+
+
+def prefill_moments(profile: EngineProfile, forecast: LoadForecast) -> tuple[float, float]:
+    """E[P] and E[P²] of the prefill time over the uncached prompt lengths (ms, ms²)."""
+    mean = forecast.mean_uncached_tokens
+    cv2 = forecast.input_tokens_cv2
+    if mean <= 0 or cv2 <= 0:
+        single = profile.ttft_ms(mean)
+        return single, single * single
+    from scipy.stats import gamma  # scipy comes with statsmodels
+
+    shape, scale = 1.0 / cv2, mean * cv2
+    lengths = gamma.ppf([(i + 0.5) / QUANTILES for i in range(QUANTILES)], shape, scale=scale)
+    times = [profile.ttft_ms(float(n)) for n in lengths]
+    return sum(times) / len(times), sum(t * t for t in times) / len(times)
+
+
+def _wait_ms(rate_per_worker: float, rho: float, second_moment: float) -> float:
+    """Mean wait in a prefill queue (Pollaczek-Khinchine: λ E[P²] / 2 (1 − ρ))."""
+    return rate_per_worker * second_moment / 1000 / (2 * (1 - rho))
+
+
+def aggregated(profile: EngineProfile, forecast: LoadForecast, workers: int) -> Estimate:
+    """What ``workers`` aggregated workers would give."""
+    if forecast.request_rate <= 0:
+        return Estimate(prefill_moments(profile, forecast)[0], profile.itl_ms(1, 0), 0.0)
+    if workers <= 0:
+        return Estimate(math.inf, math.inf, math.inf)
+    per_worker = forecast.request_rate / workers
+    prefill, prefill_square = prefill_moments(profile, forecast)
+    rho = per_worker * prefill / 1000
+    if rho >= MAX_UTILISATION:
+        return Estimate(math.inf, math.inf, rho)
+    itl = _decode_fixed_point(profile, per_worker, forecast, rho)
+    chunks = max(1, math.ceil(forecast.mean_uncached_tokens / profile.max_num_batched_tokens))
+    decode_share = itl * (1 - rho)  # d(c): the decode cost each prefill chunk's step also carries
+    wait = _wait_ms(per_worker, rho, prefill_square)
+    return Estimate(wait + prefill + chunks * decode_share, itl, rho)
+
+
+def prefill_pool(profile: EngineProfile, forecast: LoadForecast, workers: int) -> Estimate:
+    if workers <= 0:
+        return Estimate(math.inf, 0.0, math.inf)
+    per_worker = forecast.request_rate / workers
+    prefill, prefill_square = prefill_moments(profile, forecast)
+    rho = per_worker * prefill / 1000
+    if rho >= MAX_UTILISATION:
+        return Estimate(math.inf, 0.0, rho)
+    return Estimate(prefill + _wait_ms(per_worker, rho, prefill_square), 0.0, rho)
+
+
+def decode_pool(profile: EngineProfile, forecast: LoadForecast, workers: int) -> Estimate:
+    if workers <= 0:
+        return Estimate(0.0, math.inf, math.inf)
+    itl = _decode_fixed_point(profile, forecast.request_rate / workers, forecast, 0.0)
+    concurrency = forecast.request_rate / workers * forecast.mean_output_tokens * itl / 1000
+    context = forecast.mean_input_tokens + forecast.mean_output_tokens
+    memory = concurrency * context / profile.capacity_tokens  # KV cache share the sequences hold
+    return Estimate(0.0, itl, memory)
+
+
+# when no size meets the limits, more workers than this close to the best achievable buy nothing
+DIMINISHING_RETURNS = 1.05
+
+
+def smallest_pool(estimate, meets, low: int, high: int) -> tuple[int, Estimate]:
+    """The smallest size in [low, high] whose estimate ``meets`` the targets. When none does (the
+    limits ask for less than a prefill alone takes), the smallest size within 5% of the best that
+    ``high`` workers would give: adding workers cannot buy what the engine cannot do."""
+    sizes = range(max(low, 0), high + 1)
+    estimates = [(size, estimate(size)) for size in sizes]
+    for size, result in estimates:
+        if result.stable and meets(result):
+            return size, result
+    best = estimates[-1][1]
+    for size, result in estimates:
+        if (
+            result.stable
+            and result.ttft_ms <= best.ttft_ms * DIMINISHING_RETURNS
+            and result.itl_ms <= best.itl_ms * DIMINISHING_RETURNS
+        ):
+            return size, result
+    return estimates[-1]

@@ -1,0 +1,72 @@
+"""``kvmesh planner history``: the planner's recent decisions, from its SQLite state file."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from kvmesh.planner.state import PlannerState, StoredStep
+
+DEFAULT_STATE_DB = Path("kvmesh-planner.sqlite")
+
+
+def render(steps: list[StoredStep]) -> str:
+    if not steps:
+        return "no decisions recorded yet"
+    header = (
+        f"{'at (s)':>9} {'rate':>6} {'→ pred':>7} {'ISL':>6} {'hit':>5} {'TTFT p90':>9} {'ITL p90':>8} "
+        f"{'SLA':>5} {'pools now':>10} {'wanted':>8} {'set':>8} {'cap':>5}"
+    )
+    lines = [header]
+    for step in steps:
+        o, d = step.observation, step.decision
+
+        def pools(p) -> str:
+            return str(p.aggregated) if not (p.prefill or p.decode) else f"{p.prefill}P+{p.decode}D"
+
+        attained = "-" if o.sla_attainment is None else f"{o.sla_attainment:.2f}"
+        lines.append(
+            f"{d.at_s:9.1f} {o.request_rate:6.2f} {d.forecast.request_rate:7.2f} {o.mean_input_tokens:6.0f} "
+            f"{o.prefix_hit_fraction:5.2f} {o.ttft_p90_ms:9.0f} {o.itl_p90_ms:8.1f} {attained:>5} "
+            f"{pools(d.current):>10} {pools(d.wanted):>8} {pools(d.target):>8} {d.utilisation_cap:5.2f}"
+        )
+    return "\n".join(lines)
+
+
+async def read_history(path: Path, limit: int) -> list[StoredStep]:
+    async with PlannerState(path) as state:
+        return await state.recent(limit)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvmesh planner",
+        description="The SLA planner. `history` prints its recent decisions from its state file.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    history = commands.add_parser(
+        "history", help="print the recent decisions", description="Print the planner's recent decisions."
+    )
+    history.add_argument("--state-db", type=Path, default=DEFAULT_STATE_DB, help="the planner's SQLite state file")
+    history.add_argument("--limit", type=int, default=20, help="how many decisions")
+    history.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    if not args.state_db.is_file():
+        parser.error(f"no planner state at {args.state_db}")
+    steps = asyncio.run(read_history(args.state_db, args.limit))
+    if args.json:
+        rows = [{"observation": asdict(s.observation), "decision": asdict(s.decision)} for s in steps]
+        print(json.dumps(rows, indent=2))
+    else:
+        print(render(steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""The planner's decision loop, without I/O: an observation in, a decision out.
+
+Each interval it (1) feeds the observation to its predictors, (2) predicts the next interval's rate,
+prompt and output lengths and prefix hits, (3) corrects its performance model by how far the last
+interval's observed TTFT / ITL were from what the model says for that interval's load and fleet, and
+(4) sizes each pool as the smallest that meets the targets, then (5) applies hysteresis: it grows at
+once and shrinks only after ``scale_down_intervals`` intervals in a row asked for less, to the largest
+size those intervals asked for.
+
+The model speaks of means, the SLA of each request; what lies between (requests whose few decode
+steps meet a long prefill chunk, a cache that holds less in a smaller fleet) is learned from the
+measured attainment as a cap on the prefill utilisation a worker may be planned at: a steady interval
+below ``--attainment-goal`` lowers the cap (×0.85), one comfortably above raises it (×1.05), within
+[0.1, 0.9]. The pool is the larger of what the limits and what the cap ask for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvmesh.common.config import ConfigError, option
+from kvmesh.common.engine_profile import EngineProfile
+from kvmesh.planner import capacity
+from kvmesh.planner.load import IntervalObservation, LoadForecast
+from kvmesh.planner.predictors import PREDICTORS, Predictor, make_predictor
+
+# how far one interval's observations may move the model's correction, and its bounds
+CORRECTION_SMOOTHING = 0.5
+CORRECTION_BOUNDS = (0.5, 2.0)
+TIGHTEN, RELAX = 0.85, 1.05
+UTILISATION_CAP_BOUNDS = (0.1, 0.9)
+ATTAINMENT_SLACK = 0.02  # relax only above goal + this
+FORECAST_TOLERANCE = 0.25  # an interval whose rate was forecast closer than this teaches the cap
+MIN_FINISHED_FOR_FEEDBACK = 10
+
+
+@dataclass
+class PlannerOptions:
+    """What the planner aims for and how it decides; shared by ``kvmesh planner`` and ``kvmesh replay``."""
+
+    ttft_target_ms: float = option(2000.0, "TTFT each request should meet (ms)")
+    itl_target_ms: float = option(50.0, "mean inter-token latency each request should meet (ms)")
+    min_workers: int = option(1, "never fewer workers than this in a pool")
+    max_workers: int = option(16, "never more workers than this in a pool")
+    load_predictor: str = option("moving-average", "how the next interval's load is predicted", choices=PREDICTORS)
+    predictor_window: int = option(3, "intervals the moving average (and Holt-Winters' fallback) looks back")
+    season_length: int = option(0, "Holt-Winters: intervals per season (0: trend only)")
+    scale_down_intervals: int = option(2, "intervals in a row that must ask for fewer workers before a pool shrinks")
+    adjustment_interval: float = option(60.0, "seconds between decisions")
+    worker_startup_secs: float = option(
+        30.0, "seconds from starting a worker to its first request: the planner sizes for the load then"
+    )
+    ttft_headroom: float = option(
+        0.5, "plan for this share of --ttft-target-ms, leaving the rest for requests above the mean"
+    )
+    itl_headroom: float = option(0.8, "plan for this share of --itl-target-ms")
+    attainment_goal: float = option(0.95, "share of requests that should meet both targets")
+    utilisation_cap: float = option(
+        0.5, "starting cap on a worker's planned prefill utilisation (then learned from the attainment)"
+    )
+
+    def validate(self) -> None:
+        if self.ttft_target_ms <= 0 or self.itl_target_ms <= 0:
+            raise ConfigError("--ttft-target-ms and --itl-target-ms must be positive")
+        if not 0 <= self.min_workers <= self.max_workers or self.max_workers <= 0:
+            raise ConfigError("need 0 <= --min-workers <= --max-workers and --max-workers > 0")
+        if self.adjustment_interval <= 0 or self.worker_startup_secs < 0:
+            raise ConfigError("--adjustment-interval must be positive and --worker-startup-secs >= 0")
+        if self.predictor_window <= 0 or self.scale_down_intervals <= 0 or self.season_length < 0:
+            raise ConfigError("--predictor-window and --scale-down-intervals must be positive")
+        if not (0 < self.ttft_headroom <= 1 and 0 < self.itl_headroom <= 1):
+            raise ConfigError("--ttft-headroom and --itl-headroom must be in (0, 1]")
+        if not 0 < self.attainment_goal <= 1:
+            raise ConfigError("--attainment-goal must be in (0, 1]")
+        low, high = UTILISATION_CAP_BOUNDS
+        if not low <= self.utilisation_cap <= high:
+            raise ConfigError(f"--utilisation-cap must be in [{low}, {high}]")
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    aggregated: int = 0
+    prefill: int = 0
+    decode: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.aggregated + self.prefill + self.decode
+
+
+@dataclass(frozen=True)
+class Decision:
+    at_s: float
+    forecast: LoadForecast
+    wanted: PoolSizes  # what the model asks for this interval
+    target: PoolSizes  # what the planner sets, after hysteresis
+    current: PoolSizes
+    predicted_ttft_ms: float
+    predicted_itl_ms: float
+    ttft_correction: float
+    itl_correction: float
+    utilisation_cap: float
+
+    @property
+    def changes(self) -> bool:
+        return self.target != self.current
+
+
+@dataclass
+class _Series:
+    rate: Predictor
+    input_tokens: Predictor
+    output_tokens: Predictor
+    prefix_hit: Predictor
+    input_cv2: Predictor
+
+
+@dataclass
+class Planner:
+    """Guarantees: targets stay within [min_workers, max_workers] per pool; a pool never shrinks
+    before ``scale_down_intervals`` intervals in a row asked for fewer; the same observations give
+    the same decisions (a restarted planner replays its stored observations to resume)."""
+
+    options: PlannerOptions
+    profile: EngineProfile
+    disaggregated: bool = False
+    ttft_correction: float = 1.0
+    itl_correction: float = 1.0
+    utilisation_cap: float = field(init=False)
+    _series: _Series = field(init=False)
+    _recent_wanted: list[PoolSizes] = field(default_factory=list, init=False)
+    _last_pools: PoolSizes | None = field(default=None, init=False)
+    _last_forecast: LoadForecast | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        o = self.options
+        self.utilisation_cap = o.utilisation_cap
+
+        def rate() -> Predictor:
+            return make_predictor(o.load_predictor, o.predictor_window, o.season_length)
+
+        def shape() -> Predictor:
+            # request shapes drift slowly and noisily: a trend fitted to them overshoots
+            return make_predictor("moving-average", o.predictor_window)
+
+        self._series = _Series(rate(), shape(), shape(), shape(), shape())
+
+    def step(self, observation: IntervalObservation, current: PoolSizes) -> Decision:
+        self._correct(observation, current)
+        # an interval the fleet spent changing size, or whose load the forecast missed, says how the
+        # planner lagged, not how the model errs: only a steady, well-forecast one moves the cap
+        if current == self._last_pools and self._forecast_held(observation):
+            self._feedback(observation)
+        self._observe(observation)
+        forecast = self.forecast()
+        wanted, ttft, itl = self._size(forecast)
+        target = self._hysteresis(wanted, current)
+        self._last_pools = target
+        self._last_forecast = forecast
+        return Decision(
+            observation.start_s + observation.duration_s,
+            forecast,
+            wanted,
+            target,
+            current,
+            ttft,
+            itl,
+            self.ttft_correction,
+            self.itl_correction,
+            self.utilisation_cap,
+        )
+
+    def forecast(self) -> LoadForecast:
+        """The load of the interval that workers started now would serve first."""
+        s = self._series
+        o = self.options
+        horizon = 1 + math.ceil(o.worker_startup_secs / o.adjustment_interval)
+        return LoadForecast(
+            request_rate=max(0.0, s.rate.predict(horizon)),
+            mean_input_tokens=max(0.0, s.input_tokens.predict()),
+            mean_output_tokens=max(1.0, s.output_tokens.predict()),
+            prefix_hit_fraction=min(max(s.prefix_hit.predict(), 0.0), 1.0),
+            input_tokens_cv2=max(0.0, s.input_cv2.predict()),
+        )
+
+    # ---- steps -----------------------------------------------------------------------------------
+    def _observe(self, observation: IntervalObservation) -> None:
+        s = self._series
+        s.rate.observe(observation.request_rate)
+        if observation.requests:  # an idle interval says nothing about request shapes
+            s.input_tokens.observe(observation.mean_input_tokens)
+            s.output_tokens.observe(observation.mean_output_tokens)
+            s.prefix_hit.observe(observation.prefix_hit_fraction)
+            s.input_cv2.observe(observation.input_tokens_cv2)
+
+    def _correct(self, observation: IntervalObservation, current: PoolSizes) -> None:
+        """Move the corrections toward observed ÷ modelled for the interval just seen."""
+        if not observation.requests or not observation.ttft_mean_ms:
+            return
+        seen = LoadForecast(
+            observation.request_rate,
+            observation.mean_input_tokens,
+            observation.mean_output_tokens,
+            observation.prefix_hit_fraction,
+            observation.input_tokens_cv2,
+        )
+        ttft, itl = self._estimate(seen, current)
+        low, high = CORRECTION_BOUNDS
+        if math.isfinite(ttft) and ttft > 0:
+            ratio = min(max(observation.ttft_mean_ms / ttft, low), high)
+            self.ttft_correction += CORRECTION_SMOOTHING * (ratio - self.ttft_correction)
+        if math.isfinite(itl) and itl > 0 and observation.itl_mean_ms:
+            ratio = min(max(observation.itl_mean_ms / itl, low), high)
+            self.itl_correction += CORRECTION_SMOOTHING * (ratio - self.itl_correction)
+
+    def _forecast_held(self, observation: IntervalObservation) -> bool:
+        last = self._last_forecast
+        if last is None or last.request_rate <= 0:
+            return False
+        return abs(observation.request_rate - last.request_rate) <= FORECAST_TOLERANCE * last.request_rate
+
+    def _feedback(self, observation: IntervalObservation) -> None:
+        attained = observation.sla_attainment
+        if attained is None or observation.requests < MIN_FINISHED_FOR_FEEDBACK:
+            return
+        low, high = UTILISATION_CAP_BOUNDS
+        if attained < self.options.attainment_goal:
+            self.utilisation_cap = max(low, self.utilisation_cap * TIGHTEN)
+        elif attained > self.options.attainment_goal + ATTAINMENT_SLACK:
+            self.utilisation_cap = min(high, self.utilisation_cap * RELAX)
+
+    def _estimate(self, forecast: LoadForecast, pools: PoolSizes) -> tuple[float, float]:
+        if self.disaggregated:
+            return (
+                capacity.prefill_pool(self.profile, forecast, pools.prefill).ttft_ms,
+                capacity.decode_pool(self.profile, forecast, pools.decode).itl_ms,
+            )
+        estimate = capacity.aggregated(self.profile, forecast, pools.aggregated)
+        return estimate.ttft_ms, estimate.itl_ms
+
+    def _size(self, forecast: LoadForecast) -> tuple[PoolSizes, float, float]:
+        o = self.options
+        ttft_limit = o.ttft_target_ms * o.ttft_headroom / self.ttft_correction
+        itl_limit = o.itl_target_ms * o.itl_headroom / self.itl_correction
+        cap = self.utilisation_cap
+        if not self.disaggregated:
+            size, estimate = capacity.smallest_pool(
+                lambda n: capacity.aggregated(self.profile, forecast, n),
+                lambda e: e.ttft_ms <= ttft_limit and e.itl_ms <= itl_limit and e.utilisation <= cap,
+                o.min_workers,
+                o.max_workers,
+            )
+            return PoolSizes(aggregated=size), estimate.ttft_ms, estimate.itl_ms
+        prefill, p = capacity.smallest_pool(
+            lambda n: capacity.prefill_pool(self.profile, forecast, n),
+            lambda e: e.ttft_ms <= ttft_limit and e.utilisation <= cap,
+            o.min_workers,
+            o.max_workers,
+        )
+        decode, d = capacity.smallest_pool(
+            lambda n: capacity.decode_pool(self.profile, forecast, n),
+            lambda e: e.itl_ms <= itl_limit,
+            o.min_workers,
+            o.max_workers,
+        )
+        return PoolSizes(prefill=prefill, decode=decode), p.ttft_ms, d.itl_ms
+
+    def _hysteresis(self, wanted: PoolSizes, current: PoolSizes) -> PoolSizes:
+        self._recent_wanted = [*self._recent_wanted, wanted][-self.options.scale_down_intervals :]
+        full = len(self._recent_wanted) == self.options.scale_down_intervals
+
+        def pool(name: str) -> int:
+            now, want = getattr(current, name), getattr(wanted, name)
+            if want >= now:
+                return want
+            if not full:
+                return now
+            # shrink only if every recent interval asked for less, to the most they asked for
+            most = max(getattr(w, name) for w in self._recent_wanted)
+            return most if most < now else now
+
+        return PoolSizes(pool("aggregated"), pool("prefill"), pool("decode"))

@@ -1,0 +1,1 @@
+"""``kvmesh profile``: measure an engine's prefill and decode times into an engine profile."""

@@ -1,0 +1,30 @@
+import pytest
+
+from kvmesh.common.config import ConfigError
+from kvmesh.replay.arrival_profile import parse_arrival_profile
+
+
+def test_a_step_doubles_the_rate_after_its_time():
+    profile = parse_arrival_profile("step:at=100,factor=2")
+    assert profile.warp_ms(50_000) == pytest.approx(50_000, abs=1e-3)
+    # 100 s of the trace after the step take 50 s at twice the rate
+    assert profile.warp_ms(200_000) == pytest.approx(150_000, abs=1e-3)
+
+
+def test_a_sine_keeps_the_order_and_the_mean_rate():
+    profile = parse_arrival_profile("sine:period=100,amplitude=0.5")
+    times = [profile.warp_ms(t * 1000.0) for t in range(0, 1001, 7)]
+    assert times == sorted(times)
+    assert profile.warp_ms(1_000_000) == pytest.approx(1_000_000, rel=0.02)  # whole periods: same length
+    # a quarter period in, the rate is above average: arrivals come sooner
+    assert profile.warp_ms(40_000) < 40_000
+
+
+@pytest.mark.parametrize("text", ["sine:amplitude=1.5", "step:factor=0", "wave:period=3", "sine:period=x"])
+def test_bad_profiles_are_refused(text):
+    with pytest.raises(ConfigError):
+        parse_arrival_profile(text)
+
+
+def test_no_profile_is_none():
+    assert parse_arrival_profile("") is None

@@ -1,0 +1,52 @@
+import itertools
+import math
+
+from kvmesh.planner import capacity
+from kvmesh.planner.load import LoadForecast
+from kvmesh.profiler.mock import profile_mock_engine
+
+PROFILE = profile_mock_engine()
+LOAD = LoadForecast(request_rate=4.0, mean_input_tokens=8000, mean_output_tokens=150, prefix_hit_fraction=0.3)
+
+
+def test_more_workers_serve_the_same_load_faster():
+    estimates = [capacity.aggregated(PROFILE, LOAD, n) for n in (2, 3, 4, 8)]
+    assert all(a.ttft_ms > b.ttft_ms and a.itl_ms > b.itl_ms for a, b in itertools.pairwise(estimates))
+
+
+def test_more_load_is_slower_and_overload_is_unbounded():
+    light = capacity.aggregated(PROFILE, LOAD, 4)
+    heavy = capacity.aggregated(PROFILE, LoadForecast(12.0, 8000, 150, 0.3), 4)
+    assert heavy.ttft_ms > light.ttft_ms and heavy.utilisation > light.utilisation
+    overloaded = capacity.aggregated(PROFILE, LoadForecast(100.0, 8000, 150, 0.3), 1)
+    assert not overloaded.stable and math.isinf(overloaded.ttft_ms)
+
+
+def test_heavier_tailed_prompts_queue_longer():
+    even = capacity.aggregated(PROFILE, LOAD, 2)
+    tailed = capacity.aggregated(PROFILE, LoadForecast(4.0, 8000, 150, 0.3, input_tokens_cv2=2.0), 2)
+    assert tailed.ttft_ms > even.ttft_ms
+
+
+def test_the_smallest_pool_meeting_the_limits_is_chosen():
+    size, estimate = capacity.smallest_pool(
+        lambda n: capacity.aggregated(PROFILE, LOAD, n), lambda e: e.ttft_ms <= 400, 1, 16
+    )
+    assert estimate.ttft_ms <= 400
+    assert capacity.aggregated(PROFILE, LOAD, size - 1).ttft_ms > 400
+
+
+def test_limits_no_pool_can_meet_buy_no_more_than_diminishing_returns():
+    size, _ = capacity.smallest_pool(lambda n: capacity.aggregated(PROFILE, LOAD, n), lambda e: e.ttft_ms <= 1, 1, 16)
+    assert size < 16
+    best = capacity.aggregated(PROFILE, LOAD, 16).ttft_ms
+    assert capacity.aggregated(PROFILE, LOAD, size).ttft_ms <= best * capacity.DIMINISHING_RETURNS
+
+
+def test_disaggregated_pools_each_answer_for_their_own_target():
+    prefill = capacity.prefill_pool(PROFILE, LOAD, 2)
+    decode = capacity.decode_pool(PROFILE, LOAD, 2)
+    assert prefill.ttft_ms > 0 and prefill.itl_ms == 0
+    assert decode.itl_ms > 0 and decode.ttft_ms == 0
+    assert capacity.prefill_pool(PROFILE, LOAD, 4).ttft_ms < prefill.ttft_ms
+    assert capacity.decode_pool(PROFILE, LOAD, 4).itl_ms <= decode.itl_ms

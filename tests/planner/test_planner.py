@@ -1,0 +1,95 @@
+import asyncio
+
+import pytest
+
+from kvmesh.planner.load import IntervalObservation
+from kvmesh.planner.planner import Planner, PlannerOptions, PoolSizes
+from kvmesh.planner.state import PlannerState, resume
+from kvmesh.profiler.mock import profile_mock_engine
+
+PROFILE = profile_mock_engine()
+
+
+def options(**overrides) -> PlannerOptions:
+    values = {"load_predictor": "constant", "min_workers": 1, "max_workers": 12, "scale_down_intervals": 2}
+    return PlannerOptions(**{**values, **overrides})
+
+
+def interval(start: float, rate: float, attainment: float | None = 1.0, ttft: float = 0.0) -> IntervalObservation:
+    return IntervalObservation(
+        start_s=start,
+        duration_s=10.0,
+        requests=int(rate * 10),
+        mean_input_tokens=8000,
+        mean_output_tokens=150,
+        prefix_hit_fraction=0.3,
+        input_tokens_cv2=1.0,
+        ttft_mean_ms=ttft,
+        sla_attainment=attainment,
+    )
+
+
+def test_a_pool_grows_with_the_load_at_once_and_shrinks_only_after_enough_quiet_intervals():
+    planner = Planner(options(), PROFILE)
+    low = planner.step(interval(0, 1.0), PoolSizes(aggregated=1)).target.aggregated
+    high = planner.step(interval(10, 12.0), PoolSizes(aggregated=low)).target.aggregated
+    assert high > low
+    first_quiet = planner.step(interval(20, 1.0), PoolSizes(aggregated=high))
+    assert first_quiet.wanted.aggregated < high and first_quiet.target.aggregated == high  # not yet
+    second_quiet = planner.step(interval(30, 1.0), PoolSizes(aggregated=high))
+    assert second_quiet.target.aggregated < high
+
+
+def test_targets_stay_within_the_bounds():
+    planner = Planner(options(min_workers=2, max_workers=3), PROFILE)
+    assert planner.step(interval(0, 0.0), PoolSizes(aggregated=2)).target.aggregated == 2
+    assert planner.step(interval(10, 500.0), PoolSizes(aggregated=2)).target.aggregated == 3
+
+
+def test_missed_attainment_in_a_steady_well_forecast_interval_lowers_the_utilisation_cap():
+    planner = Planner(options(), PROFILE)
+    first = planner.step(interval(0, 4.0), PoolSizes(aggregated=3))
+    steady = PoolSizes(aggregated=first.target.aggregated)
+    missed = planner.step(interval(10, 4.0, attainment=0.5), steady)
+    assert missed.utilisation_cap < first.utilisation_cap
+    assert missed.wanted.aggregated >= first.wanted.aggregated
+    # an interval whose load the forecast missed teaches nothing
+    surprise = planner.step(interval(20, 12.0, attainment=0.1), PoolSizes(aggregated=missed.target.aggregated))
+    assert surprise.utilisation_cap == missed.utilisation_cap
+
+
+def test_the_disaggregated_planner_sizes_both_pools():
+    planner = Planner(options(), PROFILE, disaggregated=True)
+    decision = planner.step(interval(0, 8.0), PoolSizes(prefill=1, decode=1))
+    assert decision.target.prefill >= 1 and decision.target.decode >= 1 and decision.target.aggregated == 0
+
+
+def test_invalid_options_are_refused():
+    with pytest.raises(ValueError, match="min-workers"):
+        options(min_workers=5, max_workers=2).validate()
+
+
+def test_a_planner_resumed_from_its_state_file_decides_as_if_it_never_stopped(tmp_path):
+    loads = [1.0, 3.0, 6.0, 9.0, 4.0, 2.0, 7.0]
+
+    async def run() -> tuple[int, int]:
+        uninterrupted = Planner(options(load_predictor="moving-average"), PROFILE)
+        pools = PoolSizes(aggregated=1)
+        path = tmp_path / "planner.sqlite"
+        async with PlannerState(path) as state:
+            for i, rate in enumerate(loads[:-1]):
+                observation = interval(i * 10, rate, attainment=0.9 if i % 2 else 1.0, ttft=500.0)
+                decision = uninterrupted.step(observation, pools)
+                await state.record(observation, decision)
+                pools = decision.target
+        # a new process: a fresh planner, the same file
+        async with PlannerState(path) as state:
+            assert await state.count() == len(loads) - 1
+            restarted = Planner(options(load_predictor="moving-average"), PROFILE)
+            last = resume(restarted, await state.recent(100))
+        assert last is not None and last.target == pools
+        final = interval(60, loads[-1], ttft=500.0)
+        return uninterrupted.step(final, pools).target.aggregated, restarted.step(final, pools).target.aggregated
+
+    expected, resumed = asyncio.run(run())
+    assert resumed == expected

@@ -1,0 +1,91 @@
+"""``kvmesh replay --planner``: the planner scales a virtual fleet; deterministic, costed, recorded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvmesh.planner.planner import Planner
+from kvmesh.profiler.mock import profile_mock_engine
+from kvmesh.replay import cli
+from kvmesh.replay.mooncake_trace import read_trace
+from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
+
+SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+pytestmark = pytest.mark.skipif(not SHARED_TRACE.is_file(), reason="the shared trace is not beside the checkout")
+PLANNED = {
+    "planner": True,
+    "workers": 1,
+    "adjustment_interval": 10.0,
+    "worker_startup_secs": 10.0,
+    "arrival_profile": "step:at=60,factor=2",
+    "max_workers": 8,
+}
+
+
+def run(limit: int = 700, **overrides):
+    config = ReplayConfig(**{**PLANNED, **overrides})
+    config.validate()
+    simulator = ReplaySimulator(config)
+    simulator.attach_planner(Planner(config, profile_mock_engine(simulator.engine_config)))
+    records = simulator.run(read_trace(SHARED_TRACE)[:limit])
+    return simulator, records
+
+
+def test_the_planner_grows_the_fleet_when_the_load_steps_up():
+    simulator, records = run()
+    assert all(r.tokens == r.output_length for r in records)  # every request completed
+    timeline = simulator.fleet.timeline
+    before = [p["workers"] for p in timeline if p["t_s"] <= 60]
+    after = [p["workers"] for p in timeline if p["t_s"] > 80]
+    assert max(after) > max(before)
+    # a worker started later joins only after its start-up delay
+    late = [w for w in simulator.fleet.workers if w.started_ms > 0]
+    assert late and all(w.joins_ms == w.started_ms + 10_000 for w in late)
+
+
+def test_a_planned_replay_is_deterministic():
+    first, first_records = run(limit=400)
+    second, second_records = run(limit=400)
+    assert first.fleet.timeline == second.fleet.timeline
+    assert [r.first_token_ms for r in first_records] == [r.first_token_ms for r in second_records]
+
+
+def test_worker_seconds_count_from_start_to_drained_stop():
+    simulator, records = run(limit=400, arrival_profile="step:at=40,factor=0.2", workers=4, min_workers=1)
+    end_ms = max(r.last_token_ms for r in records)
+    stopped = [w for w in simulator.fleet.workers if w.stopped_ms is not None]
+    assert stopped, "the load fell: some worker should have drained and stopped"
+    assert simulator.fleet.worker_seconds(end_ms) < len(simulator.fleet.workers) * end_ms / 1000
+
+
+def test_cli_reports_sla_worker_seconds_and_the_timeline_and_records_history(tmp_path, capsys):
+    plot, state = tmp_path / "timeline.png", tmp_path / "planner.sqlite"
+    argv = [str(SHARED_TRACE), "--limit", "300", "--planner", "--workers", "1", "--adjustment-interval", "10"]
+    assert cli.main([*argv, "--plot", str(plot), "--state-db", str(state)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert 0 <= summary["sla"]["sla_attainment"] <= 1
+    assert summary["worker_seconds"] > 0
+    assert summary["planner"]["decisions"] == len(summary["planner"]["timeline"]) > 0
+    assert plot.stat().st_size > 0
+
+    from kvmesh.planner import cli as planner_cli
+
+    assert planner_cli.main(["history", "--state-db", str(state), "--limit", "3"]) == 0
+    history = capsys.readouterr().out.splitlines()
+    assert history[0].split()[:2] == ["at", "(s)"] and len(history) == 4
+
+
+def test_a_fixed_fleet_reports_its_worker_seconds_too(capsys):
+    assert cli.main([str(SHARED_TRACE), "--limit", "100", "--workers", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["worker_seconds"] == pytest.approx(2 * summary["simulated_duration_s"], rel=0.05)
+    assert "planner" not in summary
+
+
+def test_planner_flags_without_the_planner_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        cli.main([str(SHARED_TRACE), "--limit", "10", "--plot", "x.png"])
+    assert "--planner" in capsys.readouterr().err
