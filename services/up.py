@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,15 +25,22 @@ from pathlib import Path
 
 import httpx
 import structlog
+from nats.aio.client import Client as NatsClient
 
+from kvmesh.common import names
 from kvmesh.common.config import CommonConfig, ConfigError, describe, option, options_argv, parse_config
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.nats_server import EmbeddedNatsServer
 from kvmesh.common.run_file import RunRecord, remove_run_record, write_run_record
 from kvmesh.common.runtime import connect_nats
 from kvmesh.common.structured_logging import configure_logging
+from kvmesh.common.timing import TimingModel
 from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
+from kvmesh.planner.planner import PlannerOptions
+from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.router.config import RouterOptions
+from kvmesh.worker.mock_engine import EngineConfig
+from kvmesh.worker_pool import WorkerPool
 
 log = structlog.get_logger(__name__)
 
@@ -42,9 +50,9 @@ RESTART_WINDOW_S = 60.0
 
 
 @dataclass
-class UpConfig(CommonConfig, RouterOptions):
+class UpConfig(CommonConfig, RouterOptions, PlannerOptions):
     """``kvmesh up``'s own options; every router option (``RouterOptions``) is taken too and handed to
-    the router replicas unchanged."""
+    the router replicas unchanged, and with ``--planner`` every planner option to the planner."""
 
     nats_url: str | None = option(None, "use this NATS server instead of starting an embedded one")
     http_host: str = option("127.0.0.1", "address of the HTTP API")
@@ -76,6 +84,12 @@ class UpConfig(CommonConfig, RouterOptions):
     startup_timeout: float | None = option(
         None, "seconds to wait for every service to come up (default: 60, or 600 with --engine vllm)"
     )
+    planner: bool = option(
+        False,
+        "run the SLA planner: it resizes the worker pool (from --workers, within --min-workers / --max-workers) "
+        "to meet --ttft-target-ms and --itl-target-ms",
+    )
+    planner_state_db: Path | None = option(None, "the planner's SQLite state file (default: a new one in a temp dir)")
     engine_args: list[str] = option(None, "with --engine vllm: vLLM engine arguments for the workers", passthrough=True)
 
     def resolved_startup_timeout(self) -> float:
@@ -97,6 +111,14 @@ class UpConfig(CommonConfig, RouterOptions):
             raise ConfigError("--routers must be at least 1")
         if self.prefill_workers < 0:
             raise ConfigError("--prefill-workers must be >= 0")
+        if self.planner:
+            PlannerOptions.validate(self)
+            if self.engine != "mock" or self.prefill_workers:
+                raise ConfigError(
+                    "--planner sizes a pool of aggregated mock workers (no --engine vllm, no --prefill-workers)"
+                )
+            if not self.min_workers <= self.workers <= self.max_workers:
+                raise ConfigError("--planner: --workers must lie within --min-workers and --max-workers")
 
 
 def _die_with_parent() -> None:
@@ -136,9 +158,7 @@ class ServiceProcess:
 
 
 def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
-    common = ["--nats-url", nats_url, "--namespace", config.namespace, "--log-level", config.log_level]
-    if config.log_json is not None:
-        common.append("--log-json" if config.log_json else "--no-log-json")
+    common = common_args(config, nats_url)
     services = [
         ServiceProcess(
             f"indexer-{i}",
@@ -149,6 +169,38 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
     ]
     router_args = [*common, *options_argv(RouterOptions, config)]
     services += [ServiceProcess(f"router-{i}", "kvmesh.router", router_args) for i in range(config.routers)]
+    role = "decode" if config.prefill_workers else "aggregated"
+    services += [worker_process(config, common, i, role) for i in range(config.workers)]
+    services += [worker_process(config, common, i, "prefill") for i in range(config.prefill_workers)]
+    services.append(
+        ServiceProcess(
+            "frontend",
+            "kvmesh.frontend",
+            [
+                *common,
+                "--http-host",
+                config.http_host,
+                "--http-port",
+                str(config.http_port),
+                "--model-name",
+                config.model_name,
+                "--model-path",
+                config.model_path,
+                *(["--load-report-secs", str(min(5.0, config.adjustment_interval / 2))] if config.planner else []),
+            ],
+        )
+    )
+    return services
+
+
+def common_args(config: UpConfig, nats_url: str) -> list[str]:
+    common = ["--nats-url", nats_url, "--namespace", config.namespace, "--log-level", config.log_level]
+    if config.log_json is not None:
+        common.append("--log-json" if config.log_json else "--no-log-json")
+    return common
+
+
+def worker_process(config: UpConfig, common: list[str], index: int, role: str) -> ServiceProcess:
     worker_args = [
         *common,
         "--engine",
@@ -165,32 +217,58 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
         str(config.num_layers),
         *config.engine_args,
     ]
-    role = "decode" if config.prefill_workers else "aggregated"
-    services += [
-        ServiceProcess(f"worker-{i}", "kvmesh.worker", [*worker_args, "--role", role]) for i in range(config.workers)
-    ]
-    services += [
-        ServiceProcess(f"prefill-worker-{i}", "kvmesh.worker", [*worker_args, "--role", "prefill"])
-        for i in range(config.prefill_workers)
-    ]
-    services.append(
-        ServiceProcess(
-            "frontend",
-            "kvmesh.frontend",
-            [
-                *common,
-                "--http-host",
-                config.http_host,
-                "--http-port",
-                str(config.http_port),
-                "--model-name",
-                config.model_name,
-                "--model-path",
-                config.model_path,
-            ],
-        )
+    name = f"worker-{index}" if role != "prefill" else f"prefill-worker-{index}"
+    return ServiceProcess(name, "kvmesh.worker", [*worker_args, "--role", role])
+
+
+def plan_planner(config: UpConfig, nats_url: str, services: list[ServiceProcess]) -> tuple[ServiceProcess, WorkerPool]:
+    """The planner process (with a profile of the workers' mock engine, measured now) and the pool of
+    aggregated workers it resizes through this supervisor."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvmesh-planner-"))
+    engine = EngineConfig(
+        num_blocks=config.num_gpu_blocks or 16384,
+        block_size=config.block_size or 16,
+        timing=TimingModel(speedup_ratio=config.speedup_ratio),
     )
-    return services
+    profile_path = workdir / "engine-profile.json"
+    profile_mock_engine(engine).save(profile_path)
+    state_db = config.planner_state_db or workdir / "planner.sqlite"
+    common = common_args(config, nats_url)
+    planner = ServiceProcess(
+        "planner",
+        "kvmesh.planner",
+        [
+            *common,
+            *options_argv(PlannerOptions, config),
+            "--engine-profile",
+            str(profile_path),
+            "--state-db",
+            str(state_db),
+            "--connector",
+            "local",
+        ],
+    )
+    workers = [s for s in services if s.name.startswith("worker-")]
+    pool = WorkerPool(
+        services,
+        workers,
+        lambda index: worker_process(config, common, index, "aggregated"),
+        config.min_workers,
+        config.max_workers,
+    )
+    log.info("planner planned", state_db=str(state_db), profile=str(profile_path))
+    return planner, pool
+
+
+async def serve_worker_pool(nats_url: str, namespace: str, pool: WorkerPool) -> NatsClient:
+    """Answer the planner's scale requests (the local connector's supervisor side)."""
+    nc = await connect_nats(nats_url, name="kvmesh-up-supervisor")
+
+    async def on_request(message) -> None:
+        await message.respond(pool.answer(message.data))
+
+    await nc.subscribe(names.planner_scale_subject(namespace), cb=on_request)
+    return nc
 
 
 async def wait_until_ready(config: UpConfig, nats_url: str, services: list[ServiceProcess]) -> None:
@@ -262,8 +340,15 @@ async def run(config: UpConfig) -> int:
         nats_url = nats_server.url
         log.info("embedded NATS server started", url=nats_url, store=nats_server.store_dir)
     services = plan_services(config, nats_url)
+    pool: WorkerPool | None = None
+    supervisor: NatsClient | None = None
+    if config.planner:
+        planner_process, pool = plan_planner(config, nats_url, services)
+        services.append(planner_process)
     exit_code = 0
     try:
+        if pool is not None:
+            supervisor = await serve_worker_pool(nats_url, config.namespace, pool)
         for service in services:
             service.start()
         ready = asyncio.create_task(wait_until_ready(config, nats_url, services))
@@ -302,10 +387,13 @@ async def run(config: UpConfig) -> int:
         log.error("start-up failed", error=str(exc))
         exit_code = 1
     finally:
-        for service in reversed(services):
+        if supervisor is not None:
+            await supervisor.close()
+        stopping = pool.stopping if pool is not None else []
+        for service in [*reversed(services), *stopping]:
             service.terminate()
         deadline = time.monotonic() + 10.0
-        for service in reversed(services):
+        for service in [*reversed(services), *stopping]:
             service.wait_or_kill(deadline)
         if nats_server is not None:
             nats_server.stop()

@@ -23,6 +23,16 @@ def router_sync_subject(namespace: str) -> str:
     return f"kvmesh.{namespace}.router.sync"
 
 
+def load_report_subject(namespace: str) -> str:
+    """Frontends publish what they served each few seconds here; the planner listens."""
+    return f"kvmesh.{namespace}.metrics.frontend"
+
+
+def planner_scale_subject(namespace: str) -> str:
+    """The planner asks the ``kvmesh up`` supervisor (local connector) to resize the worker pool."""
+    return f"kvmesh.{namespace}.planner.scale"
+
+
 def instance_key(namespace: str, component: str, instance_id: int | str) -> str:
     """Key of one instance's record in the discovery bucket."""
     return f"{namespace}.{component}.{instance_id}"

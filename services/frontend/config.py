@@ -16,9 +16,12 @@ class FrontendConfig(CommonConfig):
     model_path: str = option(str(MODEL_DIR), "model directory with tokenizer.json and tokenizer_config.json")
     router_address: str | None = option(None, "fixed router host:port (default: discover routers over NATS)")
     default_max_tokens: int = option(64, "max_tokens when a request gives none")
+    load_report_secs: float = option(5.0, "seconds between the load reports published for the planner")
 
     def validate(self) -> None:
         if not 0 <= self.http_port < 65536:
             raise ConfigError("--http-port must be between 0 and 65535")
         if self.default_max_tokens <= 0:
             raise ConfigError("--default-max-tokens must be positive")
+        if self.load_report_secs <= 0:
+            raise ConfigError("--load-report-secs must be positive")

@@ -3,6 +3,7 @@ into text pieces, with usage accounting and router failover."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from kvmesh.frontend.errors import (
     ServiceUnavailableError,
     UpstreamError,
 )
+from kvmesh.frontend.load_window import LoadWindow
 from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.frontend.router_client import NoRouterError, RouterClient
 from kvmesh.frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
@@ -110,6 +112,7 @@ class Frontend:
         self.routers = routers
         self.default_max_tokens = default_max_tokens
         self.metrics = FrontendMetrics()
+        self.load = LoadWindow(f"frontend-{uuid.uuid4().hex[:8]}")
 
     def check_model(self, name: str) -> None:
         if name != self.model.name:

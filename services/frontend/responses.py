@@ -27,17 +27,27 @@ async def respond(
     created = int(time.time())
     usage = UsageCounter(prompt_tokens=len(token_ids))
     request = frontend.build_request(request_id, body, token_ids)
+    frontend.load.arrived()
     pieces = frontend.generate(request, body.stop_strings(), usage)
     # Wait for the first piece before answering, so routing errors still get their HTTP status.
     try:
         first = await anext(pieces)
     except StopAsyncIteration as exc:
         raise UpstreamError("the router returned no output") from exc
-    frontend.metrics.ttft.observe(time.monotonic() - started)
-    log.info("first token", prompt_tokens=len(token_ids), ttft_ms=round((time.monotonic() - started) * 1000, 2))
+    first_token = time.monotonic()
+    frontend.metrics.ttft.observe(first_token - started)
+    log.info("first token", prompt_tokens=len(token_ids), ttft_ms=round((first_token - started) * 1000, 2))
 
     def finished() -> None:
-        frontend.metrics.latency.observe(time.monotonic() - started)
+        ended = time.monotonic()
+        frontend.metrics.latency.observe(ended - started)
+        frontend.load.finished(
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.cached_tokens,
+            first_token - started,
+            ended - first_token,
+        )
         frontend.metrics.prompt_tokens.inc(usage.prompt_tokens)
         frontend.metrics.cached_tokens.inc(usage.cached_tokens)
         log.info("request done", completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens)

@@ -16,6 +16,7 @@ from kvmesh.common.service import ServiceStack, service_main
 from kvmesh.frontend.app import create_app
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.gateway import Frontend, ServedModel
+from kvmesh.frontend.load_window import publish_load_forever
 from kvmesh.frontend.router_client import RouterClient
 from kvmesh.frontend.tokenizer import ModelTokenizer
 
@@ -31,6 +32,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
         if not config.router_address:
             await stack.start(routers.watch(nc.jetstream(), config.namespace))
         frontend = Frontend(model, routers, default_max_tokens=config.default_max_tokens)
+        stack.task(publish_load_forever(nc, config.namespace, frontend.load, config.load_report_secs), "publish-load")
         sock = listening_socket(config.http_host, config.http_port)
         stack.callback(sock.close)
         server = uvicorn.Server(

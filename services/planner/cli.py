@@ -1,4 +1,4 @@
-"""``kvmesh planner history``: the planner's recent decisions, from its SQLite state file."""
+"""``kvmesh planner run|history``: the planner service, and its recent decisions from its state file."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -15,11 +16,18 @@ from kvmesh.planner.state import PlannerState, StoredStep
 DEFAULT_STATE_DB = Path("kvmesh-planner.sqlite")
 
 
+def when(at_s: float) -> str:
+    """Simulated seconds as they are; wall-clock time (a live planner's) as UTC time of day."""
+    if at_s < 1e9:
+        return f"{at_s:.1f}"
+    return time.strftime("%H:%M:%S", time.gmtime(at_s))
+
+
 def render(steps: list[StoredStep]) -> str:
     if not steps:
         return "no decisions recorded yet"
     header = (
-        f"{'at (s)':>9} {'rate':>6} {'→ pred':>7} {'ISL':>6} {'hit':>5} {'TTFT p90':>9} {'ITL p90':>8} "
+        f"{'at':>9} {'rate':>6} {'→ pred':>7} {'ISL':>6} {'hit':>5} {'TTFT p90':>9} {'ITL p90':>8} "
         f"{'SLA':>5} {'pools now':>10} {'wanted':>8} {'set':>8} {'cap':>5}"
     )
     lines = [header]
@@ -31,7 +39,7 @@ def render(steps: list[StoredStep]) -> str:
 
         attained = "-" if o.sla_attainment is None else f"{o.sla_attainment:.2f}"
         lines.append(
-            f"{d.at_s:9.1f} {o.request_rate:6.2f} {d.forecast.request_rate:7.2f} {o.mean_input_tokens:6.0f} "
+            f"{when(d.at_s):>9} {o.request_rate:6.2f} {d.forecast.request_rate:7.2f} {o.mean_input_tokens:6.0f} "
             f"{o.prefix_hit_fraction:5.2f} {o.ttft_p90_ms:9.0f} {o.itl_p90_ms:8.1f} {attained:>5} "
             f"{pools(d.current):>10} {pools(d.wanted):>8} {pools(d.target):>8} {d.utilisation_cap:5.2f}"
         )
@@ -44,19 +52,40 @@ async def read_history(path: Path, limit: int) -> list[StoredStep]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["run"]:
+        from kvmesh.common.service import service_main
+        from kvmesh.planner.service import PlannerConfig, serve
+
+        service_main(
+            PlannerConfig,
+            args_list[1:],
+            service="planner",
+            description=(
+                "Run the SLA planner: every --adjustment-interval it merges the frontends' load reports, predicts "
+                "the next interval's load, sizes the worker pool from the engine profile to meet --ttft-target-ms "
+                "and --itl-target-ms, records the step in --state-db and resizes the fleet through --connector."
+            ),
+            serve=serve,
+        )
+        return 0
     parser = argparse.ArgumentParser(
         prog="kvmesh planner",
-        description="The SLA planner. `history` prints its recent decisions from its state file.",
+        description=(
+            "The SLA planner. `run` runs it (see `kvmesh planner run --help`); `history` prints its recent "
+            "decisions from its state file."
+        ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("run", help="run the planner service (options: kvmesh planner run --help)", add_help=False)
     history = commands.add_parser(
         "history", help="print the recent decisions", description="Print the planner's recent decisions."
     )
     history.add_argument("--state-db", type=Path, default=DEFAULT_STATE_DB, help="the planner's SQLite state file")
     history.add_argument("--limit", type=int, default=20, help="how many decisions")
     history.add_argument("--json", action="store_true", help="machine-readable output")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_list)
     if not args.state_db.is_file():
         parser.error(f"no planner state at {args.state_db}")
     steps = asyncio.run(read_history(args.state_db, args.limit))

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from kvmesh.common.load_report import RequestSample
 
 
 @dataclass(frozen=True)
@@ -45,3 +49,61 @@ class LoadForecast:
     @property
     def mean_uncached_tokens(self) -> float:
         return self.mean_input_tokens * (1.0 - self.prefix_hit_fraction)
+
+
+def met_targets(sample: RequestSample, ttft_target_ms: float, itl_target_ms: float) -> bool:
+    """Whether one request met both targets (one with a single token has no inter-token latency)."""
+    itl_ok = math.isnan(sample.itl_ms) or sample.itl_ms <= itl_target_ms
+    return sample.ttft_ms <= ttft_target_ms and itl_ok
+
+
+def observe_interval(
+    arrivals: int,
+    samples: Sequence[RequestSample],
+    start_s: float,
+    duration_s: float,
+    ttft_target_ms: float,
+    itl_target_ms: float,
+    workers: int = 0,
+) -> IntervalObservation:
+    """One interval's observation: the rate from the arrivals, everything else from the requests
+    that finished in it (live, only a finished request knows its output length and latencies)."""
+
+    def mean(values: Sequence[float]) -> float:
+        finite = [v for v in values if not math.isnan(v)]
+        return sum(finite) / len(finite) if finite else 0.0
+
+    def percentile(values: Sequence[float], q: float) -> float:
+        ordered = sorted(v for v in values if not math.isnan(v))
+        if not ordered:
+            return 0.0
+        position = (len(ordered) - 1) * q / 100
+        low = math.floor(position)
+        high = min(low + 1, len(ordered) - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+    lengths = [s.input_tokens for s in samples]
+    mean_length = mean(lengths)
+    cv2 = mean([(n - mean_length) ** 2 for n in lengths]) / mean_length**2 if mean_length else 0.0
+    prompt = sum(lengths)
+    ttfts = [s.ttft_ms for s in samples]
+    itls = [s.itl_ms for s in samples]
+    return IntervalObservation(
+        start_s=start_s,
+        duration_s=duration_s,
+        requests=arrivals,
+        mean_input_tokens=mean_length,
+        mean_output_tokens=mean([s.output_tokens for s in samples]),
+        prefix_hit_fraction=sum(s.cached_tokens for s in samples) / prompt if prompt else 0.0,
+        input_tokens_cv2=cv2,
+        ttft_mean_ms=mean(ttfts),
+        itl_mean_ms=mean(itls),
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p90_ms=percentile(ttfts, 90),
+        itl_p50_ms=percentile(itls, 50),
+        itl_p90_ms=percentile(itls, 90),
+        workers=workers,
+        sla_attainment=(
+            sum(met_targets(s, ttft_target_ms, itl_target_ms) for s in samples) / len(samples) if samples else None
+        ),
+    )

@@ -43,7 +43,7 @@ class PlannerOptions:
     itl_target_ms: float = option(50.0, "mean inter-token latency each request should meet (ms)")
     min_workers: int = option(1, "never fewer workers than this in a pool")
     max_workers: int = option(16, "never more workers than this in a pool")
-    load_predictor: str = option("moving-average", "how the next interval's load is predicted", choices=PREDICTORS)
+    load_predictor: str = option("constant", "how the next interval's load is predicted", choices=PREDICTORS)
     predictor_window: int = option(3, "intervals the moving average (and Holt-Winters' fallback) looks back")
     season_length: int = option(0, "Holt-Winters: intervals per season (0: trend only)")
     scale_down_intervals: int = option(2, "intervals in a row that must ask for fewer workers before a pool shrinks")

@@ -4,12 +4,11 @@ observations the planner reads, taken from the replayed requests."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.planner.load import IntervalObservation
-from kvmesh.replay.report import percentile, sla_attainment
+from kvmesh.common.load_report import RequestSample
+from kvmesh.planner.load import IntervalObservation, observe_interval
 
 
 @dataclass
@@ -56,45 +55,25 @@ class VirtualFleet:
 
 @dataclass
 class IntervalRecorder:
-    """Builds the planner's observation of [start, end) from the replay's request records."""
+    """The planner's observation of [start, end) of a replay: the same function the live planner
+    applies to the frontends' reports, fed with the replayed requests."""
 
     ttft_target_ms: float
     itl_target_ms: float
 
     def observe(self, records: Sequence, start_ms: float, end_ms: float, workers: int) -> IntervalObservation:
-        arrived = [r for r in records if start_ms <= r.arrival_ms < end_ms]
-        first_tokens = [r for r in records if start_ms <= r.first_token_ms < end_ms]
-        ended = [r for r in records if start_ms <= r.last_token_ms < end_ms]
-        finished = [r for r in ended if r.tokens > 1]
-        prompt = sum(r.input_length for r in first_tokens)
-        ttfts = [r.ttft_ms for r in first_tokens]
-        itls = [r.tpot_ms for r in finished]
-
-        def mean(values: list[float]) -> float:
-            return sum(values) / len(values) if values else 0.0
-
-        lengths = [r.input_length for r in arrived]
-        mean_length = mean(lengths)
-        cv2 = mean([(n - mean_length) ** 2 for n in lengths]) / mean_length**2 if mean_length else 0.0
-
-        def p(values: list[float], q: float) -> float:
-            value = percentile(values, q) if values else 0.0
-            return 0.0 if math.isnan(value) else value
-
-        return IntervalObservation(
-            start_s=start_ms / 1000.0,
-            duration_s=(end_ms - start_ms) / 1000.0,
-            requests=len(arrived),
-            mean_input_tokens=mean_length,
-            mean_output_tokens=mean([r.output_length for r in arrived]),
-            prefix_hit_fraction=sum(r.cached_tokens for r in first_tokens) / prompt if prompt else 0.0,
-            input_tokens_cv2=cv2,
-            ttft_mean_ms=mean(ttfts),
-            itl_mean_ms=mean(itls),
-            ttft_p50_ms=p(ttfts, 50),
-            ttft_p90_ms=p(ttfts, 90),
-            itl_p50_ms=p(itls, 50),
-            itl_p90_ms=p(itls, 90),
-            workers=workers,
-            sla_attainment=sla_attainment(ended, self.ttft_target_ms, self.itl_target_ms) if ended else None,
+        arrivals = sum(1 for r in records if start_ms <= r.arrival_ms < end_ms)
+        samples = [
+            RequestSample(r.input_length, r.tokens, r.cached_tokens, r.ttft_ms, r.tpot_ms)
+            for r in records
+            if start_ms <= r.last_token_ms < end_ms
+        ]
+        return observe_interval(
+            arrivals,
+            samples,
+            start_ms / 1000.0,
+            (end_ms - start_ms) / 1000.0,
+            self.ttft_target_ms,
+            self.itl_target_ms,
+            workers,
         )

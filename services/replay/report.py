@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.common.load_report import RequestSample
+from kvmesh.planner.load import met_targets
+
 if TYPE_CHECKING:  # the simulator imports this module's percentile (through the fleet)
     from kvmesh.replay.simulator import RequestRecord
 
@@ -106,11 +109,8 @@ def sla_attainment(records: Sequence[RequestRecord], ttft_target_ms: float, itl_
     if not records:
         return math.nan
 
-    def met(r: RequestRecord) -> bool:
-        itl_ok = r.tokens <= 1 or r.tpot_ms <= itl_target_ms
-        return r.ttft_ms <= ttft_target_ms and itl_ok
-
-    return sum(1 for r in records if met(r)) / len(records)
+    samples = [RequestSample(r.input_length, r.tokens, r.cached_tokens, r.ttft_ms, r.tpot_ms) for r in records]
+    return sum(met_targets(s, ttft_target_ms, itl_target_ms) for s in samples) / len(samples)
 
 
 def plot_timeline(timeline: Sequence[dict[str, float]], path: Path, title: str) -> None:

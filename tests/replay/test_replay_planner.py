@@ -75,7 +75,7 @@ def test_cli_reports_sla_worker_seconds_and_the_timeline_and_records_history(tmp
 
     assert planner_cli.main(["history", "--state-db", str(state), "--limit", "3"]) == 0
     history = capsys.readouterr().out.splitlines()
-    assert history[0].split()[:2] == ["at", "(s)"] and len(history) == 4
+    assert history[0].split()[:2] == ["at", "rate"] and len(history) == 4
 
 
 def test_a_fixed_fleet_reports_its_worker_seconds_too(capsys):

@@ -1,0 +1,158 @@
+"""``kvmesh planner run``: every adjustment interval, merge the frontends' load reports into an
+observation, decide, record the step in SQLite, and resize the fleet through the connector.
+
+A restarted planner (kill -9 included) replays its recorded steps first and goes on from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from kvmesh.common import names
+from kvmesh.common.config import CommonConfig, ConfigError, option
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.engine_profile import EngineProfile, ProfileError
+from kvmesh.common.load_report import LoadReport, LoadReportError
+from kvmesh.common.service import ServiceStack
+from kvmesh.planner.connectors import CONNECTORS, ConnectorError, make_connector
+from kvmesh.planner.load import observe_interval
+from kvmesh.planner.planner import Decision, Planner, PlannerOptions, PoolSizes
+from kvmesh.planner.state import RESUME_STEPS, PlannerState, resume
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class PlannerConfig(CommonConfig, PlannerOptions):
+    """``kvmesh planner run``'s options."""
+
+    engine_profile: Path = option(None, "engine profile from `kvmesh profile` (required)")
+    state_db: Path = option(Path("kvmesh-planner.sqlite"), "SQLite file of the planner's steps (resumed on start)")
+    connector: str = option("local", "how decisions reach the fleet", choices=CONNECTORS)
+    no_operation: bool = option(False, "only log and record decisions (same as --connector no-operation)")
+    metrics_host: str = option("127.0.0.1", "address of the Prometheus /metrics endpoint")
+    metrics_port: int = option(0, "Prometheus /metrics port (0: a free port, -1: off)")
+
+    def validate(self) -> None:
+        PlannerOptions.validate(self)
+        if self.engine_profile is None:
+            raise ConfigError("--engine-profile is required (write one with `kvmesh profile`)")
+
+    def connector_name(self) -> str:
+        return "no-operation" if self.no_operation else self.connector
+
+
+class PlannerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kvmesh_planner_{name}", doc, registry=self.registry)
+
+        self.observed_rate = gauge("observed_request_rate", "requests/s the last interval")
+        self.predicted_rate = gauge("predicted_request_rate", "requests/s predicted for the interval sized for")
+        self.attainment = gauge("sla_attainment", "share of the last interval's finished requests meeting both targets")
+        self.current = gauge("workers", "workers in the pool when the planner decided")
+        self.wanted = gauge("wanted_workers", "workers the model asked for")
+        self.target = gauge("target_workers", "workers the planner set (after hysteresis)")
+        self.cap = gauge("utilisation_cap", "prefill utilisation a worker may be planned at")
+
+    def record(self, decision: Decision, observed_rate: float, attainment: float | None) -> None:
+        self.observed_rate.set(observed_rate)
+        self.predicted_rate.set(decision.forecast.request_rate)
+        if attainment is not None:
+            self.attainment.set(attainment)
+        self.current.set(decision.current.total)
+        self.wanted.set(decision.wanted.total)
+        self.target.set(decision.target.total)
+        self.cap.set(decision.utilisation_cap)
+
+
+def merge(reports: Sequence[LoadReport]) -> tuple[int, list]:
+    return sum(r.arrivals for r in reports), [s for r in reports for s in r.samples]
+
+
+async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
+    try:
+        profile = EngineProfile.load(config.engine_profile)
+    except ProfileError as exc:
+        raise SystemExit(f"kvmesh planner: {exc}") from exc
+    async with ServiceStack() as stack:
+        nc = await stack.nats(config, "kvmesh-planner")
+        state = await stack.enter_async_context(PlannerState(config.state_db))
+        planner = Planner(config, profile)
+        history = await state.recent(RESUME_STEPS)
+        last = resume(planner, history)
+        if last is not None:
+            log.info("resumed", steps=len(history), pools=last.target.total, utilisation_cap=last.utilisation_cap)
+        workers = await stack.start(DiscoveryWatcher(nc.jetstream(), config.namespace, "worker"))
+        reports: list[LoadReport] = []
+
+        async def on_report(message) -> None:
+            try:
+                reports.append(LoadReport.decode(message.data))
+            except LoadReportError as exc:
+                log.warning("ignored a message on the load subject", error=str(exc))
+
+        subscription = await nc.subscribe(names.load_report_subject(config.namespace), cb=on_report)
+        stack.push_async_callback(subscription.unsubscribe)
+        connector = make_connector(config.connector_name(), nc, config.namespace)
+        metrics = PlannerMetrics()
+        if config.metrics_port >= 0:
+            server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=metrics.registry)
+            stack.callback(server.shutdown)
+            log.info("metrics", url=f"http://{config.metrics_host}:{server.server_port}/metrics")
+        log.info("planner ready", connector=config.connector_name(), interval_s=config.adjustment_interval)
+        started = time.time()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=config.adjustment_interval)
+            if stop.is_set():
+                break
+            now = time.time()
+            taken, reports[:] = list(reports), []
+            arrivals, samples = merge(taken)
+            registered = sum(1 for r in workers.instances() if r.role in ("", "aggregated"))
+            try:
+                current = await connector.current(PoolSizes(aggregated=registered))
+            except ConnectorError as exc:
+                log.error("cannot read the fleet; skipping this interval", error=str(exc))
+                continue
+            observation = observe_interval(
+                arrivals,
+                samples,
+                max(started, now - config.adjustment_interval),
+                config.adjustment_interval,
+                config.ttft_target_ms,
+                config.itl_target_ms,
+                registered,
+            )
+            decision = planner.step(observation, current)
+            await state.record(observation, decision)
+            metrics.record(decision, observation.request_rate, observation.sla_attainment)
+            log.info(
+                "planner decision",
+                observed_rate=round(observation.request_rate, 3),
+                finished=len(samples),
+                attainment=observation.sla_attainment,
+                predicted_rate=round(decision.forecast.request_rate, 3),
+                workers=current.total,
+                registered=registered,
+                wanted=decision.wanted.total,
+                target=decision.target.total,
+                utilisation_cap=round(decision.utilisation_cap, 3),
+            )
+            if decision.changes:
+                try:
+                    now_pools = await connector.scale(decision.target)
+                    log.info("scaled", workers=now_pools.total, connector=config.connector_name())
+                except ConnectorError as exc:
+                    log.error("scaling failed", error=str(exc))
