@@ -256,6 +256,7 @@ def plan_planner(config: UpConfig, nats_url: str, services: list[ServiceProcess]
         config.min_workers,
         config.max_workers,
     )
+    pool.state_db = state_db
     log.info("planner planned", state_db=str(state_db), profile=str(profile_path))
     return planner, pool
 
@@ -358,7 +359,13 @@ async def run(config: UpConfig) -> int:
             ready.cancel()
             return 0
         ready.result()
-        record = RunRecord(nats_url, config.namespace, f"{_api_base(config)}/v1", os.getpid())
+        record = RunRecord(
+            nats_url,
+            config.namespace,
+            f"{_api_base(config)}/v1",
+            os.getpid(),
+            str(pool.state_db) if pool is not None and pool.state_db else None,
+        )
         run_file = write_run_record(record)
         print(_ready_banner(config, nats_url, run_file), flush=True)
         restarts: list[float] = []

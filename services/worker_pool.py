@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import structlog
@@ -37,6 +38,7 @@ class WorkerPool:
         self._next_index = len(workers)
         self.low, self.high = low, high
         self.stopping: list[Process] = []
+        self.state_db: Path | None = None  # the planner's, for the run file
 
     @property
     def size(self) -> int:

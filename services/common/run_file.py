@@ -1,8 +1,8 @@
 """Where a running ``kvmesh up`` is: its NATS URL, namespace and API, recorded for the other tools.
 
 ``kvmesh up`` writes one file per user and namespace once the mesh is ready and removes it when it
-stops; ``kvmesh inspect``, ``kvmesh bench`` and the client read it, so they work next to a running
-mesh without flags. A file left by a mesh that died (its process is gone) is ignored.
+stops; ``kvmesh inspect``, ``kvmesh bench``, ``kvmesh planner`` and the client read it, so they work
+next to a running mesh without flags. A file left by a mesh that died (its process is gone) is ignored.
 
 The folder is ``$KVMESH_RUN_DIR``, else ``$XDG_RUNTIME_DIR/kvmesh``, else ``<tmp>/kvmesh-<uid>``.
 """
@@ -29,6 +29,7 @@ class RunRecord:
     namespace: str
     api: str  # the OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
     pid: int
+    planner_state_db: str | None = None  # with --planner: where its steps are recorded
 
 
 def run_dir() -> Path:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from kvmesh.common.run_file import default_namespace, read_run_record
 from kvmesh.planner.state import PlannerState, StoredStep
 
 DEFAULT_STATE_DB = Path("kvmesh-planner.sqlite")
@@ -82,10 +83,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     history = commands.add_parser(
         "history", help="print the recent decisions", description="Print the planner's recent decisions."
     )
-    history.add_argument("--state-db", type=Path, default=DEFAULT_STATE_DB, help="the planner's SQLite state file")
+    history.add_argument(
+        "--state-db",
+        type=Path,
+        default=None,
+        help=f"the planner's SQLite state file (default: that of the running `kvmesh up --planner`, else "
+        f"{DEFAULT_STATE_DB})",
+    )
+    history.add_argument("--namespace", default=default_namespace(), help="mesh namespace [env KVMESH_NAMESPACE]")
     history.add_argument("--limit", type=int, default=20, help="how many decisions")
     history.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(args_list)
+    if args.state_db is None:
+        running = read_run_record(args.namespace)
+        recorded = running.planner_state_db if running is not None else None
+        args.state_db = Path(recorded) if recorded else DEFAULT_STATE_DB
     if not args.state_db.is_file():
         parser.error(f"no planner state at {args.state_db}")
     steps = asyncio.run(read_history(args.state_db, args.limit))

@@ -21,6 +21,7 @@ from kvmesh.common.config import CommonConfig, ConfigError, option
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.engine_profile import EngineProfile, ProfileError
 from kvmesh.common.load_report import LoadReport, LoadReportError
+from kvmesh.common.run_file import resolve_nats_url
 from kvmesh.common.service import ServiceStack
 from kvmesh.planner.connectors import CONNECTORS, ConnectorError, make_connector
 from kvmesh.planner.load import observe_interval
@@ -34,6 +35,9 @@ log = structlog.get_logger(__name__)
 class PlannerConfig(CommonConfig, PlannerOptions):
     """``kvmesh planner run``'s options."""
 
+    nats_url: str | None = option(
+        None, "NATS server URL (default: that of the running `kvmesh up` of the namespace, else nats://127.0.0.1:4222)"
+    )
     engine_profile: Path = option(None, "engine profile from `kvmesh profile` (required)")
     state_db: Path = option(Path("kvmesh-planner.sqlite"), "SQLite file of the planner's steps (resumed on start)")
     connector: str = option("local", "how decisions reach the fleet", choices=CONNECTORS)
@@ -85,6 +89,8 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
         profile = EngineProfile.load(config.engine_profile)
     except ProfileError as exc:
         raise SystemExit(f"kvmesh planner: {exc}") from exc
+    config.nats_url, source = resolve_nats_url(config.nats_url, config.namespace)
+    log.info("NATS", url=config.nats_url, source=source)
     async with ServiceStack() as stack:
         nc = await stack.nats(config, "kvmesh-planner")
         state = await stack.enter_async_context(PlannerState(config.state_db))

@@ -12,6 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from kvmesh.common.run_file import read_run_record
 from kvmesh.up import MeshProcess
 from tests.e2e.conftest import start_mesh
 from tests.support import discovered, stream_chat, wait_until
@@ -75,8 +76,10 @@ def test_the_pool_grows_under_load_shrinks_after_and_no_request_fails(planned_me
     assert max(seen) > 1, f"the pool never grew under load: {seen}"
     wait_until(lambda: workers(mesh) == 1, timeout=60, what="the pool to shrink back to one worker")
 
+    # next to the running mesh, `kvmesh planner history` finds the planner's state file by itself
+    assert read_run_record("default").planner_state_db == str(state)
     history = subprocess.run(
-        [sys.executable, "-m", "kvmesh", "planner", "history", "--state-db", str(state), "--limit", "200"],
+        [sys.executable, "-m", "kvmesh", "planner", "history", "--limit", "200"],
         capture_output=True,
         text=True,
         timeout=60,
