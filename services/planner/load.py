@@ -30,6 +30,12 @@ class IntervalObservation:
     workers: int = 0  # live workers at the interval's end
     # share of the requests finished in the interval that met both targets (None: none finished)
     sla_attainment: float | None = None
+    finished: int = 0  # requests that ended in the interval
+
+    @property
+    def backlog_growth(self) -> int:
+        """Arrivals the fleet did not keep up with this interval (0 when it kept up)."""
+        return max(0, self.requests - self.finished)
 
     @property
     def request_rate(self) -> float:
@@ -103,6 +109,7 @@ def observe_interval(
         itl_p50_ms=percentile(itls, 50),
         itl_p90_ms=percentile(itls, 90),
         workers=workers,
+        finished=len(samples),
         sla_attainment=(
             sum(met_targets(s, ttft_target_ms, itl_target_ms) for s in samples) / len(samples) if samples else None
         ),

@@ -16,6 +16,7 @@ below ``--attainment-goal`` lowers the cap (×0.85), one comfortably above raise
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ CORRECTION_BOUNDS = (0.5, 2.0)
 TIGHTEN, RELAX = 0.85, 1.05
 UTILISATION_CAP_BOUNDS = (0.1, 0.9)
 ATTAINMENT_SLACK = 0.02  # relax only above goal + this
+BACKLOG_DRAIN_INTERVALS = 2  # a backlog is planned to drain within this many intervals
 FORECAST_TOLERANCE = 0.25  # an interval whose rate was forecast closer than this teaches the cap
 MIN_FINISHED_FOR_FEEDBACK = 10
 
@@ -132,6 +134,7 @@ class Planner:
     _recent_wanted: list[PoolSizes] = field(default_factory=list, init=False)
     _last_pools: PoolSizes | None = field(default=None, init=False)
     _last_forecast: LoadForecast | None = field(default=None, init=False)
+    _backlog: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         o = self.options
@@ -150,11 +153,12 @@ class Planner:
         self._correct(observation, current)
         # an interval the fleet spent changing size, or whose load the forecast missed, says how the
         # planner lagged, not how the model errs: only a steady, well-forecast one moves the cap
-        if current == self._last_pools and self._forecast_held(observation):
+        if current == self._last_pools and self._forecast_held(observation) and not observation.backlog_growth:
             self._feedback(observation)
         self._observe(observation)
+        self._track_backlog(observation)
         forecast = self.forecast()
-        wanted, ttft, itl = self._size(forecast)
+        wanted, ttft, itl = self._size(self._with_backlog(forecast))
         target = self._hysteresis(wanted, current)
         self._last_pools = target
         self._last_forecast = forecast
@@ -213,6 +217,18 @@ class Planner:
         if math.isfinite(itl) and itl > 0 and observation.itl_mean_ms:
             ratio = min(max(observation.itl_mean_ms / itl, low), high)
             self.itl_correction += CORRECTION_SMOOTHING * (ratio - self.itl_correction)
+
+    def _track_backlog(self, observation: IntervalObservation) -> None:
+        """Requests queued beyond what the fleet finishes: they grow while arrivals outrun
+        completions and shrink as the fleet catches up."""
+        self._backlog = max(0.0, self._backlog + observation.requests - observation.finished)
+
+    def _with_backlog(self, forecast: LoadForecast) -> LoadForecast:
+        """Size for the forecast rate plus draining the backlog within ``BACKLOG_DRAIN_INTERVALS``."""
+        if not self._backlog:
+            return forecast
+        drain_rate = self._backlog / (BACKLOG_DRAIN_INTERVALS * self.options.adjustment_interval)
+        return dataclasses.replace(forecast, request_rate=forecast.request_rate + drain_rate)
 
     def _forecast_held(self, observation: IntervalObservation) -> bool:
         last = self._last_forecast

@@ -1,4 +1,5 @@
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -26,6 +27,7 @@ def interval(start: float, rate: float, attainment: float | None = 1.0, ttft: fl
         input_tokens_cv2=1.0,
         ttft_mean_ms=ttft,
         sla_attainment=attainment,
+        finished=int(rate * 10),  # keeping up: no backlog
     )
 
 
@@ -56,6 +58,17 @@ def test_missed_attainment_in_a_steady_well_forecast_interval_lowers_the_utilisa
     # an interval whose load the forecast missed teaches nothing
     surprise = planner.step(interval(20, 12.0, attainment=0.1), PoolSizes(aggregated=missed.target.aggregated))
     assert surprise.utilisation_cap == missed.utilisation_cap
+
+
+def test_a_growing_backlog_asks_for_more_workers_and_teaches_the_cap_nothing():
+    steady, behind = Planner(options(), PROFILE), Planner(options(), PROFILE)
+    pools = PoolSizes(aggregated=3)
+    kept_up = steady.step(interval(0, 4.0), pools)
+    lagging = dataclasses.replace(interval(0, 4.0, attainment=0.2), finished=10)  # 30 of 40 still queued
+    fell_behind = behind.step(lagging, pools)
+    assert fell_behind.wanted.aggregated > kept_up.wanted.aggregated
+    again = behind.step(dataclasses.replace(interval(10, 4.0, attainment=0.2), finished=10), fell_behind.target)
+    assert again.utilisation_cap == fell_behind.utilisation_cap
 
 
 def test_the_disaggregated_planner_sizes_both_pools():
