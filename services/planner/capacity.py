@@ -85,7 +85,8 @@ def aggregated(profile: EngineProfile, forecast: LoadForecast, workers: int) -> 
     if rho >= MAX_UTILISATION:
         return Estimate(math.inf, math.inf, rho)
     itl = _decode_fixed_point(profile, per_worker, forecast, rho)
-    chunks = max(1, math.ceil(forecast.mean_uncached_tokens / profile.max_num_batched_tokens))
+    budget = profile.max_num_batched_tokens  # 0: unknown (a live profile); its TTFTs hold the chunks
+    chunks = max(1, math.ceil(forecast.mean_uncached_tokens / budget)) if budget > 0 else 1
     decode_share = itl * (1 - rho)  # d(c): the decode cost each prefill chunk's step also carries
     wait = _wait_ms(per_worker, rho, prefill_square)
     return Estimate(wait + prefill + chunks * decode_share, itl, rho)
