@@ -57,6 +57,8 @@ def main() -> None:
     planned = {"planner": True, "workers": 4, "adjustment_interval": args.interval}
     planned["worker_startup_secs"] = args.startup
     setups += [(f"planner {p}", {**common, **planned, "load_predictor": p}) for p in PREDICTORS]
+    # NVIDIA Dynamo's throughput-based sizing as its planner design describes it, same predictor
+    setups.append(("dynamo-style constant", {**common, **planned, "load_predictor": "constant", "sizing": "dynamo"}))
     with ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(replay, setups))
     fixed = [r for r in results if r[0].startswith("fixed")]
@@ -64,7 +66,7 @@ def main() -> None:
     print(f"{'setup':<26} {'SLA attainment':>14} {'worker-s':>9} {'max pool':>8}   vs fixed fleet")
     for label, attained, seconds, largest in results:
         line = f"{label:<26} {attained:14.3f} {seconds:9.0f} {largest:8d}"
-        if label.startswith("planner"):
+        if not label.startswith("fixed"):
             match = next((f for f in fixed if f[1] >= attained), None)
             if match:
                 line += f"   {match[0]} ({match[1]:.3f}, {match[2]:.0f} s): {1 - seconds / match[2]:.1%} fewer"

@@ -135,3 +135,43 @@ def smallest_pool(estimate, meets, low: int, high: int) -> tuple[int, Estimate]:
         ):
             return size, result
     return estimates[-1]
+
+
+# ---- NVIDIA Dynamo's throughput-based sizing, as its planner design documents it (for comparison) ----
+
+
+def decode_throughput_per_worker(profile: EngineProfile, itl_limit_ms: float, context_tokens: float) -> float:
+    """Output tokens/s one worker gives at the most concurrency whose ITL stays within the limit."""
+    best = 0.0
+    concurrency = 1
+    while concurrency <= 4096:
+        itl = profile.itl_ms(concurrency, context_tokens)
+        if itl > itl_limit_ms:
+            break
+        best = max(best, concurrency * 1000.0 / itl)
+        concurrency *= 2 if concurrency < 8 else 1.25
+        concurrency = int(concurrency)
+    return best
+
+
+def dynamo_workers(
+    profile: EngineProfile,
+    forecast: LoadForecast,
+    itl_target_ms: float,
+    prefill_correction: float,
+    decode_correction: float,
+) -> int:
+    """Dynamo's throughput-based scaling: prefill replicas = predicted prefill tokens/s (× the
+    prefill correction when it is below 1) ÷ the profiled prefill tokens/s of one worker at the mean
+    prompt; decode replicas = predicted output tokens/s ÷ the best profiled output tokens/s of one
+    worker at ITL target ÷ decode correction. An aggregated worker does both, so their loads add."""
+    if forecast.request_rate <= 0:
+        return 0
+    prompt = max(forecast.mean_input_tokens, 1.0)
+    prefill_rate = forecast.request_rate * prompt * min(1.0, prefill_correction)
+    prefill_capacity = prompt / (profile.ttft_ms(prompt) / 1000.0)
+    context = forecast.mean_input_tokens + forecast.mean_output_tokens / 2
+    decode_capacity = decode_throughput_per_worker(profile, itl_target_ms / decode_correction, context)
+    decode_rate = forecast.request_rate * forecast.mean_output_tokens
+    decode_share = decode_rate / decode_capacity if decode_capacity > 0 else math.inf
+    return math.ceil(prefill_rate / prefill_capacity + decode_share)

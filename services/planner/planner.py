@@ -32,6 +32,7 @@ CORRECTION_BOUNDS = (0.5, 2.0)
 TIGHTEN, RELAX = 0.85, 1.05
 UTILISATION_CAP_BOUNDS = (0.1, 0.9)
 ATTAINMENT_SLACK = 0.02  # relax only above goal + this
+SIZINGS = ("queue", "dynamo")
 BACKLOG_DRAIN_INTERVALS = 2  # a backlog is planned to drain within this many intervals
 FORECAST_TOLERANCE = 0.25  # an interval whose rate was forecast closer than this teaches the cap
 MIN_FINISHED_FOR_FEEDBACK = 10
@@ -60,6 +61,12 @@ class PlannerOptions:
     attainment_goal: float = option(0.95, "share of requests that should meet both targets")
     utilisation_cap: float = option(
         0.5, "starting cap on a worker's planned prefill utilisation (then learned from the attainment)"
+    )
+    sizing: str = option(
+        "queue",
+        "how pools are sized: queue (kvmesh's queueing model, learned cap) or dynamo (NVIDIA Dynamo's "
+        "throughput-per-worker interpolation with its correction factors, for comparison)",
+        choices=SIZINGS,
     )
 
     def validate(self) -> None:
@@ -210,6 +217,13 @@ class Planner:
             observation.input_tokens_cv2,
         )
         ttft, itl = self._estimate(seen, current)
+        if self.options.sizing == "dynamo":
+            # Dynamo expects the profiled TTFT of the whole prompt and the profiled ITL at the load seen
+            per_worker = seen.request_rate / max(current.total, 1)
+            concurrency = per_worker * seen.mean_output_tokens * (observation.itl_mean_ms or 1.0) / 1000
+            context = seen.mean_input_tokens + seen.mean_output_tokens / 2
+            ttft = self.profile.ttft_ms(seen.mean_input_tokens)
+            itl = self.profile.itl_ms(max(concurrency, 1.0), context)
         low, high = CORRECTION_BOUNDS
         if math.isfinite(ttft) and ttft > 0:
             ratio = min(max(observation.ttft_mean_ms / ttft, low), high)
@@ -257,6 +271,13 @@ class Planner:
 
     def _size(self, forecast: LoadForecast) -> tuple[PoolSizes, float, float]:
         o = self.options
+        if o.sizing == "dynamo" and not self.disaggregated:
+            wanted = capacity.dynamo_workers(
+                self.profile, forecast, o.itl_target_ms, self.ttft_correction, self.itl_correction
+            )
+            size = min(max(wanted, o.min_workers), o.max_workers)
+            estimate = capacity.aggregated(self.profile, forecast, size)
+            return PoolSizes(aggregated=size), estimate.ttft_ms, estimate.itl_ms
         ttft_limit = o.ttft_target_ms * o.ttft_headroom / self.ttft_correction
         itl_limit = o.itl_target_ms * o.itl_headroom / self.itl_correction
         cap = self.utilisation_cap

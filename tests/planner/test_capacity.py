@@ -50,3 +50,18 @@ def test_disaggregated_pools_each_answer_for_their_own_target():
     assert decode.itl_ms > 0 and decode.ttft_ms == 0
     assert capacity.prefill_pool(PROFILE, LOAD, 4).ttft_ms < prefill.ttft_ms
     assert capacity.decode_pool(PROFILE, LOAD, 4).itl_ms <= decode.itl_ms
+
+
+def test_dynamo_style_sizing_grows_with_the_load_and_follows_its_corrections():
+    light = capacity.dynamo_workers(PROFILE, LOAD, itl_target_ms=50, prefill_correction=1, decode_correction=1)
+    heavy = capacity.dynamo_workers(
+        PROFILE, LoadForecast(12.0, 8000, 150, 0.3), itl_target_ms=50, prefill_correction=1, decode_correction=1
+    )
+    assert 0 < light < heavy
+    # prefix hits (TTFT below profile: correction < 1) lower the prefill load; slow decode raises the rest
+    cached = capacity.dynamo_workers(
+        PROFILE, LoadForecast(12.0, 8000, 150, 0.3), itl_target_ms=50, prefill_correction=0.3, decode_correction=1
+    )
+    assert cached < heavy
+    # a correction above 1 never raises the prefill load (Dynamo caps it at 1)
+    assert capacity.dynamo_workers(PROFILE, LOAD, 50, prefill_correction=3.0, decode_correction=1) == light
