@@ -136,8 +136,16 @@ class ServiceProcess:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.argv, preexec_fn=_die_with_parent)
+        # A process group of its own: what the service spawns (vLLM's engine core) goes with it
+        self.process = subprocess.Popen(self.argv, preexec_fn=_die_with_parent, start_new_session=True)
         log.info("started", service=self.name, pid=self.process.pid)
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL whatever is left of the service's process group once the service itself is gone
+        (a crashed vLLM worker leaves its engine core process behind, holding memory and CPU)."""
+        if self.process is not None and self.process.poll() is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
 
     def exited(self) -> int | None:
         return None if self.process is None else self.process.poll()
@@ -155,6 +163,7 @@ class ServiceProcess:
             log.warning("did not stop in time; killing", service=self.name)
             self.process.kill()
             self.process.wait()
+        self.kill_leftovers()
 
 
 def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
@@ -383,6 +392,7 @@ async def run(config: UpConfig) -> int:
                     return 1
                 restarts.append(now)
                 log.warning("a service exited; restarting it", service=service.name, code=code)
+                service.kill_leftovers()
                 service.start()
             if nats_server is not None and nats_server.exited():
                 log.error("the NATS server exited; stopping the mesh")

@@ -49,6 +49,9 @@ class Progress:
     generated: list[int] = field(default_factory=list)
     cached_tokens: int | None = None
     migrations: int = 0
+    # the message with the finish reason is on its way: the client may close the call as soon as it
+    # has it, before this replica's generator resumes, and that still counts as completed
+    finished: bool = False
 
 
 @dataclass
@@ -91,12 +94,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 try:
                     async with contextlib.aclosing(self._relay(attempt, progress)) as outputs:
                         async for output in outputs:
+                            progress.finished = output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                             yield output
                     self.metrics.outcome("completed")
                     return
                 except grpc.aio.AioRpcError as exc:
                     last = await self._after_broken_stream(exc, attempt, progress, forced, context)
                     if last is not None:
+                        progress.finished = True
                         yield last
                         self.metrics.outcome("completed")
                         return
@@ -105,7 +110,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     if attempt.prefill is not None:
                         await attempt.prefill.close()
         except asyncio.CancelledError:
-            self.metrics.outcome("cancelled")  # the client went away
+            self.metrics.outcome("completed" if progress.finished else "cancelled")  # or the client left early
             raise
         finally:
             structlog.contextvars.unbind_contextvars("request_id")

@@ -139,9 +139,16 @@ def test_inspect_router_shows_mode_predicted_load_and_recent_outcomes(two_indexe
 
     for i in range(3):
         client.completions.create(model="kvmesh-tiny", prompt=f"outcome {i} " * 10, max_tokens=2)
-    (after,) = inspect(two_indexer_mesh, "router")
-    # earlier requests may leave the 60 s window meanwhile: the totals count, the window holds these 3
-    assert after["total_outcomes"]["completed"] >= before["total_outcomes"].get("completed", 0) + 3
+    # the router counts an outcome just after its last message, which the client may see first:
+    # wait for the counts. Earlier requests may leave the 60 s window meanwhile: the totals count.
+    readings: list[dict] = []
+
+    def counted() -> bool:
+        readings[:] = inspect(two_indexer_mesh, "router")
+        return readings[0]["total_outcomes"].get("completed", 0) >= before["total_outcomes"].get("completed", 0) + 3
+
+    wait_until(counted, timeout=20, what="the three completions in the router's outcomes")
+    (after,) = readings
     assert after["recent_outcomes"]["completed"] >= 3
     assert after["total_outcomes"]["completed"] >= after["recent_outcomes"]["completed"]
 
