@@ -96,8 +96,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         async for output in outputs:
                             progress.finished = output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                             yield output
-                    self.metrics.outcome("completed")
-                    return
+                    if progress.finished:
+                        self.metrics.outcome("completed")
+                        return
+                    # a worker stream that ends without a finish reason is no answer: treat it as broken
+                    await self._ended_unfinished(attempt, progress, forced, context)
                 except grpc.aio.AioRpcError as exc:
                     last = await self._after_broken_stream(exc, attempt, progress, forced, context)
                     if last is not None:
@@ -109,11 +112,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     self.router.track_free(attempt.request.request_id)
                     if attempt.prefill is not None:
                         await attempt.prefill.close()
-        except asyncio.CancelledError:
-            self.metrics.outcome("completed" if progress.finished else "cancelled")  # or the client left early
+        except (asyncio.CancelledError, GeneratorExit):
+            # the client closed the call: after the finish message (counted as completed) or before
+            self.metrics.outcome("completed" if progress.finished else "cancelled")
             raise
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _ended_unfinished(
+        self, attempt: Attempt, progress: Progress, forced: bool, context: grpc.aio.ServicerContext
+    ) -> None:
+        """A worker's stream ended cleanly but without a finish reason: migrate, like a broken one."""
+        worker_id = attempt.worker.instance_id
+        log.warning("worker stream ended without a finish reason", worker_id=worker_id, tokens=len(progress.generated))
+        if forced or progress.migrations >= self.router.config.migration_limit:
+            await self._refuse(
+                context, grpc.StatusCode.UNAVAILABLE, f"worker {worker_id} ended the stream without a finish reason"
+            )
+        progress.migrations += 1
+        self.metrics.migrated()
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         """Refuse a Generate call, counting it as an outcome named after its status."""
