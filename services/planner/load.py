@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.common.load_report import RequestSample
+from kvmesh.common.stats import percentile
 
 
 @dataclass(frozen=True)
@@ -79,14 +80,9 @@ def observe_interval(
         finite = [v for v in values if not math.isnan(v)]
         return sum(finite) / len(finite) if finite else 0.0
 
-    def percentile(values: Sequence[float], q: float) -> float:
-        ordered = sorted(v for v in values if not math.isnan(v))
-        if not ordered:
-            return 0.0
-        position = (len(ordered) - 1) * q / 100
-        low = math.floor(position)
-        high = min(low + 1, len(ordered) - 1)
-        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    def quantile(values: Sequence[float], q: float) -> float:
+        value = percentile(values, q)
+        return 0.0 if math.isnan(value) else value
 
     lengths = [s.input_tokens for s in samples]
     mean_length = mean(lengths)
@@ -104,10 +100,10 @@ def observe_interval(
         input_tokens_cv2=cv2,
         ttft_mean_ms=mean(ttfts),
         itl_mean_ms=mean(itls),
-        ttft_p50_ms=percentile(ttfts, 50),
-        ttft_p90_ms=percentile(ttfts, 90),
-        itl_p50_ms=percentile(itls, 50),
-        itl_p90_ms=percentile(itls, 90),
+        ttft_p50_ms=quantile(ttfts, 50),
+        ttft_p90_ms=quantile(ttfts, 90),
+        itl_p50_ms=quantile(itls, 50),
+        itl_p90_ms=quantile(itls, 90),
         workers=workers,
         finished=len(samples),
         sla_attainment=(

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.common.load_report import RequestSample
 from kvmesh.planner.load import IntervalObservation, observe_interval
 
 
@@ -63,11 +62,7 @@ class IntervalRecorder:
 
     def observe(self, records: Sequence, start_ms: float, end_ms: float, workers: int) -> IntervalObservation:
         arrivals = sum(1 for r in records if start_ms <= r.arrival_ms < end_ms)
-        samples = [
-            RequestSample(r.input_length, r.tokens, r.cached_tokens, r.ttft_ms, r.tpot_ms)
-            for r in records
-            if start_ms <= r.last_token_ms < end_ms
-        ]
+        samples = [r.sample() for r in records if start_ms <= r.last_token_ms < end_ms]
         return observe_interval(
             arrivals,
             samples,

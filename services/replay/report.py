@@ -8,22 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.common.load_report import RequestSample
+from kvmesh.common.stats import percentile
 from kvmesh.planner.load import met_targets
 
-if TYPE_CHECKING:  # the simulator imports this module's percentile (through the fleet)
+if TYPE_CHECKING:  # the simulator imports the planner, which this module imports too
     from kvmesh.replay.simulator import RequestRecord
 
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default method) of finite values."""
-    ordered = sorted(v for v in values if not math.isnan(v))
-    if not ordered:
-        return math.nan
-    position = (len(ordered) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+__all__ = ["percentile", "plot_timeline", "sla_attainment", "summarise", "write_csv"]
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -109,8 +100,7 @@ def sla_attainment(records: Sequence[RequestRecord], ttft_target_ms: float, itl_
     if not records:
         return math.nan
 
-    samples = [RequestSample(r.input_length, r.tokens, r.cached_tokens, r.ttft_ms, r.tpot_ms) for r in records]
-    return sum(met_targets(s, ttft_target_ms, itl_target_ms) for s in samples) / len(samples)
+    return sum(met_targets(r.sample(), ttft_target_ms, itl_target_ms) for r in records) / len(records)
 
 
 def plot_timeline(timeline: Sequence[dict[str, float]], path: Path, title: str) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from kvmesh.common.config import ConfigError, option
 from kvmesh.common.hashing import sequence_hashes
 from kvmesh.common.kv_events import KvEvent, KvEventBatch
+from kvmesh.common.load_report import RequestSample
 from kvmesh.common.prefix_index import PrefixIndex
 from kvmesh.common.timing import TimingModel, scaled
 from kvmesh.common.timing_fit import TimingFit
@@ -140,6 +141,10 @@ class RequestRecord:
     @property
     def tpot_ms(self) -> float:
         return (self.last_token_ms - self.first_token_ms) / (self.tokens - 1) if self.tokens > 1 else math.nan
+
+    def sample(self) -> RequestSample:
+        """This request as a frontend would report it to the planner."""
+        return RequestSample(self.input_length, self.tokens, self.cached_tokens, self.ttft_ms, self.tpot_ms)
 
 
 class ReplaySimulator:
