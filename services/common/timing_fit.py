@@ -10,11 +10,21 @@ observed steps,
 the weight of ``prior_weight`` observations — so a few steps move it a little and many steps decide —
 and with exponential forgetting (``decay`` per observation) so it follows an engine whose speed
 changes. Features are scaled (T in thousands) to keep the 6×6 system well conditioned.
+
+The fit is constrained to models that make sense: no negative time and no step that gets faster
+with more tokens or more context. Unconstrained, a noisy engine (vLLM on a busy CPU, steps of a few
+hundred tokens) once fitted a prefill curve that was negative at 1,000 tokens, and the router would
+have preferred workers for the prompts they would take longest on. The decode term is written as
+``q·(u − u²/2) + p·u²/2 + f`` (``q``: its slope at u = 0, ``p``: at u = 1, so e = q and d = (p − q)/2);
+it is non-decreasing on [0, 1] exactly when p, q ≥ 0, and the prefill term when a, b ≥ 0. Every
+coefficient is then ≥ 0, which non-negative least squares (SciPy's NNLS) enforces.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from scipy.linalg import cho_factor, solve_triangular
+from scipy.optimize import nnls
 
 from kvmesh.common.timing import TimingModel
 
@@ -26,38 +36,46 @@ def _features(prefill_tokens: int, utilisation: float, decoding: bool) -> np.nda
     t = prefill_tokens / _T_SCALE
     prefilling = 1.0 if prefill_tokens > 0 else 0.0
     u = utilisation if decoding else 0.0
-    return np.array([t * t, t, prefilling, u * u, u, 1.0 if decoding else 0.0])
+    return np.array([t * t, t, prefilling, u - u * u / 2, u * u / 2, 1.0 if decoding else 0.0])
 
 
 def _as_vector(model: TimingModel) -> np.ndarray:
+    """The model in the fit's coordinates (decode slopes at u = 0 and u = 1), each ≥ 0 for a model
+    that makes sense; a prior that does not is projected onto the nearest one that does."""
     scale = _T_SCALE
-    return np.array(
+    slope_at_0 = model.decode_b
+    slope_at_1 = model.decode_b + 2 * model.decode_a
+    theta = np.array(
         [
             model.prefill_a * scale * scale,
             model.prefill_b * scale,
             model.prefill_c,
-            model.decode_a,
-            model.decode_b,
+            slope_at_0,
+            slope_at_1,
             model.decode_c,
         ]
     )
+    return np.maximum(theta, 0.0)
 
 
 def _as_model(theta: np.ndarray) -> TimingModel:
     scale = _T_SCALE
+    slope_at_0, slope_at_1 = float(theta[3]), float(theta[4])
     return TimingModel(
         prefill_a=float(theta[0] / (scale * scale)),
         prefill_b=float(theta[1] / scale),
         prefill_c=float(theta[2]),
-        decode_a=float(theta[3]),
-        decode_b=float(theta[4]),
+        decode_a=(slope_at_1 - slope_at_0) / 2,
+        decode_b=slope_at_0,
         decode_c=float(theta[5]),
     )
 
 
 class TimingFit:
     """Guarantees: :meth:`model` is the prior until steps are observed, and converges to the least
-    squares fit of the observed steps as their weight outgrows the prior's."""
+    squares fit of the observed steps, among models with no negative or decreasing step time, as
+    their weight outgrows the prior's. Every model it returns predicts step times that are ≥ 0 and
+    non-decreasing in prefill tokens and in decoding context."""
 
     def __init__(self, prior: TimingModel, prior_weight: float = 1.0, decay: float = 0.9995) -> None:
         self.prior = prior
@@ -85,6 +103,10 @@ class TimingFit:
     def model(self) -> TimingModel:
         if not self.observations:
             return self.prior
-        ridge = self.prior_weight * np.eye(_FEATURES)
-        theta = np.linalg.solve(self._xtx + ridge, self._xty + self.prior_weight * self._theta_prior)
+        # Minimise θᵀAθ − 2bᵀθ over θ ≥ 0: with A = LLᵀ that is ‖Lᵀθ − L⁻¹b‖² plus a constant.
+        system = self._xtx + self.prior_weight * np.eye(_FEATURES)
+        target = self._xty + self.prior_weight * self._theta_prior
+        lower, _ = cho_factor(system, lower=True)
+        lower = np.tril(lower)
+        theta, _residual = nnls(lower.T, solve_triangular(lower, target, lower=True))
         return _as_model(theta)

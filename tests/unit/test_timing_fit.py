@@ -43,6 +43,25 @@ def test_a_prior_wrong_by_2x_converges_to_the_engines_model(prior_scale):
         )
 
 
+def test_steps_that_seem_faster_when_longer_never_fit_a_negative_or_falling_model():
+    # What vLLM on a busy CPU once measured: noisy short prefills whose unconstrained fit falls with
+    # the prompt length and is negative at 1,000 tokens (these constants are that fit).
+    seeming = TimingModel(prefill_a=-1.07e-4, prefill_b=-0.149, prefill_c=206.8, decode_a=-30.0, decode_b=20.0)
+    rng = random.Random(3)
+    fit = TimingFit(TimingModel())
+    for _ in range(500):
+        tokens = rng.randrange(1, 300)
+        context = rng.randrange(0, CAPACITY)
+        ms = seeming.prefill_ms(tokens) + seeming.decode_ms(context, CAPACITY, True)
+        fit.observe(tokens, context, CAPACITY, True, ms * rng.uniform(0.8, 1.2))
+    model = fit.model()
+    assert model != TimingModel()  # the steps moved it
+    prefill = [model.prefill_ms(tokens) for tokens in (1, 100, 300, 1000, 8000, 32000)]
+    assert all(ms >= 0 for ms in prefill) and prefill == sorted(prefill)
+    decode = [model.decode_ms(int(CAPACITY * share), CAPACITY, True) for share in (0, 0.25, 0.5, 0.75, 1)]
+    assert decode == sorted(decode)
+
+
 def test_forgetting_follows_an_engine_that_slows_down():
     fit = TimingFit(TimingModel())
     for tokens, context, decoding, ms in steps(TimingModel(), 2000):
