@@ -12,12 +12,29 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.nats_server import EmbeddedNatsServer, free_port
+from tests import leaks
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # `kvmesh up` records itself for the other tools in a per-user run folder: the meshes the tests
     # start (and the tools they run) use a folder of their own, never the developer's running mesh.
     os.environ["KVMESH_RUN_DIR"] = tempfile.mkdtemp(prefix="kvmesh-test-run-")
+    leaks.mark_session()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if a test left a process running (and kill it: a leaked process holds CPU, and
+    the CI log's pipe open so that CI never ends)."""
+    leaked = leaks.leaked_processes(os.environ[leaks.MARKER])
+    if not leaked:
+        return
+    leaks.kill(leaked)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep("=", f"{len(leaked)} process(es) left running by the tests (killed)", red=True)
+        for process in leaked:
+            reporter.write_line(f"  pid {process.pid}: {process.command}")
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _container_nats() -> Iterator[str]:

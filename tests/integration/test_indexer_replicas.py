@@ -101,7 +101,9 @@ async def load(workers: DiscoveryWatcher, requests: int, concurrency: int = 8, s
             request = common_pb2.PreprocessedRequest(request_id=f"load-{seed}-{i}", token_ids=prompt)
             request.stop.max_tokens = rng.randrange(1, 20)
             async with grpc.aio.insecure_channel(record.address) as channel:
-                async for _ in worker_pb2_grpc.WorkerStub(channel).Generate(request):
+                # A deadline: a stuck worker fails the drill with its request named, not by the
+                # test-wide timeout.
+                async for _ in worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=30):
                     pass
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
