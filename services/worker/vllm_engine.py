@@ -46,7 +46,15 @@ from kvmesh.worker.vllm_events import VllmEventRelay, VllmEventTranslator
 
 log = structlog.get_logger(__name__)
 
-_FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": FinishReason.CANCELLED}
+_FINISH = {
+    "length": FinishReason.LENGTH,
+    "stop": FinishReason.STOP,
+    "abort": FinishReason.CANCELLED,
+    "repetition": FinishReason.STOP,  # vLLM stopped a repeating output: a stop of its own
+}
+# vLLM's "error" finish: a retryable internal error of that request (a failed KV load, say). It once
+# reached clients as an empty answer that looked complete; it is a failure the router migrates.
+_RETRYABLE_ERROR = "error"
 _NO_DISAGGREGATION = "this vLLM worker runs without a KV connector: only prefill and decode workers move KV"
 _CONNECTOR_MOVES_KV = "a vLLM worker's KV moves through vLLM's connector, not the worker's transfer server"
 _MAX_SEED = (1 << 63) - 1
@@ -222,8 +230,12 @@ class VllmEngine(Engine):
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self._connector_host or "127.0.0.1"
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
         device = "cpu" if current_platform.is_cpu() else current_platform.device_type
+        # A decode whose pull fails computes the prompt itself: slower, never an error for the client.
         args.kv_transfer_config = KVTransferConfig(
-            kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device=device
+            kv_connector="NixlConnector",
+            kv_role="kv_both",
+            kv_buffer_device=device,
+            kv_load_failure_policy="recompute",
         )
         self.connector_backend = "nixl"
 
@@ -294,6 +306,9 @@ class VllmEngine(Engine):
                 cached = output.num_cached_tokens or cached
                 completion = output.outputs[0]
                 tokens = list(completion.token_ids)
+                if output.finished and completion.finish_reason == _RETRYABLE_ERROR:
+                    queue.put_nowait(EngineFailure("vLLM failed the request (a retryable internal error)"))
+                    return
                 finish = _FINISH.get(completion.finish_reason) if output.finished else None
                 if output.finished and finish is None:
                     finish = FinishReason.STOP
@@ -305,6 +320,10 @@ class VllmEngine(Engine):
                     )
                 if output.finished and not tokens:  # finished without a new token
                     queue.put_nowait(TokenOutput(spec.request_id, None, finish, cached, handoff))
+                if output.finished:
+                    return
+            # the outputs ended without a finished one: the caller must not wait for more
+            queue.put_nowait(EngineFailure("vLLM ended the request's outputs without finishing it"))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
