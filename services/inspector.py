@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -25,7 +26,7 @@ from kvmesh.common.proto.kvmesh.v1 import (
     worker_pb2_grpc,
 )
 from kvmesh.common.run_file import default_namespace, resolve_nats_url
-from kvmesh.common.runtime import connect_nats
+from kvmesh.common.runtime import NATS_CONNECT_TIMEOUT_ENV, connect_nats
 from kvmesh.common.structured_logging import configure_logging
 from kvmesh.common.timing import from_constants
 
@@ -270,10 +271,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "else nats://127.0.0.1:4222)",
     )
     parser.add_argument("--namespace", default=default_namespace(), help="mesh namespace [env KVMESH_NAMESPACE]")
+    parser.add_argument(
+        "--nats-connect-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for NATS before giving up (default 5, or $KVMESH_NATS_CONNECT_TIMEOUT)",
+    )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each instance")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     configure_logging("warning", service="inspect")  # results go to stdout, logs to stderr
+    if args.nats_connect_timeout is not None:  # the flag overrides the environment's default
+        os.environ[NATS_CONNECT_TIMEOUT_ENV] = str(args.nats_connect_timeout)
     nats_url, source = resolve_nats_url(args.nats_url, args.namespace)
     print(f"NATS {nats_url} ({source}), namespace {args.namespace}", file=sys.stderr)
     inspect, render = INSPECTORS[args.what]

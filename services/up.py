@@ -206,6 +206,8 @@ def common_args(config: UpConfig, nats_url: str) -> list[str]:
     common = ["--nats-url", nats_url, "--namespace", config.namespace, "--log-level", config.log_level]
     if config.log_json is not None:
         common.append("--log-json" if config.log_json else "--no-log-json")
+    if config.nats_connect_timeout is not None:
+        common += ["--nats-connect-timeout", str(config.nats_connect_timeout)]
     return common
 
 
@@ -270,9 +272,10 @@ def plan_planner(config: UpConfig, nats_url: str, services: list[ServiceProcess]
     return planner, pool
 
 
-async def serve_worker_pool(nats_url: str, namespace: str, pool: WorkerPool) -> NatsClient:
+async def serve_worker_pool(config: UpConfig, nats_url: str, pool: WorkerPool) -> NatsClient:
     """Answer the planner's scale requests (the local connector's supervisor side)."""
-    nc = await connect_nats(nats_url, name="kvmesh-up-supervisor")
+    nc = await connect_nats(nats_url, name="kvmesh-up-supervisor", first_connect_timeout=config.nats_connect_timeout)
+    namespace = config.namespace
 
     async def on_request(message) -> None:
         await message.respond(pool.answer(message.data))
@@ -283,7 +286,7 @@ async def serve_worker_pool(nats_url: str, namespace: str, pool: WorkerPool) -> 
 
 async def wait_until_ready(config: UpConfig, nats_url: str, services: list[ServiceProcess]) -> None:
     """Wait for every instance to register and for the HTTP API to answer /health."""
-    nc = await connect_nats(nats_url, name="kvmesh-up")
+    nc = await connect_nats(nats_url, name="kvmesh-up", first_connect_timeout=config.nats_connect_timeout)
     js = nc.jetstream()
     expected = {"worker": config.workers + config.prefill_workers, "indexer": config.indexers, "router": config.routers}
     watchers = {c: DiscoveryWatcher(js, config.namespace, c) for c in expected}
@@ -358,7 +361,7 @@ async def run(config: UpConfig) -> int:
     exit_code = 0
     try:
         if pool is not None:
-            supervisor = await serve_worker_pool(nats_url, config.namespace, pool)
+            supervisor = await serve_worker_pool(config, nats_url, pool)
         for service in services:
             service.start()
         ready = asyncio.create_task(wait_until_ready(config, nats_url, services))

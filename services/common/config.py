@@ -187,6 +187,11 @@ class CommonConfig:
     """Options every service shares."""
 
     nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL")
+    nats_connect_timeout: float | None = option(
+        None,
+        "seconds to wait for the first connection to NATS before giving up (default 5, or "
+        "$KVMESH_NATS_CONNECT_TIMEOUT); reconnects after it are unlimited",
+    )
     namespace: str = option("default", "namespace that isolates one mesh's subjects and keys")
     log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
     log_json: bool | None = option(None, "JSON logs (default: JSON unless stderr is a terminal)")

@@ -4,22 +4,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 from collections.abc import Awaitable, Callable
 
-import nats
 import structlog
 from nats.aio.client import Client as NatsClient
 
 log = structlog.get_logger(__name__)
 
 
-async def connect_nats(url: str, name: str, connect_timeout: float = 10.0) -> NatsClient:
-    """Connect with reconnects enabled; a clear error when the server is not there at all."""
-    client: list[NatsClient] = []
+DEFAULT_NATS_CONNECT_TIMEOUT = 5.0
+NATS_CONNECT_TIMEOUT_ENV = "KVMESH_NATS_CONNECT_TIMEOUT"
+
+
+def nats_connect_timeout_default() -> float:
+    """``$KVMESH_NATS_CONNECT_TIMEOUT`` where set (seconds), else 5."""
+    raw = os.environ.get(NATS_CONNECT_TIMEOUT_ENV)
+    try:
+        return float(raw) if raw else DEFAULT_NATS_CONNECT_TIMEOUT
+    except ValueError:
+        raise SystemExit(f"{NATS_CONNECT_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+
+
+async def connect_nats(url: str, name: str, first_connect_timeout: float | None = None) -> NatsClient:
+    """Connect, giving up after ``first_connect_timeout`` seconds (default
+    :func:`nats_connect_timeout_default`) with one line that names the URL: a service or tool started
+    with no NATS there fails instead of retrying forever. Once connected, reconnects are unlimited
+    (a NATS restart must not take the mesh down)."""
+    timeout = nats_connect_timeout_default() if first_connect_timeout is None else first_connect_timeout
+    connected = False
+    last_error: list[Exception] = []
+    nc = NatsClient()
 
     async def on_disconnect() -> None:
-        if client and (client[0].is_closed or client[0].is_draining):
+        if nc.is_closed or nc.is_draining:
             return  # we are closing it ourselves
         log.warning("NATS disconnected", url=url)
 
@@ -27,24 +46,35 @@ async def connect_nats(url: str, name: str, connect_timeout: float = 10.0) -> Na
         log.info("NATS reconnected", url=url)
 
     async def on_error(error: Exception) -> None:
+        if not connected:  # while first connecting, the one line at the end says it
+            last_error[:] = [error]
+            return
         # nats-py would print a traceback per failed reconnect attempt; one line says enough
-        if not (client and client[0].is_closed):
+        if not nc.is_closed:
             log.warning("NATS error", url=url, error=f"{type(error).__name__}: {error}")
 
+    connect = nc.connect(
+        url,
+        name=name,
+        connect_timeout=max(0.1, min(2.0, timeout)),
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        error_cb=on_error,
+    )
     try:
-        nc = await nats.connect(
-            url,
-            name=name,
-            connect_timeout=connect_timeout,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
-            error_cb=on_error,
-        )
-    except Exception as exc:
-        raise SystemExit(f"{name}: cannot connect to NATS at {url}: {exc}") from exc
-    client.append(nc)
+        await asyncio.wait_for(connect, timeout)
+    except Exception as exc:  # a timeout, or an error nats-py gave up on
+        with contextlib.suppress(Exception):
+            await nc.close()
+        cause = last_error[0] if last_error else exc
+        reason = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+        raise SystemExit(
+            f"{name}: cannot connect to NATS at {url} within {timeout:g} s ({reason}); is a NATS server "
+            f"running there? (`kvmesh up` starts one; --nats-url or KVMESH_NATS_URL names another)"
+        ) from exc
+    connected = True
     return nc
 
 

@@ -46,7 +46,7 @@ class ServiceStack(contextlib.AsyncExitStack):
     """
 
     async def nats(self, config: CommonConfig, name: str) -> NatsClient:
-        nc = await connect_nats(config.nats_url, name=name)
+        nc = await connect_nats(config.nats_url, name=name, first_connect_timeout=config.nats_connect_timeout)
         self.push_async_callback(nc.close)
         return nc
 
