@@ -5,15 +5,16 @@ bodies are :mod:`~kvmesh.frontend.responses`."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvmesh.frontend.errors import BadRequestError, OpenAIError
 from kvmesh.frontend.gateway import Frontend
@@ -35,6 +36,8 @@ def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequestError(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # the parser recurses once per level: 100,000 "[" exhaust it
+        raise BadRequestError("the request body is nested too deeply") from exc
     if not isinstance(data, dict):
         raise BadRequestError("the request body must be a JSON object")
     try:
@@ -49,26 +52,56 @@ def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
         raise BadRequestError("; ".join(problems), param=param) from exc
 
 
-def route_label(request: Request) -> str:
+def route_label(scope: Scope) -> str:
     """The route template a request matched, or ``unmatched``: labelling by raw path would make a new
     metric series for every path a scanner tries (unbounded memory)."""
-    route = request.scope.get("route")
+    route = scope.get("route")
     return route.path if isinstance(route, BaseRoute) and hasattr(route, "path") else "unmatched"
+
+
+class RequestCounter:
+    """Counts HTTP requests by route and status. Plain ASGI rather than Starlette's
+    ``BaseHTTPMiddleware``, which hides the client's disconnect from the endpoint (a non-streaming
+    request whose client left would run on)."""
+
+    def __init__(self, app: ASGIApp, counter: Any) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def send_and_note(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.counter.labels(route_label(scope), str(status[0])).inc()
 
 
 def create_app(frontend: Frontend) -> FastAPI:
     app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None)
     metrics = frontend.metrics
+    app.add_middleware(RequestCounter, counter=metrics.requests)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next: Callable) -> Response:
-        response = await call_next(request)
-        metrics.requests.labels(route_label(request), str(response.status_code)).inc()
-        return response
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown paths and wrong methods answer in OpenAI's shape too, not FastAPI's ``detail``."""
+        path = request.url.path
+        message = {404: f"no such path: {path}", 405: f"{request.method} is not allowed on {path}"}
+        error = OpenAIError(message.get(exc.status_code, str(exc.detail)), code=str(exc.status_code))
+        error.error_type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -99,7 +132,8 @@ def create_app(frontend: Frontend) -> FastAPI:
         except ChatTemplateError as exc:
             raise BadRequestError(str(exc), param="messages") from exc
         token_ids = frontend.model.tokenizer.encode(prompt)
-        return await respond(frontend, body, token_ids, chat=True)
+        frontend.check_context(len(token_ids), body.requested_max_tokens())
+        return await respond(frontend, body, token_ids, chat=True, http_request=request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -114,6 +148,7 @@ def create_app(frontend: Frontend) -> FastAPI:
             if any(t >= vocab for t in body.prompt):
                 raise BadRequestError(f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
             token_ids = list(body.prompt)
-        return await respond(frontend, body, token_ids, chat=False)
+        frontend.check_context(len(token_ids), body.requested_max_tokens())
+        return await respond(frontend, body, token_ids, chat=False, http_request=request)
 
     return app

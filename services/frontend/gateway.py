@@ -118,6 +118,17 @@ class Frontend:
         if name != self.model.name:
             raise ModelNotFoundError(name)
 
+    def check_context(self, prompt_tokens: int, max_tokens: int | None) -> None:
+        """A 400, as vLLM answers, when the prompt plus the tokens asked for exceed the model's context."""
+        limit = self.model.tokenizer.max_length
+        wanted = prompt_tokens + (max_tokens or 0)
+        if limit is not None and wanted > limit:
+            raise BadRequestError(
+                f"this model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} tokens "
+                f"and max_tokens asks for {max_tokens or 0} more ({wanted})",
+                param="max_tokens" if prompt_tokens <= limit else "prompt",
+            )
+
     def build_request(
         self, request_id: str, body: ChatCompletionRequest | CompletionRequest, token_ids: list[int]
     ) -> common_pb2.PreprocessedRequest:

@@ -1,18 +1,37 @@
 """OpenAI request bodies the facade accepts, validated with pydantic.
 
 Unknown fields are ignored (clients send many we do not use); fields we cannot honour with a
-different value than the default (``n > 1``) are rejected with a clear message.
+different value than the default (``n > 1``, ``logprobs``, ``echo``, ``best_of``, ``suffix``) are
+rejected with a clear message rather than answered as if honoured. Integers are bounded by the
+protocol fields they travel in, so an out-of-range number is a 400, not a failure further in.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+INT64_MIN = -(2**63)
 
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def _only_default(default: object) -> Any:
+    """A validator for a field kvmesh cannot honour: any value but ``default`` (or null) is refused."""
+
+    def check(value: object) -> object:
+        if value is not None and value != default:
+            allowed = "" if default is None else f" or set it to {json.dumps(default)}"
+            raise ValueError(f"not supported by kvmesh (leave it out{allowed})")
+        return value
+
+    return check
 
 
 class StreamOptions(_Lenient):
@@ -27,21 +46,21 @@ class RouterConfigOverride(_Lenient):
 class KvmeshExtension(_Lenient):
     """kvmesh-specific routing hints, passed as the ``kvmesh`` object of the request body."""
 
-    worker_id: int | None = None
+    worker_id: Annotated[int, Field(ge=0, le=UINT64_MAX)] | None = None
     router_config_override: RouterConfigOverride | None = None
-    expected_output_tokens: Annotated[int, Field(ge=0)] | None = None
+    expected_output_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
 
 
 class _SamplingRequest(_Lenient):
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)] | None = None
     # vLLM's extension: generate max_tokens tokens even past the end-of-sequence token
     ignore_eos: bool = False
     kvmesh: KvmeshExtension | None = None
@@ -85,7 +104,10 @@ class ChatMessage(_Lenient):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
+    # no log-probabilities are computed: asking for them is refused, not answered without them
+    logprobs: Annotated[bool | None, AfterValidator(_only_default(False))] = None
+    top_logprobs: Annotated[int | None, AfterValidator(_only_default(0))] = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -95,7 +117,12 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0, le=UINT32_MAX)]], Field(min_length=1)]
+    # refused unless left at what they would do anyway: nothing here computes them
+    logprobs: Annotated[int | None, AfterValidator(_only_default(None))] = None
+    echo: Annotated[bool | None, AfterValidator(_only_default(False))] = None
+    best_of: Annotated[int | None, AfterValidator(_only_default(1))] = None
+    suffix: Annotated[str | None, AfterValidator(_only_default(None))] = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import structlog
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvmesh.frontend.errors import OpenAIError, UpstreamError
@@ -17,7 +20,38 @@ from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
 log = structlog.get_logger(__name__)
 
 
+# How often a non-streaming request checks that its client is still there.
+DISCONNECT_POLL_SECS = 0.5
+# nginx's "client closed request": logged and counted, never seen by the client (it is gone).
+CLIENT_CLOSED_REQUEST = 499
+
+
 async def respond(
+    frontend: Frontend,
+    body: ChatCompletionRequest | CompletionRequest,
+    token_ids: list[int],
+    chat: bool,
+    http_request: Request,
+) -> Response:
+    """Answer ``body`` as one JSON body or as server-sent events. Either way a client that goes away
+    cancels the request everywhere (router, worker, engine): a streaming response stops when the
+    server cannot write to it; a non-streaming one watches the connection while it waits."""
+    if body.stream:
+        return await _respond(frontend, body, token_ids, chat)
+    answer = asyncio.create_task(_respond(frontend, body, token_ids, chat))
+    while True:
+        done, _ = await asyncio.wait({answer}, timeout=DISCONNECT_POLL_SECS)
+        if done:
+            return answer.result()
+        if await http_request.is_disconnected():
+            answer.cancel()  # closes the router call, which cancels the request downstream
+            with contextlib.suppress(asyncio.CancelledError):
+                await answer
+            log.info("client went away; request cancelled")
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def _respond(
     frontend: Frontend, body: ChatCompletionRequest | CompletionRequest, token_ids: list[int], chat: bool
 ) -> Response:
     prefix = "chatcmpl" if chat else "cmpl"
@@ -55,9 +89,12 @@ async def respond(
     if not body.stream:
         text = [first.text]
         finish = first.finish_reason
-        async for piece in pieces:
-            text.append(piece.text)
-            finish = piece.finish_reason or finish
+        try:
+            async for piece in pieces:
+                text.append(piece.text)
+                finish = piece.finish_reason or finish
+        finally:
+            await pieces.aclose()  # at once when cancelled: the router call ends with it
         finished()
         content = "".join(text)
         if chat:

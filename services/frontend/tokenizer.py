@@ -35,6 +35,10 @@ class ModelTokenizer:
             self._template = env.from_string(template)
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id = self.tokenizer.token_to_id(eos) if eos else None
+        # The model's context in tokens; None when the model does not say (tokenizers that do not know
+        # write a huge sentinel, 1e30, in this field).
+        limit = config.get("model_max_length")
+        self.max_length: int | None = int(limit) if isinstance(limit, int | float) and 0 < limit < 1e15 else None
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self._template is None:

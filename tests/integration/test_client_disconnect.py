@@ -1,0 +1,60 @@
+"""A client that gives up on a non-streaming request cancels it everywhere, as a streaming client
+that goes away does: real frontend, router and mock worker (real-time speed), httpx as the client."""
+
+from __future__ import annotations
+
+import contextlib
+
+import grpc
+import httpx
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh.frontend import server as frontend_server
+from kvmesh.frontend.config import FrontendConfig
+from kvmesh.router import server as router_server
+from kvmesh.router.config import RouterConfig
+from kvmesh.worker import server as worker_server
+from kvmesh.worker.config import WorkerConfig
+from tests.support import free_port, running, service_config, wait_until_async
+
+pytestmark = pytest.mark.integration
+NAMESPACE = "walkaway"
+
+
+async def test_a_non_streaming_request_whose_client_left_is_cancelled_on_the_worker(nats_url: str, nc: NatsClient):
+    port = free_port()
+    common = ["--nats-url", nats_url, "--namespace", NAMESPACE]
+    workers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "worker")
+    await workers.start()
+    body = {"model": "kvmesh-tiny", "prompt": "a long answer, please", "max_tokens": 50_000}
+    async with (
+        running(worker_server.serve, service_config(WorkerConfig, [*common, "--speedup-ratio", "1"])),
+        running(router_server.serve, service_config(RouterConfig, common)),
+        running(frontend_server.serve, service_config(FrontendConfig, [*common, "--http-port", str(port)])),
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http,
+    ):
+
+        async def serving() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return (await http.get("/health")).status_code == 200 and bool(workers.instances())
+            return False
+
+        await wait_until_async(serving, what="the mesh serving")
+        async with grpc.aio.insecure_channel(workers.instances()[0].address) as channel:
+            worker = worker_pb2_grpc.WorkerStub(channel)
+
+            async def running_requests() -> int:
+                return (await worker.GetStatus(worker_pb2.WorkerStatusRequest())).running_requests
+
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up after a second
+                await http.post("/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0))
+            assert await running_requests() == 1  # 50,000 tokens at real speed: still generating
+            await wait_until_async(lambda: running_requests_is_zero(running_requests), what="the request cancelled")
+    await workers.stop()
+
+
+async def running_requests_is_zero(running_requests) -> bool:
+    return await running_requests() == 0
