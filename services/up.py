@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -28,6 +27,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common import names
+from kvmesh.common.child_process import die_with_parent
 from kvmesh.common.config import CommonConfig, ConfigError, describe, option, options_argv, parse_config
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.nats_server import EmbeddedNatsServer
@@ -44,7 +44,6 @@ from kvmesh.worker_pool import WorkerPool
 
 log = structlog.get_logger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 
@@ -121,12 +120,6 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions):
                 raise ConfigError("--planner: --workers must lie within --min-workers and --max-workers")
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: ask the kernel to SIGTERM us when kvmesh up dies."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class ServiceProcess:
     """One child service process."""
 
@@ -137,7 +130,7 @@ class ServiceProcess:
 
     def start(self) -> None:
         # A process group of its own: what the service spawns (vLLM's engine core) goes with it
-        self.process = subprocess.Popen(self.argv, preexec_fn=_die_with_parent, start_new_session=True)
+        self.process = subprocess.Popen(self.argv, preexec_fn=die_with_parent, start_new_session=True)
         log.info("started", service=self.name, pid=self.process.pid)
 
     def kill_leftovers(self) -> None:

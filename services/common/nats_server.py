@@ -21,6 +21,8 @@ from pathlib import Path
 
 import nats
 
+from kvmesh.common.child_process import die_with_parent
+
 
 class NatsServerError(RuntimeError):
     """The NATS server binary is missing or the server did not become healthy."""
@@ -80,6 +82,10 @@ class EmbeddedNatsServer:
             [str(binary), "-a", self.host, "-p", str(self.port), "-js", "-sd", self.store_dir],
             stdout=log,
             stderr=subprocess.STDOUT,
+            # Its own session: a Ctrl-C meant for `kvmesh up` must not stop NATS before the services
+            # that use it (they would all log the disconnect while stopping); and it ends with us.
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         log.close()
 
