@@ -72,6 +72,11 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions):
     )
     indexers: int = option(1, "number of indexer replicas")
     routers: int = option(1, "number of router replicas behind the frontend")
+    api_key: str | None = option(
+        None, "API keys the HTTP API requires as 'Authorization: Bearer <key>' (comma-separated)", secret=True
+    )
+    api_key_file: str | None = option(None, "file of API keys, one per line")
+    max_concurrent_requests: int = option(0, "HTTP requests in flight at once; more get a 503 (0: no limit)")
     router_snapshot_threshold: int = option(1_000_000, "indexer snapshot threshold (stream messages)")
     block_size: int | None = option(None, "tokens per KV block of the workers (default: the engine's own)")
     num_gpu_blocks: int | None = option(
@@ -123,14 +128,17 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions):
 class ServiceProcess:
     """One child service process."""
 
-    def __init__(self, name: str, module: str, args: list[str]) -> None:
+    def __init__(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        """``env``: added to the environment it inherits (secrets go there, not on its command line,
+        which every user of the machine can read)."""
         self.name = name
         self.argv = [sys.executable, "-m", module, *args]
+        self.env = {**os.environ, **env} if env else None
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         # A process group of its own: what the service spawns (vLLM's engine core) goes with it
-        self.process = subprocess.Popen(self.argv, preexec_fn=die_with_parent, start_new_session=True)
+        self.process = subprocess.Popen(self.argv, preexec_fn=die_with_parent, start_new_session=True, env=self.env)
         log.info("started", service=self.name, pid=self.process.pid)
 
     def kill_leftovers(self) -> None:
@@ -189,7 +197,11 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
                 "--model-path",
                 config.model_path,
                 *(["--load-report-secs", str(min(5.0, config.adjustment_interval / 2))] if config.planner else []),
+                *(["--api-key-file", config.api_key_file] if config.api_key_file else []),
+                "--max-concurrent-requests",
+                str(config.max_concurrent_requests),
             ],
+            env={"KVMESH_API_KEY": config.api_key} if config.api_key else None,
         )
     )
     return services

@@ -33,6 +33,7 @@ def option(
     choices: Sequence[Any] | None = None,
     positional: bool = False,
     passthrough: bool = False,
+    secret: bool = False,
 ) -> Any:
     """Declare one configuration field: its default, its help text and optionally its flag name.
 
@@ -40,7 +41,14 @@ def option(
     A ``passthrough`` field (a list) receives the arguments the parser does not know, for a component
     with a parser of its own (vLLM's engine arguments); ``validate`` decides whether any are allowed.
     """
-    metadata = {"help": help, "flag": flag, "choices": choices, "positional": positional, "passthrough": passthrough}
+    metadata = {
+        "help": help,
+        "flag": flag,
+        "choices": choices,
+        "positional": positional,
+        "passthrough": passthrough,
+        "secret": secret,  # never logged: describe() masks it
+    }
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -178,8 +186,13 @@ def parse_config(
 
 
 def describe(config: Any) -> dict[str, Any]:
-    """The configuration as a flat dict, for the start-up log line."""
-    return dataclasses.asdict(config)
+    """The configuration as a flat dict, for the start-up log line; secrets (API keys, passwords)
+    show only whether they are set."""
+    described = dataclasses.asdict(config)
+    for f in dataclasses.fields(config):
+        if f.metadata.get("secret") and described.get(f.name) is not None:
+            described[f.name] = "<set>"
+    return described
 
 
 @dataclasses.dataclass

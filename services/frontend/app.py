@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvmesh.frontend.admission import ApiKeyGuard, BodySizeLimit, ConcurrencyLimit
 from kvmesh.frontend.errors import BadRequestError, OpenAIError
 from kvmesh.frontend.gateway import Frontend
 from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
@@ -85,9 +86,21 @@ class RequestCounter:
             self.counter.labels(route_label(scope), str(status[0])).inc()
 
 
-def create_app(frontend: Frontend) -> FastAPI:
+def create_app(
+    frontend: Frontend,
+    api_keys: frozenset[str] = frozenset(),
+    max_body_bytes: int = 0,
+    max_concurrent_requests: int = 0,
+) -> FastAPI:
+    """The API. ``api_keys``: when any, every request but health and metrics needs one as a Bearer
+    token (401 without); ``max_body_bytes``: larger bodies are a 413; ``max_concurrent_requests``:
+    one more is a 503 with Retry-After (0: no limit, for either)."""
     app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None)
     metrics = frontend.metrics
+    # The last added runs first: count everything, then the key, then the limits.
+    app.add_middleware(BodySizeLimit, limit=max_body_bytes)
+    app.add_middleware(ConcurrencyLimit, limit=max_concurrent_requests)
+    app.add_middleware(ApiKeyGuard, keys=api_keys)
     app.add_middleware(RequestCounter, counter=metrics.requests)
 
     @app.exception_handler(OpenAIError)

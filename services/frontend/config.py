@@ -17,6 +17,16 @@ class FrontendConfig(CommonConfig):
     router_address: str | None = option(None, "fixed router host:port (default: discover routers over NATS)")
     default_max_tokens: int = option(64, "max_tokens when a request gives none")
     load_report_secs: float = option(5.0, "seconds between the load reports published for the planner")
+    api_key: str | None = option(
+        None,
+        "API keys clients must send as 'Authorization: Bearer <key>' (comma-separated; default: none needed)",
+        secret=True,
+    )
+    api_key_file: str | None = option(None, "file of API keys, one per line (with or instead of --api-key)")
+    max_request_body_bytes: int = option(32 * 1024 * 1024, "larger request bodies are refused with a 413 (0: no limit)")
+    max_concurrent_requests: int = option(
+        0, "requests in flight at once; one more is a 503 with Retry-After (0: no limit)"
+    )
 
     def validate(self) -> None:
         if not 0 <= self.http_port < 65536:
@@ -25,3 +35,7 @@ class FrontendConfig(CommonConfig):
             raise ConfigError("--default-max-tokens must be positive")
         if self.load_report_secs <= 0:
             raise ConfigError("--load-report-secs must be positive")
+        if self.max_request_body_bytes < 0:
+            raise ConfigError("--max-request-body-bytes must be >= 0")
+        if self.max_concurrent_requests < 0:
+            raise ConfigError("--max-concurrent-requests must be >= 0")

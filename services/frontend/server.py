@@ -13,6 +13,7 @@ import structlog
 import uvicorn
 
 from kvmesh.common.service import ServiceStack, service_main
+from kvmesh.frontend.admission import read_api_keys
 from kvmesh.frontend.app import create_app
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.gateway import Frontend, ServedModel
@@ -35,9 +36,9 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
         stack.task(publish_load_forever(nc, config.namespace, frontend.load, config.load_report_secs), "publish-load")
         sock = listening_socket(config.http_host, config.http_port)
         stack.callback(sock.close)
-        server = uvicorn.Server(
-            uvicorn.Config(create_app(frontend), log_level="warning", access_log=False, lifespan="off")
-        )
+        api_keys = read_api_keys(config.api_key, config.api_key_file)
+        app = create_app(frontend, api_keys, config.max_request_body_bytes, config.max_concurrent_requests)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
         server.install_signal_handlers = lambda: None  # our own handlers drive shutdown
         task = asyncio.create_task(server.serve(sockets=[sock]))
 
@@ -48,7 +49,13 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
 
         stack.push_async_callback(stop_serving)
         port = sock.getsockname()[1]
-        log.info("frontend ready", url=f"http://{config.http_host}:{port}/v1", model=config.model_name)
+        log.info(
+            "frontend ready",
+            url=f"http://{config.http_host}:{port}/v1",
+            model=config.model_name,
+            api_keys=len(api_keys),
+            max_concurrent_requests=config.max_concurrent_requests or None,
+        )
         stopped = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()

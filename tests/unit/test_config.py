@@ -105,3 +105,14 @@ def test_the_mock_keeps_its_shape_defaults_while_vllm_gets_none():
     config = parse_config(WorkerConfig, [], prog="w", description="", environ={})
     assert (config.mock_shape("block_size"), config.mock_shape("num_gpu_blocks")) == (16, 16384)
     assert vllm_overrides(config)["block_size"] is None and vllm_overrides(config)["num_gpu_blocks_override"] is None
+
+
+def test_the_start_up_log_never_shows_an_api_key():
+    from kvmesh.common.config import describe
+    from kvmesh.frontend.config import FrontendConfig
+    from kvmesh.up import UpConfig
+
+    for config_class in (FrontendConfig, UpConfig):
+        config = parse_config(config_class, ["--api-key", "s3cret"], prog="x", description="", environ={})
+        assert config.api_key == "s3cret"
+        assert "s3cret" not in str(describe(config)) and describe(config)["api_key"] == "<set>"
