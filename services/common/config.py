@@ -218,6 +218,11 @@ class GrpcEndpointConfig(CommonConfig):
     port: int = option(0, "gRPC port (0 picks a free one)")
     advertise_host: str | None = option(None, "host name others use to reach this service (default: --host)")
     lease_ttl: float = option(6.0, "discovery lease in seconds; refreshed every third of it")
+    drain_timeout_secs: float = option(
+        5.0,
+        "on SIGTERM, after deregistering: seconds the calls in flight may take to finish before they are "
+        "cut (a worker's or router's cut streams continue elsewhere)",
+    )
     metrics_port: int = option(0, "Prometheus /metrics port (0: a free port, advertised in discovery; -1: off)")
 
     def advertised_address(self, bound_port: int) -> str:

@@ -95,8 +95,9 @@ async def registered_grpc_service(
     add_servicer: Callable[[grpc.aio.Server], None],
     **record_fields: Any,
 ) -> AsyncIterator[Registration]:
-    """Serve gRPC and keep this instance registered; on exit, deregister first, then stop serving,
-    so that nobody is sent to an address that is going away."""
+    """Serve gRPC and keep this instance registered; on exit, deregister first, then stop serving:
+    no new call is accepted, the calls in flight have ``config.drain_timeout_secs`` to finish, and
+    nobody is sent to an address that is going away."""
     server = await start_grpc_server(add_servicer, [service_name], host=config.host, port=config.port)
     record = InstanceRecord(
         component=component,
@@ -112,4 +113,5 @@ async def registered_grpc_service(
         yield registration
     finally:
         await registration.stop()
-        await server.stop()
+        log.info("draining", calls_may_take_secs=config.drain_timeout_secs)
+        await server.stop(config.drain_timeout_secs)

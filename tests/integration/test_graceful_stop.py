@@ -1,15 +1,17 @@
 """SIGTERM (a clean stop: ``docker stop``, a rolling restart) of a worker or a router replica under
-load loses no request: the stopping service deregisters, serves its open streams for a grace period,
+load loses no request: the stopping service deregisters, serves its open streams for --drain-timeout-secs,
 and whatever it has not finished by then continues elsewhere."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
 import subprocess
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from kvmesh.common.nats_server import free_port
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.integration
 NAMESPACE = "graceful"
 STREAMS = 30
 STOP_AFTER_STARTED = 15
-# longer than a service's 2 s shutdown grace at real-time speed, so the stop cuts streams mid-flight
+# longer than the victims' 1 s drain at real-time speed, so the stop cuts streams mid-flight
 MAX_TOKENS = 500
 
 
@@ -81,7 +83,7 @@ def assert_all_whole(results: list[StreamedAnswer]) -> None:
 
 def test_a_worker_stopped_under_load_loses_no_request(nats_url: str):
     worker_args = ("--speedup-ratio", "1", "--lease-ttl", "30")
-    victim = service_process("worker", nats_url, NAMESPACE, *worker_args)
+    victim = service_process("worker", nats_url, NAMESPACE, *worker_args, "--drain-timeout-secs", "1")
     web, api = frontend(nats_url)
     with processes(
         service_process("router", nats_url, NAMESPACE),
@@ -93,10 +95,11 @@ def test_a_worker_stopped_under_load_loses_no_request(nats_url: str):
         wait_for(nats_url, "router", 1)
         wait_until(lambda: api_answers(api), timeout=30, what="the frontend to answer")
         assert_all_whole(asyncio.run(load_and_stop(api, victim)))
+        assert router_migrations(nats_url) > 0  # the drain cut streams, and they moved
 
 
 def test_a_router_replica_stopped_under_load_loses_no_request(nats_url: str):
-    victim = service_process("router", nats_url, NAMESPACE, "--lease-ttl", "30")
+    victim = service_process("router", nats_url, NAMESPACE, "--lease-ttl", "30", "--drain-timeout-secs", "1")
     web, api = frontend(nats_url)
     with processes(
         victim,
@@ -109,3 +112,30 @@ def test_a_router_replica_stopped_under_load_loses_no_request(nats_url: str):
         wait_for(nats_url, "router", 2)
         wait_until(lambda: api_answers(api), timeout=30, what="the frontend to answer")
         assert_all_whole(asyncio.run(load_and_stop(api, victim)))
+
+
+def router_migrations(nats_url: str) -> float:
+    (router,) = discovered(nats_url, "router", NAMESPACE)
+    text = httpx.get(f"http://{router.extra['metrics']}/metrics", timeout=10).text
+    match = re.search(r"^kvmesh_router_migrations_total (\S+)$", text, re.MULTILINE)
+    assert match is not None
+    return float(match.group(1))
+
+
+def test_a_worker_given_time_to_drain_finishes_its_own_streams(nats_url: str):
+    # --drain-timeout-secs longer than the streams: the stopping worker takes no new request but
+    # finishes every one it has, so none has to move (the short default cuts and migrates them)
+    worker_args = ("--speedup-ratio", "1", "--lease-ttl", "30")
+    victim = service_process("worker", nats_url, NAMESPACE, *worker_args, "--drain-timeout-secs", "60")
+    web, api = frontend(nats_url)
+    with processes(
+        service_process("router", nats_url, NAMESPACE),
+        service_process("worker", nats_url, NAMESPACE, *worker_args),
+        victim,
+        web,
+    ):
+        wait_for(nats_url, "worker", 2)
+        wait_for(nats_url, "router", 1)
+        wait_until(lambda: api_answers(api), timeout=30, what="the frontend to answer")
+        assert_all_whole(asyncio.run(load_and_stop(api, victim)))
+        assert router_migrations(nats_url) == 0
