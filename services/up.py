@@ -30,7 +30,7 @@ from kvmesh.common import names
 from kvmesh.common.child_process import die_with_parent
 from kvmesh.common.config import CommonConfig, ConfigError, describe, option, options_argv, parse_config
 from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.nats_server import EmbeddedNatsServer
+from kvmesh.common.nats_server import EmbeddedNatsServer, NatsServerError
 from kvmesh.common.run_file import RunRecord, remove_run_record, write_run_record
 from kvmesh.common.runtime import connect_nats
 from kvmesh.common.structured_logging import configure_logging
@@ -356,7 +356,7 @@ async def run(config: UpConfig) -> int:
     if nats_url is None:
         nats_server = await EmbeddedNatsServer().start()
         nats_url = nats_server.url
-        log.info("embedded NATS server started", url=nats_url, store=nats_server.store_dir)
+        log.info("embedded NATS server started", url=nats_url, store=nats_server.store_dir, pid=nats_server.pid)
     services = plan_services(config, nats_url)
     pool: WorkerPool | None = None
     supervisor: NatsClient | None = None
@@ -403,8 +403,21 @@ async def run(config: UpConfig) -> int:
                 service.kill_leftovers()
                 service.start()
             if nats_server is not None and nats_server.exited():
-                log.error("the NATS server exited; stopping the mesh")
-                return 1
+                # On the same port and store: JetStream recovers from disk, the services reconnect
+                # (their reconnects are unlimited) and the workers' publishers resend what failed.
+                now = time.monotonic()
+                restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
+                if len(restarts) >= MAX_RESTARTS:
+                    log.error("the NATS server keeps exiting; stopping the mesh")
+                    return 1
+                restarts.append(now)
+                log.warning("the NATS server exited; restarting it on the same port and store", url=nats_url)
+                try:
+                    await nats_server.restart()
+                except NatsServerError as exc:
+                    log.error("the NATS server did not restart; stopping the mesh", error=str(exc))
+                    return 1
+                log.info("NATS server restarted", url=nats_url, pid=nats_server.pid)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
         log.info("stopping the mesh")

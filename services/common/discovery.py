@@ -106,9 +106,14 @@ class Registration:
         log.info("registered", key=self.record.key, address=self.record.address)
 
     async def update(self, record: InstanceRecord) -> None:
+        """Publish a changed record now; if NATS is unreachable, the next lease refresh (which writes
+        the current record) publishes it instead, so a NATS outage never fails the caller."""
         self.record = record
         if self._kv is not None:
-            await self._kv.put(record.key, record.encode())
+            try:
+                await self._kv.put(record.key, record.encode())
+            except Exception as exc:  # an outage: the refresh loop retries with this record
+                log.warning("record update deferred to the next lease refresh", key=record.key, error=str(exc))
 
     async def _refresh_forever(self) -> None:
         assert self._kv is not None

@@ -127,6 +127,20 @@ class EmbeddedNatsServer:
     def exited(self) -> bool:
         return self._process is not None and self._process.poll() is not None
 
+    async def restart(self, timeout: float = 15.0) -> None:
+        """Start the server again on the same port and store (after it died): JetStream recovers its
+        streams, consumers and buckets from the store, and clients reconnect to the same URL."""
+        if self._process is not None and self._process.poll() is None:
+            raise NatsServerError("nats-server is still running")
+        self.start_process()
+        await self.wait_healthy(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the server, leaving its store as a crash would (for failure drills)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:
             self._process.terminate()

@@ -15,12 +15,8 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.common import names
 from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.hashing import block_set_digest
 from kvmesh.common.proto.kvmesh.v1 import (
     common_pb2,
-    indexer_pb2,
-    indexer_pb2_grpc,
-    worker_pb2,
     worker_pb2_grpc,
 )
 from kvmesh.indexer import server as indexer_server
@@ -29,6 +25,7 @@ from kvmesh.indexer.config import IndexerConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.event_publisher import KvEventPublisher
+from tests.index_truth import as_truth, converged, truth, view
 from tests.support import running, service_config, service_process, wait_until_async
 
 pytestmark = pytest.mark.integration
@@ -54,37 +51,8 @@ async def watcher(nc: NatsClient, component: str) -> DiscoveryWatcher:
     return w
 
 
-async def truth(workers: DiscoveryWatcher) -> dict[int, tuple[int, int]]:
-    """Each worker's real cache: (block count, digest) from its own dump."""
-    result = {}
-    for record in workers.instances():
-        async with grpc.aio.insecure_channel(record.address) as channel:
-            dump = await worker_pb2_grpc.WorkerStub(channel).DumpKvState(worker_pb2.DumpKvStateRequest())
-        result[record.instance_id] = (len(dump.blocks), block_set_digest(b.sequence_hash for b in dump.blocks))
-    return result
-
-
-async def view(address: str) -> indexer_pb2.IndexerStatus:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await indexer_pb2_grpc.IndexerStub(channel).GetStatus(
-            indexer_pb2.IndexerStatusRequest(include_digests=True), timeout=5
-        )
-
-
 async def workers_cache_blocks(workers: DiscoveryWatcher) -> bool:
     return any(count for count, _digest in (await truth(workers)).values())
-
-
-def as_truth(status: indexer_pb2.IndexerStatus) -> dict[int, tuple[int, int]]:
-    return {w.worker_id: (w.blocks, w.blocks_digest) for w in status.workers if w.blocks}
-
-
-async def converged(workers: DiscoveryWatcher, address: str) -> bool:
-    try:
-        expected = {k: v for k, v in (await truth(workers)).items() if v[0]}
-        return as_truth(await view(address)) == expected
-    except grpc.aio.AioRpcError:
-        return False
 
 
 async def load(workers: DiscoveryWatcher, requests: int, concurrency: int = 8, seed: int = 0) -> None:

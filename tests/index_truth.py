@@ -1,0 +1,42 @@
+"""Does an indexer replica hold exactly what the workers hold? Each worker's real cache (its own
+dump) against the replica's view, compared by block count and digest per worker."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.hashing import block_set_digest
+from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+__all__ = ["as_truth", "converged", "truth", "view"]
+
+
+async def truth(workers: DiscoveryWatcher) -> dict[int, tuple[int, int]]:
+    """Each worker's real cache: (block count, digest) from its own dump."""
+    result = {}
+    for record in workers.instances():
+        async with grpc.aio.insecure_channel(record.address) as channel:
+            dump = await worker_pb2_grpc.WorkerStub(channel).DumpKvState(worker_pb2.DumpKvStateRequest())
+        result[record.instance_id] = (len(dump.blocks), block_set_digest(b.sequence_hash for b in dump.blocks))
+    return result
+
+
+async def view(address: str) -> indexer_pb2.IndexerStatus:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await indexer_pb2_grpc.IndexerStub(channel).GetStatus(
+            indexer_pb2.IndexerStatusRequest(include_digests=True), timeout=5
+        )
+
+
+def as_truth(status: indexer_pb2.IndexerStatus) -> dict[int, tuple[int, int]]:
+    return {w.worker_id: (w.blocks, w.blocks_digest) for w in status.workers if w.blocks}
+
+
+async def converged(workers: DiscoveryWatcher, address: str) -> bool:
+    """Whether the replica at ``address`` holds exactly the workers' blocks (False while unreachable)."""
+    try:
+        expected = {k: v for k, v in (await truth(workers)).items() if v[0]}
+        return as_truth(await view(address)) == expected
+    except grpc.aio.AioRpcError:
+        return False
