@@ -30,6 +30,7 @@ from kvmesh.common import names
 from kvmesh.common.child_process import die_with_parent
 from kvmesh.common.config import CommonConfig, ConfigError, describe, option, options_argv, parse_config
 from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.nats_auth import NatsCredentials
 from kvmesh.common.nats_server import EmbeddedNatsServer, NatsServerError
 from kvmesh.common.run_file import RunRecord, remove_run_record, write_run_record
 from kvmesh.common.runtime import connect_nats
@@ -279,7 +280,12 @@ def plan_planner(config: UpConfig, nats_url: str, services: list[ServiceProcess]
 
 async def serve_worker_pool(config: UpConfig, nats_url: str, pool: WorkerPool) -> NatsClient:
     """Answer the planner's scale requests (the local connector's supervisor side)."""
-    nc = await connect_nats(nats_url, name="kvmesh-up-supervisor", first_connect_timeout=config.nats_connect_timeout)
+    nc = await connect_nats(
+        nats_url,
+        name="kvmesh-up-supervisor",
+        first_connect_timeout=config.nats_connect_timeout,
+        credentials=NatsCredentials.from_config(config),
+    )
     namespace = config.namespace
 
     async def on_request(message) -> None:
@@ -291,7 +297,12 @@ async def serve_worker_pool(config: UpConfig, nats_url: str, pool: WorkerPool) -
 
 async def wait_until_ready(config: UpConfig, nats_url: str, services: list[ServiceProcess]) -> None:
     """Wait for every instance to register and for the HTTP API to answer /health."""
-    nc = await connect_nats(nats_url, name="kvmesh-up", first_connect_timeout=config.nats_connect_timeout)
+    nc = await connect_nats(
+        nats_url,
+        name="kvmesh-up",
+        first_connect_timeout=config.nats_connect_timeout,
+        credentials=NatsCredentials.from_config(config),
+    )
     js = nc.jetstream()
     expected = {"worker": config.workers + config.prefill_workers, "indexer": config.indexers, "router": config.routers}
     watchers = {c: DiscoveryWatcher(js, config.namespace, c) for c in expected}
@@ -353,6 +364,8 @@ async def run(config: UpConfig) -> int:
 
     nats_server: EmbeddedNatsServer | None = None
     nats_url = config.nats_url
+    # The services inherit our environment: NATS credentials reach them there, off their command lines.
+    os.environ.update(NatsCredentials.from_config(config).environment())
     if nats_url is None:
         nats_server = await EmbeddedNatsServer().start()
         nats_url = nats_server.url

@@ -205,6 +205,13 @@ class CommonConfig:
         "seconds to wait for the first connection to NATS before giving up (default 5, or "
         "$KVMESH_NATS_CONNECT_TIMEOUT); reconnects after it are unlimited",
     )
+    nats_user: str | None = option(None, "NATS user name (with --nats-password)")
+    nats_password: str | None = option(None, "NATS password", secret=True)
+    nats_token: str | None = option(None, "NATS authentication token", secret=True)
+    nats_creds: str | None = option(None, "NATS credentials file (.creds: JWT and NKey seed)")
+    nats_tls_ca: str | None = option(None, "CA certificate to check NATS's TLS certificate with (turns TLS on)")
+    nats_tls_cert: str | None = option(None, "client certificate for NATS (mutual TLS; with --nats-tls-key)")
+    nats_tls_key: str | None = option(None, "client certificate's private key for NATS")
     namespace: str = option("default", "namespace that isolates one mesh's subjects and keys")
     log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
     log_json: bool | None = option(None, "JSON logs (default: JSON unless stderr is a terminal)")

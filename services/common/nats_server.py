@@ -17,11 +17,13 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import nats
 
 from kvmesh.common.child_process import die_with_parent
+from kvmesh.common.nats_auth import NatsCredentials
 
 
 class NatsServerError(RuntimeError):
@@ -59,7 +61,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedNatsServer:
     """A child ``nats-server -js`` process on a loopback port; stopped and cleaned up by :meth:`stop`."""
 
-    def __init__(self, port: int | None = None, store_dir: str | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        store_dir: str | None = None,
+        host: str = "127.0.0.1",
+        server_args: Sequence[str] = (),
+        credentials: NatsCredentials | None = None,
+    ) -> None:
+        """``server_args``: more nats-server flags (``--user``/``--pass``, ``--auth``, ``--tls...``);
+        ``credentials``: what the health check connects with when they demand some."""
+        self.server_args = list(server_args)
+        self.credentials = credentials or NatsCredentials()
         self.host = host
         self.port = port or free_port(host)
         self._own_store = store_dir is None
@@ -79,7 +92,7 @@ class EmbeddedNatsServer:
         binary = find_nats_server()
         log = open(self._log_path, "ab")  # noqa: SIM115 - the child keeps it open
         self._process = subprocess.Popen(
-            [str(binary), "-a", self.host, "-p", str(self.port), "-js", "-sd", self.store_dir],
+            [str(binary), "-a", self.host, "-p", str(self.port), "-js", "-sd", self.store_dir, *self.server_args],
             stdout=log,
             stderr=subprocess.STDOUT,
             # Its own session: a Ctrl-C meant for `kvmesh up` must not stop NATS before the services
@@ -100,7 +113,13 @@ class EmbeddedNatsServer:
                 await asyncio.sleep(0.02)
                 continue
             try:
-                nc = await nats.connect(self.url, connect_timeout=1, allow_reconnect=False, error_cb=_ignore_error)
+                nc = await nats.connect(
+                    self.url,
+                    connect_timeout=1,
+                    allow_reconnect=False,
+                    error_cb=_ignore_error,
+                    **self.credentials.connect_options(),
+                )
                 try:
                     await nc.jetstream().account_info()
                     return

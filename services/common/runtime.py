@@ -6,10 +6,13 @@ import asyncio
 import contextlib
 import os
 import signal
+import ssl
 from collections.abc import Awaitable, Callable
 
 import structlog
 from nats.aio.client import Client as NatsClient
+
+from kvmesh.common.nats_auth import NatsCredentials
 
 log = structlog.get_logger(__name__)
 
@@ -27,12 +30,21 @@ def nats_connect_timeout_default() -> float:
         raise SystemExit(f"{NATS_CONNECT_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
 
 
-async def connect_nats(url: str, name: str, first_connect_timeout: float | None = None) -> NatsClient:
+async def connect_nats(
+    url: str, name: str, first_connect_timeout: float | None = None, credentials: NatsCredentials | None = None
+) -> NatsClient:
     """Connect, giving up after ``first_connect_timeout`` seconds (default
     :func:`nats_connect_timeout_default`) with one line that names the URL: a service or tool started
     with no NATS there fails instead of retrying forever. Once connected, reconnects are unlimited
-    (a NATS restart must not take the mesh down)."""
+    (a NATS restart must not take the mesh down). ``credentials``: default from the environment
+    (``KVMESH_NATS_USER`` ...)."""
     timeout = nats_connect_timeout_default() if first_connect_timeout is None else first_connect_timeout
+    credentials = NatsCredentials.from_environment() if credentials is None else credentials
+    try:
+        credentials.validate()
+        auth = credentials.connect_options()
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        raise SystemExit(f"{name}: NATS credentials: {exc}") from exc
     connected = False
     last_error: list[Exception] = []
     nc = NatsClient()
@@ -62,6 +74,7 @@ async def connect_nats(url: str, name: str, first_connect_timeout: float | None 
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         error_cb=on_error,
+        **auth,
     )
     try:
         await asyncio.wait_for(connect, timeout)

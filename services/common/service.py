@@ -18,6 +18,7 @@ from nats.js import JetStreamContext
 from kvmesh.common.config import CommonConfig, GrpcEndpointConfig, describe, parse_config
 from kvmesh.common.discovery import InstanceRecord, Registration
 from kvmesh.common.grpc_server import start_grpc_server
+from kvmesh.common.nats_auth import NatsCredentials
 from kvmesh.common.runtime import cancel_and_wait, connect_nats, run_until_signalled
 from kvmesh.common.structured_logging import configure_logging
 
@@ -46,7 +47,12 @@ class ServiceStack(contextlib.AsyncExitStack):
     """
 
     async def nats(self, config: CommonConfig, name: str) -> NatsClient:
-        nc = await connect_nats(config.nats_url, name=name, first_connect_timeout=config.nats_connect_timeout)
+        nc = await connect_nats(
+            config.nats_url,
+            name=name,
+            first_connect_timeout=config.nats_connect_timeout,
+            credentials=NatsCredentials.from_config(config),
+        )
         self.push_async_callback(nc.close)
         return nc
 

@@ -1,0 +1,188 @@
+"""NATS with authentication and TLS: services, `kvmesh up` and the tools connect with the right
+credentials and fail fast, naming the URL and the reason, without them. Real nats-server processes
+started with user/password, a token, TLS and mutual TLS (certificates made here)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nats
+import openai
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.nats_auth import NatsCredentials
+from kvmesh.common.nats_server import EmbeddedNatsServer
+from kvmesh.up import MeshProcess
+from tests.support import wait_until_async
+
+pytestmark = pytest.mark.integration
+
+
+def run(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """A kvmesh command with a short connect timeout and no credentials but those given."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_NATS_")}
+    return subprocess.run(
+        [sys.executable, "-m", *argv, "--nats-connect-timeout", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**clean, **(env or {})},
+    )
+
+
+async def registered_workers(url: str, credentials: NatsCredentials) -> int:
+    nc = await nats.connect(url, **credentials.connect_options())
+    watcher = DiscoveryWatcher(nc.jetstream(), "default", "worker")
+    await watcher.start()
+    try:
+        await wait_until_async(lambda: watcher.instances(), what="a worker registered")
+        return len(watcher.instances())
+    finally:
+        await watcher.stop()
+        await nc.close()
+
+
+@pytest.fixture
+async def password_server():
+    credentials = NatsCredentials(user="kvmesh", password="s3cret")
+    server = await EmbeddedNatsServer(
+        server_args=["--user", "kvmesh", "--pass", "s3cret"], credentials=credentials
+    ).start()
+    yield server, credentials
+    server.stop()
+
+
+async def test_user_and_password_from_flags_or_the_environment(password_server):
+    server, _credentials = password_server
+    refused = run(["kvmesh", "inspect", "worker", "--nats-url", server.url])
+    assert refused.returncode != 0
+    assert f"cannot connect to NATS at {server.url}" in refused.stderr and "uthoriz" in refused.stderr
+
+    with_env = run(
+        ["kvmesh", "inspect", "worker", "--nats-url", server.url],
+        {"KVMESH_NATS_USER": "kvmesh", "KVMESH_NATS_PASSWORD": "s3cret"},
+    )
+    assert with_env.returncode == 0, with_env.stderr
+
+
+async def test_kvmesh_up_hands_the_credentials_to_every_service(password_server):
+    server, credentials = password_server
+    mesh = MeshProcess(
+        "--nats-url", server.url, "--nats-user", "kvmesh", "--nats-password", "s3cret", "--workers", "1"
+    ).start()
+    try:
+        assert all("s3cret" not in line for line in mesh.output)  # never logged
+        answer = openai.OpenAI(base_url=mesh.api, api_key="unused", max_retries=0).completions.create(
+            model="kvmesh-tiny", prompt="authenticated", max_tokens=3
+        )
+        assert answer.usage.completion_tokens == 3
+        assert await registered_workers(server.url, credentials) == 1
+    finally:
+        assert mesh.stop() == 0
+
+
+async def test_a_token():
+    server = await EmbeddedNatsServer(
+        server_args=["--auth", "t0ken"], credentials=NatsCredentials(token="t0ken")
+    ).start()
+    try:
+        assert run(["kvmesh.router", "--nats-url", server.url]).returncode != 0
+        ok = run(["kvmesh", "inspect", "router", "--nats-url", server.url], {"KVMESH_NATS_TOKEN": "t0ken"})
+        assert ok.returncode == 0, ok.stderr
+    finally:
+        server.stop()
+
+
+def make_certificates(folder: Path) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, both signed by the CA."""
+    now = datetime.datetime.now(datetime.UTC)
+
+    def certificate(name: str, key, issuer_name, issuer_key, ca: bool, san=None) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(issuer_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if san is not None:
+            builder = builder.add_extension(san, critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    import ipaddress
+
+    files: dict[str, Path] = {}
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvmesh test CA")])
+    ca_cert = certificate("kvmesh test CA", ca_key, ca_name, ca_key, ca=True)
+    files["ca"] = folder / "ca.pem"
+    files["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")])
+    for who in ("server", "client"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = certificate(f"kvmesh {who}", key, ca_name, ca_key, ca=False, san=san)
+        files[f"{who}_cert"] = folder / f"{who}.pem"
+        files[f"{who}_cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        files[f"{who}_key"] = folder / f"{who}-key.pem"
+        files[f"{who}_key"].write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+    return files
+
+
+async def test_tls_and_mutual_tls(tmp_path: Path):
+    files = make_certificates(tmp_path)
+    client = NatsCredentials(
+        tls_ca=str(files["ca"]), tls_cert=str(files["client_cert"]), tls_key=str(files["client_key"])
+    )
+    server = await EmbeddedNatsServer(
+        server_args=[
+            "--tlsverify",  # the server asks for a client certificate too: mutual TLS
+            "--tlscert",
+            str(files["server_cert"]),
+            "--tlskey",
+            str(files["server_key"]),
+            "--tlscacert",
+            str(files["ca"]),
+        ],
+        credentials=client,
+    ).start()
+    try:
+        plain = run(["kvmesh", "inspect", "worker", "--nats-url", server.url])
+        assert plain.returncode != 0 and f"cannot connect to NATS at {server.url}" in plain.stderr
+        no_client_cert = run(
+            ["kvmesh", "inspect", "worker", "--nats-url", server.url], {"KVMESH_NATS_TLS_CA": str(files["ca"])}
+        )
+        assert no_client_cert.returncode != 0
+        router = run(
+            ["kvmesh", "inspect", "router", "--nats-url", server.url],
+            {
+                "KVMESH_NATS_TLS_CA": str(files["ca"]),
+                "KVMESH_NATS_TLS_CERT": str(files["client_cert"]),
+                "KVMESH_NATS_TLS_KEY": str(files["client_key"]),
+            },
+        )
+        assert router.returncode == 0, router.stderr
+    finally:
+        server.stop()
+
+
+def test_a_missing_credentials_file_is_a_clear_error():
+    result = run(
+        ["kvmesh", "inspect", "worker", "--nats-url", "nats://127.0.0.1:1"], {"KVMESH_NATS_CREDS": "/nonexistent.creds"}
+    )
+    assert result.returncode != 0 and "/nonexistent.creds: no such file" in result.stderr
