@@ -20,7 +20,7 @@ import grpc
 
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.finish_reasons import finish_name
-from kvmesh.common.grpc_server import insecure_channel
+from kvmesh.common.grpc_server import channel_to
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from kvmesh.common.run_file import default_namespace, resolve_nats_url
 from kvmesh.common.runtime import connect_nats
@@ -75,7 +75,7 @@ class RouterApi:
     def __init__(self, address: str, model: str = "") -> None:
         self.address = address
         self.model = model
-        self._channel = insecure_channel(address)
+        self._channel = channel_to(address)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     @classmethod

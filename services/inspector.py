@@ -16,7 +16,7 @@ import nats.js.errors
 
 from kvmesh.common import names
 from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.grpc_server import insecure_channel
+from kvmesh.common.grpc_server import channel_to
 from kvmesh.common.proto.kvmesh.v1 import (
     indexer_pb2,
     indexer_pb2_grpc,
@@ -51,7 +51,7 @@ async def _instances(nats_url: str, namespace: str, component: str):
 async def _status(address: str, call: Callable[[grpc.aio.Channel], Awaitable[Any]]) -> tuple[Any, str | None]:
     """(the instance's status, None) or (None, why it could not be asked)."""
     try:
-        async with insecure_channel(address) as channel:
+        async with channel_to(address) as channel:
             return await call(channel), None
     except grpc.aio.AioRpcError as exc:
         return None, f"{exc.code().name}: {exc.details()}"

@@ -30,6 +30,7 @@ from kvmesh.common import names
 from kvmesh.common.child_process import die_with_parent
 from kvmesh.common.config import CommonConfig, ConfigError, describe, option, options_argv, parse_config
 from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.grpc_tls import GrpcTls
 from kvmesh.common.nats_auth import NatsCredentials
 from kvmesh.common.nats_server import EmbeddedNatsServer, NatsServerError
 from kvmesh.common.run_file import RunRecord, remove_run_record, write_run_record
@@ -78,6 +79,10 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions):
     )
     api_key_file: str | None = option(None, "file of API keys, one per line")
     max_concurrent_requests: int = option(0, "HTTP requests in flight at once; more get a 503 (0: no limit)")
+    grpc_tls_cert: str | None = option(
+        None, "certificate every gRPC server of the mesh presents (TLS on its request path)"
+    )
+    grpc_tls_key: str | None = option(None, "its private key")
     router_snapshot_threshold: int = option(1_000_000, "indexer snapshot threshold (stream messages)")
     block_size: int | None = option(None, "tokens per KV block of the workers (default: the engine's own)")
     num_gpu_blocks: int | None = option(
@@ -364,8 +369,11 @@ async def run(config: UpConfig) -> int:
 
     nats_server: EmbeddedNatsServer | None = None
     nats_url = config.nats_url
-    # The services inherit our environment: NATS credentials reach them there, off their command lines.
+    # The services inherit our environment: NATS credentials and the gRPC TLS files reach them there,
+    # off their command lines.
     os.environ.update(NatsCredentials.from_config(config).environment())
+    grpc_tls_setting = GrpcTls(cert=config.grpc_tls_cert, key=config.grpc_tls_key, ca=config.grpc_tls_ca)
+    os.environ.update(grpc_tls_setting.environment())
     if nats_url is None:
         nats_server = await EmbeddedNatsServer().start()
         nats_url = nats_server.url

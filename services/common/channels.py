@@ -7,7 +7,7 @@ import contextlib
 
 import grpc
 
-from kvmesh.common.grpc_server import insecure_channel
+from kvmesh.common.grpc_server import channel_to
 
 # How long a departed peer's channel stays open for the calls still running on it. A peer that shuts
 # down cleanly deregisters first and serves its open streams for a grace period; closing the channel
@@ -33,7 +33,7 @@ class ChannelPool:
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = insecure_channel(address)
+            channel = self._channels[address] = channel_to(address)
         return channel
 
     def addresses(self) -> list[str]:

@@ -212,6 +212,9 @@ class CommonConfig:
     nats_tls_ca: str | None = option(None, "CA certificate to check NATS's TLS certificate with (turns TLS on)")
     nats_tls_cert: str | None = option(None, "client certificate for NATS (mutual TLS; with --nats-tls-key)")
     nats_tls_key: str | None = option(None, "client certificate's private key for NATS")
+    grpc_tls_ca: str | None = option(
+        None, "CA certificate to check the gRPC servers this service calls with (turns TLS on for its calls)"
+    )
     namespace: str = option("default", "namespace that isolates one mesh's subjects and keys")
     log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
     log_json: bool | None = option(None, "JSON logs (default: JSON unless stderr is a terminal)")
@@ -224,6 +227,10 @@ class GrpcEndpointConfig(CommonConfig):
     host: str = option("127.0.0.1", "address the gRPC server binds")
     port: int = option(0, "gRPC port (0 picks a free one)")
     advertise_host: str | None = option(None, "host name others use to reach this service (default: --host)")
+    grpc_tls_cert: str | None = option(
+        None, "certificate the gRPC server presents (serves TLS only; with --grpc-tls-key)"
+    )
+    grpc_tls_key: str | None = option(None, "the gRPC server certificate's private key")
     lease_ttl: float = option(6.0, "discovery lease in seconds; refreshed every third of it")
     drain_timeout_secs: float = option(
         5.0,

@@ -8,6 +8,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh.common import grpc_tls
+
 # Large prompts are long token lists; the 4 MiB default would cap a request at about a million tokens.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -42,8 +44,12 @@ async def start_grpc_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    credentials = grpc_tls.current().server_credentials()
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError:  # grpcio raises on a busy port where older versions returned 0
         bound = 0
     if bound == 0:
@@ -54,5 +60,10 @@ async def start_grpc_server(
     return GrpcService(server, bound, health_servicer)
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel_to(address: str) -> grpc.aio.Channel:
+    """A channel to ``address``: plain text, or TLS where this process's gRPC TLS policy names a CA
+    (:mod:`kvmesh.common.grpc_tls`)."""
+    credentials = grpc_tls.current().channel_credentials()
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)

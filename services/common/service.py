@@ -15,6 +15,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
+from kvmesh.common import grpc_tls
 from kvmesh.common.config import CommonConfig, GrpcEndpointConfig, describe, parse_config
 from kvmesh.common.discovery import InstanceRecord, Registration
 from kvmesh.common.grpc_server import start_grpc_server
@@ -86,8 +87,22 @@ def service_main(
     """``kvmesh <service>``: typed config from flags and env, logging, run until SIGINT / SIGTERM."""
     config = parse_config(config_class, argv, prog=f"kvmesh {service}", description=description)
     configure_logging(config.log_level, config.log_json, service=service)
+    configure_grpc_tls(config)
     log.info(f"starting {service}", config=describe(config))
     run_until_signalled(lambda stop: serve(config, stop))
+
+
+def configure_grpc_tls(config: Any) -> None:
+    """This process's gRPC TLS policy from the service's options (a missing file is a clear error)."""
+    setting = grpc_tls.GrpcTls(
+        cert=getattr(config, "grpc_tls_cert", None),
+        key=getattr(config, "grpc_tls_key", None),
+        ca=getattr(config, "grpc_tls_ca", None),
+    )
+    try:
+        grpc_tls.configure(setting)
+    except ValueError as exc:
+        raise SystemExit(f"gRPC TLS: {exc}") from exc
 
 
 @contextlib.asynccontextmanager

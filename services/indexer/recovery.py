@@ -14,7 +14,7 @@ import grpc
 import structlog
 
 from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.grpc_server import insecure_channel
+from kvmesh.common.grpc_server import channel_to
 from kvmesh.common.prefix_index import DumpedBlock, PrefixIndex, WorkerKey
 from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.common.runtime import cancel_and_wait
@@ -78,7 +78,7 @@ class GapRecovery:
             self.poke()  # a new gap may have appeared while we worked
 
     async def _dump(self, address: str, dp_rank: int) -> worker_pb2.KvStateDump:
-        async with insecure_channel(address) as channel:
+        async with channel_to(address) as channel:
             return await worker_pb2_grpc.WorkerStub(channel).DumpKvState(
                 worker_pb2.DumpKvStateRequest(dp_rank=dp_rank), timeout=self._timeout
             )

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import grpc
 
 from kvmesh.common.engine_profile import DecodePoint, EngineProfile, PrefillPoint
-from kvmesh.common.grpc_server import insecure_channel
+from kvmesh.common.grpc_server import channel_to
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 PREFILL_TOKENS = (128, 512, 1024, 2048, 4096, 8192)
@@ -54,7 +54,7 @@ class LiveProfiler:
         concurrency: Sequence[int] = CONCURRENCY,
         context_tokens: Sequence[int] = CONTEXT_TOKENS,
     ) -> EngineProfile:
-        async with insecure_channel(self.address) as channel:
+        async with channel_to(self.address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             status = await stub.GetStatus(worker_pb2.WorkerStatusRequest(), timeout=30)
             capacity = status.total_blocks * status.block_size

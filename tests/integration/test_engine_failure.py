@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from kvmesh.common.grpc_errors import error_origin, is_transport_failure
-from kvmesh.common.grpc_server import insecure_channel, start_grpc_server
+from kvmesh.common.grpc_server import channel_to, start_grpc_server
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.worker.engine import (
     CachedBlock,
@@ -93,7 +93,7 @@ async def test_an_engine_failure_is_a_transport_failure_and_a_bad_prompt_a_refus
         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
     )
     try:
-        async with insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        async with channel_to(f"127.0.0.1:{server.port}") as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             tokens, error = await call(stub, 10)
             assert tokens == [7, 8] and error is not None
