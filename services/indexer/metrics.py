@@ -22,6 +22,7 @@ class IndexerState:
         self.last_snapshot_seconds = 0.0
         self.last_snapshot_bytes = 0
         self.last_purged_below = 0
+        self.malformed_messages = 0
 
 
 class IndexerCollector(Collector):
@@ -40,6 +41,7 @@ class IndexerCollector(Collector):
             ("gaps", "gaps detected in a worker's event ids", stats.gaps),
             ("recoveries", "workers rebuilt from their own dump", stats.recoveries),
             ("snapshots", "snapshots uploaded by this replica", self._state.snapshots_taken),
+            ("malformed_messages", "stream messages skipped as malformed", self._state.malformed_messages),
         ):
             yield CounterMetricFamily(f"kvmesh_indexer_{name}", help_text, value=value)
         state = self._state

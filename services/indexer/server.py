@@ -139,6 +139,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
 
         def applied(sequence: int) -> None:
             state.applied_sequence = sequence
+            state.malformed_messages = consumer.malformed_messages
             if index.gaps_pending:
                 recovery.poke()
 
