@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import nats
@@ -18,6 +21,7 @@ import openai
 from kvmesh.common.config import parse_config
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.nats_server import free_port
+from kvmesh.common.tiny_model import MODEL_DIR
 
 __all__ = [
     "StreamedAnswer",
@@ -27,6 +31,7 @@ __all__ = [
     "running",
     "service_config",
     "service_process",
+    "small_context_model",
     "stream_chat",
     "streams_interrupted_by",
     "wait_until",
@@ -190,3 +195,14 @@ def discovered(nats_url: str, component: str, namespace: str = "default") -> lis
             await nc.close()
 
     return asyncio.run(read())
+
+
+def small_context_model(folder: Path, context: int) -> Path:
+    """A copy of the tiny model whose context is ``context`` tokens: every request the frontend
+    accepts for it is short, so fuzzers can send thousands."""
+    model = folder / f"tiny-{context}"
+    shutil.copytree(MODEL_DIR, model)
+    config_file = model / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "model_max_length": context}))
+    return model

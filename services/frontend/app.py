@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import structlog
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -136,7 +137,7 @@ def create_app(
             "data": [{"id": model.name, "object": "model", "created": model.created, "owned_by": "kvmesh"}],
         }
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await request.body())
         frontend.check_model(body.model)
@@ -148,7 +149,7 @@ def create_app(
         frontend.check_context(len(token_ids), body.requested_max_tokens())
         return await respond(frontend, body, token_ids, chat=True, http_request=request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         body = parse_body(CompletionRequest, await request.body())
         frontend.check_model(body.model)
@@ -164,4 +165,32 @@ def create_app(
         frontend.check_context(len(token_ids), body.requested_max_tokens())
         return await respond(frontend, body, token_ids, chat=False, http_request=request)
 
+    app.openapi = lambda: _openapi_with_bodies(app, frontend.model.name)  # type: ignore[method-assign]
     return app
+
+
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+_SCHEMA_REF = "#/components/schemas/{model}"
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of an endpoint that parses ``model`` itself (from the raw body, so that
+    any problem is a 400 in OpenAI's shape rather than FastAPI's 422)."""
+    schema = {"$ref": _SCHEMA_REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _openapi_with_bodies(app: FastAPI, model_name: str) -> dict[str, Any]:
+    """FastAPI's document plus the request models' schemas, which it cannot see (the endpoints read
+    the raw body): clients and API fuzzers (schemathesis, in the tests) learn the bodies from it.
+    ``model`` is documented as the one model this frontend serves (any other name is a 404)."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        for model in REQUEST_MODELS:
+            schema = model.model_json_schema(ref_template=_SCHEMA_REF)
+            schemas.update(schema.pop("$defs", {}))
+            schema["properties"]["model"]["enum"] = [model_name]
+            schemas[model.__name__] = schema
+        app.openapi_schema = document
+    return app.openapi_schema

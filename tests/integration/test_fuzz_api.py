@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import json
 import math
-import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -31,14 +30,14 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
-from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
+from kvmesh.common.tiny_model import MODEL_NAME
 from kvmesh.frontend import server as frontend_server
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
-from tests.support import free_port, running, service_config, wait_until_async
+from tests.support import free_port, running, service_config, small_context_model, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "fuzz"
@@ -205,19 +204,10 @@ REQUEST_STATUSES = {
 }
 
 
-def small_context_model(folder: Path) -> Path:
-    model = folder / "tiny-512"
-    shutil.copytree(MODEL_DIR, model)
-    config_file = model / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config_file.write_text(json.dumps({**config, "model_max_length": CONTEXT}))
-    return model
-
-
 async def test_fuzzed_http_and_grpc_requests_never_break_the_mesh(nats_url: str, nc: NatsClient, tmp_path: Path):
     port = free_port()
     common = ["--nats-url", nats_url, "--namespace", NAMESPACE]
-    frontend_args = [*common, "--http-port", str(port), "--model-path", str(small_context_model(tmp_path))]
+    frontend_args = [*common, "--http-port", str(port), "--model-path", str(small_context_model(tmp_path, CONTEXT))]
     routers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "router")
     await routers.start()
     async with (
