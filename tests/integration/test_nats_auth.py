@@ -18,6 +18,7 @@ from kvmesh.common.nats_auth import NatsCredentials
 from kvmesh.common.nats_server import EmbeddedNatsServer
 from kvmesh.up import MeshProcess
 from tests.certificates import make_certificates
+from tests.nats_jwt import operator_setup
 from tests.support import wait_until_async
 
 pytestmark = pytest.mark.integration
@@ -131,6 +132,20 @@ async def test_tls_and_mutual_tls(tmp_path: Path):
             },
         )
         assert router.returncode == 0, router.stderr
+    finally:
+        server.stop()
+
+
+async def test_a_creds_file_against_a_server_in_operator_mode(tmp_path: Path):
+    setup = operator_setup(tmp_path)
+    user = NatsCredentials(creds_file=str(setup.creds_file))
+    server = await EmbeddedNatsServer(server_args=["-c", str(setup.server_config)], credentials=user).start()
+    try:
+        assert run(["kvmesh", "inspect", "worker", "--nats-url", server.url]).returncode != 0
+        ok = run(
+            ["kvmesh", "inspect", "worker", "--nats-url", server.url], {"KVMESH_NATS_CREDS": str(setup.creds_file)}
+        )
+        assert ok.returncode == 0, ok.stderr
     finally:
         server.stop()
 
