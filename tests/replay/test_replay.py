@@ -207,6 +207,7 @@ def test_disaggregation_trades_ttft_for_decode_tail_latency_on_the_shared_trace(
     assert split["ttft_ms"]["p50"] > aggregated["ttft_ms"]["p50"]
 
 
+@pytest.mark.slow  # four replays of the whole trace: about a minute
 @needs_trace
 def test_a_learned_timing_model_routes_a_heterogeneous_fleet_like_the_exact_one(shared_trace):
     """4 of 8 workers are 2x slower. A router that assumes they are all alike has a worse TTFT tail;

