@@ -190,14 +190,28 @@ async def _object_store(js: JetStreamContext):
             return await js.object_store(names.INDEX_SNAPSHOTS_BUCKET)
 
 
+# A read of the snapshot object gives up after this long and starts again. nats-py's object get waits
+# for the chunks with no deadline; when another replica replaces the snapshot between the get's
+# metadata read and its chunk read, the old chunks are purged and the get would wait forever (a CI
+# run hung on exactly that). Reading again finds the new snapshot.
+LOAD_ATTEMPT_TIMEOUT_S = 5.0
+LOAD_ATTEMPTS = 4
+
+
 async def load(js: JetStreamContext, namespace: str) -> Snapshot | None:
-    """The stored snapshot of this namespace, or None if there is none."""
+    """The stored snapshot of this namespace, or None if there is none. Never waits forever: a read
+    raced by a replacement is retried; :class:`SnapshotError` after ``LOAD_ATTEMPTS`` stuck reads."""
     store = await _object_store(js)
-    try:
-        result = await store.get(snapshot_key(namespace))
-    except nats.js.errors.ObjectNotFoundError:
-        return None
-    return decode(result.data)
+    for attempt in range(1, LOAD_ATTEMPTS + 1):
+        try:
+            result = await asyncio.wait_for(store.get(snapshot_key(namespace)), LOAD_ATTEMPT_TIMEOUT_S)
+        except nats.js.errors.ObjectNotFoundError:
+            return None
+        except TimeoutError:
+            log.warning("snapshot read stalled (replaced while read?); reading again", attempt=attempt)
+            continue
+        return decode(result.data)
+    raise SnapshotError(f"the snapshot could not be read in {LOAD_ATTEMPTS} attempts")
 
 
 async def upload(js: JetStreamContext, namespace: str, snapshot: Snapshot) -> int:
