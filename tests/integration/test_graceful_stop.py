@@ -81,9 +81,11 @@ def assert_all_whole(results: list[StreamedAnswer]) -> None:
         assert answer.completion_tokens == MAX_TOKENS and len(answer.text) == MAX_TOKENS
 
 
-def test_a_worker_stopped_under_load_loses_no_request(nats_url: str):
+def stop_a_worker_under_load(nats_url: str, drain_secs: int) -> float:
+    """SIGTERM one of two workers (given ``drain_secs`` to drain) under load; every answer must be
+    whole. Returns the router's migrations."""
     worker_args = ("--speedup-ratio", "1", "--lease-ttl", "30")
-    victim = service_process("worker", nats_url, NAMESPACE, *worker_args, "--drain-timeout-secs", "1")
+    victim = service_process("worker", nats_url, NAMESPACE, *worker_args, "--drain-timeout-secs", str(drain_secs))
     web, api = frontend(nats_url)
     with processes(
         service_process("router", nats_url, NAMESPACE),
@@ -95,7 +97,11 @@ def test_a_worker_stopped_under_load_loses_no_request(nats_url: str):
         wait_for(nats_url, "router", 1)
         wait_until(lambda: api_answers(api), timeout=30, what="the frontend to answer")
         assert_all_whole(asyncio.run(load_and_stop(api, victim)))
-        assert router_migrations(nats_url) > 0  # the drain cut streams, and they moved
+        return router_migrations(nats_url)
+
+
+def test_a_worker_stopped_under_load_loses_no_request(nats_url: str):
+    assert stop_a_worker_under_load(nats_url, drain_secs=1) > 0  # the drain cut streams, and they moved
 
 
 def test_a_router_replica_stopped_under_load_loses_no_request(nats_url: str):
@@ -124,18 +130,5 @@ def router_migrations(nats_url: str) -> float:
 
 def test_a_worker_given_time_to_drain_finishes_its_own_streams(nats_url: str):
     # --drain-timeout-secs longer than the streams: the stopping worker takes no new request but
-    # finishes every one it has, so none has to move (the short default cuts and migrates them)
-    worker_args = ("--speedup-ratio", "1", "--lease-ttl", "30")
-    victim = service_process("worker", nats_url, NAMESPACE, *worker_args, "--drain-timeout-secs", "60")
-    web, api = frontend(nats_url)
-    with processes(
-        service_process("router", nats_url, NAMESPACE),
-        service_process("worker", nats_url, NAMESPACE, *worker_args),
-        victim,
-        web,
-    ):
-        wait_for(nats_url, "worker", 2)
-        wait_for(nats_url, "router", 1)
-        wait_until(lambda: api_answers(api), timeout=30, what="the frontend to answer")
-        assert_all_whole(asyncio.run(load_and_stop(api, victim)))
-        assert router_migrations(nats_url) == 0
+    # finishes every one it has, so none has to move (the short drain cuts and migrates them)
+    assert stop_a_worker_under_load(nats_url, drain_secs=60) == 0
