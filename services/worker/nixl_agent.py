@@ -6,9 +6,19 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import types
+from typing import Any
 
 from kvmesh.worker.kv_buffer import KvBuffer, contiguous_runs
 from kvmesh.worker.transfer_messages import TransferError
+
+# How long NIXL's progress thread waits between polls when nothing moves (µs). NIXL's Python API
+# fixes it at 0, and the thread then spins a whole core per worker even while idle (two prefill and
+# decode workers starved a 2-core machine). The thread cannot simply be left out: the prefill side of
+# a read is passive and UCX needs it to progress (connection set-up, TCP's emulated reads). A reader
+# still polls its own transfer without waiting, so a read is not slowed.
+PROGRESS_POLL_US = 1000
+_AGENT_CREATION = threading.Lock()
 
 
 def nixl_available() -> bool:
@@ -25,11 +35,9 @@ class NixlAgent:
     NIXL calls block, so they run in a thread; the lock keeps one transfer at a time per agent."""
 
     def __init__(self, name: str, kv: KvBuffer) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.name = name
         self.kv = kv
-        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self._agent = _agent_with_idle_progress_thread(name)
         self._agent.register_memory([(kv.address, kv.size, 0, "")], mem_type="DRAM")
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._remotes: set[str] = set()
@@ -78,3 +86,28 @@ class NixlAgent:
             finally:
                 with contextlib.suppress(Exception):
                     self._agent.release_xfer_handle(handle)
+
+
+def _agent_with_idle_progress_thread(name: str) -> Any:
+    """A NIXL agent (UCX) whose progress thread waits ``PROGRESS_POLL_US`` between idle polls.
+
+    ``nixl_agent`` sets the native config's delay to 0 just before creating the native agent, so
+    the native constructor it calls is swapped, for this one call, for one that sets the delay first.
+    A NIXL without that layout gets its defaults (a spinning thread) rather than an error."""
+    from nixl import _api
+
+    bindings = _api.nixlBind
+    native_agent = getattr(bindings, "nixlAgent", None)
+    if native_agent is None:
+        return _api.nixl_agent(name, _api.nixl_agent_config(backends=["UCX"]))
+
+    def create(agent_name: str, config: Any) -> Any:
+        config.pthrDelay = PROGRESS_POLL_US
+        return native_agent(agent_name, config)
+
+    with _AGENT_CREATION:
+        _api.nixlBind = types.SimpleNamespace(**{**vars(bindings), "nixlAgent": create})
+        try:
+            return _api.nixl_agent(name, _api.nixl_agent_config(backends=["UCX"]))
+        finally:
+            _api.nixlBind = bindings
