@@ -56,7 +56,7 @@ def container_mesh() -> Iterator[ContainerMesh]:
         indexers = [start("indexer", "--replica-id", str(replica)) for replica in (0, 1)]
         routers = [start("router", "--router-replica-sync", "--lease-ttl", "2") for _ in range(2)]
         for _ in range(2):
-            start("worker", "--speedup-ratio", "1")
+            start("worker", "--speedup-ratio", "0.3")  # slow streams: still running when the kill lands
         frontend = start("frontend", "--http-port", str(http_port))
         mesh = ContainerMesh(nats_url, f"http://127.0.0.1:{http_port}/v1", indexers, routers, frontend)
         try:

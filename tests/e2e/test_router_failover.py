@@ -23,8 +23,9 @@ KILL_AFTER_STARTED = 50  # early: most streams are still mid-flight when the rou
 
 @pytest.fixture(scope="module")
 def two_router_mesh() -> Iterator[MeshProcess]:
-    # a slower engine so that streams are still running when the router dies
-    yield from start_mesh("--routers", "2", "--router-replica-sync", "--speedup-ratio", "1")
+    # a slow engine (about 5 s per stream), so streams are still running when the router dies even
+    # when the test client, busy with 200 streams, notices the 50th first token late
+    yield from start_mesh("--routers", "2", "--router-replica-sync", "--speedup-ratio", "0.2")
 
 
 def router_pids(mesh: MeshProcess) -> list[int]:
