@@ -478,7 +478,7 @@ class MeshProcess:
     read where it listens, stop it with SIGTERM."""
 
     def __init__(self, *args: str, http_port: int | None = None) -> None:
-        from kvmesh.common.nats_server import free_port
+        from kvmesh.common.ports import free_port
 
         self.http_port = http_port or free_port()
         self.argv = [sys.executable, "-m", "kvmesh", "up", "--http-port", str(self.http_port), *args]

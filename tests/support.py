@@ -20,7 +20,7 @@ import openai
 
 from kvmesh.common.config import parse_config
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
-from kvmesh.common.nats_server import free_port
+from kvmesh.common.ports import free_port
 from kvmesh.common.tiny_model import MODEL_DIR
 
 __all__ = [

@@ -24,6 +24,7 @@ import nats
 
 from kvmesh.common.child_process import die_with_parent
 from kvmesh.common.nats_auth import NatsCredentials
+from kvmesh.common.ports import free_port
 
 
 class NatsServerError(RuntimeError):
@@ -50,12 +51,6 @@ def find_nats_server() -> Path:
 
 async def _ignore_error(_error: Exception) -> None:
     """Refused connections are expected while the server starts; the caller retries."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class EmbeddedNatsServer:

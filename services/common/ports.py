@@ -1,6 +1,6 @@
-"""Ports for servers that another process binds later.
+"""Free ports to hand to servers.
 
-``free_port`` (bind port 0, read it, close) is safe only when the caller binds the port again at once.
+:func:`free_port` (bind port 0, read it, close) is safe only when the server binds it again at once.
 A port handed to an engine that binds it a minute later, after loading its model, can be taken in
 between: every outgoing connection and every port-0 bind on the machine draws from the kernel's
 ephemeral range, and vLLM's start-up alone opens dozens (torch.distributed, ZMQ). vLLM's NIXL
@@ -23,6 +23,13 @@ DEFAULT_EPHEMERAL_LOW = 32768
 # Below this are well-known and commonly registered ports (databases, web servers, NATS' 4222).
 LOWEST_CANDIDATE = 10000
 ATTEMPTS = 200
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel reports free now, from its ephemeral range: for a server that binds it at once."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 class NoFreePortError(RuntimeError):

@@ -13,6 +13,7 @@ checks its transfers and notifications on every engine step, and those calls mov
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 from typing import Any
@@ -28,8 +29,6 @@ def register() -> None:
     if os.environ.get(QUIET_NIXL_ENV) != "1":
         return
     try:
-        import importlib
-
         connector = importlib.import_module(_CONNECTOR_MODULE)
     except ImportError as exc:  # another vLLM layout: its agent keeps its progress thread
         log.warning("kvmesh could not reach vLLM's NIXL connector (%s); NIXL keeps its progress thread", exc)

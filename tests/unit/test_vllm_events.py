@@ -11,7 +11,7 @@ import pytest
 
 from kvmesh.common.hashing import local_block_hashes, sequence_hashes
 from kvmesh.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
-from kvmesh.common.nats_server import free_port
+from kvmesh.common.ports import free_port
 from kvmesh.worker.vllm_events import VllmEventRelay, VllmEventTranslator, decode_batch
 from tests.support import wait_until_async
 
