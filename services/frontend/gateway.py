@@ -3,6 +3,7 @@ into text pieces, with usage accounting and router failover."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvmesh.common.finish_reasons import finish_name
 from kvmesh.common.grpc_errors import is_transport_failure
+from kvmesh.common.grpc_streams import messages
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.common.requests import continue_request
 from kvmesh.frontend.errors import (
@@ -179,21 +181,23 @@ class Frontend:
             sent = request if attempt == 0 else continue_request(request, generated, max_tokens, f"r{attempt}")
             call = self.routers.generate(sent, address)
             try:
-                async for output in call:
-                    generated.extend(output.token_ids)
-                    usage.completion_tokens = len(generated)
-                    usage.worker_id = output.worker_id
-                    if attempt == 0 and output.usage.cached_prompt_tokens:
-                        usage.cached_tokens = output.usage.cached_prompt_tokens
-                    text, stopped = matcher.feed(detokenizer.add(output.token_ids))
-                    if stopped:
-                        yield Piece(text, "stop")
-                        return
-                    if output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                        yield Piece(text + matcher.flush(), finish_name(output.finish_reason, "stop"))
-                        return
-                    if text:
-                        yield Piece(text)
+                # messages() cancels the call when we stop early: that frees the worker's request
+                async with contextlib.aclosing(messages(call)) as outputs:
+                    async for output in outputs:
+                        generated.extend(output.token_ids)
+                        usage.completion_tokens = len(generated)
+                        usage.worker_id = output.worker_id
+                        if attempt == 0 and output.usage.cached_prompt_tokens:
+                            usage.cached_tokens = output.usage.cached_prompt_tokens
+                        text, stopped = matcher.feed(detokenizer.add(output.token_ids))
+                        if stopped:
+                            yield Piece(text, "stop")
+                            return
+                        if output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                            yield Piece(text + matcher.flush(), finish_name(output.finish_reason, "stop"))
+                            return
+                        if text:
+                            yield Piece(text)
             except grpc.aio.AioRpcError as exc:
                 if not is_transport_failure(exc):
                     raise _map_grpc_error(exc) from exc
@@ -208,8 +212,6 @@ class Frontend:
                     yield Piece(matcher.flush(), "length")
                     return
                 continue
-            finally:
-                call.cancel()  # no-op when the stream ended; frees the worker when we stopped early
             raise UpstreamError("the router stream ended without a finish reason")
         raise ServiceUnavailableError(f"router replicas failed {ROUTER_FAILOVER_LIMIT + 1} times for this request")
 

@@ -24,6 +24,7 @@ from kvmesh.common.channels import ChannelPool
 from kvmesh.common.disagg import DecodeOrder, DisaggParamsError, KvSource
 from kvmesh.common.discovery import InstanceRecord
 from kvmesh.common.grpc_errors import is_transport_failure, refuse
+from kvmesh.common.grpc_streams import messages
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 from kvmesh.common.requests import DEFAULT_MAX_TOKENS, continue_request
 from kvmesh.router.metrics import RouterMetrics
@@ -189,8 +190,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request_id = attempt.request.request_id
         call = worker_pb2_grpc.WorkerStub(self.channels.get(attempt.worker.address)).Generate(attempt.request)
         first = True
-        try:
-            async for output in call:
+        # messages() cancels the call when we stop early: that frees the worker's request
+        async with contextlib.aclosing(messages(call)) as outputs:
+            async for output in outputs:
                 if first:
                     first = False
                     self.router.track_first_token(request_id)
@@ -207,8 +209,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 output.usage.completion_tokens = len(progress.generated)
                 output.usage.cached_prompt_tokens = progress.cached_tokens
                 yield output
-        finally:
-            call.cancel()  # a no-op once the stream ended; frees the worker's request when the client left
 
     async def _after_broken_stream(
         self,
