@@ -32,14 +32,16 @@ def replay(setup: tuple[str, dict]) -> tuple[str, float, float, int]:
     config.validate()
     simulator = ReplaySimulator(config)
     if config.planner:
-        simulator.attach_planner(Planner(config, profile_mock_engine(simulator.engine_config)))
+        profile = profile_mock_engine(simulator.engine_config)
+        simulator.attach_planner(Planner(config, profile, disaggregated=config.prefill_workers > 0))
     records = simulator.run(read_trace(TRACE))
     end_ms = max(r.last_token_ms for r in records)
     if simulator.fleet is not None:
         seconds = simulator.fleet.worker_seconds(end_ms)
         largest = max(p["workers"] for p in simulator.fleet.timeline)
     else:
-        seconds, largest = config.workers * end_ms / 1000, config.workers
+        fleet_size = config.workers + config.prefill_workers
+        seconds, largest = fleet_size * end_ms / 1000, fleet_size
     return label, sla_attainment(records, config.ttft_target_ms, config.itl_target_ms), seconds, largest
 
 

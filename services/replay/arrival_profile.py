@@ -5,6 +5,8 @@ instantaneous rate becomes f(t) times the trace's own: an arrival at (speed-up a
 to the t with ∫₀ᵗ f = s. Each request keeps its order, shape and prefix; only when it comes changes.
 
     sine:period=600,amplitude=0.6     f(t) = 1 + 0.6 · sin(2πt / 600 s)        (amplitude < 1)
+    sine:period=600,amplitude=0.6,phase=300
+                                      f(t) = 1 + 0.6 · sin(2π(t + 300 s) / 600 s): shifted by 300 s
     step:at=120,factor=2              f(t) = 1 before 120 s, 2 after
 """
 
@@ -55,13 +57,14 @@ def parse_arrival_profile(text: str) -> ArrivalProfile | None:
         raise ConfigError(f"--arrival-profile {text!r}: expected kind:key=number,... ({exc})") from exc
     if kind == "sine":
         period, amplitude = params.get("period", 600.0), params.get("amplitude", 0.5)
+        phase = params.get("phase", 0.0)
         if period <= 0 or not 0 <= amplitude < 1:
             raise ConfigError("--arrival-profile sine: period must be positive and 0 <= amplitude < 1")
         omega = 2 * math.pi / period
         return ArrivalProfile(
             text,
-            lambda t: t + amplitude / omega * (1 - math.cos(omega * t)),
-            lambda t: 1 + amplitude * math.sin(omega * t),
+            lambda t: t + amplitude / omega * (math.cos(omega * phase) - math.cos(omega * (t + phase))),
+            lambda t: 1 + amplitude * math.sin(omega * (t + phase)),
         )
     if kind == "step":
         at, factor = params.get("at", 0.0), params.get("factor", 2.0)

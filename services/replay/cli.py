@@ -67,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile = EngineProfile.load(args.engine_profile) if args.engine_profile else None
         except ProfileError as exc:
             parser.error(str(exc))
-        simulator.attach_planner(Planner(config, profile or profile_mock_engine(simulator.engine_config)))
+        profile = profile or profile_mock_engine(simulator.engine_config)
+        simulator.attach_planner(Planner(config, profile, disaggregated=config.prefill_workers > 0))
     try:
         records = simulator.run(trace)
     except TraceError as exc:

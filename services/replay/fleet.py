@@ -1,6 +1,9 @@
 """The replay's virtual connector: a fleet whose workers start, join after a start-up delay, drain
 and stop as the planner decides, with the worker-seconds they cost; and the per-interval
-observations the planner reads, taken from the replayed requests."""
+observations the planner reads, taken from the replayed requests.
+
+Each worker has a role, the pool it belongs to: ``aggregated``, or ``prefill`` / ``decode`` when
+the replay disaggregates (``--prefill-workers``)."""
 
 from __future__ import annotations
 
@@ -9,10 +12,13 @@ from dataclasses import dataclass, field
 
 from kvmesh.planner.load import IntervalObservation, observe_interval
 
+POOLS = ("aggregated", "prefill", "decode")
+
 
 @dataclass
 class VirtualWorker:
     index: int
+    role: str  # one of POOLS
     started_ms: float  # when it was started: it costs from here
     joins_ms: float  # when it takes requests
     draining_since_ms: float | None = None
@@ -32,18 +38,20 @@ class VirtualFleet:
     workers: list[VirtualWorker] = field(default_factory=list)
     timeline: list[dict[str, float]] = field(default_factory=list)
 
-    def start(self, index: int, now_ms: float, immediately: bool = False) -> VirtualWorker:
-        worker = VirtualWorker(index, now_ms, now_ms if immediately else now_ms + self.startup_ms)
+    def start(self, index: int, role: str, now_ms: float, immediately: bool = False) -> VirtualWorker:
+        if role not in POOLS:
+            raise ValueError(f"unknown pool {role!r}; one of {', '.join(POOLS)}")
+        worker = VirtualWorker(index, role, now_ms, now_ms if immediately else now_ms + self.startup_ms)
         self.workers.append(worker)
         return worker
 
-    def live(self) -> list[VirtualWorker]:
-        """Started and not draining: the pool size the planner manages."""
-        return [w for w in self.workers if w.draining_since_ms is None]
+    def live(self, role: str | None = None) -> list[VirtualWorker]:
+        """Started and not draining (in pool ``role``, or in any): the pool size the planner manages."""
+        return [w for w in self.workers if w.draining_since_ms is None and role in (None, w.role)]
 
-    def drain(self, count: int, now_ms: float) -> list[VirtualWorker]:
-        """Drain ``count`` workers, those not yet joined first, then the youngest."""
-        chosen = sorted(self.live(), key=lambda w: (w.joins_ms <= now_ms, -w.started_ms))[:count]
+    def drain(self, count: int, role: str, now_ms: float) -> list[VirtualWorker]:
+        """Drain ``count`` workers of pool ``role``, those not yet joined first, then the youngest."""
+        chosen = sorted(self.live(role), key=lambda w: (w.joins_ms <= now_ms, -w.started_ms))[:count]
         for worker in chosen:
             worker.draining_since_ms = now_ms
         return chosen

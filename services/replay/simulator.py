@@ -35,7 +35,7 @@ from kvmesh.common.timing_fit import TimingFit
 from kvmesh.planner.load import IntervalObservation
 from kvmesh.planner.planner import Decision, Planner, PlannerOptions, PoolSizes
 from kvmesh.replay.arrival_profile import parse_arrival_profile
-from kvmesh.replay.fleet import IntervalRecorder, VirtualFleet
+from kvmesh.replay.fleet import POOLS, IntervalRecorder, VirtualFleet
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
 from kvmesh.router.config import RoutingOptions
 from kvmesh.router.load_tracker import LoadTracker
@@ -84,18 +84,19 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
     router_decode_scale: float = option(1.0, "the prior's decode times are the nominal ones times this")
     timing_refit_steps: int = option(50, "with --learn-timing: steps between refits of a worker's model")
     arrival_profile: str = option(
-        "", "reshape the arrival rate over time: sine:period=S,amplitude=A or step:at=S,factor=F (seconds)"
+        "",
+        "reshape the arrival rate over time: sine:period=S,amplitude=A[,phase=S] or step:at=S,factor=F (seconds)",
     )
     planner: bool = option(
-        False, "scale the fleet with the planner (virtual connector); --workers is then the starting size"
+        False,
+        "scale the fleet with the planner (virtual connector): --workers (and --prefill-workers, whose prefill and "
+        "decode pools it then sizes apart) are the starting sizes",
     )
 
     def validate(self) -> None:
         RoutingOptions.validate(self)
         PlannerOptions.validate(self)
         parse_arrival_profile(self.arrival_profile)
-        if self.planner and self.prefill_workers:
-            raise ConfigError("--planner sizes an aggregated fleet in a replay; drop --prefill-workers")
         if self.router_mode not in REPLAY_MODES:
             raise ConfigError(f"--router-mode must be one of {', '.join(REPLAY_MODES)} in a replay")
         for name in ("workers", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -202,11 +203,23 @@ class ReplaySimulator:
         self._timers: list[tuple[float, int, str, int]] = []  # (at, seq, "tick" | "join", worker)
 
     def attach_planner(self, planner: Planner) -> None:
-        """Let ``planner`` size the fleet during :meth:`run` (the virtual connector)."""
+        """Let ``planner`` size the fleet during :meth:`run` (the virtual connector): the aggregated
+        pool, or with ``--prefill-workers`` the prefill and decode pools."""
+        if planner.disaggregated != bool(self._prefill_workers):
+            raise ValueError("a disaggregated replay (--prefill-workers) needs a disaggregated planner, and only it")
         self.planner = planner
         self.fleet = VirtualFleet(self.config.worker_startup_secs * 1000.0)
-        for worker in range(self.config.workers):
-            self.fleet.start(worker, 0.0, immediately=True)
+        for worker in range(len(self.engines)):
+            self.fleet.start(worker, self._pool_of(worker), 0.0, immediately=True)
+
+    def _pool_of(self, worker: int) -> str:
+        if not self._prefill_workers:
+            return "aggregated"
+        return "prefill" if (worker, 0) in self._prefill_workers else "decode"
+
+    def _routable(self, pool: str) -> list[tuple[int, int]]:
+        """The router's list of workers in ``pool`` (what it may send requests to)."""
+        return self._prefill_workers if pool == "prefill" else self._workers
 
     def run(self, trace: list[TraceRequest]) -> list[RequestRecord]:
         speedup = self.config.arrival_speedup_ratio
@@ -278,38 +291,40 @@ class ReplaySimulator:
     def _on_timer(self, kind: str, worker: int, now: float, busy: bool) -> None:
         assert self.planner is not None and self.fleet is not None
         if kind == "join":
-            if self.fleet.workers[worker].draining_since_ms is None:
-                self._workers.append((worker, 0))
+            joined = self.fleet.workers[worker]
+            if joined.draining_since_ms is None:
+                self._routable(joined.role).append((worker, 0))
             return
         interval_ms = self.config.adjustment_interval * 1000.0
-        live = self.fleet.live()
+        current = PoolSizes(*(len(self.fleet.live(pool)) for pool in POOLS))
         recorder = IntervalRecorder(self.config.ttft_target_ms, self.config.itl_target_ms)
-        observation = recorder.observe(self.records, now - interval_ms, now, len(live))
-        decision = self.planner.step(observation, PoolSizes(aggregated=len(live)))
+        observation = recorder.observe(self.records, now - interval_ms, now, current.total)
+        decision = self.planner.step(observation, current)
         self.decisions.append(decision)
         self.steps.append((observation, decision))
-        self.fleet.timeline.append(
-            {
-                "t_s": now / 1000.0,
-                "workers": len(live),
-                "target": decision.target.aggregated,
-                "observed_rate": observation.request_rate,
-                "predicted_rate": decision.forecast.request_rate,
-            }
-        )
-        change = decision.target.aggregated - len(live)
-        if change > 0:
-            for _ in range(change):
-                self._add_worker(now)
-        elif change < 0:
-            for drained in self.fleet.drain(-change, now):
-                if (drained.index, 0) in self._workers:
-                    self._workers.remove((drained.index, 0))
+        point = {
+            "t_s": now / 1000.0,
+            "workers": current.total,
+            "target": decision.target.total,
+            "observed_rate": observation.request_rate,
+            "predicted_rate": decision.forecast.request_rate,
+        }
+        if self.planner.disaggregated:
+            point |= {"prefill": current.prefill, "decode": current.decode}
+            point |= {"prefill_target": decision.target.prefill, "decode_target": decision.target.decode}
+        self.fleet.timeline.append(point)
+        for pool in POOLS:
+            change = getattr(decision.target, pool) - getattr(current, pool)
+            for _ in range(max(change, 0)):
+                self._add_worker(pool, now)
+            for drained in self.fleet.drain(max(-change, 0), pool, now):
+                if (drained.index, 0) in self._routable(pool):
+                    self._routable(pool).remove((drained.index, 0))
                 self._stop_if_drained(drained.index, now)
         if busy:
             self._schedule("tick", now + interval_ms)
 
-    def _add_worker(self, now: float) -> None:
+    def _add_worker(self, pool: str, now: float) -> None:
         assert self.fleet is not None
         index = len(self.engines)
         self.engines.append(MockEngine(self.engine_config))
@@ -318,7 +333,7 @@ class ReplaySimulator:
             self._fits.append(TimingFit(self._fits[0].prior))
         if self.config.router_timing == "exact" and isinstance(self.policy.cost_model, PerWorkerTtftCost):
             self.policy.cost_model.set_timing((index, 0), self.engine_config.timing)
-        worker = self.fleet.start(index, now)
+        worker = self.fleet.start(index, pool, now)
         self._schedule("join", worker.joins_ms, index)
 
     def _stop_if_drained(self, worker: int, now: float) -> None:

@@ -28,3 +28,12 @@ def test_bad_profiles_are_refused(text):
 
 def test_no_profile_is_none():
     assert parse_arrival_profile("") is None
+
+
+def test_a_phase_shifts_the_sine():
+    shifted = parse_arrival_profile("sine:period=100,amplitude=0.5,phase=50")
+    assert shifted.rate_factor(25.0) == pytest.approx(0.5)  # half a period on: the trough, not the crest
+    assert shifted.cumulative(0.0) == 0.0
+    assert shifted.warp_ms(100_000) == pytest.approx(100_000, abs=1e-3)  # a whole period keeps its length
+    # a quarter period in, the rate was below average: arrivals come later
+    assert shifted.warp_ms(40_000) > 40_000

@@ -29,7 +29,8 @@ def run(limit: int = 700, **overrides):
     config = ReplayConfig(**{**PLANNED, **overrides})
     config.validate()
     simulator = ReplaySimulator(config)
-    simulator.attach_planner(Planner(config, profile_mock_engine(simulator.engine_config)))
+    profile = profile_mock_engine(simulator.engine_config)
+    simulator.attach_planner(Planner(config, profile, disaggregated=config.prefill_workers > 0))
     records = simulator.run(read_trace(SHARED_TRACE)[:limit])
     return simulator, records
 
@@ -89,3 +90,25 @@ def test_planner_flags_without_the_planner_are_refused(capsys):
     with pytest.raises(SystemExit):
         cli.main([str(SHARED_TRACE), "--limit", "10", "--plot", "x.png"])
     assert "--planner" in capsys.readouterr().err
+
+
+def test_a_disaggregated_replay_sizes_the_prefill_and_decode_pools_apart():
+    simulator, records = run(prefill_workers=1, workers=1)
+    assert all(r.tokens == r.output_length for r in records)  # every request completed
+    assert any(r.kv_source == "remote" for r in records)  # the prefill pool did prefill
+    timeline = simulator.fleet.timeline
+    assert all(p["workers"] == p["prefill"] + p["decode"] for p in timeline)
+    # the trace's long prompts make prefill the bottleneck: that pool grows, and past the decode pool
+    assert max(p["prefill"] for p in timeline) > 1
+    assert max(p["prefill"] - p["decode"] for p in timeline) > 0
+    started = {w.index: w.role for w in simulator.fleet.workers}
+    assert set(started.values()) == {"prefill", "decode"}
+    assert all(started[w] == "prefill" for w, _ in simulator._prefill_workers)
+    assert all(started[w] == "decode" for w, _ in simulator._workers)
+
+
+def test_a_disaggregated_replay_needs_a_disaggregated_planner():
+    config = ReplayConfig(**{**PLANNED, "prefill_workers": 1})
+    simulator = ReplaySimulator(config)
+    with pytest.raises(ValueError, match="disaggregated"):
+        simulator.attach_planner(Planner(config, profile_mock_engine(simulator.engine_config)))
