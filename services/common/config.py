@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
+import socket
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -226,7 +228,11 @@ class GrpcEndpointConfig(CommonConfig):
 
     host: str = option("127.0.0.1", "address the gRPC server binds")
     port: int = option(0, "gRPC port (0 picks a free one)")
-    advertise_host: str | None = option(None, "host name others use to reach this service (default: --host)")
+    advertise_host: str | None = option(
+        None,
+        "host name others use to reach this service (default: --host); `auto`: the address this host's name "
+        "resolves to (in a container on a bridge network: the container's own, so replicas can share one command)",
+    )
     grpc_tls_cert: str | None = option(
         None, "certificate the gRPC server presents (serves TLS only; with --grpc-tls-key)"
     )
@@ -240,4 +246,23 @@ class GrpcEndpointConfig(CommonConfig):
     metrics_port: int = option(0, "Prometheus /metrics port (0: a free port, advertised in discovery; -1: off)")
 
     def advertised_address(self, bound_port: int) -> str:
-        return f"{self.advertise_host or self.host}:{bound_port}"
+        return f"{advertised_host(self)}:{bound_port}"
+
+
+ADVERTISE_AUTO = "auto"
+
+
+def advertised_host(config: Any) -> str:
+    """The host others reach ``config``'s service at: ``--advertise-host`` (``auto`` resolved), else ``--host``."""
+    if config.advertise_host == ADVERTISE_AUTO:
+        return _own_address()
+    return config.advertise_host or config.host
+
+
+@functools.cache
+def _own_address() -> str:
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError as exc:
+        raise ConfigError(f"--advertise-host auto: this host's name {name!r} does not resolve ({exc})") from exc

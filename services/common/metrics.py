@@ -6,7 +6,7 @@ import asyncio
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from kvmesh.common.config import GrpcEndpointConfig
+from kvmesh.common.config import GrpcEndpointConfig, advertised_host
 
 
 class MetricsEndpoint:
@@ -17,7 +17,7 @@ class MetricsEndpoint:
         self._server = None
         if config.metrics_port >= 0:
             self._server, _thread = start_http_server(config.metrics_port, addr=config.host, registry=registry)
-            self.address = f"{config.advertise_host or config.host}:{self._server.server_port}"
+            self.address = f"{advertised_host(config)}:{self._server.server_port}"
 
     def discovery_extra(self) -> dict[str, str]:
         return {"metrics": self.address} if self.address else {}

@@ -2,14 +2,24 @@
 
 ``local``: the ``kvmesh up`` supervisor, over NATS request/reply on ``kvmesh.<ns>.planner.scale``
 (JSON ``{"aggregated": N}`` sets the pool; ``{}`` asks its size; the answer is ``{"aggregated": n}``).
+``compose``: the pool is one docker compose service's replicas. Scaling runs ``<compose> up --detach
+--no-deps --no-recreate --scale SERVICE=N SERVICE``, which starts containers up to N or stops the
+highest-numbered ones; a stopped kvmesh worker gets SIGTERM (``init: true`` forwards it), deregisters
+at once and finishes its streams within the service's ``stop_grace_period``, so scaling down loses
+no request. The pool's size is the number of the service's containers that run.
 ``no-operation``: nothing is changed; the decisions are only logged and recorded.
 (The replay has its own, virtual one: ``kvmesh.replay.fleet``.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Protocol
+import shlex
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import nats.errors
 from nats.aio.client import Client as NatsClient
@@ -17,7 +27,7 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.common import names
 from kvmesh.planner.planner import PoolSizes
 
-CONNECTORS = ("local", "no-operation")
+CONNECTORS = ("local", "compose", "no-operation")
 
 
 class ConnectorError(RuntimeError):
@@ -67,9 +77,87 @@ class LocalSupervisor:
         return await self._ask({"aggregated": target.aggregated})
 
 
-def make_connector(name: str, nc: NatsClient, namespace: str) -> Connector:
+COMMAND_TIMEOUT_S = 300.0  # a scale-up may build nothing but still start several containers
+
+
+def compose_command() -> list[str] | None:
+    """``docker compose`` (the v2 plugin) where installed, else the standalone ``docker-compose``."""
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+class ComposeService:
+    """Scales a compose service. Guarantees: :meth:`scale` returns only once compose has started or
+    stopped the containers (a failed or hung compose command raises :class:`ConnectorError` with its
+    output); the sizes it reports are counted from the engine, never assumed."""
+
+    def __init__(
+        self,
+        compose: Sequence[str],
+        service: str,
+        files: Sequence[str] = (),
+        project: str = "",
+        timeout: float = COMMAND_TIMEOUT_S,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self._compose = [*compose, *(arg for f in files for arg in ("--file", f))]
+        if project:
+            self._compose += ["--project-name", project]
+        self.service = service
+        self._timeout = timeout
+        self._env = dict(env) if env is not None else None  # None: this process's environment
+
+    async def current(self, registered: PoolSizes) -> PoolSizes:
+        return PoolSizes(aggregated=await self._running())
+
+    async def scale(self, target: PoolSizes) -> PoolSizes:
+        scale = f"{self.service}={target.aggregated}"
+        await self._run(*self._compose, "up", "--detach", "--no-deps", "--no-recreate", "--scale", scale, self.service)
+        return PoolSizes(aggregated=await self._running())
+
+    async def _running(self) -> int:
+        containers = (await self._run(*self._compose, "ps", "-q", self.service)).split()
+        if not containers:
+            return 0
+        states = await self._run("docker", "inspect", "--format", "{{.State.Running}}", *containers)
+        return states.split().count("true")
+
+    async def _run(self, *argv: str) -> str:
+        shown = shlex.join(argv)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=self._env
+            )
+        except OSError as exc:
+            raise ConnectorError(f"cannot run `{shown}`: {exc}") from exc
+        try:
+            out, err = await asyncio.wait_for(process.communicate(), self._timeout)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+            raise ConnectorError(f"`{shown}` took longer than {self._timeout:g} s") from None
+        if process.returncode != 0:
+            detail = (err or out).decode(errors="replace").strip()[-800:]
+            raise ConnectorError(f"`{shown}` failed (exit {process.returncode}): {detail}")
+        return out.decode(errors="replace")
+
+
+def make_connector(config: Any, nc: NatsClient) -> Connector:
+    """The connector ``config.connector_name()`` names, set up from ``config``'s options."""
+    name = config.connector_name()
     if name == "local":
-        return LocalSupervisor(nc, namespace)
+        return LocalSupervisor(nc, config.namespace)
+    if name == "compose":
+        compose = shlex.split(config.compose_command) if config.compose_command else compose_command()
+        if not compose:
+            raise ConnectorError("--connector compose: neither `docker compose` nor `docker-compose` is installed")
+        files = [f for f in config.compose_file.split(",") if f]
+        return ComposeService(compose, config.compose_service, files, config.compose_project)
     if name == "no-operation":
         return NoOperation()
     raise ValueError(f"unknown connector {name!r}; choose one of {', '.join(CONNECTORS)}")

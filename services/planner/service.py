@@ -42,6 +42,12 @@ class PlannerConfig(CommonConfig, PlannerOptions):
     state_db: Path = option(Path("kvmesh-planner.sqlite"), "SQLite file of the planner's steps (resumed on start)")
     connector: str = option("local", "how decisions reach the fleet", choices=CONNECTORS)
     no_operation: bool = option(False, "only log and record decisions (same as --connector no-operation)")
+    compose_command: str = option(
+        "", "--connector compose: the compose command (default: `docker compose` if installed, else `docker-compose`)"
+    )
+    compose_file: str = option("", "--connector compose: the mesh's compose file(s), comma-separated")
+    compose_project: str = option("", "--connector compose: the project name (default: compose's, from the directory)")
+    compose_service: str = option("worker", "--connector compose: the service whose replicas are the worker pool")
     metrics_host: str = option("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = option(0, "Prometheus /metrics port (0: a free port, -1: off)")
 
@@ -110,7 +116,7 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
 
         subscription = await nc.subscribe(names.load_report_subject(config.namespace), cb=on_report)
         stack.push_async_callback(subscription.unsubscribe)
-        connector = make_connector(config.connector_name(), nc, config.namespace)
+        connector = make_connector(config, nc)
         metrics = PlannerMetrics()
         if config.metrics_port >= 0:
             server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=metrics.registry)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import structlog
 
+from kvmesh.common.config import advertised_host
 from kvmesh.common.discovery import Registration, new_instance_id
 from kvmesh.common.metrics import MetricsEndpoint
 from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -93,7 +94,7 @@ async def serve(
         extra: dict[str, object] = {"engine": config.engine}
         if config.engine == "vllm":
             # prefill and decode workers move KV with vLLM's NIXL connector; aggregated ones need none
-            connector_host = None if config.role == "aggregated" else (config.advertise_host or config.host)
+            connector_host = None if config.role == "aggregated" else advertised_host(config)
             vllm = VllmEngine(
                 config.engine_args,
                 vllm_overrides(config),
@@ -169,7 +170,7 @@ async def start_kv_transfer(
     stack.push_async_callback(server.stop)
     client = KvTransferClient(kv, nixl, stats)
     log.info("KV transfer ready", backend=backend, port=server.port)
-    return KvTransfer(server, client, config.advertise_host or config.host)
+    return KvTransfer(server, client, advertised_host(config))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

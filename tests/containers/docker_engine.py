@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
-import subprocess
 
 import pytest
 
@@ -24,6 +22,8 @@ os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
 
 from testcontainers.core.container import DockerContainer
 from testcontainers.core.wait_strategies import LogMessageWaitStrategy
+
+from kvmesh.planner.connectors import compose_command
 
 KVMESH_IMAGE = os.environ.get("KVMESH_IMAGE", "kvmesh:latest")
 NATS_IMAGE = os.environ.get("KVMESH_TEST_NATS_IMAGE", "nats:2.11")
@@ -84,17 +84,6 @@ def engine_has_bridge() -> bool:
     import docker
 
     return bool(docker.from_env().networks.list(names=["bridge"]))
-
-
-def compose_command() -> list[str] | None:
-    """``docker compose`` (the v2 plugin) where installed, else Debian's standalone ``docker-compose``."""
-    if shutil.which("docker"):
-        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
-        if probe.returncode == 0:
-            return ["docker", "compose"]
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    return None
 
 
 def kvmesh_container(*args: str, nats_url: str) -> DockerContainer:

@@ -18,6 +18,8 @@ import httpx
 import openai
 import pytest
 
+from kvmesh.planner.connectors import ComposeService, ConnectorError
+from kvmesh.planner.planner import PoolSizes
 from tests.containers.docker_engine import KVMESH_IMAGE, compose_command, require_kvmesh_image
 from tests.support import api_answers, discovered, free_port, streams_interrupted_by, wait_until
 
@@ -158,3 +160,39 @@ def test_restarting_a_worker_container_under_load_loses_no_request(compose_mesh)
         timeout=60,
         what="the restarted worker to register again",
     )
+
+
+def test_the_planner_compose_connector_grows_and_shrinks_the_pool_losing_no_request(compose_mesh):
+    pool = ComposeService(compose_mesh.command, "worker", env=compose_mesh.env)
+    assert asyncio.run(pool.current(PoolSizes())) == PoolSizes(aggregated=0)  # none until asked
+    assert asyncio.run(pool.scale(PoolSizes(aggregated=1))) == PoolSizes(aggregated=1)
+    wait_until(
+        lambda: len(discovered(compose_mesh.nats_url, "worker")) == 3,
+        timeout=60,
+        what="the pool's worker to register beside worker-1 and worker-2",
+    )
+    shrunk: list[PoolSizes] = []
+
+    async def shrink() -> None:
+        shrunk.append(await pool.scale(PoolSizes(aggregated=0)))
+
+    streams, max_tokens = 30, 400
+    results = asyncio.run(
+        streams_interrupted_by(compose_mesh.api, shrink, streams=streams, max_tokens=max_tokens, after_started=15)
+    )
+    assert shrunk == [PoolSizes(aggregated=0)]
+    assert len(results) == streams
+    for answer in results:
+        assert answer.finish_reason == "length"
+        assert answer.completion_tokens == max_tokens and len(answer.text) == max_tokens
+    wait_until(
+        lambda: len(discovered(compose_mesh.nats_url, "worker")) == 2,
+        timeout=60,
+        what="the pool's worker to deregister",
+    )
+
+
+def test_the_compose_connector_says_what_failed(compose_mesh):
+    pool = ComposeService(compose_mesh.command, "no-such-service", env=compose_mesh.env)
+    with pytest.raises(ConnectorError, match="no-such-service"):
+        asyncio.run(pool.scale(PoolSizes(aggregated=1)))

@@ -1,8 +1,10 @@
+import socket
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
-from kvmesh.common.config import CommonConfig, ConfigError, option, parse_config
+from kvmesh.common.config import CommonConfig, ConfigError, advertised_host, option, parse_config
 
 
 @dataclass
@@ -116,3 +118,10 @@ def test_the_start_up_log_never_shows_an_api_key():
         config = parse_config(config_class, ["--api-key", "s3cret"], prog="x", description="", environ={})
         assert config.api_key == "s3cret"
         assert "s3cret" not in str(describe(config)) and describe(config)["api_key"] == "<set>"
+
+
+def test_the_advertised_host_is_the_option_else_the_bind_host_and_auto_resolves_this_host():
+    assert advertised_host(SimpleNamespace(advertise_host="worker-1", host="0.0.0.0")) == "worker-1"
+    assert advertised_host(SimpleNamespace(advertise_host=None, host="127.0.0.1")) == "127.0.0.1"
+    auto = advertised_host(SimpleNamespace(advertise_host="auto", host="0.0.0.0"))
+    assert auto == socket.gethostbyname(socket.gethostname())

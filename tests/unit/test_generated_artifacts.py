@@ -88,7 +88,10 @@ def test_prometheus_scrapes_every_kvmesh_service_of_the_compose_file():
     targets = {
         target.split(":")[0]
         for job in config["scrape_configs"]
-        for static in job["static_configs"]
+        for static in job.get("static_configs", [])
         for target in static["targets"]
     }
+    # a scaled service has no fixed names: its replicas are found through Docker's DNS
+    jobs = config["scrape_configs"]
+    targets |= {name for job in jobs for sd in job.get("dns_sd_configs", []) for name in sd["names"]}
     assert targets == set(services) - {"nats"}
