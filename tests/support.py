@@ -105,6 +105,14 @@ class StreamedAnswer:
     finish_reason: str | None
 
 
+def assert_every_stream_whole(results: list[StreamedAnswer], streams: int, max_tokens: int) -> None:
+    """Every one of ``streams`` answers arrived whole: all ``max_tokens`` tokens, finished by length."""
+    assert len(results) == streams
+    for answer in results:
+        assert answer.finish_reason == "length"
+        assert answer.completion_tokens == max_tokens and len(answer.text) == max_tokens
+
+
 def api_answers(api: str) -> bool:
     """Whether an OpenAI-compatible endpoint at ``api`` lists its models (for waiting on start-up)."""
     try:

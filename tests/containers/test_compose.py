@@ -21,7 +21,14 @@ import pytest
 from kvmesh.planner.connectors import ComposeService, ConnectorError
 from kvmesh.planner.planner import PoolSizes
 from tests.containers.docker_engine import KVMESH_IMAGE, compose_command, require_kvmesh_image
-from tests.support import api_answers, discovered, free_port, streams_interrupted_by, wait_until
+from tests.support import (
+    api_answers,
+    assert_every_stream_whole,
+    discovered,
+    free_port,
+    streams_interrupted_by,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[2]
@@ -148,10 +155,7 @@ def test_restarting_a_worker_container_under_load_loses_no_request(compose_mesh)
             compose_mesh.api, restart, streams=streams, max_tokens=max_tokens, after_started=restart_after
         )
     )
-    assert len(results) == streams
-    for answer in results:
-        assert answer.finish_reason == "length"
-        assert answer.completion_tokens == max_tokens and len(answer.text) == max_tokens
+    assert_every_stream_whole(results, streams, max_tokens)
     assert compose_mesh.container_started_at("worker-1") != started_before, "worker-1 was not restarted"
     # the restart cut streams mid-flight, and the router continued them on the other worker
     assert router_migrations(compose_mesh) > 0
@@ -181,10 +185,7 @@ def test_the_planner_compose_connector_grows_and_shrinks_the_pool_losing_no_requ
         streams_interrupted_by(compose_mesh.api, shrink, streams=streams, max_tokens=max_tokens, after_started=15)
     )
     assert shrunk == [PoolSizes(aggregated=0)]
-    assert len(results) == streams
-    for answer in results:
-        assert answer.finish_reason == "length"
-        assert answer.completion_tokens == max_tokens and len(answer.text) == max_tokens
+    assert_every_stream_whole(results, streams, max_tokens)
     wait_until(
         lambda: len(discovered(compose_mesh.nats_url, "worker")) == 2,
         timeout=60,

@@ -24,7 +24,14 @@ from tests.containers.docker_engine import (
     nats_url_of,
     require_kvmesh_image,
 )
-from tests.support import api_answers, discovered, free_port, streams_interrupted_by, wait_until
+from tests.support import (
+    api_answers,
+    assert_every_stream_whole,
+    discovered,
+    free_port,
+    streams_interrupted_by,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(300)]
 PROMPT = "Explain how a KV-cache aware router decides where to send a request. " * 3
@@ -95,10 +102,7 @@ def test_killing_an_indexer_and_a_router_container_under_load_loses_no_request(c
             container_mesh.api, kill_replicas, streams=streams, max_tokens=max_tokens, after_started=20
         )
     )
-    assert len(results) == streams
-    for answer in results:
-        assert answer.finish_reason == "length"
-        assert answer.completion_tokens == max_tokens and len(answer.text) == max_tokens
+    assert_every_stream_whole(results, streams, max_tokens)
 
     # streams were cut mid-flight on the killed router and went on through the other one
     stdout, stderr = container_mesh.frontend.get_logs()

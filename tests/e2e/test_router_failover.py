@@ -13,7 +13,7 @@ import pytest
 
 from kvmesh.up import MeshProcess
 from tests.e2e.conftest import descendants, start_mesh
-from tests.support import streams_interrupted_by, wait_until
+from tests.support import assert_every_stream_whole, streams_interrupted_by, wait_until
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 60
@@ -53,10 +53,7 @@ def test_streams_survive_a_router_killed_mid_flight(two_router_mesh):
             two_router_mesh.api, kill, streams=STREAMS, max_tokens=MAX_TOKENS, after_started=KILL_AFTER_STARTED
         )
     )
-    assert len(results) == STREAMS
-    for answer in results:
-        assert answer.completion_tokens == MAX_TOKENS and len(answer.text) == MAX_TOKENS
-        assert answer.finish_reason == "length"
+    assert_every_stream_whole(results, STREAMS, MAX_TOKENS)
     # streams really were cut mid-flight and continued on the other replica, and kvmesh up restarted
     # the killed one (the log is read by a thread that may lag: wait for the lines, do not assume them)
     for line_part in ("router replica failed; continuing on another", "restarting it"):

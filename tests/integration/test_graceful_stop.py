@@ -18,6 +18,7 @@ from kvmesh.common.ports import free_port
 from tests.support import (
     StreamedAnswer,
     api_answers,
+    assert_every_stream_whole,
     discovered,
     service_process,
     streams_interrupted_by,
@@ -74,13 +75,6 @@ async def load_and_stop(api: str, victim: subprocess.Popen[bytes]) -> list[Strea
     return results
 
 
-def assert_all_whole(results: list[StreamedAnswer]) -> None:
-    assert len(results) == STREAMS
-    for answer in results:
-        assert answer.finish_reason == "length"
-        assert answer.completion_tokens == MAX_TOKENS and len(answer.text) == MAX_TOKENS
-
-
 def stop_a_worker_under_load(nats_url: str, drain_secs: int) -> float:
     """SIGTERM one of two workers (given ``drain_secs`` to drain) under load; every answer must be
     whole. Returns the router's migrations."""
@@ -96,7 +90,7 @@ def stop_a_worker_under_load(nats_url: str, drain_secs: int) -> float:
         wait_for(nats_url, "worker", 2)
         wait_for(nats_url, "router", 1)
         wait_until(lambda: api_answers(api), timeout=30, what="the frontend to answer")
-        assert_all_whole(asyncio.run(load_and_stop(api, victim)))
+        assert_every_stream_whole(asyncio.run(load_and_stop(api, victim)), STREAMS, MAX_TOKENS)
         return router_migrations(nats_url)
 
 
@@ -117,7 +111,7 @@ def test_a_router_replica_stopped_under_load_loses_no_request(nats_url: str):
         wait_for(nats_url, "worker", 2)
         wait_for(nats_url, "router", 2)
         wait_until(lambda: api_answers(api), timeout=30, what="the frontend to answer")
-        assert_all_whole(asyncio.run(load_and_stop(api, victim)))
+        assert_every_stream_whole(asyncio.run(load_and_stop(api, victim)), STREAMS, MAX_TOKENS)
 
 
 def router_migrations(nats_url: str) -> float:
