@@ -8,11 +8,13 @@ the replay disaggregates (``--prefill-workers``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kvmesh.planner.load import IntervalObservation, observe_interval
+from kvmesh.planner.planner import PoolSizes
 
-POOLS = ("aggregated", "prefill", "decode")
+# the planner's pools, in PoolSizes' field order (so PoolSizes(*per_pool) lines up)
+POOLS = tuple(f.name for f in fields(PoolSizes))
 
 
 @dataclass
