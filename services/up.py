@@ -42,7 +42,7 @@ from kvmesh.planner.planner import PlannerOptions
 from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.router.config import RouterOptions
 from kvmesh.worker.mock_engine import EngineConfig
-from kvmesh.worker_pool import WorkerPool
+from kvmesh.worker_pool import WorkerPool, WorkerPools
 
 log = structlog.get_logger(__name__)
 
@@ -97,7 +97,7 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions):
     planner: bool = option(
         False,
         "run the SLA planner: it resizes the worker pool (from --workers, within --min-workers / --max-workers) "
-        "to meet --ttft-target-ms and --itl-target-ms",
+        "to meet --ttft-target-ms and --itl-target-ms; with --prefill-workers, the prefill and decode pools apart",
     )
     planner_state_db: Path | None = option(None, "the planner's SQLite state file (default: a new one in a temp dir)")
     engine_args: list[str] = option(None, "with --engine vllm: vLLM engine arguments for the workers", passthrough=True)
@@ -123,12 +123,15 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions):
             raise ConfigError("--prefill-workers must be >= 0")
         if self.planner:
             PlannerOptions.validate(self)
-            if self.engine != "mock" or self.prefill_workers:
-                raise ConfigError(
-                    "--planner sizes a pool of aggregated mock workers (no --engine vllm, no --prefill-workers)"
-                )
+            if self.engine != "mock":
+                raise ConfigError("--planner sizes pools of mock workers (no --engine vllm)")
             if not self.min_workers <= self.workers <= self.max_workers:
                 raise ConfigError("--planner: --workers must lie within --min-workers and --max-workers")
+            if self.prefill_workers and not 1 <= self.min_workers <= self.prefill_workers <= self.max_workers:
+                # an empty prefill pool would silently end disaggregation, hence at least one
+                raise ConfigError(
+                    "--planner with --prefill-workers: need 1 <= --min-workers <= --prefill-workers <= --max-workers"
+                )
 
 
 class ServiceProcess:
@@ -243,9 +246,9 @@ def worker_process(config: UpConfig, common: list[str], index: int, role: str) -
     return ServiceProcess(name, "kvmesh.worker", [*worker_args, "--role", role])
 
 
-def plan_planner(config: UpConfig, nats_url: str, services: list[ServiceProcess]) -> tuple[ServiceProcess, WorkerPool]:
-    """The planner process (with a profile of the workers' mock engine, measured now) and the pool of
-    aggregated workers it resizes through this supervisor."""
+def plan_planner(config: UpConfig, nats_url: str, services: list[ServiceProcess]) -> tuple[ServiceProcess, WorkerPools]:
+    """The planner process (with a profile of the workers' mock engine, measured now) and the pools
+    it resizes through this supervisor: the aggregated workers, or the prefill and the decode ones."""
     workdir = Path(tempfile.mkdtemp(prefix="kvmesh-planner-"))
     engine = EngineConfig(
         num_blocks=config.num_gpu_blocks or 16384,
@@ -268,22 +271,31 @@ def plan_planner(config: UpConfig, nats_url: str, services: list[ServiceProcess]
             str(state_db),
             "--connector",
             "local",
+            *(["--disaggregated"] if config.prefill_workers else []),
         ],
     )
-    workers = [s for s in services if s.name.startswith("worker-")]
-    pool = WorkerPool(
-        services,
-        workers,
-        lambda index: worker_process(config, common, index, "aggregated"),
-        config.min_workers,
-        config.max_workers,
-    )
-    pool.state_db = state_db
-    log.info("planner planned", state_db=str(state_db), profile=str(profile_path))
-    return planner, pool
+
+    def pool(role: str, prefix: str) -> WorkerPool:
+        workers = [s for s in services if s.name.startswith(prefix)]
+        return WorkerPool(
+            services,
+            workers,
+            lambda index: worker_process(config, common, index, role),
+            config.min_workers,
+            config.max_workers,
+            role,
+        )
+
+    if config.prefill_workers:
+        pools = WorkerPools({"prefill": pool("prefill", "prefill-worker-"), "decode": pool("decode", "worker-")})
+    else:
+        pools = WorkerPools({"aggregated": pool("aggregated", "worker-")})
+    pools.state_db = state_db
+    log.info("planner planned", state_db=str(state_db), profile=str(profile_path), pools=pools.sizes())
+    return planner, pools
 
 
-async def serve_worker_pool(config: UpConfig, nats_url: str, pool: WorkerPool) -> NatsClient:
+async def serve_worker_pool(config: UpConfig, nats_url: str, pool: WorkerPools) -> NatsClient:
     """Answer the planner's scale requests (the local connector's supervisor side)."""
     nc = await connect_nats(
         nats_url,
@@ -379,7 +391,7 @@ async def run(config: UpConfig) -> int:
         nats_url = nats_server.url
         log.info("embedded NATS server started", url=nats_url, store=nats_server.store_dir, pid=nats_server.pid)
     services = plan_services(config, nats_url)
-    pool: WorkerPool | None = None
+    pool: WorkerPools | None = None
     supervisor: NatsClient | None = None
     if config.planner:
         planner_process, pool = plan_planner(config, nats_url, services)

@@ -1,18 +1,25 @@
-"""The aggregated workers of a ``kvmesh up`` mesh as a pool the planner resizes (local connector).
+"""The worker pools of a ``kvmesh up`` mesh that the planner resizes (the local connector's supervisor
+side): one aggregated pool, or a prefill and a decode pool when the mesh is disaggregated.
 
 Growing starts worker processes; shrinking sends the youngest SIGTERM — a worker then deregisters,
 serves its open streams for its grace period, and the router continues what is left elsewhere, so
 no request is lost — and keeps them in ``stopping`` until they have exited.
+
+The planner asks over NATS request/reply with JSON: ``{"prefill": 2, "decode": 3}`` sets those pools,
+``{}`` only asks; the answer always names every role, ``{"aggregated": 0, "prefill": 2, "decode": 3}``,
+or ``{"error": "..."}`` when the request cannot be carried out (then nothing changed).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
 import structlog
+
+from kvmesh.planner.planner import POOLS as ROLES
 
 log = structlog.get_logger(__name__)
 
@@ -26,19 +33,25 @@ class Process(Protocol):
 
 
 class WorkerPool:
-    """Guarantees: ``size`` stays within [low, high]; a worker leaves the pool (and is no longer
-    restarted) the moment it is asked to stop."""
+    """The workers of one role. Guarantees: ``size`` stays within [low, high]; a worker leaves the
+    pool (and is no longer restarted) the moment it is asked to stop."""
 
     def __init__(
-        self, services: list, workers: list, make_worker: Callable[[int], Process], low: int, high: int
+        self,
+        services: list,
+        workers: list,
+        make_worker: Callable[[int], Process],
+        low: int,
+        high: int,
+        role: str = "aggregated",
     ) -> None:
         self._services = services  # the supervisor's list: what is in it gets restarted when it dies
         self.workers = workers
         self._make_worker = make_worker
         self._next_index = len(workers)
         self.low, self.high = low, high
+        self.role = role
         self.stopping: list[Process] = []
-        self.state_db: Path | None = None  # the planner's, for the run file
 
     @property
     def size(self) -> int:
@@ -61,15 +74,55 @@ class WorkerPool:
             self.stopping = [w for w in self.stopping if w.exited() is None]
         return self.size
 
+
+class WorkerPools:
+    """The mesh's pools by role. Guarantees: a scale request is checked whole before any pool
+    changes, so a bad one changes nothing."""
+
+    def __init__(self, pools: Mapping[str, WorkerPool]) -> None:
+        unknown = set(pools) - set(ROLES)
+        if unknown:
+            raise ValueError(f"unknown pool roles {sorted(unknown)}; roles are {', '.join(ROLES)}")
+        self.pools = dict(pools)
+        self.state_db: Path | None = None  # the planner's, for the run file
+
+    @property
+    def disaggregated(self) -> bool:
+        return "prefill" in self.pools
+
+    @property
+    def stopping(self) -> list[Process]:
+        return [worker for pool in self.pools.values() for worker in pool.stopping]
+
+    def sizes(self) -> dict[str, int]:
+        return {role: self.pools[role].size if role in self.pools else 0 for role in ROLES}
+
     def answer(self, request: bytes) -> bytes:
-        """The supervisor's side of the local connector: ``{"aggregated": N}`` resizes, ``{}`` asks."""
         try:
-            body = json.loads(request or b"{}")
-            if "aggregated" in body:
-                before = self.size
-                after = self.scale_to(int(body["aggregated"]))
-                if after != before:
-                    log.info("worker pool resized by the planner", before=before, after=after)
+            wanted = self._parse(request)
         except (ValueError, TypeError) as exc:
             return json.dumps({"error": f"bad scale request: {exc}"}).encode()
-        return json.dumps({"aggregated": self.size}).encode()
+        before = self.sizes()
+        for role, size in wanted.items():
+            if role in self.pools:
+                self.pools[role].scale_to(size)
+        after = self.sizes()
+        if after != before:
+            log.info("worker pools resized by the planner", before=before, after=after)
+        return json.dumps(after).encode()
+
+    def _parse(self, request: bytes) -> dict[str, int]:
+        body = json.loads(request or b"{}")
+        if not isinstance(body, dict):
+            raise TypeError("expected a JSON object of pool sizes")
+        wanted: dict[str, int] = {}
+        for role, value in body.items():
+            if role not in ROLES:
+                raise ValueError(f"unknown pool {role!r}; pools are {', '.join(ROLES)}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{role}: a size is a whole number >= 0, not {value!r}")
+            if role not in self.pools and value > 0:
+                kind = "disaggregated (prefill and decode pools)" if self.disaggregated else "aggregated"
+                raise ValueError(f"this mesh is {kind}: it has no {role} pool")
+            wanted[role] = value
+        return wanted

@@ -1,7 +1,8 @@
 """How the planner's decisions reach the fleet.
 
 ``local``: the ``kvmesh up`` supervisor, over NATS request/reply on ``kvmesh.<ns>.planner.scale``
-(JSON ``{"aggregated": N}`` sets the pool; ``{}`` asks its size; the answer is ``{"aggregated": n}``).
+(JSON ``{"aggregated": 0, "prefill": P, "decode": D}`` sets the pools; ``{}`` asks their sizes; the
+answer names every role's size, or carries ``"error"``; see ``kvmesh.worker_pool``).
 ``compose``: the pool is one docker compose service's replicas. Scaling runs ``<compose> up --detach
 --no-deps --no-recreate --scale SERVICE=N SERVICE``, which starts containers up to N or stops the
 highest-numbered ones; a stopped kvmesh worker gets SIGTERM (``init: true`` forwards it), deregisters
@@ -25,7 +26,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common import names
-from kvmesh.planner.planner import PoolSizes
+from kvmesh.planner.planner import POOLS, PoolSizes
 
 CONNECTORS = ("local", "compose", "no-operation")
 
@@ -66,15 +67,18 @@ class LocalSupervisor:
                 f"no kvmesh up supervisor answers on {self._subject} (is `kvmesh up --planner` running?)"
             ) from exc
         try:
-            return PoolSizes(aggregated=int(json.loads(reply.data)["aggregated"]))
-        except (ValueError, KeyError, TypeError) as exc:
+            answer = json.loads(reply.data)
+            if "error" in answer:
+                raise ConnectorError(f"the supervisor refused: {answer['error']}")
+            return PoolSizes(**{role: int(answer.get(role, 0)) for role in POOLS})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConnectorError(f"bad answer from the supervisor: {reply.data[:200]!r}") from exc
 
     async def current(self, registered: PoolSizes) -> PoolSizes:
         return await self._ask({})
 
     async def scale(self, target: PoolSizes) -> PoolSizes:
-        return await self._ask({"aggregated": target.aggregated})
+        return await self._ask({role: getattr(target, role) for role in POOLS})
 
 
 COMMAND_TIMEOUT_S = 300.0  # a scale-up may build nothing but still start several containers

@@ -98,6 +98,9 @@ class PoolSizes:
         return self.aggregated + self.prefill + self.decode
 
 
+POOLS = tuple(f.name for f in dataclasses.fields(PoolSizes))  # the pools' names, in PoolSizes' order
+
+
 @dataclass(frozen=True)
 class Decision:
     at_s: float

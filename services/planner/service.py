@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,14 +19,14 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from kvmesh.common import names
 from kvmesh.common.config import CommonConfig, ConfigError, option
-from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.engine_profile import EngineProfile, ProfileError
 from kvmesh.common.load_report import LoadReport, LoadReportError
 from kvmesh.common.run_file import resolve_nats_url
 from kvmesh.common.service import ServiceStack
 from kvmesh.planner.connectors import CONNECTORS, ConnectorError, make_connector
 from kvmesh.planner.load import observe_interval
-from kvmesh.planner.planner import Decision, Planner, PlannerOptions, PoolSizes
+from kvmesh.planner.planner import POOLS, Decision, Planner, PlannerOptions, PoolSizes
 from kvmesh.planner.state import RESUME_STEPS, PlannerState, resume
 
 log = structlog.get_logger(__name__)
@@ -40,6 +41,10 @@ class PlannerConfig(CommonConfig, PlannerOptions):
     )
     engine_profile: Path = option(None, "engine profile from `kvmesh profile` (required)")
     state_db: Path = option(Path("kvmesh-planner.sqlite"), "SQLite file of the planner's steps (resumed on start)")
+    disaggregated: bool = option(
+        False,
+        "size a prefill and a decode pool (workers of --role prefill and --role decode) instead of one aggregated pool",
+    )
     connector: str = option("local", "how decisions reach the fleet", choices=CONNECTORS)
     no_operation: bool = option(False, "only log and record decisions (same as --connector no-operation)")
     compose_command: str = option(
@@ -55,6 +60,11 @@ class PlannerConfig(CommonConfig, PlannerOptions):
         PlannerOptions.validate(self)
         if self.engine_profile is None:
             raise ConfigError("--engine-profile is required (write one with `kvmesh profile`)")
+        if self.disaggregated and self.connector_name() == "compose":
+            raise ConfigError(
+                "--connector compose scales one service of aggregated workers; --disaggregated needs "
+                "--connector local (`kvmesh up --planner --prefill-workers N`) or no-operation"
+            )
 
     def connector_name(self) -> str:
         return "no-operation" if self.no_operation else self.connector
@@ -64,15 +74,15 @@ class PlannerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"kvmesh_planner_{name}", doc, registry=self.registry)
+        def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+            return Gauge(f"kvmesh_planner_{name}", doc, labels, registry=self.registry)
 
         self.observed_rate = gauge("observed_request_rate", "requests/s the last interval")
         self.predicted_rate = gauge("predicted_request_rate", "requests/s predicted for the interval sized for")
         self.attainment = gauge("sla_attainment", "share of the last interval's finished requests meeting both targets")
-        self.current = gauge("workers", "workers in the pool when the planner decided")
-        self.wanted = gauge("wanted_workers", "workers the model asked for")
-        self.target = gauge("target_workers", "workers the planner set (after hysteresis)")
+        self.current = gauge("workers", "workers in the pool when the planner decided", ["pool"])
+        self.wanted = gauge("wanted_workers", "workers the model asked for", ["pool"])
+        self.target = gauge("target_workers", "workers the planner set (after hysteresis)", ["pool"])
         self.cap = gauge("utilisation_cap", "prefill utilisation a worker may be planned at")
 
     def record(self, decision: Decision, observed_rate: float, attainment: float | None) -> None:
@@ -80,10 +90,24 @@ class PlannerMetrics:
         self.predicted_rate.set(decision.forecast.request_rate)
         if attainment is not None:
             self.attainment.set(attainment)
-        self.current.set(decision.current.total)
-        self.wanted.set(decision.wanted.total)
-        self.target.set(decision.target.total)
+        for pool in POOLS:
+            self.current.labels(pool).set(getattr(decision.current, pool))
+            self.wanted.labels(pool).set(getattr(decision.wanted, pool))
+            self.target.labels(pool).set(getattr(decision.target, pool))
         self.cap.set(decision.utilisation_cap)
+
+
+def registered_pools(records: Iterable[InstanceRecord]) -> PoolSizes:
+    """The workers discovery shows, counted by role (a worker without a role is aggregated)."""
+    roles = Counter(record.role or "aggregated" for record in records)
+    return PoolSizes(**{pool: roles[pool] for pool in POOLS})
+
+
+def pools_text(pools: PoolSizes) -> str:
+    """``"3"`` for an aggregated fleet, ``"2P+3D"`` for a disaggregated one (for the logs)."""
+    if pools.prefill or pools.decode:
+        return f"{pools.prefill}P+{pools.decode}D" + (f"+{pools.aggregated}A" if pools.aggregated else "")
+    return str(pools.aggregated)
 
 
 def merge(reports: Sequence[LoadReport]) -> tuple[int, list]:
@@ -100,7 +124,7 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
     async with ServiceStack() as stack:
         nc = await stack.nats(config, "kvmesh-planner")
         state = await stack.enter_async_context(PlannerState(config.state_db))
-        planner = Planner(config, profile)
+        planner = Planner(config, profile, disaggregated=config.disaggregated)
         history = await state.recent(RESUME_STEPS)
         last = resume(planner, history)
         if last is not None:
@@ -132,9 +156,9 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
             now = time.time()
             taken, reports[:] = list(reports), []
             arrivals, samples = merge(taken)
-            registered = sum(1 for r in workers.instances() if r.role in ("", "aggregated"))
+            registered = registered_pools(workers.instances())
             try:
-                current = await connector.current(PoolSizes(aggregated=registered))
+                current = await connector.current(registered)
             except ConnectorError as exc:
                 log.error("cannot read the fleet; skipping this interval", error=str(exc))
                 continue
@@ -145,7 +169,7 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
                 config.adjustment_interval,
                 config.ttft_target_ms,
                 config.itl_target_ms,
-                registered,
+                registered.total,
             )
             decision = planner.step(observation, current)
             await state.record(observation, decision)
@@ -156,15 +180,15 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
                 finished=len(samples),
                 attainment=observation.sla_attainment,
                 predicted_rate=round(decision.forecast.request_rate, 3),
-                workers=current.total,
-                registered=registered,
-                wanted=decision.wanted.total,
-                target=decision.target.total,
+                workers=pools_text(current),
+                registered=pools_text(registered),
+                wanted=pools_text(decision.wanted),
+                target=pools_text(decision.target),
                 utilisation_cap=round(decision.utilisation_cap, 3),
             )
             if decision.changes:
                 try:
                     now_pools = await connector.scale(decision.target)
-                    log.info("scaled", workers=now_pools.total, connector=config.connector_name())
+                    log.info("scaled", workers=pools_text(now_pools), connector=config.connector_name())
                 except ConnectorError as exc:
                     log.error("scaling failed", error=str(exc))

@@ -8,13 +8,10 @@ the replay disaggregates (``--prefill-workers``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from kvmesh.planner.load import IntervalObservation, observe_interval
-from kvmesh.planner.planner import PoolSizes
-
-# the planner's pools, in PoolSizes' field order (so PoolSizes(*per_pool) lines up)
-POOLS = tuple(f.name for f in fields(PoolSizes))
+from kvmesh.planner.planner import POOLS
 
 
 @dataclass

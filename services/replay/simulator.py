@@ -33,9 +33,9 @@ from kvmesh.common.prefix_index import PrefixIndex
 from kvmesh.common.timing import TimingModel, scaled
 from kvmesh.common.timing_fit import TimingFit
 from kvmesh.planner.load import IntervalObservation
-from kvmesh.planner.planner import Decision, Planner, PlannerOptions, PoolSizes
+from kvmesh.planner.planner import POOLS, Decision, Planner, PlannerOptions, PoolSizes
 from kvmesh.replay.arrival_profile import parse_arrival_profile
-from kvmesh.replay.fleet import POOLS, IntervalRecorder, VirtualFleet
+from kvmesh.replay.fleet import IntervalRecorder, VirtualFleet
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
 from kvmesh.router.config import RoutingOptions
 from kvmesh.router.load_tracker import LoadTracker

@@ -1,5 +1,6 @@
 """`kvmesh up --planner`: under a load ramp the planner grows the worker pool, after it shrinks it
-back by draining workers, and no request fails; its decisions are in its SQLite history."""
+back by draining workers, and no request fails; its decisions are in its SQLite history. With
+`--prefill-workers` it sizes the prefill and the decode pool apart."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from kvmesh.common.run_file import read_run_record
 from kvmesh.up import MeshProcess
 from tests.e2e.conftest import start_mesh
-from tests.support import discovered, stream_chat, wait_until
+from tests.support import assert_every_stream_whole, discovered, stream_chat, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 STATE_DB = "planner.sqlite"
@@ -45,34 +46,41 @@ def workers(mesh: MeshProcess) -> int:
     return len(discovered(mesh.nats_url, "worker"))
 
 
+def pools(mesh: MeshProcess) -> tuple[int, int]:
+    """(prefill, decode) workers registered."""
+    roles = [record.role for record in discovered(mesh.nats_url, "worker")]
+    return roles.count("prefill"), roles.count("decode")
+
+
+async def drive(mesh: MeshProcess, prompts: list[str], output_tokens: int, watch_fn) -> tuple[list, list]:
+    """Stream every prompt (24 at a time) while sampling ``watch_fn(mesh)`` twice a second."""
+    client = openai.AsyncOpenAI(base_url=mesh.api, api_key="unused", max_retries=0, timeout=120)
+    gate = asyncio.Semaphore(24)
+    seen: list = []
+
+    async def one(prompt: str):
+        async with gate:
+            return await stream_chat(client, prompt, output_tokens)
+
+    async def watch() -> None:
+        while True:
+            seen.append(await asyncio.to_thread(watch_fn, mesh))
+            await asyncio.sleep(0.5)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await asyncio.gather(*(one(p) for p in prompts)), seen
+    finally:
+        watcher.cancel()
+        await client.close()
+
+
 def test_the_pool_grows_under_load_shrinks_after_and_no_request_fails(planned_mesh):
     mesh, state = planned_mesh
     assert workers(mesh) == 1
-    seen: list[int] = []
-
-    async def load() -> list:
-        client = openai.AsyncOpenAI(base_url=mesh.api, api_key="unused", max_retries=0, timeout=120)
-        gate = asyncio.Semaphore(24)
-        prompts = [f"request {i}: " + "a long shared document " * 150 for i in range(360)]
-
-        async def one(prompt: str):
-            async with gate:
-                return await stream_chat(client, prompt, 48)
-
-        async def watch() -> None:
-            while True:
-                seen.append(await asyncio.to_thread(workers, mesh))
-                await asyncio.sleep(0.5)
-
-        watcher = asyncio.create_task(watch())
-        try:
-            return await asyncio.gather(*(one(p) for p in prompts))
-        finally:
-            watcher.cancel()
-            await client.close()
-
-    results = asyncio.run(load())
-    assert all(a.finish_reason == "length" and a.completion_tokens == 48 for a in results)
+    prompts = [f"request {i}: " + "a long shared document " * 150 for i in range(360)]
+    results, seen = asyncio.run(drive(mesh, prompts, 48, workers))
+    assert_every_stream_whole(results, len(prompts), 48)
     assert max(seen) > 1, f"the pool never grew under load: {seen}"
     wait_until(lambda: workers(mesh) == 1, timeout=60, what="the pool to shrink back to one worker")
 
@@ -87,3 +95,20 @@ def test_the_pool_grows_under_load_shrinks_after_and_no_request_fails(planned_me
     ).stdout.splitlines()
     set_sizes = [int(line.split()[-2]) for line in history[1:]]
     assert max(set_sizes) > 1 and set_sizes[-1] == 1
+
+
+@pytest.fixture(scope="module")
+def disaggregated_mesh() -> Iterator[MeshProcess]:
+    yield from start_mesh(*PLANNER_ARGS, "--prefill-workers", "1")
+
+
+def test_disaggregated_the_prefill_and_decode_pools_are_sized_apart_and_no_request_fails(disaggregated_mesh):
+    mesh = disaggregated_mesh
+    assert pools(mesh) == (1, 1)
+    # unique prompts longer than --disagg-min-uncached-tokens: every one prefills on a prefill worker
+    prompts = [f"[{i}] " + f"document {i} that nothing else shares, " * 30 for i in range(300)]
+    results, seen = asyncio.run(drive(mesh, prompts, 48, pools))
+    assert_every_stream_whole(results, len(prompts), 48)
+    assert max(p for p, _ in seen) > 1 or max(d for _, d in seen) > 1, f"no pool grew under load: {seen}"
+    assert all(p >= 1 and d >= 1 for p, d in seen), f"a pool went empty: {seen}"
+    wait_until(lambda: pools(mesh) == (1, 1), timeout=60, what="both pools to shrink back to one worker")
