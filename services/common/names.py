@@ -28,6 +28,11 @@ def load_report_subject(namespace: str) -> str:
     return f"kvmesh.{namespace}.metrics.frontend"
 
 
+def router_load_subject(namespace: str) -> str:
+    """Routers publish each worker's predicted load each few seconds here; the planner listens."""
+    return f"kvmesh.{namespace}.metrics.router"
+
+
 def planner_scale_subject(namespace: str) -> str:
     """The planner asks the ``kvmesh up`` supervisor (local connector) to resize the worker pool."""
     return f"kvmesh.{namespace}.planner.scale"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvmesh.common.load_report import RequestSample
 from kvmesh.common.stats import percentile
+from kvmesh.common.worker_load import WorkerLoad
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,15 @@ class IntervalObservation:
     # share of the requests finished in the interval that met both targets (None: none finished)
     sla_attainment: float | None = None
     finished: int = 0  # requests that ended in the interval
+    # each worker's load as the routers predicted it, averaged over the interval (live: their
+    # reports on kvmesh.<ns>.metrics.router; replay: its router's tracker at the interval's end)
+    worker_loads: tuple[WorkerLoad, ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: dict) -> IntervalObservation:
+        """The inverse of ``dataclasses.asdict`` (what the planner's SQLite state stores)."""
+        loads = tuple(WorkerLoad(**load) for load in data.get("worker_loads", ()))
+        return cls(**{**data, "worker_loads": loads})
 
     @property
     def backlog_growth(self) -> int:
@@ -72,6 +82,7 @@ def observe_interval(
     ttft_target_ms: float,
     itl_target_ms: float,
     workers: int = 0,
+    worker_loads: Sequence[WorkerLoad] = (),
 ) -> IntervalObservation:
     """One interval's observation: the rate from the arrivals, everything else from the requests
     that finished in it (live, only a finished request knows its output length and latencies)."""
@@ -105,6 +116,7 @@ def observe_interval(
         itl_p50_ms=quantile(itls, 50),
         itl_p90_ms=quantile(itls, 90),
         workers=workers,
+        worker_loads=tuple(worker_loads),
         finished=len(samples),
         sla_attainment=(
             sum(met_targets(s, ttft_target_ms, itl_target_ms) for s in samples) / len(samples) if samples else None

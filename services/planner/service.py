@@ -1,5 +1,6 @@
-"""``kvmesh planner run``: every adjustment interval, merge the frontends' load reports into an
-observation, decide, record the step in SQLite, and resize the fleet through the connector.
+"""``kvmesh planner run``: every adjustment interval, merge the frontends' load reports and the
+routers' per-worker loads into an observation, decide, record the step in SQLite, and resize the
+fleet through the connector.
 
 A restarted planner (kill -9 included) replays its recorded steps first and goes on from there.
 """
@@ -24,6 +25,7 @@ from kvmesh.common.engine_profile import EngineProfile, ProfileError
 from kvmesh.common.load_report import LoadReport, LoadReportError
 from kvmesh.common.run_file import resolve_nats_url
 from kvmesh.common.service import ServiceStack
+from kvmesh.common.worker_load import RouterLoadReport, WorkerLoad, WorkerLoadError, merge_router_reports
 from kvmesh.planner.connectors import CONNECTORS, ConnectorError, make_connector
 from kvmesh.planner.load import observe_interval
 from kvmesh.planner.planner import POOLS, Decision, Planner, PlannerOptions, PoolSizes
@@ -84,8 +86,18 @@ class PlannerMetrics:
         self.wanted = gauge("wanted_workers", "workers the model asked for", ["pool"])
         self.target = gauge("target_workers", "workers the planner set (after hysteresis)", ["pool"])
         self.cap = gauge("utilisation_cap", "prefill utilisation a worker may be planned at")
+        self.worker_requests = gauge(
+            "worker_requests", "requests in flight on a worker, the last interval's mean (routers' view)", ["worker"]
+        )
+        self.worker_kv_tokens = gauge(
+            "worker_kv_tokens",
+            "KV tokens a worker's requests held, the last interval's mean (routers' view)",
+            ["worker"],
+        )
 
-    def record(self, decision: Decision, observed_rate: float, attainment: float | None) -> None:
+    def record(
+        self, decision: Decision, observed_rate: float, attainment: float | None, loads: Sequence[WorkerLoad] = ()
+    ) -> None:
         self.observed_rate.set(observed_rate)
         self.predicted_rate.set(decision.forecast.request_rate)
         if attainment is not None:
@@ -95,6 +107,13 @@ class PlannerMetrics:
             self.wanted.labels(pool).set(getattr(decision.wanted, pool))
             self.target.labels(pool).set(getattr(decision.target, pool))
         self.cap.set(decision.utilisation_cap)
+        # workers come and go: only those of the last interval keep a series
+        self.worker_requests.clear()
+        self.worker_kv_tokens.clear()
+        for load in loads:
+            worker = f"{load.worker_id}" if not load.dp_rank else f"{load.worker_id}/{load.dp_rank}"
+            self.worker_requests.labels(worker).set(load.requests)
+            self.worker_kv_tokens.labels(worker).set(load.kv_tokens)
 
 
 def registered_pools(records: Iterable[InstanceRecord]) -> PoolSizes:
@@ -140,6 +159,16 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
 
         subscription = await nc.subscribe(names.load_report_subject(config.namespace), cb=on_report)
         stack.push_async_callback(subscription.unsubscribe)
+        router_reports: list[RouterLoadReport] = []
+
+        async def on_router_report(message) -> None:
+            try:
+                router_reports.append(RouterLoadReport.decode(message.data))
+            except WorkerLoadError as exc:
+                log.warning("ignored a message on the router load subject", error=str(exc))
+
+        routers = await nc.subscribe(names.router_load_subject(config.namespace), cb=on_router_report)
+        stack.push_async_callback(routers.unsubscribe)
         connector = make_connector(config, nc)
         metrics = PlannerMetrics()
         if config.metrics_port >= 0:
@@ -156,6 +185,8 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
             now = time.time()
             taken, reports[:] = list(reports), []
             arrivals, samples = merge(taken)
+            worker_loads = merge_router_reports(router_reports)
+            router_reports.clear()
             registered = registered_pools(workers.instances())
             try:
                 current = await connector.current(registered)
@@ -170,10 +201,11 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
                 config.ttft_target_ms,
                 config.itl_target_ms,
                 registered.total,
+                worker_loads,
             )
             decision = planner.step(observation, current)
             await state.record(observation, decision)
-            metrics.record(decision, observation.request_rate, observation.sla_attainment)
+            metrics.record(decision, observation.request_rate, observation.sla_attainment, worker_loads)
             log.info(
                 "planner decision",
                 observed_rate=round(observation.request_rate, 3),
@@ -185,6 +217,9 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
                 wanted=pools_text(decision.wanted),
                 target=pools_text(decision.target),
                 utilisation_cap=round(decision.utilisation_cap, 3),
+                # per worker: mean requests in flight and KV tokens held, as the routers predicted
+                worker_requests={w.worker_id: round(w.requests, 1) for w in worker_loads},
+                worker_kv_tokens={w.worker_id: round(w.kv_tokens) for w in worker_loads},
             )
             if decision.changes:
                 try:

@@ -95,7 +95,7 @@ class PlannerState:
         cursor = await self.db.execute("SELECT observation, decision FROM steps ORDER BY id DESC LIMIT ?", (limit,))
         rows = await cursor.fetchall()
         return [
-            StoredStep(IntervalObservation(**json.loads(obs)), decision_from_dict(json.loads(dec)))
+            StoredStep(IntervalObservation.from_dict(json.loads(obs)), decision_from_dict(json.loads(dec)))
             for obs, dec in reversed(rows)
         ]
 

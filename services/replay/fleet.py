@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.common.worker_load import WorkerLoad
 from kvmesh.planner.load import IntervalObservation, observe_interval
 from kvmesh.planner.planner import POOLS
 
@@ -67,7 +68,9 @@ class IntervalRecorder:
     ttft_target_ms: float
     itl_target_ms: float
 
-    def observe(self, records: Sequence, start_ms: float, end_ms: float, workers: int) -> IntervalObservation:
+    def observe(
+        self, records: Sequence, start_ms: float, end_ms: float, workers: int, worker_loads: Sequence[WorkerLoad] = ()
+    ) -> IntervalObservation:
         arrivals = sum(1 for r in records if start_ms <= r.arrival_ms < end_ms)
         samples = [r.sample() for r in records if start_ms <= r.last_token_ms < end_ms]
         return observe_interval(
@@ -78,4 +81,5 @@ class IntervalRecorder:
             self.ttft_target_ms,
             self.itl_target_ms,
             workers,
+            worker_loads,
         )

@@ -298,7 +298,7 @@ class ReplaySimulator:
         interval_ms = self.config.adjustment_interval * 1000.0
         current = PoolSizes(*(len(self.fleet.live(pool)) for pool in POOLS))
         recorder = IntervalRecorder(self.config.ttft_target_ms, self.config.itl_target_ms)
-        observation = recorder.observe(self.records, now - interval_ms, now, current.total)
+        observation = recorder.observe(self.records, now - interval_ms, now, current.total, self.loads.worker_loads())
         decision = self.planner.step(observation, current)
         self.decisions.append(decision)
         self.steps.append((observation, decision))

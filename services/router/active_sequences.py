@@ -16,11 +16,13 @@ or cancellation. :meth:`expire` drops requests older than a timeout, in case a f
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.common.hashing import blocks_needed
 from kvmesh.common.worker_key import WorkerKey
+from kvmesh.common.worker_load import WorkerLoad
 
 
 @dataclass
@@ -195,6 +197,16 @@ class ActiveSequences:
             decode = load.decode_blocks + n - _active_prefix(load.block_refs, block_hashes) + own if track else 0
             result.append(PotentialLoad(worker, load.prefill_tokens + prefill, decode))
         return result
+
+    def worker_loads(self) -> list[WorkerLoad]:
+        """Every worker with a load entry: requests in flight, prefill tokens, KV tokens held."""
+        requests = Counter(request.worker for request in self._requests.values())
+        return [
+            WorkerLoad(
+                worker[0], worker[1], requests[worker], load.prefill_tokens, load.decode_blocks * self.block_size
+            )
+            for worker, load in self._loads.items()
+        ]
 
     def workers(self) -> list[WorkerKey]:
         """Workers with a load entry (possibly zero)."""

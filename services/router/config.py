@@ -93,6 +93,9 @@ class RouterOptions(RoutingOptions):
 @dataclass
 class RouterConfig(GrpcEndpointConfig, RouterOptions):
     seed: int | None = option(None, "seed for tie-breaking and sampling (default: random)")
+    load_report_secs: float = option(5.0, "seconds between the per-worker load reports published for the planner")
 
     def validate(self) -> None:
         RouterOptions.validate(self)
+        if self.load_report_secs <= 0:
+            raise ConfigError("--load-report-secs must be positive")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvmesh.common.worker_key import WorkerKey
+from kvmesh.common.worker_load import WorkerLoad
 from kvmesh.router.active_sequences import ActiveSequences
 from kvmesh.router.sync_messages import ADD, FREE, PREFILL_DONE, SyncMessage
 
@@ -46,6 +47,10 @@ class LoadTracker:
 
     def pictures(self) -> list[ActiveSequences]:
         return list(self._sequences.values())
+
+    def worker_loads(self) -> list[WorkerLoad]:
+        """Each worker's predicted load now (every picture's workers; ours and other replicas' requests)."""
+        return [load for sequences in self._sequences.values() for load in sequences.worker_loads()]
 
     # ---- this replica's requests -----------------------------------------------------------
     def add(

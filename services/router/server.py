@@ -17,6 +17,7 @@ from kvmesh.common.proto.kvmesh.v1 import router_pb2, router_pb2_grpc
 from kvmesh.common.service import ServiceStack, service_main
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.indexer_client import IndexerClient
+from kvmesh.router.load_reports import publish_worker_loads_forever
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.replica_sync import ReplicaSync
 from kvmesh.router.routing import Router
@@ -56,6 +57,12 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
             sync = ReplicaSync(nc, config.namespace, router.router_id, router.apply_remote, router.forget_router)
             router.sync = await stack.start(sync)
         stack.task(expire_forever(router), "expire-requests")
+        stack.task(
+            publish_worker_loads_forever(
+                nc, config.namespace, router.router_id, router.loads, workers, config.load_report_secs
+            ),
+            "publish-worker-loads",
+        )
         metrics = RouterMetrics(router.loads.pictures, lambda: len(router.sync.peers()) if router.sync else 0)
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)

@@ -1,5 +1,6 @@
-"""`kvmesh planner run` over real NATS: it merges the frontends' load reports into its decisions,
-records every step in SQLite, and after kill -9 resumes with its window."""
+"""`kvmesh planner run` over real NATS: it merges the frontends' load reports and the routers'
+per-worker loads into its decisions, records every step in SQLite, and after kill -9 resumes with
+its window."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.common import names
 from kvmesh.common.load_report import LoadReport, RequestSample
+from kvmesh.common.worker_load import RouterLoadReport, WorkerLoad
 from kvmesh.planner.state import PlannerState
 from kvmesh.profiler.mock import profile_mock_engine
 from tests.support import service_process, wait_until_async
@@ -44,6 +46,8 @@ async def publish(nc: NatsClient, arrivals: int) -> None:
     sample = RequestSample(2000, 32, 500, 150.0, 12.0)
     report = LoadReport("frontend-test", 0.0, 0.25, arrivals, (sample,) * min(arrivals, 5))
     await nc.publish(names.load_report_subject(NAMESPACE), report.encode())
+    router = RouterLoadReport("router-test", 0.0, (WorkerLoad(7, 0, float(arrivals), 100.0, 4096.0),))
+    await nc.publish(names.router_load_subject(NAMESPACE), router.encode())
     await nc.flush()
 
 
@@ -68,6 +72,12 @@ async def test_the_planner_decides_from_load_reports_and_resumes_after_kill_9(na
         await busy_until(loaded_steps, "four steps that saw the load")
         before = await steps(state)
         assert max(s.observation.request_rate for s in before) >= 10
+        # the routers' per-worker load is part of what the planner observed and stored
+        assert any(
+            load.worker_id == 7 and load.requests == 5 and load.kv_tokens == 4096
+            for s in before
+            for load in s.observation.worker_loads
+        )
         assert max(s.decision.forecast.request_rate for s in before) >= 10
         planner.send_signal(signal.SIGKILL)
         planner.wait(timeout=10)
