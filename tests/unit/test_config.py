@@ -125,3 +125,33 @@ def test_the_advertised_host_is_the_option_else_the_bind_host_and_auto_resolves_
     assert advertised_host(SimpleNamespace(advertise_host=None, host="127.0.0.1")) == "127.0.0.1"
     auto = advertised_host(SimpleNamespace(advertise_host="auto", host="0.0.0.0"))
     assert auto == socket.gethostbyname(socket.gethostname())
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--planner", "--prefill-workers", "2", "--max-workers", "1"], "--prefill-workers <= --max-workers"),
+        (["--planner", "--prefill-workers", "1", "--min-workers", "0"], "1 <= --min-workers"),
+        (["--planner", "--engine", "vllm"], "no --engine vllm"),
+    ],
+)
+def test_kvmesh_up_refuses_planner_pools_it_cannot_keep(flags, message, capsys):
+    from kvmesh.up import UpConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(UpConfig, ["--workers", "1", *flags], prog="up", description="", environ={})
+    assert message in capsys.readouterr().err
+
+
+def test_a_disaggregated_planner_cannot_use_the_compose_connector(tmp_path, capsys):
+    from kvmesh.planner.service import PlannerConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(
+            PlannerConfig,
+            ["--engine-profile", str(tmp_path / "p.json"), "--disaggregated", "--connector", "compose"],
+            prog="planner",
+            description="",
+            environ={},
+        )
+    assert "--disaggregated needs --connector local" in capsys.readouterr().err
