@@ -3,8 +3,9 @@
 ``local``: the ``kvmesh up`` supervisor, over NATS request/reply on ``kvmesh.<ns>.planner.scale``
 (JSON ``{"aggregated": 0, "prefill": P, "decode": D}`` sets the pools; ``{}`` asks their sizes; the
 answer names every role's size, or carries ``"error"``; see ``kvmesh.worker_pool``).
-``compose``: the pool is one docker compose service's replicas. Scaling runs ``<compose> up --detach
---no-deps --no-recreate --scale SERVICE=N SERVICE``, which starts containers up to N or stops the
+``compose``: each pool is one docker compose service's replicas (the aggregated pool, or with
+``--disaggregated`` the prefill and the decode pool). Scaling runs ``<compose> up --detach --no-deps
+--no-recreate --scale SERVICE=N ... SERVICE ...``, which starts containers up to N or stops the
 highest-numbered ones; a stopped kvmesh worker gets SIGTERM (``init: true`` forwards it), deregisters
 at once and finishes its streams within the service's ``stop_grace_period``, so scaling down loses
 no request. The pool's size is the number of the service's containers that run.
@@ -96,36 +97,44 @@ def compose_command() -> list[str] | None:
 
 
 class ComposeService:
-    """Scales a compose service. Guarantees: :meth:`scale` returns only once compose has started or
-    stopped the containers (a failed or hung compose command raises :class:`ConnectorError` with its
-    output); the sizes it reports are counted from the engine, never assumed."""
+    """Scales compose services, one per pool (``{"aggregated": "worker"}``, or ``{"prefill":
+    "prefill-worker", "decode": "worker"}``). Guarantees: :meth:`scale` returns only once compose has
+    started or stopped the containers (a failed or hung compose command raises
+    :class:`ConnectorError` with its output); the sizes it reports are counted from the engine, never
+    assumed."""
 
     def __init__(
         self,
         compose: Sequence[str],
-        service: str,
+        services: Mapping[str, str],
         files: Sequence[str] = (),
         project: str = "",
         timeout: float = COMMAND_TIMEOUT_S,
         env: Mapping[str, str] | None = None,
     ) -> None:
+        unknown = set(services) - set(POOLS)
+        if unknown or not services:
+            raise ValueError(f"compose services are keyed by pool ({', '.join(POOLS)}), not {sorted(unknown)}")
         self._compose = [*compose, *(arg for f in files for arg in ("--file", f))]
         if project:
             self._compose += ["--project-name", project]
-        self.service = service
+        self.services = dict(services)
         self._timeout = timeout
         self._env = dict(env) if env is not None else None  # None: this process's environment
 
     async def current(self, registered: PoolSizes) -> PoolSizes:
-        return PoolSizes(aggregated=await self._running())
+        return PoolSizes(**{pool: await self._running(service) for pool, service in self.services.items()})
 
     async def scale(self, target: PoolSizes) -> PoolSizes:
-        scale = f"{self.service}={target.aggregated}"
-        await self._run(*self._compose, "up", "--detach", "--no-deps", "--no-recreate", "--scale", scale, self.service)
-        return PoolSizes(aggregated=await self._running())
+        scales = [
+            arg for pool, service in self.services.items() for arg in ("--scale", f"{service}={getattr(target, pool)}")
+        ]
+        named = list(self.services.values())
+        await self._run(*self._compose, "up", "--detach", "--no-deps", "--no-recreate", *scales, *named)
+        return await self.current(target)
 
-    async def _running(self) -> int:
-        containers = (await self._run(*self._compose, "ps", "-q", self.service)).split()
+    async def _running(self, service: str) -> int:
+        containers = (await self._run(*self._compose, "ps", "-q", service)).split()
         if not containers:
             return 0
         states = await self._run("docker", "inspect", "--format", "{{.State.Running}}", *containers)
@@ -161,7 +170,11 @@ def make_connector(config: Any, nc: NatsClient) -> Connector:
         if not compose:
             raise ConnectorError("--connector compose: neither `docker compose` nor `docker-compose` is installed")
         files = [f for f in config.compose_file.split(",") if f]
-        return ComposeService(compose, config.compose_service, files, config.compose_project)
+        if config.disaggregated:
+            services = {"prefill": config.compose_prefill_service, "decode": config.compose_service}
+        else:
+            services = {"aggregated": config.compose_service}
+        return ComposeService(compose, services, files, config.compose_project)
     if name == "no-operation":
         return NoOperation()
     raise ValueError(f"unknown connector {name!r}; choose one of {', '.join(CONNECTORS)}")

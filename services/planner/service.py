@@ -54,7 +54,13 @@ class PlannerConfig(CommonConfig, PlannerOptions):
     )
     compose_file: str = option("", "--connector compose: the mesh's compose file(s), comma-separated")
     compose_project: str = option("", "--connector compose: the project name (default: compose's, from the directory)")
-    compose_service: str = option("worker", "--connector compose: the service whose replicas are the worker pool")
+    compose_service: str = option(
+        "worker",
+        "--connector compose: the service whose replicas are the worker pool (with --disaggregated: the decode pool)",
+    )
+    compose_prefill_service: str = option(
+        "prefill-worker", "--connector compose --disaggregated: the service whose replicas are the prefill pool"
+    )
     metrics_host: str = option("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = option(0, "Prometheus /metrics port (0: a free port, -1: off)")
 
@@ -62,11 +68,12 @@ class PlannerConfig(CommonConfig, PlannerOptions):
         PlannerOptions.validate(self)
         if self.engine_profile is None:
             raise ConfigError("--engine-profile is required (write one with `kvmesh profile`)")
-        if self.disaggregated and self.connector_name() == "compose":
-            raise ConfigError(
-                "--connector compose scales one service of aggregated workers; --disaggregated needs "
-                "--connector local (`kvmesh up --planner --prefill-workers N`) or no-operation"
-            )
+        if (
+            self.connector_name() == "compose"
+            and self.disaggregated
+            and self.compose_prefill_service == self.compose_service
+        ):
+            raise ConfigError("--compose-prefill-service and --compose-service must name different services")
 
     def connector_name(self) -> str:
         return "no-operation" if self.no_operation else self.connector

@@ -167,7 +167,7 @@ def test_restarting_a_worker_container_under_load_loses_no_request(compose_mesh)
 
 
 def test_the_planner_compose_connector_grows_and_shrinks_the_pool_losing_no_request(compose_mesh):
-    pool = ComposeService(compose_mesh.command, "worker", env=compose_mesh.env)
+    pool = ComposeService(compose_mesh.command, {"aggregated": "worker"}, env=compose_mesh.env)
     assert asyncio.run(pool.current(PoolSizes())) == PoolSizes(aggregated=0)  # none until asked
     assert asyncio.run(pool.scale(PoolSizes(aggregated=1))) == PoolSizes(aggregated=1)
     wait_until(
@@ -193,7 +193,43 @@ def test_the_planner_compose_connector_grows_and_shrinks_the_pool_losing_no_requ
     )
 
 
+def test_the_disaggregated_compose_connector_sizes_prefill_and_decode_pools_losing_no_request(compose_mesh):
+    pools = ComposeService(
+        compose_mesh.command, {"prefill": "prefill-worker", "decode": "worker"}, env=compose_mesh.env
+    )
+    assert asyncio.run(pools.current(PoolSizes())) == PoolSizes(prefill=0, decode=0)
+    # naming the disagg profile's service starts it without the profile
+    assert asyncio.run(pools.scale(PoolSizes(prefill=2, decode=1))) == PoolSizes(prefill=2, decode=1)
+
+    def roles() -> list[str]:
+        return sorted(record.role or "aggregated" for record in discovered(compose_mesh.nats_url, "worker"))
+
+    wait_until(
+        lambda: roles() == ["aggregated"] * 3 + ["prefill"] * 2,
+        timeout=60,
+        what="two prefill workers and the decode pool's worker to register",
+    )
+    shrunk: list[PoolSizes] = []
+
+    async def shrink() -> None:
+        shrunk.append(await pools.scale(PoolSizes(prefill=1, decode=0)))
+
+    streams, max_tokens = 30, 200
+    results = asyncio.run(
+        streams_interrupted_by(compose_mesh.api, shrink, streams=streams, max_tokens=max_tokens, after_started=15)
+    )
+    assert shrunk == [PoolSizes(prefill=1, decode=0)]
+    assert_every_stream_whole(results, streams, max_tokens)
+    wait_until(
+        lambda: roles() == ["aggregated"] * 2 + ["prefill"],
+        timeout=60,
+        what="the removed prefill and decode workers to deregister",
+    )
+    asyncio.run(pools.scale(PoolSizes(prefill=0, decode=0)))
+    wait_until(lambda: roles() == ["aggregated"] * 2, timeout=60, what="the prefill pool to empty")
+
+
 def test_the_compose_connector_says_what_failed(compose_mesh):
-    pool = ComposeService(compose_mesh.command, "no-such-service", env=compose_mesh.env)
+    pool = ComposeService(compose_mesh.command, {"aggregated": "no-such-service"}, env=compose_mesh.env)
     with pytest.raises(ConnectorError, match="no-such-service"):
         asyncio.run(pool.scale(PoolSizes(aggregated=1)))

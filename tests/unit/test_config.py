@@ -143,15 +143,14 @@ def test_kvmesh_up_refuses_planner_pools_it_cannot_keep(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_a_disaggregated_planner_cannot_use_the_compose_connector(tmp_path, capsys):
+def test_a_disaggregated_compose_planner_needs_two_services(tmp_path, capsys):
     from kvmesh.planner.service import PlannerConfig
 
+    flags = ["--engine-profile", str(tmp_path / "p.json"), "--disaggregated", "--connector", "compose"]
+    config = parse_config(PlannerConfig, flags, prog="planner", description="", environ={})
+    assert (config.compose_prefill_service, config.compose_service) == ("prefill-worker", "worker")
     with pytest.raises(SystemExit):
         parse_config(
-            PlannerConfig,
-            ["--engine-profile", str(tmp_path / "p.json"), "--disaggregated", "--connector", "compose"],
-            prog="planner",
-            description="",
-            environ={},
+            PlannerConfig, [*flags, "--compose-prefill-service", "worker"], prog="p", description="", environ={}
         )
-    assert "--disaggregated needs --connector local" in capsys.readouterr().err
+    assert "must name different services" in capsys.readouterr().err
