@@ -5,8 +5,11 @@ On the shared trace with a time-varying arrival rate (default: a sinusoid, perio
 predictor (workers start 15 s after the planner asks, decisions every 15 s), and prints for each:
 SLA attainment (TTFT ≤ 2 s and mean ITL ≤ 50 ms), worker-seconds, and for the planner the smallest
 fixed fleet reaching at least its attainment and how many worker-seconds fewer the planner used.
+A fleet's attainment moves by a point or more with the router's tie-breaking, and the comparison
+jumps with it from one fixed size to the next: ``--seeds`` repeats everything per seed and prints
+the mean and the least saving.
 
-    python -m bench.planner_bench [--profile sine:period=500,amplitude=0.7] [--fixed 4 8]
+    python -m bench.planner_bench [--profile sine:period=500,amplitude=0.7] [--fixed 4 8] [--seeds 0 1 2]
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ def replay(setup: tuple[str, dict]) -> tuple[str, float, float, int]:
     return label, sla_attainment(records, config.ttft_target_ms, config.itl_target_ms), seconds, largest
 
 
+def compare(planned: tuple[str, float, float, int], fixed: list[tuple[str, float, float, int]]) -> float | None:
+    """How many worker-seconds fewer (a share) the planner used than the smallest fixed fleet whose
+    attainment is at least its own; None when no fixed fleet in range reaches it."""
+    match = next((f for f in fixed if f[1] >= planned[1]), None)
+    return None if match is None else 1 - planned[2] / match[2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="sine:period=500,amplitude=0.7", help="--arrival-profile of the runs")
@@ -52,29 +62,55 @@ def main() -> None:
     parser.add_argument("--fixed", type=int, nargs=2, default=(4, 8), metavar=("LOW", "HIGH"), help="fleet sizes")
     parser.add_argument("--interval", type=float, default=15.0, help="planner: --adjustment-interval")
     parser.add_argument("--startup", type=float, default=15.0, help="planner: --worker-startup-secs")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="replay seeds (the router's tie-breaking): one comparison per seed, then their mean",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="replays run in parallel")
     args = parser.parse_args()
-    common = {"arrival_profile": args.profile, "arrival_speedup_ratio": args.arrival_speedup_ratio}
-    setups = [(f"fixed {n}", {**common, "workers": n}) for n in range(args.fixed[0], args.fixed[1] + 1)]
-    planned = {"planner": True, "workers": 4, "adjustment_interval": args.interval}
-    planned["worker_startup_secs"] = args.startup
-    setups += [(f"planner {p}", {**common, **planned, "load_predictor": p}) for p in PREDICTORS]
-    # NVIDIA Dynamo's throughput-based sizing as its planner design describes it, same predictor
-    setups.append(("dynamo-style constant", {**common, **planned, "load_predictor": "constant", "sizing": "dynamo"}))
+    setups = []
+    for seed in args.seeds:
+        common = {"arrival_profile": args.profile, "arrival_speedup_ratio": args.arrival_speedup_ratio, "seed": seed}
+        setups += [(f"fixed {n}", {**common, "workers": n}) for n in range(args.fixed[0], args.fixed[1] + 1)]
+        planned = {"planner": True, "workers": 4, "adjustment_interval": args.interval}
+        planned["worker_startup_secs"] = args.startup
+        setups += [(f"planner {p}", {**common, **planned, "load_predictor": p}) for p in PREDICTORS]
+        # NVIDIA Dynamo's throughput-based scaling as its planner design describes it, same predictor
+        setups.append(
+            ("dynamo-style constant", {**common, **planned, "load_predictor": "constant", "sizing": "dynamo"})
+        )
     with ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(replay, setups))
-    fixed = [r for r in results if r[0].startswith("fixed")]
     print(f"trace {TRACE.name}, speed-up {args.arrival_speedup_ratio}, arrival profile {args.profile}")
-    print(f"{'setup':<26} {'SLA attainment':>14} {'worker-s':>9} {'max pool':>8}   vs fixed fleet")
-    for label, attained, seconds, largest in results:
-        line = f"{label:<26} {attained:14.3f} {seconds:9.0f} {largest:8d}"
-        if not label.startswith("fixed"):
-            match = next((f for f in fixed if f[1] >= attained), None)
-            if match:
-                line += f"   {match[0]} ({match[1]:.3f}, {match[2]:.0f} s): {1 - seconds / match[2]:.1%} fewer"
-            else:
-                line += "   no fixed fleet in range reaches it"
-        print(line)
+    per_seed = len(results) // len(args.seeds)
+    savings: dict[str, list[float | None]] = {}
+    for i, seed in enumerate(args.seeds):
+        batch = results[i * per_seed : (i + 1) * per_seed]
+        fixed = [r for r in batch if r[0].startswith("fixed")]
+        print(f"\nseed {seed}")
+        print(f"{'setup':<26} {'SLA attainment':>14} {'worker-s':>9} {'max pool':>8}   vs fixed fleet")
+        for result in batch:
+            label, attained, seconds, largest = result
+            line = f"{label:<26} {attained:14.3f} {seconds:9.0f} {largest:8d}"
+            if not label.startswith("fixed"):
+                fewer = compare(result, fixed)
+                savings.setdefault(label, []).append(fewer)
+                match = next((f for f in fixed if f[1] >= attained), None)
+                if match is not None and fewer is not None:
+                    line += f"   {match[0]} ({match[1]:.3f}, {match[2]:.0f} s): {fewer:.1%} fewer"
+                else:
+                    line += "   no fixed fleet in range reaches it"
+            print(line)
+    if len(args.seeds) > 1:
+        print(f"\nover seeds {' '.join(map(str, args.seeds))}: worker-seconds fewer than the fixed fleet each matched")
+        for label, shares in savings.items():
+            known = [s for s in shares if s is not None]
+            if known:
+                mean = sum(known) / len(known)
+                print(f"{label:<26} mean {mean:.1%}, least {min(known):.1%} ({len(known)} of {len(shares)} matched)")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 Each interval it (1) feeds the observation to its predictors, (2) predicts the next interval's rate,
 prompt and output lengths and prefix hits, (3) corrects its performance model by how far the last
 interval's observed TTFT / ITL were from what the model says for that interval's load and fleet, and
-(4) sizes each pool as the smallest that meets the targets, then (5) applies hysteresis: it grows at
-once and shrinks only after ``scale_down_intervals`` intervals in a row asked for less, to the largest
-size those intervals asked for.
+(4) sizes each pool as the smallest that meets the targets, then (5) applies a deadband and
+hysteresis: it grows at once; it shrinks only to a size that meets a stricter utilisation cap, and
+only after ``scale_down_intervals`` intervals in a row asked for less, to the largest size those
+intervals asked for.
 
 The model speaks of means, the SLA of each request; what lies between (requests whose few decode
 steps meet a long prefill chunk, a cache that holds less in a smaller fleet) is learned from the
@@ -62,6 +63,11 @@ class PlannerOptions:
     utilisation_cap: float = option(
         0.5, "starting cap on a worker's planned prefill utilisation (then learned from the attainment)"
     )
+    shrink_margin: float = option(
+        0.65,
+        "a pool shrinks only to a size planned within this share of the utilisation cap (1: no deadband); "
+        "it grows at the cap itself",
+    )
     sizing: str = option(
         "queue",
         "how pools are sized: queue (kvmesh's queueing model, learned cap) or dynamo (NVIDIA Dynamo's "
@@ -85,6 +91,8 @@ class PlannerOptions:
         low, high = UTILISATION_CAP_BOUNDS
         if not low <= self.utilisation_cap <= high:
             raise ConfigError(f"--utilisation-cap must be in [{low}, {high}]")
+        if not 0 < self.shrink_margin <= 1:
+            raise ConfigError("--shrink-margin must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -168,8 +176,9 @@ class Planner:
         self._observe(observation)
         self._track_backlog(observation)
         forecast = self.forecast()
-        wanted, ttft, itl = self._size(self._with_backlog(forecast))
-        target = self._hysteresis(wanted, current)
+        load = self._with_backlog(forecast)
+        wanted, ttft, itl = self._size(load)
+        target = self._hysteresis(self._deadband(wanted, current, load), current)
         self._last_pools = target
         self._last_forecast = forecast
         return Decision(
@@ -272,7 +281,7 @@ class Planner:
         estimate = capacity.aggregated(self.profile, forecast, pools.aggregated)
         return estimate.ttft_ms, estimate.itl_ms
 
-    def _size(self, forecast: LoadForecast) -> tuple[PoolSizes, float, float]:
+    def _size(self, forecast: LoadForecast, cap_margin: float = 1.0) -> tuple[PoolSizes, float, float]:
         o = self.options
         if o.sizing == "dynamo" and not self.disaggregated:
             wanted = capacity.dynamo_workers(
@@ -283,7 +292,7 @@ class Planner:
             return PoolSizes(aggregated=size), estimate.ttft_ms, estimate.itl_ms
         ttft_limit = o.ttft_target_ms * o.ttft_headroom / self.ttft_correction
         itl_limit = o.itl_target_ms * o.itl_headroom / self.itl_correction
-        cap = self.utilisation_cap
+        cap = self.utilisation_cap * cap_margin
         if not self.disaggregated:
             size, estimate = capacity.smallest_pool(
                 lambda n: capacity.aggregated(self.profile, forecast, n),
@@ -305,6 +314,18 @@ class Planner:
             o.max_workers,
         )
         return PoolSizes(prefill=prefill, decode=decode), p.ttft_ms, d.itl_ms
+
+    def _deadband(self, wanted: PoolSizes, current: PoolSizes, load: LoadForecast) -> PoolSizes:
+        """A pool that would shrink shrinks only to the size a stricter cap (× ``shrink_margin``)
+        allows. The queue's response is steep near the cap — four workers to three raises each
+        one's utilisation by a third — so a pool shrunk to the edge missed, the misses tightened the
+        cap, and it grew back past where it had been. Growing still happens at the cap itself."""
+        shrinking = [pool for pool in POOLS if getattr(wanted, pool) < getattr(current, pool)]
+        if not shrinking or self.options.shrink_margin >= 1:
+            return wanted
+        strict, _, _ = self._size(load, self.options.shrink_margin)
+        kept = {pool: min(getattr(current, pool), getattr(strict, pool)) for pool in shrinking}
+        return dataclasses.replace(wanted, **kept)
 
     def _hysteresis(self, wanted: PoolSizes, current: PoolSizes) -> PoolSizes:
         self._recent_wanted = [*self._recent_wanted, wanted][-self.options.scale_down_intervals :]

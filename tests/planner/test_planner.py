@@ -42,6 +42,24 @@ def test_a_pool_grows_with_the_load_at_once_and_shrinks_only_after_enough_quiet_
     assert second_quiet.target.aggregated < high
 
 
+def test_a_pool_shrinks_only_as_far_as_the_stricter_shrink_cap_allows():
+    def settled_after_the_drop(margin: float, drop_to: float) -> tuple[int, int]:
+        """(pool at the crest, pool after the load fell to ``drop_to``) with this shrink margin."""
+        planner = Planner(options(shrink_margin=margin), PROFILE)
+        crest = planner.step(interval(0, 12.0), PoolSizes(aggregated=1)).target
+        pools = crest
+        for i in range(1, 4):
+            pools = planner.step(interval(i * 10, drop_to), pools).target
+        return crest.aggregated, pools.aggregated
+
+    results = {rate: (settled_after_the_drop(1.0, rate), settled_after_the_drop(0.65, rate)) for rate in (3, 6, 9)}
+    for (crest, plain), (_, banded) in results.values():
+        assert plain <= banded <= crest  # the deadband never shrinks further, nor grows
+    assert any(plain < banded for (_, plain), (_, banded) in results.values()), results
+    # nothing left to shrink for: at no load both end at the minimum
+    assert settled_after_the_drop(0.65, 0.0)[1] == settled_after_the_drop(1.0, 0.0)[1] == 1
+
+
 def test_targets_stay_within_the_bounds():
     planner = Planner(options(min_workers=2, max_workers=3), PROFILE)
     assert planner.step(interval(0, 0.0), PoolSizes(aggregated=2)).target.aggregated == 2
