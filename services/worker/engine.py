@@ -108,6 +108,22 @@ class EngineStatus:
 TokenQueue = asyncio.Queue[TokenOutput | EngineFailure]
 
 
+def take_ready(queue: TokenQueue, first: TokenOutput) -> tuple[TokenOutput, list[int], EngineFailure | None]:
+    """``first`` and every output the engine has already queued behind it, up to a last one:
+    (the latest output, their token ids in order, a failure met behind them). One streamed message
+    then carries what a reader that fell behind would otherwise take one message per token for,
+    through every hop to the client; a reader that keeps up still gets each token alone, at once."""
+    output, tokens = first, [] if first.token_id is None else [first.token_id]
+    while output.finish_reason is None and not queue.empty():
+        ready = queue.get_nowait()
+        if isinstance(ready, EngineFailure):
+            return output, tokens, ready
+        output = ready
+        if output.token_id is not None:
+            tokens.append(output.token_id)
+    return output, tokens, None
+
+
 class CachedBlock(NamedTuple):
     """One block the engine's prefix cache holds, as ``DumpKvState`` reports it."""
 

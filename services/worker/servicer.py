@@ -19,7 +19,14 @@ from kvmesh.common.finish_reasons import to_proto
 from kvmesh.common.grpc_errors import refuse
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.common.status_error import StatusError
-from kvmesh.worker.engine import Engine, EngineFailure, EngineRequestError, EngineRequestSpec, TokenOutput
+from kvmesh.worker.engine import (
+    Engine,
+    EngineFailure,
+    EngineRequestError,
+    EngineRequestSpec,
+    TokenOutput,
+    take_ready,
+)
 from kvmesh.worker.kv_handover import Handover
 from kvmesh.worker.metrics import WorkerMetrics
 
@@ -89,15 +96,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 kv_source=source.source if source else None,
             )
             completion = 0
+            failure: EngineFailure | None = None
             while True:
-                output = await queue.get()
-                if isinstance(output, EngineFailure):
+                if failure is not None:
                     # not marked as a refusal: the router takes it as a failed worker and migrates
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, output.message)
-                if output.token_id is not None:
-                    completion += 1
-                message = self._output(spec, output, completion)
-                if source is not None and completion == 1:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, failure.message)
+                first = await queue.get()
+                if isinstance(first, EngineFailure):
+                    failure = first
+                    continue
+                output, tokens, failure = take_ready(queue, first)
+                starts_answer = completion == 0 and bool(tokens)
+                completion += len(tokens)
+                message = self._output(spec, output, completion, tokens)
+                if source is not None and starts_answer:
                     message.disaggregated_params = disagg.encode(source)
                 if output.finish_reason is None:
                     yield message
@@ -121,10 +133,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 # Runs on normal end too, where it is a no-op; on cancellation it frees the blocks.
                 self.engine.abort(request_id)
 
-    def _output(self, spec: EngineRequestSpec, output: TokenOutput, completion: int) -> common_pb2.GenerateOutput:
+    def _output(
+        self, spec: EngineRequestSpec, output: TokenOutput, completion: int, tokens: list[int]
+    ) -> common_pb2.GenerateOutput:
         # Usage rides on every piece, so a client that stops early still knows its cached tokens.
         message = common_pb2.GenerateOutput(
-            token_ids=[] if output.token_id is None else [output.token_id],
+            token_ids=tokens,
             worker_id=self.worker_id,
             dp_rank=0,
             usage=common_pb2.Usage(

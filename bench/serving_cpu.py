@@ -1,0 +1,87 @@
+"""Requests per second and CPU per request of each serving process, under one load.
+
+Runs ``../shared/peers/loadgen.py`` (bounded async load, non-streaming chat, a new connection per
+request) against a running mesh and reads every kvmesh service's and the NATS server's CPU time
+from ``/proc`` before and after, so the CPU each one spent per request is printed beside the rate.
+
+    kvmesh up --workers 2 --speedup-ratio 100 --http-port 18100 &
+    python -m bench.serving_cpu --url http://127.0.0.1:18100/v1/chat/completions --n 2000 --c 32 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+LOADGEN = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "loadgen.py"
+SERVICES = ("kvmesh.frontend", "kvmesh.router", "kvmesh.indexer", "kvmesh.worker", "nats-server")
+
+
+def service_pids() -> dict[str, list[int]]:
+    """This machine's kvmesh service processes (and NATS servers), by service."""
+    found: dict[str, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        for service in SERVICES:
+            if service in command and "bench.serving_cpu" not in command:
+                found.setdefault(service.removeprefix("kvmesh."), []).append(int(entry))
+    return found
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it exited
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True, help="the chat completions URL (loopback only)")
+    parser.add_argument("--n", type=int, default=1000, help="requests")
+    parser.add_argument("--c", type=int, default=8, help="concurrency")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--model", default="kvmesh-tiny")
+    args = parser.parse_args()
+    if not LOADGEN.exists():
+        raise SystemExit(f"{LOADGEN} not found: this bench needs ../shared/peers beside the checkout")
+    pids = service_pids()
+    before = {service: cpu_seconds(p) for service, p in pids.items()}
+    command = [sys.executable, str(LOADGEN), "--url", args.url, "--n", str(args.n), "--c", str(args.c)]
+    command += ["--max-tokens", str(args.max_tokens), "--model", args.model]
+    finished = subprocess.run(command, capture_output=True, text=True, check=True)
+    after = {service: cpu_seconds(p) for service, p in pids.items()}
+    report = json.loads(finished.stdout.strip().splitlines()[-1])
+    served = max(report["ok"], 1)
+    per_request = {s: round((after[s] - before[s]) * 1000 / served, 2) for s in pids}
+    serving = sum(per_request.get(s, 0.0) for s in ("frontend", "router", "indexer"))
+    print(
+        json.dumps(
+            {
+                "ok": report["ok"],
+                "errors": report["errors"],
+                "requests_per_s": round(report["ok"] / report["wall_s"], 1),
+                "p50_ms": report.get("p50_ms"),
+                "cpu_ms_per_request": per_request,
+                "serving_cpu_ms_per_request": round(serving, 2),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
