@@ -4,8 +4,11 @@
 away upstream, and gRPC cancelled the handler that relays the stream) the read is abandoned while
 its batch is still in flight, and grpc.aio never frees the batch's native operations
 (grpc/grpc#43360, open in 1.85). A router measured ~1.4 KB of resident memory kept per abandoned
-request that way (``bench.soak``). :func:`messages` shields each read from the cancellation, cancels
-the call instead and lets the read finish, so its batch completes and is freed.
+request that way (``bench.soak``). :func:`messages` reads the stream in a task of its own that
+the consumer's cancellation never reaches: a consumer that stops or is cancelled cancels the call
+instead, and waits for that task, whose read then completes and frees its batch. One task per
+stream, not one per message: a relayed token costs a queue hand-off, not a task and a shield
+(about 10 µs less per message and hop, measured with a local grpc.aio stream).
 """
 
 from __future__ import annotations
@@ -20,18 +23,39 @@ import grpc
 
 async def messages(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[Any]:
     """The stream's messages until it ends. Raises ``grpc.aio.AioRpcError`` when it breaks; when the
-    consumer stops early or is cancelled, the call is cancelled (which frees the server's work)."""
-    pending: asyncio.Future[Any] | None = None
+    consumer stops early or is cancelled, the call is cancelled (which frees the server's work) and
+    no read of it is left in flight once this generator has closed."""
+    ready: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def read_all() -> None:
+        try:
+            while True:
+                message = await call.read()
+                ready.put_nowait(message)
+                if message is grpc.aio.EOF:
+                    return
+        except BaseException as exc:  # the consumer raises it; nothing is lost in this task
+            ready.put_nowait(_Raised(exc))
+
+    reader = asyncio.ensure_future(read_all())
     try:
         while True:
-            pending = asyncio.ensure_future(call.read())
-            message = await asyncio.shield(pending)
-            pending = None
+            message = await ready.get()
             if message is grpc.aio.EOF:
                 return
+            if isinstance(message, _Raised):
+                raise message.error
             yield message
     finally:
         call.cancel()  # a no-op once the stream ended
-        if pending is not None:  # the read was cut short: let its batch complete
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                await pending
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader  # its read ends with the call: the batch completes and is freed
+
+
+class _Raised:
+    """What ended the read task, handed to the consumer to raise."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
