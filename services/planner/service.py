@@ -11,11 +11,13 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
+from nats.aio.client import Client as NatsClient
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from kvmesh.common import names
@@ -32,6 +34,7 @@ from kvmesh.planner.planner import POOLS, Decision, Planner, PlannerOptions, Poo
 from kvmesh.planner.state import RESUME_STEPS, PlannerState, resume
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -136,6 +139,24 @@ def pools_text(pools: PoolSizes) -> str:
     return str(pools.aggregated)
 
 
+async def collect(
+    stack: ServiceStack, nc: NatsClient, subject: str, decode: Callable[[bytes], T], what: str
+) -> list[T]:
+    """A list that every report decoded from ``subject`` is appended to, until the stack closes; a
+    message that is not such a report is logged and skipped."""
+    received: list[T] = []
+
+    async def on_message(message) -> None:
+        try:
+            received.append(decode(message.data))
+        except (LoadReportError, WorkerLoadError) as exc:
+            log.warning(f"ignored a message on the {what} subject", error=str(exc))
+
+    subscription = await nc.subscribe(subject, cb=on_message)
+    stack.push_async_callback(subscription.unsubscribe)
+    return received
+
+
 def merge(reports: Sequence[LoadReport]) -> tuple[int, list]:
     return sum(r.arrivals for r in reports), [s for r in reports for s in r.samples]
 
@@ -156,26 +177,10 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
         if last is not None:
             log.info("resumed", steps=len(history), pools=last.target.total, utilisation_cap=last.utilisation_cap)
         workers = await stack.start(DiscoveryWatcher(nc.jetstream(), config.namespace, "worker"))
-        reports: list[LoadReport] = []
-
-        async def on_report(message) -> None:
-            try:
-                reports.append(LoadReport.decode(message.data))
-            except LoadReportError as exc:
-                log.warning("ignored a message on the load subject", error=str(exc))
-
-        subscription = await nc.subscribe(names.load_report_subject(config.namespace), cb=on_report)
-        stack.push_async_callback(subscription.unsubscribe)
-        router_reports: list[RouterLoadReport] = []
-
-        async def on_router_report(message) -> None:
-            try:
-                router_reports.append(RouterLoadReport.decode(message.data))
-            except WorkerLoadError as exc:
-                log.warning("ignored a message on the router load subject", error=str(exc))
-
-        routers = await nc.subscribe(names.router_load_subject(config.namespace), cb=on_router_report)
-        stack.push_async_callback(routers.unsubscribe)
+        reports = await collect(stack, nc, names.load_report_subject(config.namespace), LoadReport.decode, "load")
+        router_reports = await collect(
+            stack, nc, names.router_load_subject(config.namespace), RouterLoadReport.decode, "router load"
+        )
         connector = make_connector(config, nc)
         metrics = PlannerMetrics()
         if config.metrics_port >= 0:
@@ -192,8 +197,8 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
             now = time.time()
             taken, reports[:] = list(reports), []
             arrivals, samples = merge(taken)
-            worker_loads = merge_router_reports(router_reports)
-            router_reports.clear()
+            taken_loads, router_reports[:] = list(router_reports), []
+            worker_loads = merge_router_reports(taken_loads)
             registered = registered_pools(workers.instances())
             try:
                 current = await connector.current(registered)
