@@ -27,8 +27,10 @@ from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 
+Result = tuple[str, float, float, int]  # label, SLA attainment, worker-seconds, largest pool
 
-def replay(setup: tuple[str, dict]) -> tuple[str, float, float, int]:
+
+def replay(setup: tuple[str, dict]) -> Result:
     """(label, SLA attainment, worker-seconds, largest pool)."""
     label, options = setup
     config = ReplayConfig(**options)
@@ -48,11 +50,11 @@ def replay(setup: tuple[str, dict]) -> tuple[str, float, float, int]:
     return label, sla_attainment(records, config.ttft_target_ms, config.itl_target_ms), seconds, largest
 
 
-def compare(planned: tuple[str, float, float, int], fixed: list[tuple[str, float, float, int]]) -> float | None:
-    """How many worker-seconds fewer (a share) the planner used than the smallest fixed fleet whose
-    attainment is at least its own; None when no fixed fleet in range reaches it."""
+def compare(planned: Result, fixed: list[Result]) -> tuple[Result, float] | None:
+    """The smallest fixed fleet whose attainment is at least the planner's, and how many
+    worker-seconds fewer (a share) the planner used; None when no fixed fleet in range reaches it."""
     match = next((f for f in fixed if f[1] >= planned[1]), None)
-    return None if match is None else 1 - planned[2] / match[2]
+    return None if match is None else (match, 1 - planned[2] / match[2])
 
 
 def main() -> None:
@@ -96,10 +98,10 @@ def main() -> None:
             label, attained, seconds, largest = result
             line = f"{label:<26} {attained:14.3f} {seconds:9.0f} {largest:8d}"
             if not label.startswith("fixed"):
-                fewer = compare(result, fixed)
-                savings.setdefault(label, []).append(fewer)
-                match = next((f for f in fixed if f[1] >= attained), None)
-                if match is not None and fewer is not None:
+                compared = compare(result, fixed)
+                savings.setdefault(label, []).append(compared[1] if compared else None)
+                if compared is not None:
+                    match, fewer = compared
                     line += f"   {match[0]} ({match[1]:.3f}, {match[2]:.0f} s): {fewer:.1%} fewer"
                 else:
                     line += "   no fixed fleet in range reaches it"
