@@ -86,6 +86,9 @@ async def instances_bucket(js: JetStreamContext) -> KeyValue:
     return await js.key_value(names.INSTANCES_BUCKET)
 
 
+# Longest start() waits for records the server listed but has not delivered yet.
+INITIAL_KEYS_TIMEOUT_S = 5.0
+
 # Longest a deregistration step may hold up a shutdown.
 STOP_TIMEOUT_S = 2.0
 
@@ -174,6 +177,8 @@ class DiscoveryWatcher:
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
         self._watcher: Any = None
+        # Every key the watch has delivered, in any state; kept only until start() returns.
+        self._handled_keys: set[str] | None = set()
 
     def instances(self) -> list[InstanceRecord]:
         return list(self._records.values())
@@ -182,7 +187,10 @@ class DiscoveryWatcher:
         return self._records.get(instance_id)
 
     async def start(self) -> None:
+        """Start watching; returns once every key present before the call has been handled, so
+        :meth:`instances` is complete from the first read."""
         kv = await instances_bucket(self._js)
+        present = await self._present_keys()
         self._watcher = await kv.watch(self._prefix + "*")
         initial_done = asyncio.Event()
         self._tasks = [
@@ -190,6 +198,24 @@ class DiscoveryWatcher:
             asyncio.create_task(self._expire_forever(), name=f"expire-{self._prefix}"),
         ]
         await initial_done.wait()
+        # nats-py's "no more pending" marker is decided from the consumer's pending count, which the
+        # server may lower before the message reaches us: under load a watcher could report "done"
+        # with no instances at all (seen in CI). The stream's own list of keys closes that gap.
+        try:
+            await self._wait_for_keys(present, timeout=INITIAL_KEYS_TIMEOUT_S)
+        except TimeoutError:  # a key purged between the two reads never arrives: nothing is lost
+            log.warning("some instance records did not arrive", missing=sorted(present - (self._handled_keys or set())))
+        self._handled_keys = None
+
+    async def _present_keys(self) -> set[str]:
+        subject = f"$KV.{names.INSTANCES_BUCKET}.{self._prefix}*"
+        info = await self._js.stream_info(f"KV_{names.INSTANCES_BUCKET}", subjects_filter=subject)
+        prefix_len = len(f"$KV.{names.INSTANCES_BUCKET}.")
+        return {s[prefix_len:] for s in (info.state.subjects or {})}
+
+    async def _wait_for_keys(self, keys: set[str], timeout: float) -> None:
+        async with asyncio.timeout(timeout), self._changed:
+            await self._changed.wait_for(lambda: keys <= (self._handled_keys or set()))
 
     async def stop(self) -> None:
         await cancel_and_wait(*self._tasks)
@@ -207,6 +233,10 @@ class DiscoveryWatcher:
             if entry is None:  # the watcher has delivered every existing key
                 initial_done.set()
                 continue
+            if self._handled_keys is not None:
+                self._handled_keys.add(entry.key)
+                async with self._changed:
+                    self._changed.notify_all()  # start() waits on _handled_keys
             instance_id = _instance_id_from_key(entry.key)
             if instance_id is None:
                 continue

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, Registration
+from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, Registration, instances_bucket
 from kvmesh.common.hashing import local_block_hashes
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc, worker_pb2_grpc
 from kvmesh.indexer import server as indexer_server
@@ -38,6 +40,37 @@ async def test_a_crashed_instance_disappears_after_its_lease(nc: NatsClient):
         await wait_until_async(lambda: watcher.get(12345) is None, timeout=5, what="lease expiry")
     finally:
         await watcher.stop()
+
+
+async def test_a_started_watcher_holds_an_instance_whose_record_is_being_rewritten(nc: NatsClient):
+    # Every live instance rewrites its record each third of its lease. A watcher created during a
+    # rewrite used to get nats-py's "nothing pending" marker before the record (about 1 start in 100
+    # while a record is rewritten back to back) and started with the instance missing.
+    js = nc.jetstream()
+    record = InstanceRecord("indexer", 77, "h:77", namespace=NAMESPACE)
+    other = Registration(js, InstanceRecord("router", 78, "h:78", namespace=NAMESPACE))
+    await other.start()  # another component's key, which the watcher must not list
+    bucket = await instances_bucket(js)
+    rewriting = True
+
+    async def rewrite() -> None:
+        while rewriting:
+            await bucket.put(record.key, record.encode())
+
+    rewriter = asyncio.create_task(rewrite())
+    missed = 0
+    try:
+        for _ in range(500):
+            watcher = DiscoveryWatcher(js, NAMESPACE, "indexer")
+            await watcher.start()
+            missed += [r.instance_id for r in watcher.instances()] != [77]
+            await watcher.stop()
+    finally:
+        rewriting = False
+        await rewriter
+        await other.stop()
+        await bucket.delete(record.key)
+    assert missed == 0, f"{missed} of 500 watchers started without the instance"
 
 
 async def test_a_graceful_stop_deregisters_at_once(nc: NatsClient):
