@@ -1,7 +1,8 @@
 """Routing quality on the Mooncake synthetic trace: our replay next to NVIDIA Dynamo 1.6.1's figures.
 
-Runs ``kvmesh replay``'s simulator for round-robin, random and kv (our default predicted-TTFT cost,
-and Dynamo's block formula) at arrival speed-ups 4 (moderate) and 6 (heavy), with Dynamo's mocker
+Runs ``kvmesh replay``'s simulator for every router mode — round-robin, random, SGLang's
+power-of-two and cache-aware, and kv (our default predicted-TTFT cost, and Dynamo's block
+formula) — at arrival speed-ups 4 (moderate) and 6 (heavy), with Dynamo's mocker
 configuration (8 workers, 64-token blocks, 16,384 blocks, 256 sequences, 8,192 batched tokens),
 prints one table, then times a 12,000-request replay (the trace three times over, back to back).
 
@@ -31,6 +32,8 @@ DYNAMO = {
 RUNS = [
     ("round-robin", "round-robin", "ttft"),
     ("random", "random", "ttft"),
+    ("power-of-two (SGLang)", "power-of-two", "ttft"),
+    ("cache-aware (SGLang, defaults)", "cache-aware", "ttft"),
     ("kv (blocks: Dynamo's formula)", "kv", "blocks"),
     ("kv (ttft: default)", "kv", "ttft"),
 ]
@@ -53,7 +56,10 @@ def main() -> None:
     args = parser.parse_args()
     trace = read_trace(args.trace)
     results = {}
-    header = f"{'speed-up':<9}{'router':<32}{'reuse':>8}{'TTFT mean':>11}{'p50':>8}{'p90':>8}{'p99':>8}{'TPOT':>7}"
+    header = (
+        f"{'speed-up':<9}{'router':<32}{'reuse':>8}{'TTFT mean':>11}{'p50':>8}{'p90':>8}{'p99':>8}{'TPOT':>7}"
+        f"{'ITL p99':>9}"
+    )
     print(header)
     print("-" * len(header))
     for speedup in (4, 6):
@@ -66,12 +72,14 @@ def main() -> None:
             ttft = summary["ttft_ms"]
             print(
                 f"{speedup:<9}{label:<32}{summary['prefix_reuse']:>8.4f}{ttft['mean']:>11.0f}{ttft['p50']:>8.0f}"
-                f"{ttft['p90']:>8.0f}{ttft['p99']:>8.0f}{summary['tpot_ms']['mean']:>7.1f}"
+                f"{ttft['p90']:>8.0f}{ttft['p99']:>8.0f}{summary['tpot_ms']['mean']:>7.1f}{summary['itl_ms']['p99']:>9.1f}"
             )
             dynamo = DYNAMO.get((mode, speedup)) if label != "kv (ttft: default)" else None
             if dynamo is not None:
                 reuse, mean, p50, p99 = dynamo
-                print(f"{'':<9}{'  Dynamo 1.6.1':<32}{reuse:>8.4f}{fmt(mean):>11}{p50:>8}{'-':>8}{p99:>8}{'-':>7}")
+                print(
+                    f"{'':<9}{'  Dynamo 1.6.1':<32}{reuse:>8.4f}{fmt(mean):>11}{p50:>8}{'-':>8}{p99:>8}{'-':>7}{'-':>9}"
+                )
     big = tripled(trace)
     started = time.perf_counter()
     summarise(ReplaySimulator(ReplayConfig(router_mode="kv", arrival_speedup_ratio=4)).run(big))

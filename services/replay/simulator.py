@@ -37,16 +37,17 @@ from kvmesh.planner.planner import POOLS, Decision, Planner, PlannerOptions, Poo
 from kvmesh.replay.arrival_profile import parse_arrival_profile
 from kvmesh.replay.fleet import IntervalRecorder, VirtualFleet
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
+from kvmesh.router.cache_aware import token_bytes
 from kvmesh.router.config import RoutingOptions
 from kvmesh.router.load_tracker import LoadTracker
-from kvmesh.router.policy import RoutingPolicy
+from kvmesh.router.policy import POLICY_MODES, RoutingPolicy
 from kvmesh.router.prefill_placement import place_prefill
 from kvmesh.router.scheduler import PerWorkerTtftCost, make_cost_model
 from kvmesh.worker.engine import EngineRequestSpec
 from kvmesh.worker.mock_engine import EngineConfig, MockEngine, StepResult
 
 # the modes a replay can simulate (``direct`` needs a caller that names the worker)
-REPLAY_MODES = ("kv", "round-robin", "random")
+REPLAY_MODES = POLICY_MODES
 
 
 @dataclass
@@ -167,21 +168,27 @@ class ReplaySimulator:
         # the router's own load tracking, in virtual time
         self.loads = LoadTracker(config.track_active_blocks, config.router_track_output_blocks)
         prior = scaled(TimingModel(), config.router_prefill_scale, config.router_decode_scale)
-        self.policy = RoutingPolicy(
-            config.router_mode,
-            config.block_size,
-            config.kv_overlap_score_weight,
-            config.router_temperature,
-            random.Random(config.seed),
-            make_cost_model(
-                config.kv_cost,
-                config.block_size,
-                config.max_num_batched_tokens,
-                config.num_blocks,
-                prior,
-            ),
-            active=self.loads.sequences(config.block_size),
+        rng = random.Random(config.seed)
+        cost_model = make_cost_model(
+            config.kv_cost, config.block_size, config.max_num_batched_tokens, config.num_blocks, prior
         )
+
+        def policy(mode: str) -> RoutingPolicy:
+            return RoutingPolicy(
+                mode,
+                config.block_size,
+                config.kv_overlap_score_weight,
+                config.router_temperature,
+                rng,
+                cost_model,
+                active=self.loads.sequences(config.block_size),
+                cache_aware=config.cache_aware_options(),
+            )
+
+        self.policy = policy(config.router_mode)
+        # with prefill workers: SGLang-style PD pairing, a mode per pool (default: the router's)
+        self.decode_policy = policy(config.decode_policy) if config.decode_policy else self.policy
+        self.prefill_policy = policy(config.prefill_policy) if config.prefill_policy else self.policy
         self.index = PrefixIndex()
         self._fits = [TimingFit(prior) for _ in range(total)] if config.router_timing == "learned" else []
         if config.router_timing == "exact" and isinstance(self.policy.cost_model, PerWorkerTtftCost):
@@ -349,15 +356,23 @@ class ReplaySimulator:
         prompt = self._builder.tokens(request)
         local = self._builder.local_hashes(request, prompt)
         block_hashes = sequence_hashes(local)
+        policies = (self.decode_policy, self.prefill_policy) if self._prefill_workers else (self.policy,)
         overlaps: dict[tuple[int, int], int] = {}
-        if self.policy.needs_overlaps:
+        if any(policy.needs_overlaps for policy in policies):
             overlaps = self.index.find_matches_by_sequence(block_hashes)
+        tokens = token_bytes(prompt) if any(policy.needs_tokens for policy in policies) else None
         request_id = f"r{record.index}"
         by_id[request_id] = record
         if self._prefill_workers:
-            return self._route_disaggregated(record, request_id, prompt, (local, block_hashes), overlaps)
+            return self._route_disaggregated(record, request_id, prompt, (local, block_hashes), overlaps, tokens)
         decision = self.policy.choose(
-            self._workers, block_hashes, request.input_length, overlaps, self.index.tree_sizes()
+            self._workers,
+            block_hashes,
+            request.input_length,
+            overlaps,
+            self.index.tree_sizes(),
+            tokens=tokens,
+            now=record.arrival_ms / 1000.0,
         )
         worker = decision.worker[0]
         self.engines[worker].add_request(
@@ -374,11 +389,12 @@ class ReplaySimulator:
         prompt: list[int],
         hashes: tuple[list[int], list[int]],
         overlaps: dict[tuple[int, int], int],
+        tokens: bytes | None,
     ) -> int:
         config = self.config
         block_hashes = hashes[1]
         placement = place_prefill(
-            self.policy,
+            self.decode_policy,
             self._workers,
             self._prefill_workers,
             block_hashes,
@@ -387,6 +403,9 @@ class ReplaySimulator:
             self.index.tree_sizes(),
             min_uncached_tokens=config.disagg_min_uncached_tokens,
             prefill_queue_limit_tokens=config.prefill_queue_limit_tokens,
+            prefill_policy=self.prefill_policy,
+            tokens=tokens,
+            now=record.arrival_ms / 1000.0,
         )
         decode = placement.decode[0]
         record.worker = decode

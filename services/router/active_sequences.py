@@ -16,7 +16,6 @@ or cancellation. :meth:`expire` drops requests older than a timeout, in case a f
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +38,7 @@ class _Request:
 
 @dataclass
 class _WorkerLoad:
+    requests: int = 0
     prefill_tokens: int = 0
     own_blocks: int = 0
     block_refs: dict[int, int] = field(default_factory=dict)
@@ -114,6 +114,7 @@ class ActiveSequences:
         request.own_blocks = self._own_blocks(prompt_tokens, len(request.block_hashes), expected_output_tokens)
         self._requests[request_id] = request
         load = self._loads.setdefault(worker, _WorkerLoad())
+        load.requests += 1
         load.prefill_tokens += prefill
         load.own_blocks += request.own_blocks
         for h in request.block_hashes:
@@ -144,6 +145,7 @@ class ActiveSequences:
         if request is None:
             return
         load = self._loads[request.worker]
+        load.requests -= 1
         load.prefill_tokens -= request.prefill_tokens
         load.own_blocks -= request.own_blocks
         for h in request.block_hashes:
@@ -176,6 +178,11 @@ class ActiveSequences:
             return 0, 0
         return load.prefill_tokens, load.decode_blocks if self.track_active_blocks else 0
 
+    def requests(self, worker: WorkerKey) -> int:
+        """Requests in flight on ``worker`` (what SGLang's router calls a worker's load)."""
+        load = self._loads.get(worker)
+        return load.requests if load is not None else 0
+
     def potential_loads(
         self,
         workers: Sequence[WorkerKey],
@@ -200,11 +207,8 @@ class ActiveSequences:
 
     def worker_loads(self) -> list[WorkerLoad]:
         """Every worker with a load entry: requests in flight, prefill tokens, KV tokens held."""
-        requests = Counter(request.worker for request in self._requests.values())
         return [
-            WorkerLoad(
-                worker[0], worker[1], requests[worker], load.prefill_tokens, load.decode_blocks * self.block_size
-            )
+            WorkerLoad(worker[0], worker[1], load.requests, load.prefill_tokens, load.decode_blocks * self.block_size)
             for worker, load in self._loads.items()
         ]
 

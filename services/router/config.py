@@ -15,16 +15,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.common.config import ConfigError, GrpcEndpointConfig, option
+from kvmesh.router.cache_aware import CacheAwareOptions
+from kvmesh.router.policy import POLICY_MODES
 from kvmesh.router.scheduler import COST_MODELS
 
-ROUTER_MODES = ("kv", "round-robin", "random", "direct")
+ROUTER_MODES = (*POLICY_MODES, "direct")
+_SGLANG = CacheAwareOptions()  # cache-aware mode's defaults are sglang-router 0.3.2's
 
 
 @dataclass
 class RoutingOptions:
     """Routing: how the decision weighs cache overlap against load."""
 
-    router_mode: str = option("kv", "how workers are chosen", choices=ROUTER_MODES)
+    router_mode: str = option(
+        "kv",
+        "how workers are chosen: kv (cached overlap against predicted load), round-robin, random, power-of-two (the "
+        "less loaded of two random workers), cache-aware (SGLang's policy: a tree of what was sent where, no KV "
+        "events), direct (the request names its worker)",
+        choices=ROUTER_MODES,
+    )
+    prefill_policy: str | None = option(
+        None, "with prefill workers: how the prefill worker is chosen (default: --router-mode)", choices=POLICY_MODES
+    )
+    decode_policy: str | None = option(
+        None, "with prefill workers: how the decode worker is chosen (default: --router-mode)", choices=POLICY_MODES
+    )
+    cache_threshold: float = option(
+        _SGLANG.cache_threshold, "cache-aware: least matched fraction of the prompt that routes to its holder"
+    )
+    balance_abs_threshold: int = option(
+        _SGLANG.balance_abs_threshold,
+        "cache-aware: loads are imbalanced when max - min requests in flight exceeds this (and the relative test)",
+    )
+    balance_rel_threshold: float = option(
+        _SGLANG.balance_rel_threshold, "cache-aware: ... and max exceeds min times this; then the least loaded wins"
+    )
+    eviction_interval_secs: float = option(
+        _SGLANG.eviction_interval_secs, "cache-aware: seconds between trims of each worker's share of the tree"
+    )
+    max_tree_size: int = option(_SGLANG.max_tree_size, "cache-aware: tokens each worker's share is trimmed to")
     kv_cost: str = option(
         "ttft", "KV cost model: predicted time to first token, or Dynamo's block formula", choices=COST_MODELS
     )
@@ -41,7 +70,22 @@ class RoutingOptions:
         65536, "a prefill worker with more predicted queued prefill tokens has no capacity for another prefill"
     )
 
+    def cache_aware_options(self) -> CacheAwareOptions:
+        return CacheAwareOptions(
+            self.cache_threshold,
+            self.balance_abs_threshold,
+            self.balance_rel_threshold,
+            self.eviction_interval_secs,
+            self.max_tree_size,
+        )
+
     def validate(self) -> None:
+        if not 0 <= self.cache_threshold <= 1:
+            raise ConfigError("--cache-threshold must be between 0 and 1")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
+            raise ConfigError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
+        if self.eviction_interval_secs <= 0 or self.max_tree_size <= 0:
+            raise ConfigError("--eviction-interval-secs and --max-tree-size must be positive")
         if self.kv_overlap_score_weight < 0:
             raise ConfigError("--kv-overlap-score-weight must be >= 0")
         if self.router_temperature < 0:

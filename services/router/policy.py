@@ -1,9 +1,13 @@
-"""The routing decision for one block size, without I/O: the router service and ``kvmesh replay``
-both drive this class, so what the replay measures is what the service does.
+"""The routing decision for one block size and mode, without I/O: the router service and
+``kvmesh replay`` both drive this class, so what the replay measures is what the service does.
 
-It owns the load picture (:class:`ActiveSequences`) and the selectors. Given the candidate workers,
-the request's block hashes and, in KV mode, each worker's cached overlap and tree size, it returns
-the chosen worker and records the request on it.
+It reads the load picture (:class:`ActiveSequences`) and owns its mode's selector. Given the
+candidate workers, the request's block hashes and, in KV mode, each worker's cached overlap and tree
+size (cache-aware mode: its tokens), it returns the chosen worker.
+
+Modes: ``kv`` (cost of cache overlap against predicted load), ``round-robin``, ``random``,
+``power-of-two`` (two random workers, the lower predicted load wins) and ``cache-aware`` (SGLang's
+policy: a tree of what was sent where, no KV events).
 """
 
 from __future__ import annotations
@@ -14,14 +18,18 @@ from dataclasses import dataclass
 
 from kvmesh.common.worker_key import WorkerKey
 from kvmesh.router.active_sequences import ActiveSequences
+from kvmesh.router.cache_aware import CacheAwareOptions, CacheAwareSelector
 from kvmesh.router.scheduler import (
     BlockCost,
     Candidate,
     CostModel,
     KvSelector,
+    PowerOfTwoSelector,
     RandomSelector,
     RoundRobinSelector,
 )
+
+POLICY_MODES = ("kv", "round-robin", "random", "power-of-two", "cache-aware")
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,7 @@ class Decision:
 
 
 class RoutingPolicy:
-    """Chooses workers in one of the modes ``kv``, ``round-robin`` or ``random``."""
+    """Chooses workers in one of :data:`POLICY_MODES`."""
 
     def __init__(
         self,
@@ -44,11 +52,12 @@ class RoutingPolicy:
         track_active_blocks: bool = True,
         track_output_blocks: bool = False,
         active: ActiveSequences | None = None,
+        cache_aware: CacheAwareOptions | None = None,
     ) -> None:
         """``cost_model`` defaults to Dynamo's block cost; the service and replay pass the one configured.
         ``active`` is the load picture to read (a :class:`LoadTracker`'s for this block size); by
-        default the policy keeps its own."""
-        if mode not in ("kv", "round-robin", "random"):
+        default the policy keeps its own. ``cache_aware``: that mode's options (SGLang's defaults)."""
+        if mode not in POLICY_MODES:
             raise ValueError(f"unknown routing mode {mode!r}")
         self.mode = mode
         self.block_size = block_size
@@ -62,10 +71,28 @@ class RoutingPolicy:
         self._kv = KvSelector(self.cost_model, self._rng)
         self._round_robin = RoundRobinSelector()
         self._random = RandomSelector(self._rng)
+        self._power_of_two = PowerOfTwoSelector(self._rng)
+        self.cache_aware = CacheAwareSelector(cache_aware, self._rng) if mode == "cache-aware" else None
 
     @property
     def needs_overlaps(self) -> bool:
         return self.mode == "kv"
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether :meth:`choose` needs the prompt's tokens (cache-aware mode's tree holds them)."""
+        return self.cache_aware is not None
+
+    def forget(self, worker: WorkerKey) -> None:
+        """A worker left: cache-aware mode drops what it remembered sending there."""
+        if self.cache_aware is not None:
+            self.cache_aware.forget(worker)
+
+    def predicted_load(self, worker: WorkerKey) -> float:
+        """The router's prediction of ``worker``'s load now: the cost model on its queued prefill
+        and active blocks (what power-of-two compares)."""
+        prefill_tokens, decode_blocks = self.active.load(worker)
+        return self.cost_model.cost(Candidate(worker, prefill_tokens, decode_blocks), self.overlap_score_weight)
 
     def choose(
         self,
@@ -77,14 +104,29 @@ class RoutingPolicy:
         overlap_score_weight: float | None = None,
         temperature: float | None = None,
         expected_output_tokens: int = 0,
+        *,
+        tokens: bytes | None = None,
+        now: float = 0.0,
+        commit: bool = True,
     ) -> Decision:
-        """Pick a worker (per-request weight / temperature override the defaults when given)."""
+        """Pick a worker (per-request weight / temperature override the defaults when given).
+
+        Cache-aware mode needs ``tokens`` (:func:`~kvmesh.router.cache_aware.token_bytes` of the
+        prompt) and ``now`` (seconds); ``commit=False`` keeps it from recording the choice."""
         if not workers:
             raise ValueError("no candidate workers")
         if self.mode == "round-robin":
             return Decision(self._round_robin.select(workers), 0)
         if self.mode == "random":
             return Decision(self._random.select(workers), 0)
+        if self.mode == "power-of-two":
+            return Decision(self._power_of_two.select(workers, self.predicted_load), 0)
+        if self.cache_aware is not None:
+            if tokens is None:
+                raise ValueError("cache-aware routing needs the prompt's tokens")
+            in_flight = {worker: self.active.requests(worker) for worker in workers}
+            choice = self.cache_aware.select(workers, tokens, in_flight, now, commit)
+            return Decision(choice.worker, choice.matched_tokens // self.block_size)
         overlaps = overlaps or {}
         tree_sizes = tree_sizes or {}
         loads = self.active.potential_loads(

@@ -10,6 +10,10 @@ Active only while a prefill-role worker for the request's model is registered. P
    capacity: local prefill), and the decode worker is chosen again on load alone (overlap weight 0),
    since its cache no longer decides how much prefill it does.
 
+With ``--prefill-policy`` / ``--decode-policy`` (SGLang's PD pairing) each pool is chosen in its
+own mode. Step 1 needs the decode worker's cached overlap, which only a ``kv`` decode policy knows;
+with any other decode policy every request prefills remotely while a prefill worker has capacity.
+
 ``--enforce-disagg`` turns every fallback into an error. See docs/decisions/0009.
 """
 
@@ -55,21 +59,33 @@ def place_prefill(
     temperature: float | None = None,
     expected_output_tokens: int = 0,
     busy: Callable[[WorkerKey], bool] = lambda _key: False,
+    prefill_policy: RoutingPolicy | None = None,
+    tokens: bytes | None = None,
+    now: float = 0.0,
 ) -> Placement:
-    """The per-request decision of the module docstring. The router service and ``kvmesh replay``
-    both call it, so the replay measures what the service does."""
+    """The per-request decision of the module docstring. ``policy`` chooses decode workers and, unless
+    ``prefill_policy`` is given, prefill workers too; ``tokens`` and ``now`` are for cache-aware mode.
+    The router service and ``kvmesh replay`` both call it, so the replay measures what the service does."""
+    prefill_policy = prefill_policy or policy
     args = (block_hashes, prompt_tokens, overlaps, tree_sizes)
-    local = policy.choose(decode_workers, *args, overlap_score_weight, temperature, expected_output_tokens)
-    uncached = prompt_tokens - local.overlap_blocks * policy.block_size
-    if not enforce and uncached < min_uncached_tokens:
-        return Placement(local.worker, None, local.overlap_blocks, "below_threshold")
+    context = {"tokens": tokens, "now": now}
+    local = None
+    if policy.needs_overlaps:
+        local = policy.choose(decode_workers, *args, overlap_score_weight, temperature, expected_output_tokens)
+        uncached = prompt_tokens - local.overlap_blocks * policy.block_size
+        if not enforce and uncached < min_uncached_tokens:
+            return Placement(local.worker, None, local.overlap_blocks, "below_threshold")
     with_capacity = [
         key for key in prefill_workers if not busy(key) and policy.active.load(key)[0] < prefill_queue_limit_tokens
     ]
     if not with_capacity:
         if enforce:
             raise NoCapacity(f"all {len(prefill_workers)} prefill workers are at capacity")
+        if local is None:
+            local = policy.choose(
+                decode_workers, *args, overlap_score_weight, temperature, expected_output_tokens, **context
+            )
         return Placement(local.worker, None, local.overlap_blocks, "no_prefill_capacity")
-    prefill = policy.choose(with_capacity, *args, overlap_score_weight, temperature, 0)
-    decode = policy.choose(decode_workers, *args, 0.0, temperature, expected_output_tokens)
-    return Placement(decode.worker, prefill.worker, prefill.overlap_blocks)
+    prefill = prefill_policy.choose(with_capacity, *args, overlap_score_weight, temperature, 0, **context)
+    decode = policy.choose(decode_workers, *args, 0.0, temperature, expected_output_tokens, **context)
+    return Placement(decode.worker, prefill.worker, overlaps.get(prefill.worker, prefill.overlap_blocks))

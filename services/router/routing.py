@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import grpc
 import structlog
@@ -23,6 +24,7 @@ from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
 from kvmesh.common.status_error import StatusError
 from kvmesh.common.timing import from_constants
 from kvmesh.router.approximate_index import ApproximateIndex
+from kvmesh.router.cache_aware import token_bytes
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.eligibility import (
     BusyThresholds,
@@ -61,6 +63,12 @@ class Prepared:
     block_hashes: list[int]
     prompt_tokens: int
     expected_output_tokens: int
+    token_ids: Sequence[int] = ()
+
+    @cached_property
+    def tokens(self) -> bytes:
+        """The prompt as cache-aware mode's tree holds it (built once, only when asked for)."""
+        return token_bytes(self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,7 @@ class Router:
         self.failed = FailedWorkers(config.worker_avoid_secs)
         self.thresholds = BusyThresholds(config.active_decode_blocks_threshold, config.active_prefill_tokens_threshold)
         self._rng = rng or random.Random(config.seed)
-        self._policies: dict[int, RoutingPolicy] = {}
+        self._policies: dict[tuple[int, str], RoutingPolicy] = {}  # by (block size, mode)
         self._approximate: dict[int, ApproximateIndex] = {}
         self._timing_seen: dict[int, object] = {}  # worker -> the advertised constants last adopted
 
@@ -129,23 +137,24 @@ class Router:
             )
         return index
 
-    def policy(self, worker: InstanceRecord) -> RoutingPolicy:
-        """The policy of workers shaped like ``worker`` (same block size).
+    def policy(self, worker: InstanceRecord, mode: str | None = None) -> RoutingPolicy:
+        """The policy in ``mode`` (default: ``--router-mode``) of workers shaped like ``worker`` (same
+        block size). Policies of one block size share its load picture.
 
         The cost model takes the engine shape (capacity, step token budget) from the first worker of
         that block size it meets: a fleet serving one model is assumed homogeneous.
         """
-        policy = self._policies.get(worker.block_size)
+        config = self.config
+        mode = mode or ("kv" if config.router_mode == "direct" else config.router_mode)
+        policy = self._policies.get((worker.block_size, mode))
         if policy is None:
-            config = self.config
-            mode = "kv" if config.router_mode == "direct" else config.router_mode
             cost_model = make_cost_model(
                 config.kv_cost,
                 worker.block_size,
                 int(worker.extra.get("max_num_batched_tokens", DEFAULT_MAX_BATCHED_TOKENS)),
                 worker.capacity_blocks,
             )
-            policy = self._policies[worker.block_size] = RoutingPolicy(
+            policy = self._policies[(worker.block_size, mode)] = RoutingPolicy(
                 mode,
                 worker.block_size,
                 config.kv_overlap_score_weight,
@@ -153,6 +162,7 @@ class Router:
                 self._rng,
                 cost_model,
                 active=self.loads.sequences(worker.block_size),
+                cache_aware=config.cache_aware_options(),
             )
         return policy
 
@@ -179,6 +189,7 @@ class Router:
         self.loads.remove_worker(record.instance_id)
         self._timing_seen.pop(record.instance_id, None)
         for policy in self._policies.values():
+            policy.forget((record.instance_id, 0))
             if isinstance(policy.cost_model, PerWorkerTtftCost):
                 policy.cost_model.forget((record.instance_id, 0))
         self.failed.forget(record.instance_id)
@@ -204,6 +215,7 @@ class Router:
             sequence_hashes(local_hashes),
             len(request.token_ids),
             expected,
+            request.token_ids,
         )
 
     def not_busy(self, prepared: Prepared, noun: str = "workers") -> list[InstanceRecord]:
@@ -221,9 +233,10 @@ class Router:
         """Over ``--active-decode-blocks-threshold`` or ``--active-prefill-tokens-threshold``."""
         return self.thresholds.exceeded(*policy.active.load((worker_id, 0)))
 
-    async def cache_view(self, prepared: Prepared) -> CacheView:
-        """(matched blocks, tree size) per worker: from the indexers, or approximate mode's memory."""
-        if not prepared.policy.needs_overlaps:
+    async def cache_view(self, prepared: Prepared, *policies: RoutingPolicy) -> CacheView:
+        """(matched blocks, tree size) per worker: from the indexers, or approximate mode's memory;
+        empty unless one of ``policies`` (default: the prepared one) needs them."""
+        if not any(policy.needs_overlaps for policy in policies or (prepared.policy,)):
             return CacheView({}, {})
         if self.config.kv_events:
             return await self.indexers.find_matches(prepared.block_hashes)
@@ -259,6 +272,9 @@ class Router:
             weight,
             temperature,
             prepared.expected_output_tokens,
+            tokens=prepared.tokens if prepared.policy.needs_tokens else None,
+            now=self.clock(),
+            commit=commit,
         )
         if commit and not self.config.kv_events:
             self.approximate_index(prepared.policy.block_size).record(
@@ -286,9 +302,10 @@ class Router:
                 )
             return None
         candidates = self.not_busy(prepared, "decode workers")
-        matched, sizes = await self.cache_view(prepared)
+        policy = self.policy(prepared.candidates[0], self.config.decode_policy)
+        prefill_policy = self.policy(prepared.candidates[0], self.config.prefill_policy)
+        matched, sizes = await self.cache_view(prepared, policy, prefill_policy)
         weight, temperature = config_overrides(request)
-        policy = prepared.policy
         try:
             placement = place_prefill(
                 policy,
@@ -305,6 +322,9 @@ class Router:
                 temperature=temperature,
                 expected_output_tokens=prepared.expected_output_tokens,
                 busy=lambda key: self.busy(policy, key[0]),
+                prefill_policy=prefill_policy,
+                tokens=prepared.tokens if policy.needs_tokens or prefill_policy.needs_tokens else None,
+                now=self.clock(),
             )
         except NoCapacity as exc:
             raise RoutingError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc} and --enforce-disagg is set") from None

@@ -12,13 +12,16 @@ including this request's uncached part, and active KV blocks after adding it):
 
 Lowest cost wins; ``temperature > 0`` samples from a softmax over costs normalised by their range;
 ties break toward the worker with the smaller tree, then at random.
+
+The simple policies: round robin, random, and SGLang's power of two (cache-aware is in
+:mod:`~kvmesh.router.cache_aware`).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -186,3 +189,17 @@ class RandomSelector:
 
     def select(self, workers: Sequence[WorkerKey]) -> WorkerKey:
         return self._rng.choice(sorted(workers))
+
+
+class PowerOfTwoSelector:
+    """SGLang's ``power_of_two``: two distinct workers drawn at random, the less loaded one wins
+    (ties: the first drawn). The load is the caller's (kvmesh: the router's own prediction)."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def select(self, workers: Sequence[WorkerKey], load: Callable[[WorkerKey], float]) -> WorkerKey:
+        if len(workers) == 1:
+            return workers[0]
+        first, second = self._rng.sample(sorted(workers), 2)
+        return second if load(second) < load(first) else first
