@@ -83,6 +83,44 @@ def test_replay_is_deterministic_for_a_seed(tmp_path):
     assert run(1) != run(2)  # the temperature makes the seed matter
 
 
+def test_every_router_mode_replays_deterministically_and_cache_aware_follows_the_prefix(tmp_path):
+    rows = [
+        {"timestamp": i * 200, "input_length": 256, "output_length": 3, "hash_ids": [i % 2, 10 + i % 2]}
+        for i in range(12)
+    ]
+    trace = read_trace(write_trace(tmp_path / "t.jsonl", rows))
+    base = {"workers": 3, "block_size": 16, "num_blocks": 1000, "trace_block_size": 128, "seed": 4}
+    for mode in ("kv", "round-robin", "random", "power-of-two", "cache-aware"):
+        first = [(r.worker, r.ttft_ms) for r in ReplaySimulator(ReplayConfig(**base, router_mode=mode)).run(trace)]
+        again = [(r.worker, r.ttft_ms) for r in ReplaySimulator(ReplayConfig(**base, router_mode=mode)).run(trace)]
+        assert first == again, mode
+    records = ReplaySimulator(ReplayConfig(**base, router_mode="cache-aware")).run(trace)
+    # two prompt families, each kept on the worker its first request went to (the smallest tree)
+    by_family = {family: {r.worker for r in records if r.index % 2 == family} for family in (0, 1)}
+    assert all(len(workers) == 1 for workers in by_family.values())
+    assert by_family[0] != by_family[1]
+
+
+def test_pd_pairing_in_the_replay_uses_a_mode_per_pool(tmp_path):
+    rows = [{"timestamp": i * 300, "input_length": 512, "output_length": 2, "hash_ids": [0, 1, 2, 3]} for i in range(6)]
+    trace = read_trace(write_trace(tmp_path / "t.jsonl", rows))
+    config = ReplayConfig(
+        workers=2,
+        prefill_workers=2,
+        block_size=16,
+        trace_block_size=128,
+        prefill_policy="cache-aware",
+        decode_policy="round-robin",
+        disagg_min_uncached_tokens=0,
+    )
+    simulator = ReplaySimulator(config)
+    records = simulator.run(trace)
+    assert [r.worker for r in records] == [0, 1, 0, 1, 0, 1]  # decode: in turn
+    assert all(r.kv_source == "remote" for r in records)
+    # prefill: the repeated prompt stays on the prefill worker that first took it
+    assert len(simulator.prefill_policy.cache_aware.tree.sizes()) == 1
+
+
 def test_percentile_interpolates_like_numpy():
     assert percentile([1, 2, 3, 4], 50) == 2.5
     assert percentile([10], 99) == 10

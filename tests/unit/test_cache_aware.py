@@ -114,3 +114,26 @@ def test_eviction_runs_once_per_interval_of_request_time():
 def test_an_empty_candidate_list_is_refused():
     with pytest.raises(ValueError):
         selector().select([], tokens(range(3)), {}, now=0)
+
+
+def test_power_of_two_takes_the_less_loaded_of_two_distinct_workers():
+    from kvmesh.router.scheduler import PowerOfTwoSelector
+
+    loads = {A: 5.0, B: 1.0, C: 3.0}
+    selector_ = PowerOfTwoSelector(random.Random(1))
+    picks = [selector_.select([A, B, C], loads.__getitem__) for _ in range(300)]
+    assert A not in picks  # the most loaded never wins a pair
+    assert picks.count(B) > picks.count(C) > 0  # B wins both pairs it is drawn in, C one of two
+    assert selector_.select([C], loads.__getitem__) == C
+
+
+def test_a_cache_aware_policy_refuses_a_request_without_tokens_and_counts_requests_in_flight():
+    from kvmesh.router.policy import RoutingPolicy
+
+    policy = RoutingPolicy("cache-aware", 16, cache_aware=CacheAwareOptions(balance_abs_threshold=1))
+    with pytest.raises(ValueError, match="tokens"):
+        policy.choose([A, B], [], 10)
+    for i in range(3):
+        policy.active.add(f"r{i}", A, [], 10, 0)
+    decision = policy.choose([A, B], [], 10, tokens=tokens(range(10)), now=0)
+    assert decision.worker == B  # 3 - 0 > 1 and 3 > 0 × 1.5: imbalanced, the idle worker wins

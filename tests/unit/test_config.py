@@ -59,6 +59,7 @@ def test_router_options_are_declared_once_and_handed_on_unchanged():
 
     flags = ["--router-mode", "round-robin", "--no-kv-events", "--kv-overlap-score-weight", "0.25"]
     flags += ["--active-decode-blocks-threshold", "7", "--enforce-disagg", "--no-track-active-blocks"]
+    flags += ["--prefill-policy", "cache-aware", "--decode-policy", "power-of-two", "--cache-threshold", "0.6"]
     up = parse_config(UpConfig, flags, prog="up", description="", environ={})
     router = parse_config(RouterConfig, options_argv(RouterOptions, up), prog="r", description="", environ={})
     for name in ("router_mode", "kv_events", "kv_overlap_score_weight", "active_decode_blocks_threshold"):
@@ -82,6 +83,15 @@ def test_every_command_validates_the_routing_options_alike(capsys):
     with pytest.raises(SystemExit):
         cli.main(["trace.jsonl", "--router-mode", "direct"])
     assert "in a replay" in capsys.readouterr().err
+    for flags, message in (
+        (["--cache-threshold", "1.5"], "--cache-threshold must be between 0 and 1"),
+        (["--balance-rel-threshold", "0.5"], "--balance-rel-threshold >= 1"),
+        (["--max-tree-size", "0"], "--max-tree-size must be positive"),
+        (["--prefill-policy", "direct"], "invalid choice"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_config(RouterConfig, flags, prog="x", description="", environ={})
+        assert message in capsys.readouterr().err
 
 
 def test_vllm_engine_arguments_pass_through_without_being_mistaken_for_the_workers(capsys):
