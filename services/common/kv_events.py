@@ -6,6 +6,9 @@ with ``data`` one of ``{type: "stored", parent_hash, blocks: [{block_hash, token
 ``{type: "removed", block_hashes: [...]}`` or ``{type: "cleared"}``. ``block_hash`` is the engine's
 own opaque id (used for parent links and removals); ``tokens_hash`` is our local hash (used for
 matching). ``event_id`` increases by one per (worker, dp_rank).
+
+A stored block of a mixture-of-experts model may carry ``moe: [[layer, expert, group], ...]``, the
+expert placement it was computed with (DESIGN §7); blocks without it are encoded exactly as before.
 """
 
 from __future__ import annotations
@@ -22,11 +25,15 @@ class EventDecodeError(ValueError):
     """A message on the event stream is not a valid KV event batch."""
 
 
+MoePlacement = tuple[int, int, int]  # (layer, expert, group) an expert-parallel block was computed with
+
+
 @dataclass(frozen=True, slots=True)
 class StoredBlock:
     block_hash: int
     tokens_hash: int
     num_tokens: int
+    moe: tuple[MoePlacement, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,22 +81,53 @@ def _data_to_wire(data: EventData) -> dict[str, Any]:
         return {
             "type": "stored",
             "parent_hash": data.parent_hash,
-            "blocks": [
-                {"block_hash": b.block_hash, "tokens_hash": b.tokens_hash, "num_tokens": b.num_tokens}
-                for b in data.blocks
-            ],
+            "blocks": [_block_to_wire(b) for b in data.blocks],
         }
     if isinstance(data, BlocksRemoved):
         return {"type": "removed", "block_hashes": list(data.block_hashes)}
     return {"type": "cleared"}
 
 
+def _block_to_wire(block: StoredBlock) -> dict[str, Any]:
+    wire: dict[str, Any] = {
+        "block_hash": block.block_hash,
+        "tokens_hash": block.tokens_hash,
+        "num_tokens": block.num_tokens,
+    }
+    if block.moe:
+        wire["moe"] = [list(placement) for placement in block.moe]
+    return wire
+
+
+def _block_from_wire(raw: dict[str, Any]) -> StoredBlock:
+    moe = raw.get("moe")
+    placements = () if not moe else tuple(_placement(p) for p in moe)
+    return StoredBlock(int(raw["block_hash"]), int(raw["tokens_hash"]), int(raw["num_tokens"]), placements)
+
+
+def _placement(raw: Any) -> MoePlacement:
+    layer, expert, group = (int(part) for part in raw)
+    if min(layer, expert, group) < 0:
+        raise EventDecodeError(f"negative MoE placement {raw!r}")
+    return layer, expert, group
+
+
+def parse_moe_placements(text: str) -> tuple[MoePlacement, ...]:
+    """``"0:3:0,1:7:1"`` (layer:expert:group, comma-separated; group defaults to 0) as placements."""
+    placements = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        fields = item.split(":")
+        if len(fields) not in (2, 3) or not all(f.isdigit() for f in fields):
+            raise ValueError(f"bad MoE placement {item!r}: expected layer:expert[:group] (non-negative integers)")
+        layer, expert, group = (int(fields[0]), int(fields[1]), int(fields[2]) if len(fields) == 3 else 0)
+        placements.append((layer, expert, group))
+    return tuple(placements)
+
+
 def _data_from_wire(raw: dict[str, Any]) -> EventData:
     kind = raw.get("type")
     if kind == "stored":
-        blocks = tuple(
-            StoredBlock(int(b["block_hash"]), int(b["tokens_hash"]), int(b["num_tokens"])) for b in raw["blocks"]
-        )
+        blocks = tuple(_block_from_wire(b) for b in raw["blocks"])
         parent = raw.get("parent_hash")
         return BlocksStored(None if parent is None else int(parent), blocks)
     if kind == "removed":

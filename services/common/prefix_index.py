@@ -42,6 +42,7 @@ from kvmesh.common.kv_events import (
     BlocksStored,
     KvEvent,
     KvEventBatch,
+    MoePlacement,
     StoredBlock,
 )
 from kvmesh.common.worker_key import WorkerKey
@@ -71,6 +72,10 @@ class _WorkerBlocks:
     child_count: dict[int, int] = field(default_factory=dict)
     orphans: int = 0
     last_event_id: int = -1
+    # MoE metadata of held blocks that carry any (sequence hash -> placements), and how many held
+    # blocks were computed with each (layer, expert): what the worker hosts. Empty for dense models.
+    moe: dict[int, tuple[MoePlacement, ...]] = field(default_factory=dict)
+    experts: Counter[tuple[int, int]] = field(default_factory=Counter)
 
     @property
     def unique_blocks(self) -> int:
@@ -237,9 +242,23 @@ class PrefixIndex:
                             delta += 1
                     if delta:
                         self._set_orphans(worker, orphans + delta)
+            if block.moe:
+                self._tag(worker, seq, block.moe)
             parent = seq
             parent_held = True
         self.stats.blocks_stored += len(blocks)
+
+    def _tag(self, worker: _WorkerBlocks, seq: int, placements: tuple[MoePlacement, ...]) -> None:
+        """Record the MoE placement a held block was computed with (replacing an earlier one)."""
+        self._untag(worker, seq)
+        worker.moe[seq] = placements
+        worker.experts.update({(layer, expert) for layer, expert, _ in placements})
+
+    def _untag(self, worker: _WorkerBlocks, seq: int) -> None:
+        placements = worker.moe.pop(seq, None)
+        if placements:
+            worker.experts.subtract({(layer, expert) for layer, expert, _ in placements})
+            worker.experts = +worker.experts  # drop experts no block uses any more
 
     def _hold(self, worker: _WorkerBlocks, seq: int, parent: int | None) -> None:
         """One more copy of ``seq`` on this worker (``parent``: its parent's sequence hash)."""
@@ -266,6 +285,8 @@ class PrefixIndex:
         else:
             del self._holders[seq]
         parent = worker.parent_of.pop(seq)
+        if worker.moe:
+            self._untag(worker, seq)
         orphans = worker.orphans + worker.child_count.get(seq, 0)  # its children become orphans
         if parent is not None:
             count = worker.child_count[parent] - 1
@@ -317,6 +338,8 @@ class PrefixIndex:
         worker.extra_copies.clear()
         worker.parent_of.clear()
         worker.child_count.clear()
+        worker.moe.clear()
+        worker.experts.clear()
         self._set_orphans(worker, 0)
 
     # ---- whole-worker state (gap recovery, snapshots) -------------------------------------
@@ -325,6 +348,40 @@ class PrefixIndex:
         worker, for snapshots."""
         worker = self._workers[key]
         return worker.last_event_id, dict(worker.by_engine_id), dict(worker.parent_of)
+
+    def export_moe(self, key: WorkerKey) -> dict[int, tuple[MoePlacement, ...]]:
+        """A worker's MoE metadata (sequence hash -> placements), for snapshots."""
+        return dict(self._workers[key].moe)
+
+    def import_moe(self, key: WorkerKey, moe: Mapping[int, tuple[MoePlacement, ...]]) -> None:
+        """Restore a worker's MoE metadata after :meth:`import_worker` (blocks it does not hold are skipped)."""
+        worker = self._workers.get(key)
+        if worker is None:
+            return
+        for seq, placements in moe.items():
+            if seq in worker.parent_of and placements:
+                self._tag(worker, seq, tuple(placements))
+
+    def moe_alignment(
+        self, seq_hashes: Sequence[int], matched: Mapping[WorkerKey, int], experts: set[tuple[int, int]]
+    ) -> dict[WorkerKey, tuple[int, int]]:
+        """Per worker with MoE metadata: (blocks of its matched prefix computed with one of ``experts``,
+        how many of ``experts`` (layer, expert) its held blocks were computed with). Workers with
+        neither are left out, so a dense fleet answers an empty map."""
+        alignment = {}
+        for key, worker in self._workers.items():
+            if not worker.experts:
+                continue
+            hosted = sum(1 for expert in experts if worker.experts.get(expert))
+            tags = worker.moe
+            aligned = sum(
+                1
+                for seq in seq_hashes[: matched.get(key, 0)]
+                if any((layer, expert) in experts for layer, expert, _ in tags.get(seq, ()))
+            )
+            if hosted or aligned:
+                alignment[key] = (aligned, hosted)
+        return alignment
 
     def import_worker(
         self,

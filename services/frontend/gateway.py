@@ -158,6 +158,8 @@ class Frontend:
                     request.routing.router_config_override.overlap_score_weight = override.overlap_score_weight
                 if override.router_temperature is not None:
                     request.routing.router_config_override.router_temperature = override.router_temperature
+                for expert in override.moe_query or ():
+                    request.routing.router_config_override.moe_query.add(layer=expert.layer, expert=expert.expert)
         return request
 
     async def generate(

@@ -38,9 +38,16 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class MoeExpert(_Lenient):
+    layer: Annotated[int, Field(ge=0, le=UINT32_MAX)]
+    expert: Annotated[int, Field(ge=0, le=UINT32_MAX)]
+
+
 class RouterConfigOverride(_Lenient):
     overlap_score_weight: Annotated[float, Field(ge=0)] | None = None
     router_temperature: Annotated[float, Field(ge=0)] | None = None
+    # MoE models: the experts this request needs (workers that computed blocks with them gain score)
+    moe_query: Annotated[list[MoeExpert], Field(max_length=4096)] | None = None
 
 
 class KvmeshExtension(_Lenient):

@@ -18,7 +18,7 @@ from prometheus_client import Histogram
 
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
 from kvmesh.common.grpc_errors import refuse
-from kvmesh.common.hashing import block_set_digest
+from kvmesh.common.hashing import block_set_digest, sequence_hashes
 from kvmesh.common.metrics import MetricsEndpoint
 from kvmesh.common.prefix_index import PrefixIndex
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
@@ -58,15 +58,22 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                 context, "indexer", grpc.StatusCode.INVALID_ARGUMENT, f"query longer than {MAX_QUERY_BLOCKS} blocks"
             )
         started = time.perf_counter()
-        if request.sequence_hashes:
-            matched = self.index.find_matches_by_sequence(request.sequence_hashes)
-        else:
-            matched = self.index.find_matches(request.local_hashes)
+        sequence = request.sequence_hashes or sequence_hashes(request.local_hashes)
+        matched = self.index.find_matches_by_sequence(sequence)
+        alignment: dict[tuple[int, int], tuple[int, int]] = {}
+        if request.moe_query:  # a dense model's query pays nothing for MoE
+            experts = {(e.layer, e.expert) for e in request.moe_query}
+            alignment = self.index.moe_alignment(sequence, matched, experts)
         self.query_latency.observe(time.perf_counter() - started)
         return indexer_pb2.FindMatchesResponse(
             workers=[
                 indexer_pb2.WorkerMatch(
-                    worker_id=key[0], dp_rank=key[1], matched_blocks=matched.get(key, 0), total_blocks=size
+                    worker_id=key[0],
+                    dp_rank=key[1],
+                    matched_blocks=matched.get(key, 0),
+                    total_blocks=size,
+                    moe_aligned_blocks=alignment.get(key, (0, 0))[0],
+                    moe_hosted_experts=alignment.get(key, (0, 0))[1],
                 )
                 for key, size in self.index.tree_sizes().items()
             ],

@@ -57,6 +57,8 @@ class Snapshot:
     workers: list[tuple[int, int, int, dict[int, int], dict[int, int | None]]] = field(default_factory=list)
     removed_workers: list[int] = field(default_factory=list)
     created: float = 0.0
+    # per (worker id, dp rank) with MoE metadata: sequence hash -> (layer, expert, group) placements
+    moe: dict[tuple[int, int], dict[int, tuple[tuple[int, int, int], ...]]] = field(default_factory=dict)
 
     @property
     def num_blocks(self) -> int:
@@ -83,7 +85,8 @@ def capture(index: PrefixIndex, stream_sequence: int) -> Snapshot:
     for key in index.workers():
         last_event_id, by_engine_id, parent_of = index.export_worker(key)
         workers.append((key[0], key[1], last_event_id, by_engine_id, parent_of))
-    return Snapshot(stream_sequence, workers, index.removed_workers(), time.time())
+    moe = {key: tags for key in index.workers() if (tags := index.export_moe(key))}
+    return Snapshot(stream_sequence, workers, index.removed_workers(), time.time(), moe)
 
 
 def _encode_worker(
@@ -126,6 +129,16 @@ def encode(snapshot: Snapshot) -> bytes:
             "created": snapshot.created,
             "removed_workers": snapshot.removed_workers,
             "workers": [_encode_worker(*worker) for worker in snapshot.workers],
+            # absent for a dense fleet; a reader that predates it ignores the key
+            "moe": [
+                {
+                    "worker_id": key[0],
+                    "dp_rank": key[1],
+                    "sequence_hashes": _u64(list(tags)),
+                    "placements": list(tags.values()),
+                }
+                for key, tags in snapshot.moe.items()
+            ],
         }
     )
 
@@ -155,11 +168,19 @@ def decode(payload: bytes) -> Snapshot:
         if raw.get("format") != SNAPSHOT_FORMAT:
             raise SnapshotError(f"unknown snapshot format {raw.get('format')!r}")
         workers = [_decode_worker(w) for w in raw["workers"]]
+        moe = {
+            (int(m["worker_id"]), int(m["dp_rank"])): {
+                seq: tuple((int(a), int(b), int(c)) for a, b, c in placements)
+                for seq, placements in zip(_from_u64(m["sequence_hashes"]), m["placements"], strict=True)
+            }
+            for m in raw.get("moe", [])
+        }
         return Snapshot(
             int(raw["stream_sequence"]),
             workers,
             [int(w) for w in raw["removed_workers"]],
             float(raw.get("created", 0.0)),
+            moe,
         )
     except SnapshotError:
         raise
@@ -172,6 +193,8 @@ def restore(index: PrefixIndex, snapshot: Snapshot) -> None:
         index.remove_worker(worker_id)
     for worker_id, dp_rank, last_event_id, blocks, parent_of in snapshot.workers:
         index.import_worker((worker_id, dp_rank), last_event_id, blocks, parent_of)
+    for key, tags in snapshot.moe.items():
+        index.import_moe(key, tags)
 
 
 def snapshot_key(namespace: str) -> str:

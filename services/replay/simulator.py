@@ -183,6 +183,7 @@ class ReplaySimulator:
                 cost_model,
                 active=self.loads.sequences(config.block_size),
                 cache_aware=config.cache_aware_options(),
+                moe_score_weight=config.moe_score_weight,
             )
 
         self.policy = policy(config.router_mode)

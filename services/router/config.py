@@ -59,6 +59,11 @@ class RoutingOptions:
     )
     kv_overlap_score_weight: float = option(1.0, "weight of prefill work in the KV cost (0: load only)")
     router_temperature: float = option(0.0, "softmax temperature over normalised costs (0: pick the minimum)")
+    moe_score_weight: float = option(
+        0.5,
+        "kv mode, MoE models: a request's moe_query waives this share of the cost of a worker whose cached blocks "
+        "were computed with all the experts it names (in proportion for some; 0: ignore moe_query)",
+    )
     track_active_blocks: bool = option(
         True, "count active KV blocks in the cost (--no-track-active-blocks: prefill only)"
     )
@@ -88,6 +93,8 @@ class RoutingOptions:
             raise ConfigError("--eviction-interval-secs and --max-tree-size must be positive")
         if self.kv_overlap_score_weight < 0:
             raise ConfigError("--kv-overlap-score-weight must be >= 0")
+        if not 0 <= self.moe_score_weight < 1:
+            raise ConfigError("--moe-score-weight must be in [0, 1)")
         if self.router_temperature < 0:
             raise ConfigError("--router-temperature must be >= 0")
         if self.disagg_min_uncached_tokens < 0 or self.prefill_queue_limit_tokens <= 0:

@@ -11,17 +11,19 @@ import structlog
 
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc
 from kvmesh.common.worker_key import WorkerKey
 
 log = structlog.get_logger(__name__)
 
 
 class CacheView(NamedTuple):
-    """What the caches hold for one request: matched prefix blocks and tree size per worker."""
+    """What the caches hold for one request: matched prefix blocks and tree size per worker, and
+    with a MoE query (aligned matched blocks, queried experts hosted) per worker that has any."""
 
     matched: dict[WorkerKey, int]
     tree_sizes: dict[WorkerKey, int]
+    moe: dict[WorkerKey, tuple[int, int]] = {}
 
 
 class IndexerClient:
@@ -37,20 +39,28 @@ class IndexerClient:
         self._timeout_s = timeout_s
         self._rng = rng
 
-    async def find_matches(self, block_hashes: Sequence[int]) -> CacheView:
+    async def find_matches(
+        self, block_hashes: Sequence[int], moe_query: Sequence[common_pb2.MoeExpert] = ()
+    ) -> CacheView:
         replicas = self._indexers.instances() if self._indexers else []
         self._rng.shuffle(replicas)
         for replica in replicas:
             stub = indexer_pb2_grpc.IndexerStub(self._channels.get(replica.address))
             try:
                 response = await stub.FindMatches(
-                    indexer_pb2.FindMatchesRequest(sequence_hashes=block_hashes), timeout=self._timeout_s
+                    indexer_pb2.FindMatchesRequest(sequence_hashes=block_hashes, moe_query=moe_query),
+                    timeout=self._timeout_s,
                 )
             except grpc.aio.AioRpcError as exc:
                 log.warning("indexer replica did not answer", address=replica.address, code=exc.code().name)
                 continue
             matched = {(w.worker_id, w.dp_rank): w.matched_blocks for w in response.workers}
             sizes = {(w.worker_id, w.dp_rank): w.total_blocks for w in response.workers}
-            return CacheView(matched, sizes)
+            moe = {
+                (w.worker_id, w.dp_rank): (w.moe_aligned_blocks, w.moe_hosted_experts)
+                for w in response.workers
+                if w.moe_aligned_blocks or w.moe_hosted_experts
+            }
+            return CacheView(matched, sizes, moe)
         log.warning("no indexer answered; routing on load alone")
         return CacheView({}, {})

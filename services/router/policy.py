@@ -53,6 +53,7 @@ class RoutingPolicy:
         track_output_blocks: bool = False,
         active: ActiveSequences | None = None,
         cache_aware: CacheAwareOptions | None = None,
+        moe_score_weight: float = 0.5,
     ) -> None:
         """``cost_model`` defaults to Dynamo's block cost; the service and replay pass the one configured.
         ``active`` is the load picture to read (a :class:`LoadTracker`'s for this block size); by
@@ -63,6 +64,7 @@ class RoutingPolicy:
         self.block_size = block_size
         self.overlap_score_weight = overlap_score_weight
         self.temperature = temperature
+        self.moe_score_weight = moe_score_weight
         self._rng = rng or random.Random()
         self.active = (
             active if active is not None else ActiveSequences(block_size, track_active_blocks, track_output_blocks)
@@ -108,11 +110,14 @@ class RoutingPolicy:
         tokens: bytes | None = None,
         now: float = 0.0,
         commit: bool = True,
+        moe_hosted: Mapping[WorkerKey, float] | None = None,
     ) -> Decision:
         """Pick a worker (per-request weight / temperature override the defaults when given).
 
         Cache-aware mode needs ``tokens`` (:func:`~kvmesh.router.cache_aware.token_bytes` of the
-        prompt) and ``now`` (seconds); ``commit=False`` keeps it from recording the choice."""
+        prompt) and ``now`` (seconds); ``commit=False`` keeps it from recording the choice.
+        ``moe_hosted``: per worker, the share of the request's MoE experts its cached blocks were
+        computed with; in kv mode it waives that share × ``moe_score_weight`` of the worker's cost."""
         if not workers:
             raise ValueError("no candidate workers")
         if self.mode == "round-robin":
@@ -142,9 +147,13 @@ class RoutingPolicy:
             )
             for load in loads
         ]
+        discounts = None
+        if moe_hosted and self.moe_score_weight:
+            discounts = {worker: self.moe_score_weight * share for worker, share in moe_hosted.items()}
         choice = self._kv.select(
             candidates,
             self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight,
             self.temperature if temperature is None else temperature,
+            discounts,
         )
         return Decision(choice.worker, choice.overlap_blocks)

@@ -64,6 +64,7 @@ class Prepared:
     prompt_tokens: int
     expected_output_tokens: int
     token_ids: Sequence[int] = ()
+    moe_query: Sequence[common_pb2.MoeExpert] = ()
 
     @cached_property
     def tokens(self) -> bytes:
@@ -87,6 +88,14 @@ def config_overrides(request: common_pb2.PreprocessedRequest) -> tuple[float | N
         override.overlap_score_weight if override.HasField("overlap_score_weight") else None,
         override.router_temperature if override.HasField("router_temperature") else None,
     )
+
+
+def moe_hosted_shares(
+    moe: dict[tuple[int, int], tuple[int, int]], query: Sequence[common_pb2.MoeExpert]
+) -> dict[tuple[int, int], float]:
+    """Per worker, the share of the request's distinct MoE experts its cached blocks were computed with."""
+    wanted = len({(e.layer, e.expert) for e in query})
+    return {worker: min(1.0, hosted / wanted) for worker, (_aligned, hosted) in moe.items()} if wanted else {}
 
 
 class Router:
@@ -163,6 +172,7 @@ class Router:
                 cost_model,
                 active=self.loads.sequences(worker.block_size),
                 cache_aware=config.cache_aware_options(),
+                moe_score_weight=config.moe_score_weight,
             )
         return policy
 
@@ -216,6 +226,7 @@ class Router:
             len(request.token_ids),
             expected,
             request.token_ids,
+            request.routing.router_config_override.moe_query,
         )
 
     def not_busy(self, prepared: Prepared, noun: str = "workers") -> list[InstanceRecord]:
@@ -239,7 +250,7 @@ class Router:
         if not any(policy.needs_overlaps for policy in policies or (prepared.policy,)):
             return CacheView({}, {})
         if self.config.kv_events:
-            return await self.indexers.find_matches(prepared.block_hashes)
+            return await self.indexers.find_matches(prepared.block_hashes, prepared.moe_query)
         approximate = self.approximate_index(prepared.policy.block_size)
         matched = approximate.find_matches_by_sequence(prepared.block_hashes, self.clock())
         return CacheView(matched, dict(approximate.tree_sizes()))
@@ -261,7 +272,7 @@ class Router:
             return Choice(record, 0, prepared.block_hashes)
 
         candidates = self.not_busy(prepared)
-        matched, sizes = await self.cache_view(prepared)
+        matched, sizes, moe = await self.cache_view(prepared)
         weight, temperature = config_overrides(request)
         decision = prepared.policy.choose(
             [(r.instance_id, 0) for r in candidates],
@@ -275,6 +286,7 @@ class Router:
             tokens=prepared.tokens if prepared.policy.needs_tokens else None,
             now=self.clock(),
             commit=commit,
+            moe_hosted=moe_hosted_shares(moe, prepared.moe_query),
         )
         if commit and not self.config.kv_events:
             self.approximate_index(prepared.policy.block_size).record(
@@ -304,7 +316,7 @@ class Router:
         candidates = self.not_busy(prepared, "decode workers")
         policy = self.policy(prepared.candidates[0], self.config.decode_policy)
         prefill_policy = self.policy(prepared.candidates[0], self.config.prefill_policy)
-        matched, sizes = await self.cache_view(prepared, policy, prefill_policy)
+        matched, sizes, moe = await self.cache_view(prepared, policy, prefill_policy)
         weight, temperature = config_overrides(request)
         try:
             placement = place_prefill(
@@ -325,6 +337,7 @@ class Router:
                 prefill_policy=prefill_policy,
                 tokens=prepared.tokens if policy.needs_tokens or prefill_policy.needs_tokens else None,
                 now=self.clock(),
+                moe_hosted=moe_hosted_shares(moe, prepared.moe_query),
             )
         except NoCapacity as exc:
             raise RoutingError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc} and --enforce-disagg is set") from None
@@ -336,7 +349,7 @@ class Router:
 
     async def potential_loads(self, request: common_pb2.PreprocessedRequest) -> list[router_pb2.WorkerLoad]:
         prepared = self.prepare(request)
-        matched, _sizes = await self.cache_view(prepared)
+        matched, _sizes, _moe = await self.cache_view(prepared)
         workers = [(r.instance_id, 0) for r in prepared.candidates]
         active = prepared.policy.active
         loads = []

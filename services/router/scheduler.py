@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -157,10 +157,19 @@ class KvSelector:
         self.cost_model = cost_model
         self._rng = rng or random.Random()
 
-    def select(self, candidates: Sequence[Candidate], overlap_score_weight: float, temperature: float) -> Candidate:
+    def select(
+        self,
+        candidates: Sequence[Candidate],
+        overlap_score_weight: float,
+        temperature: float,
+        discounts: Mapping[WorkerKey, float] | None = None,
+    ) -> Candidate:
+        """``discounts``: a share (0..1) of a worker's cost to waive (MoE expert locality)."""
         if not candidates:
             raise ValueError("no candidate workers")
         costs = [self.cost_model.cost(c, overlap_score_weight) for c in candidates]
+        if discounts:
+            costs = [cost * (1 - discounts.get(c.worker, 0.0)) for c, cost in zip(candidates, costs, strict=True)]
         if temperature > 0:
             return candidates[softmax_sample(costs, temperature, self._rng)]
         best = min(costs)

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventData, StoredBlock
+from kvmesh.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventData, MoePlacement, StoredBlock
 
 
 class OutOfBlocksError(RuntimeError):
@@ -49,11 +49,13 @@ class BlockManager:
     """Fixed-capacity block pool; guarantees ``free + active + inactive == num_blocks`` at all times,
     and that no two live blocks share a slot."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, moe_placements: tuple[MoePlacement, ...] = ()) -> None:
+        """``moe_placements``: the MoE experts every block is computed with (its stored events say so)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.moe_placements = moe_placements
         self._cached: dict[int, KvBlock] = {}
         # Inactive cached blocks in eviction order: the first entry is the least recently released.
         self._inactive: OrderedDict[int, KvBlock] = OrderedDict()
@@ -159,7 +161,7 @@ class BlockManager:
             block.local_hash = local_hash
             block.parent_hash = run_parent if not run else run[-1].block_hash
             self._cached[seq_hash] = block
-            run.append(StoredBlock(seq_hash, local_hash, self.block_size))
+            run.append(StoredBlock(seq_hash, local_hash, self.block_size, self.moe_placements))
         if run:
             self._events.append(BlocksStored(run_parent, tuple(run)))
 

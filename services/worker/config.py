@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.common.config import ConfigError, GrpcEndpointConfig, option
+from kvmesh.common.kv_events import parse_moe_placements
 
 DEFAULT_MODEL_NAME = "kvmesh-tiny"
 # The mock engine's shape where a flag is not given (vLLM picks its own).
@@ -43,6 +44,11 @@ class WorkerConfig(GrpcEndpointConfig):
         None, f"token budget of one engine step, chunked prefill (default: {MOCK_DEFAULTS['max_num_batched_tokens']})"
     )
     speedup_ratio: float = option(1.0, "divide simulated step times by this (>1 runs faster than real)")
+    moe_experts: str = option(
+        "",
+        "mock engine, as a mixture-of-experts model: the experts this worker hosts, layer:expert[:group] comma-"
+        "separated (e.g. 0:3,1:7); its KV events tag every cached block with them",
+    )
     num_layers: int = option(2, "model shape for the KV buffer: layers")
     num_kv_heads: int = option(2, "model shape for the KV buffer: KV heads")
     head_dim: int = option(32, "model shape for the KV buffer: head dimension")
@@ -84,6 +90,12 @@ class WorkerConfig(GrpcEndpointConfig):
             raise ConfigError(
                 f"unrecognized arguments: {' '.join(self.engine_args)} (engine arguments need --engine vllm)"
             )
+        try:
+            parse_moe_placements(self.moe_experts)
+        except ValueError as exc:
+            raise ConfigError(f"--moe-experts: {exc}") from None
+        if self.moe_experts and self.engine != "mock":
+            raise ConfigError("--moe-experts tags the mock engine's blocks (vLLM publishes its own events)")
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype_bytes) <= 0:
             raise ConfigError("--num-layers, --num-kv-heads, --head-dim and --kv-dtype-bytes must be positive")
         if self.kv_transfer_timeout_secs <= 0 or self.disagg_hold_timeout_secs <= 0:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvmesh.common.hashing import blocks_needed, hash_block_tokens, local_block_hashes, lora_seed, sequence_hashes
-from kvmesh.common.kv_events import EventData
+from kvmesh.common.kv_events import EventData, MoePlacement
 from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.engine import EngineRequestError, TransferPlan, transferable_blocks
 from kvmesh.worker.kv_buffer import KvBuffer
@@ -27,11 +27,17 @@ class KvCacheManager:
     ``blocks_needed(num_computed + scheduled)`` blocks while it runs and none once freed; its full
     computed blocks are registered (and, with a KV buffer, filled) in order, each once."""
 
-    def __init__(self, num_blocks: int, block_size: int, kv: KvBuffer | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        kv: KvBuffer | None = None,
+        moe_placements: tuple[MoePlacement, ...] = (),
+    ) -> None:
         if kv is not None and kv.num_blocks != num_blocks:
             raise ValueError("the KV buffer must have one region per block")
         self.block_size = block_size
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, moe_placements)
         self.kv = kv
 
     # ---- reading ---------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import xxhash
 
 from kvmesh.common.finish_reasons import FinishReason
 from kvmesh.common.hashing import blocks_needed, hash_block_tokens
-from kvmesh.common.kv_events import EventData
+from kvmesh.common.kv_events import EventData, MoePlacement
 from kvmesh.common.timing import TimingModel
 from kvmesh.worker.block_manager import BlockManager, KvBlock
 from kvmesh.worker.engine import (
@@ -73,6 +73,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     timing: TimingModel = field(default_factory=TimingModel)
     output_vocab: tuple[int, ...] = DEFAULT_OUTPUT_VOCAB
+    # as a mixture-of-experts model: the (layer, expert, group) placements every cached block is tagged with
+    moe_placements: tuple[MoePlacement, ...] = ()
 
 
 @dataclass(eq=False)
@@ -125,7 +127,7 @@ class MockEngine:
     def __init__(self, config: EngineConfig, kv: KvBuffer | None = None) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.cache = KvCacheManager(config.num_blocks, config.block_size, kv)
+        self.cache = KvCacheManager(config.num_blocks, config.block_size, kv, config.moe_placements)
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self._by_id: dict[str, EngineRequest] = {}

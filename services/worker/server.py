@@ -11,6 +11,7 @@ import structlog
 
 from kvmesh.common.config import advertised_host
 from kvmesh.common.discovery import Registration, new_instance_id
+from kvmesh.common.kv_events import parse_moe_placements
 from kvmesh.common.metrics import MetricsEndpoint
 from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.common.service import ServiceStack, service_main
@@ -45,6 +46,7 @@ def build_mock_engine(config: WorkerConfig, kv: KvBuffer | None = None) -> MockE
             max_num_seqs=config.mock_shape("max_num_seqs"),
             max_num_batched_tokens=config.mock_shape("max_num_batched_tokens"),
             timing=TimingModel(speedup_ratio=config.speedup_ratio),
+            moe_placements=parse_moe_placements(config.moe_experts),
         ),
         kv,
     )

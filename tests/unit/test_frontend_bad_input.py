@@ -47,6 +47,11 @@ async def test_a_body_nested_100000_deep_is_a_400(http):
         ("/v1/completions", {"kvmesh": {"worker_id": 2**64}}, "kvmesh.worker_id"),
         ("/v1/completions", {"kvmesh": {"expected_output_tokens": 2**40}}, "kvmesh.expected_output_tokens"),
         ("/v1/completions", {"prompt": [1, 2**33]}, "prompt"),
+        (
+            "/v1/completions",
+            {"kvmesh": {"router_config_override": {"moe_query": [{"layer": -1, "expert": 2}]}}},
+            "kvmesh.router_config_override.moe_query",
+        ),
     ],
 )
 async def test_integers_out_of_their_range_are_a_400_naming_the_field(http, path, extra, param):

@@ -41,12 +41,22 @@ class StopConditions(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class RouterConfigOverride(_message.Message):
-    __slots__ = ("overlap_score_weight", "router_temperature")
+    __slots__ = ("overlap_score_weight", "router_temperature", "moe_query")
     OVERLAP_SCORE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     ROUTER_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MOE_QUERY_FIELD_NUMBER: _ClassVar[int]
     overlap_score_weight: float
     router_temperature: float
-    def __init__(self, overlap_score_weight: _Optional[float] = ..., router_temperature: _Optional[float] = ...) -> None: ...
+    moe_query: _containers.RepeatedCompositeFieldContainer[MoeExpert]
+    def __init__(self, overlap_score_weight: _Optional[float] = ..., router_temperature: _Optional[float] = ..., moe_query: _Optional[_Iterable[_Union[MoeExpert, _Mapping]]] = ...) -> None: ...
+
+class MoeExpert(_message.Message):
+    __slots__ = ("layer", "expert")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    expert: int
+    def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
 
 class RoutingHints(_message.Message):
     __slots__ = ("worker_id", "dp_rank", "router_config_override")

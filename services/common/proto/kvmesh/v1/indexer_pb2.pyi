@@ -1,3 +1,4 @@
+from kvmesh.common.proto.kvmesh.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -51,24 +52,30 @@ class IndexerStatus(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., applied_sequence: _Optional[int] = ..., stream_last_sequence: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[IndexedWorker, _Mapping]]] = ..., events_applied: _Optional[int] = ..., gaps: _Optional[int] = ..., recoveries: _Optional[int] = ..., snapshot_sequence: _Optional[int] = ..., snapshots_taken: _Optional[int] = ...) -> None: ...
 
 class FindMatchesRequest(_message.Message):
-    __slots__ = ("local_hashes", "sequence_hashes")
+    __slots__ = ("local_hashes", "sequence_hashes", "moe_query")
     LOCAL_HASHES_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MOE_QUERY_FIELD_NUMBER: _ClassVar[int]
     local_hashes: _containers.RepeatedScalarFieldContainer[int]
     sequence_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, local_hashes: _Optional[_Iterable[int]] = ..., sequence_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    moe_query: _containers.RepeatedCompositeFieldContainer[_common_pb2.MoeExpert]
+    def __init__(self, local_hashes: _Optional[_Iterable[int]] = ..., sequence_hashes: _Optional[_Iterable[int]] = ..., moe_query: _Optional[_Iterable[_Union[_common_pb2.MoeExpert, _Mapping]]] = ...) -> None: ...
 
 class WorkerMatch(_message.Message):
-    __slots__ = ("worker_id", "dp_rank", "matched_blocks", "total_blocks")
+    __slots__ = ("worker_id", "dp_rank", "matched_blocks", "total_blocks", "moe_aligned_blocks", "moe_hosted_experts")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MOE_ALIGNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MOE_HOSTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     dp_rank: int
     matched_blocks: int
     total_blocks: int
-    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+    moe_aligned_blocks: int
+    moe_hosted_experts: int
+    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., moe_aligned_blocks: _Optional[int] = ..., moe_hosted_experts: _Optional[int] = ...) -> None: ...
 
 class FindMatchesResponse(_message.Message):
     __slots__ = ("workers", "applied_sequence")
