@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,6 +73,11 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions):
     kv_transfer_backend: str = option(
         "auto", "workers' KV transfer backend (auto: NIXL when installed)", choices=("auto", "nixl", "tcp")
     )
+    kv_pool: bool = option(
+        False,
+        "mock workers share a host KV pool in /dev/shm: each writes the blocks it computes there and imports the "
+        "blocks it lacks, so a request that moves to another worker resumes without recomputing its prompt",
+    )
     indexers: int = option(1, "number of indexer replicas")
     routers: int = option(1, "number of router replicas behind the frontend")
     api_key: str | None = option(
@@ -121,6 +127,8 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions):
             raise ConfigError("--routers must be at least 1")
         if self.prefill_workers < 0:
             raise ConfigError("--prefill-workers must be >= 0")
+        if self.kv_pool and self.engine != "mock":
+            raise ConfigError("--kv-pool is for mock workers (vLLM manages its own KV memory)")
         if self.planner:
             PlannerOptions.validate(self)
             if self.engine != "mock":
@@ -225,6 +233,12 @@ def common_args(config: UpConfig, nats_url: str) -> list[str]:
     return common
 
 
+def kv_pool_directory(config: UpConfig) -> Path:
+    """This mesh's KV pool: in /dev/shm (shared memory) where the host has it; removed when the mesh stops."""
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"kvmesh-pool-{config.namespace}-{os.getpid()}"
+
+
 def worker_process(config: UpConfig, common: list[str], index: int, role: str) -> ServiceProcess:
     worker_args = [
         *common,
@@ -240,6 +254,7 @@ def worker_process(config: UpConfig, common: list[str], index: int, role: str) -
         config.kv_transfer_backend,
         "--num-layers",
         str(config.num_layers),
+        *(["--kv-pool", str(kv_pool_directory(config))] if config.kv_pool else []),
         *config.engine_args,
     ]
     name = f"worker-{index}" if role != "prefill" else f"prefill-worker-{index}"
@@ -390,6 +405,8 @@ async def run(config: UpConfig) -> int:
         nats_server = await EmbeddedNatsServer().start()
         nats_url = nats_server.url
         log.info("embedded NATS server started", url=nats_url, store=nats_server.store_dir, pid=nats_server.pid)
+    if config.kv_pool:
+        kv_pool_directory(config).mkdir(parents=True, exist_ok=True)
     services = plan_services(config, nats_url)
     pool: WorkerPools | None = None
     supervisor: NatsClient | None = None
@@ -468,6 +485,8 @@ async def run(config: UpConfig) -> int:
             service.wait_or_kill(deadline)
         if nats_server is not None:
             nats_server.stop()
+        if config.kv_pool:  # segments of killed workers outlive them until here
+            shutil.rmtree(kv_pool_directory(config), ignore_errors=True)
         remove_run_record(config.namespace, os.getpid())
         log.info("all services stopped")
     return exit_code

@@ -19,6 +19,9 @@ from typing import Any
 import msgpack
 
 DEVICE_TIER = "device"
+POOLED_TIER = "pooled"
+# A worker's KV pool segment publishes its blocks as this dp rank of the worker (its own event ids).
+POOL_DP_RANK = 0xFFFF
 
 
 class EventDecodeError(ValueError):

@@ -13,6 +13,8 @@ ports on its own; only an explicit bind by some other program can take it.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import socket
 from pathlib import Path
@@ -68,3 +70,23 @@ def late_bound_port(host: str = "127.0.0.1", rng: random.Random | None = None) -
         if is_free(port, host):
             return port
     raise NoFreePortError(f"no free port between {LOWEST_CANDIDATE} and {high} after {ATTEMPTS} tries")
+
+
+def pid_listening_on(port: int) -> int:
+    """The process with a listening TCP socket on ``port`` (read from /proc; no tools needed)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(fields[9])
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    return int(entry.name)
+    raise LookupError(f"no process listens on port {port}")

@@ -59,7 +59,7 @@ async def connect_nats(
 
     async def on_error(error: Exception) -> None:
         if not connected:  # while first connecting, the one line at the end says it
-            last_error[:] = [error]
+            last_error.append(error)
             return
         # nats-py would print a traceback per failed reconnect attempt; one line says enough
         if not nc.is_closed:
@@ -81,12 +81,17 @@ async def connect_nats(
     except Exception as exc:  # a timeout, or an error nats-py gave up on
         with contextlib.suppress(Exception):
             await nc.close()
-        cause = last_error[0] if last_error else exc
+        # A refused login is the error that explains the others: after it the server just drops the
+        # connection, and the last attempt may have seen only that ("connection reset").
+        refused = [e for e in last_error if "authoriz" in str(e).lower()]
+        cause = refused[0] if refused else last_error[-1] if last_error else exc
         reason = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
-        raise SystemExit(
-            f"{name}: cannot connect to NATS at {url} within {timeout:g} s ({reason}); is a NATS server "
-            f"running there? (`kvmesh up` starts one; --nats-url or KVMESH_NATS_URL names another)"
-        ) from exc
+        hint = (
+            "check the credentials (--nats-user / --nats-password, --nats-token or --nats-creds, or KVMESH_NATS_*)"
+            if refused
+            else "is a NATS server running there? (`kvmesh up` starts one; --nats-url or KVMESH_NATS_URL names another)"
+        )
+        raise SystemExit(f"{name}: cannot connect to NATS at {url} within {timeout:g} s ({reason}); {hint}") from exc
     connected = True
     return nc
 

@@ -19,6 +19,7 @@ from prometheus_client import Histogram
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
 from kvmesh.common.grpc_errors import refuse
 from kvmesh.common.hashing import block_set_digest, sequence_hashes
+from kvmesh.common.kv_events import POOL_DP_RANK
 from kvmesh.common.metrics import MetricsEndpoint
 from kvmesh.common.prefix_index import PrefixIndex
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
@@ -43,7 +44,10 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         consumer: EventStreamConsumer,
         state: IndexerState,
         query_latency: Histogram,
+        workers: DiscoveryWatcher | None = None,
     ) -> None:
+        """``workers``: the discovered workers, whose records name the KV pool each can read."""
+        self.workers = workers
         self.replica_id = replica_id
         self.index = index
         self.consumer = consumer
@@ -64,6 +68,10 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         if request.moe_query:  # a dense model's query pays nothing for MoE
             experts = {(e.layer, e.expert) for e in request.moe_query}
             alignment = self.index.moe_alignment(sequence, matched, experts)
+        pooled = self._pooled_blocks(matched)
+        sizes = dict(self.index.tree_sizes())
+        for key in pooled.keys() - sizes.keys():  # a worker that caches nothing yet can still read the pool
+            sizes[key] = 0
         self.query_latency.observe(time.perf_counter() - started)
         return indexer_pb2.FindMatchesResponse(
             workers=[
@@ -74,11 +82,32 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                     total_blocks=size,
                     moe_aligned_blocks=alignment.get(key, (0, 0))[0],
                     moe_hosted_experts=alignment.get(key, (0, 0))[1],
+                    pooled_blocks=pooled.get(key, 0),
                 )
-                for key, size in self.index.tree_sizes().items()
+                for key, size in sizes.items()
+                if key[1] != POOL_DP_RANK
             ],
             applied_sequence=self.consumer.applied_sequence,
         )
+
+    def _pooled_blocks(self, matched: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+        """Per worker that reads a KV pool: the query's blocks past its own match that a segment of
+        that pool holds (the longest prefix any of the pool's writers wrote)."""
+        if self.workers is None:
+            return {}
+        pool_of = {r.instance_id: r.extra.get("kv_pool") for r in self.workers.instances() if r.extra.get("kv_pool")}
+        best: dict[str, int] = {}
+        for (writer, rank), blocks in matched.items():
+            pool = pool_of.get(writer) if rank == POOL_DP_RANK else None
+            if pool is not None and blocks > best.get(pool, 0):
+                best[pool] = blocks
+        if not best:
+            return {}
+        return {
+            (worker, 0): best[pool] - matched.get((worker, 0), 0)
+            for worker, pool in pool_of.items()
+            if best.get(pool, 0) > matched.get((worker, 0), 0)
+        }
 
     async def GetStatus(
         self, request: indexer_pb2.IndexerStatusRequest, context: grpc.aio.ServicerContext
@@ -168,7 +197,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
         metrics = MetricsEndpoint(config, registry)
         stack.push_async_callback(metrics.close)
         extra: dict[str, object] = {"replica_id": config.replica_id, **metrics.discovery_extra()}
-        servicer = IndexerServicer(config.replica_id, index, consumer, state, query_latency)
+        servicer = IndexerServicer(config.replica_id, index, consumer, state, query_latency, workers)
         registration = await stack.grpc_service(
             js,
             config,

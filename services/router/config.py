@@ -59,6 +59,11 @@ class RoutingOptions:
     )
     kv_overlap_score_weight: float = option(1.0, "weight of prefill work in the KV cost (0: load only)")
     router_temperature: float = option(0.0, "softmax temperature over normalised costs (0: pick the minimum)")
+    pooled_block_credit: float = option(
+        0.9,
+        "kv mode: a block a worker can import from its host's KV pool counts as this share of a block in its own "
+        "cache (cheaper than recomputing, dearer than already there; 0: ignore the pool)",
+    )
     moe_score_weight: float = option(
         0.5,
         "kv mode, MoE models: a request's moe_query waives this share of the cost of a worker whose cached blocks "
@@ -93,6 +98,8 @@ class RoutingOptions:
             raise ConfigError("--eviction-interval-secs and --max-tree-size must be positive")
         if self.kv_overlap_score_weight < 0:
             raise ConfigError("--kv-overlap-score-weight must be >= 0")
+        if not 0 <= self.pooled_block_credit <= 1:
+            raise ConfigError("--pooled-block-credit must be between 0 and 1")
         if not 0 <= self.moe_score_weight < 1:
             raise ConfigError("--moe-score-weight must be in [0, 1)")
         if self.router_temperature < 0:

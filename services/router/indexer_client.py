@@ -24,6 +24,7 @@ class CacheView(NamedTuple):
     matched: dict[WorkerKey, int]
     tree_sizes: dict[WorkerKey, int]
     moe: dict[WorkerKey, tuple[int, int]] = {}
+    pooled: dict[WorkerKey, int] = {}  # blocks past the match a worker can import from its KV pool
 
 
 class IndexerClient:
@@ -61,6 +62,7 @@ class IndexerClient:
                 for w in response.workers
                 if w.moe_aligned_blocks or w.moe_hosted_experts
             }
-            return CacheView(matched, sizes, moe)
+            pooled = {(w.worker_id, w.dp_rank): w.pooled_blocks for w in response.workers if w.pooled_blocks}
+            return CacheView(matched, sizes, moe, pooled)
         log.warning("no indexer answered; routing on load alone")
         return CacheView({}, {})

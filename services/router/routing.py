@@ -250,7 +250,14 @@ class Router:
         if not any(policy.needs_overlaps for policy in policies or (prepared.policy,)):
             return CacheView({}, {})
         if self.config.kv_events:
-            return await self.indexers.find_matches(prepared.block_hashes, prepared.moe_query)
+            view = await self.indexers.find_matches(prepared.block_hashes, prepared.moe_query)
+            credit = self.config.pooled_block_credit
+            if view.pooled and credit:  # a pooled block is worth `credit` of a cached one
+                matched = dict(view.matched)
+                for worker, blocks in view.pooled.items():
+                    matched[worker] = matched.get(worker, 0) + round(credit * blocks)
+                view = view._replace(matched=matched)
+            return view
         approximate = self.approximate_index(prepared.policy.block_size)
         matched = approximate.find_matches_by_sequence(prepared.block_hashes, self.clock())
         return CacheView(matched, dict(approximate.tree_sizes()))
@@ -272,7 +279,7 @@ class Router:
             return Choice(record, 0, prepared.block_hashes)
 
         candidates = self.not_busy(prepared)
-        matched, sizes, moe = await self.cache_view(prepared)
+        matched, sizes, moe, _pooled = await self.cache_view(prepared)
         weight, temperature = config_overrides(request)
         decision = prepared.policy.choose(
             [(r.instance_id, 0) for r in candidates],
@@ -316,7 +323,7 @@ class Router:
         candidates = self.not_busy(prepared, "decode workers")
         policy = self.policy(prepared.candidates[0], self.config.decode_policy)
         prefill_policy = self.policy(prepared.candidates[0], self.config.prefill_policy)
-        matched, sizes, moe = await self.cache_view(prepared, policy, prefill_policy)
+        matched, sizes, moe, _pooled = await self.cache_view(prepared, policy, prefill_policy)
         weight, temperature = config_overrides(request)
         try:
             placement = place_prefill(
@@ -349,7 +356,7 @@ class Router:
 
     async def potential_loads(self, request: common_pb2.PreprocessedRequest) -> list[router_pb2.WorkerLoad]:
         prepared = self.prepare(request)
-        matched, _sizes, _moe = await self.cache_view(prepared)
+        matched, _sizes, _moe, _pooled = await self.cache_view(prepared)
         workers = [(r.instance_id, 0) for r in prepared.candidates]
         active = prepared.policy.active
         loads = []

@@ -94,6 +94,11 @@ class BlockManager:
                 return i
         return len(sequence_hashes)
 
+    def slot_of(self, sequence_hash: int) -> int | None:
+        """The KV slot of a cached block (None when it is not cached)."""
+        block = self._cached.get(sequence_hash)
+        return None if block is None else block.slot
+
     def inactive_count(self, sequence_hashes: Sequence[int]) -> int:
         """How many of these cached blocks are inactive (acquiring them uses up evictable space)."""
         return sum(1 for h in sequence_hashes if h in self._inactive)

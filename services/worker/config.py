@@ -44,6 +44,12 @@ class WorkerConfig(GrpcEndpointConfig):
         None, f"token budget of one engine step, chunked prefill (default: {MOCK_DEFAULTS['max_num_batched_tokens']})"
     )
     speedup_ratio: float = option(1.0, "divide simulated step times by this (>1 runs faster than real)")
+    kv_pool: str = option(
+        "",
+        "mock engine: a host KV pool directory (e.g. /dev/shm/kvmesh-pool): this worker writes every block it "
+        "computes into its own shared-memory segment there and imports blocks it lacks from every segment there",
+    )
+    kv_pool_blocks: int = option(4096, "blocks this worker's KV pool segment holds (least recently written go first)")
     moe_experts: str = option(
         "",
         "mock engine, as a mixture-of-experts model: the experts this worker hosts, layer:expert[:group] comma-"
@@ -94,6 +100,10 @@ class WorkerConfig(GrpcEndpointConfig):
             parse_moe_placements(self.moe_experts)
         except ValueError as exc:
             raise ConfigError(f"--moe-experts: {exc}") from None
+        if self.kv_pool and self.engine != "mock":
+            raise ConfigError("--kv-pool is the mock engine's (vLLM manages its own KV memory)")
+        if self.kv_pool_blocks < 8:
+            raise ConfigError("--kv-pool-blocks must be at least 8")
         if self.moe_experts and self.engine != "mock":
             raise ConfigError("--moe-experts tags the mock engine's blocks (vLLM publishes its own events)")
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype_bytes) <= 0:

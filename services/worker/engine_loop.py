@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
+from kvmesh.common.kv_events import BlocksRemoved, BlocksStored, EventData
 from kvmesh.common.runtime import cancel_and_wait
 from kvmesh.common.timing import TimingModel, real_time
 from kvmesh.common.timing_fit import TimingFit
@@ -22,9 +24,19 @@ from kvmesh.worker.engine import (
     TransferPlan,
 )
 from kvmesh.worker.event_publisher import KvEventPublisher
+from kvmesh.worker.kv_pool import KvPool
 from kvmesh.worker.mock_engine import MockEngine, StepResult
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass
+class PoolStats:
+    """What this worker moved through the KV pool."""
+
+    written_blocks: int = 0
+    imported_blocks: int = 0
+    rejected_blocks: int = 0  # read from the pool but not what this worker would compute
 
 
 class MockEngineLoop(Engine):
@@ -34,8 +46,19 @@ class MockEngineLoop(Engine):
     which is when a real engine would have produced them.
     """
 
-    def __init__(self, engine: MockEngine, publisher: KvEventPublisher | None) -> None:
+    def __init__(
+        self,
+        engine: MockEngine,
+        publisher: KvEventPublisher | None,
+        pool: KvPool | None = None,
+        pool_publisher: KvEventPublisher | None = None,
+    ) -> None:
+        """``pool``: the host's KV pool, written through with every block this engine computes (its
+        changes published by ``pool_publisher``) and read for a new request's uncached blocks."""
         self.engine = engine
+        self.pool = pool
+        self._pool_publisher = pool_publisher
+        self.pool_stats = PoolStats()
         # what the steps really took (sleep overshoot and event-loop load included), not the model
         self.timing_fit = TimingFit(real_time(engine.config.timing))
         self.block_size = engine.block_size
@@ -56,6 +79,8 @@ class MockEngineLoop(Engine):
     ) -> TokenQueue:
         if kv_transfer_params:
             raise EngineRequestError("the mock engine moves KV through the worker's transfer server, not a connector")
+        if self.pool is not None:
+            self._import_from_pool(spec)
         self.engine.add_request(spec, hold_on_finish=hold_on_finish)
         queue: TokenQueue = asyncio.Queue()
         self._streams[spec.request_id] = queue
@@ -135,7 +160,65 @@ class MockEngineLoop(Engine):
         capacity = self.engine.capacity_tokens
         self.timing_fit.observe(result.prefill_tokens, result.decode_context_tokens, capacity, decoding, measured_ms)
 
+    def _import_from_pool(self, spec: EngineRequestSpec) -> None:
+        """Bring the prompt's blocks that this cache lacks and the pool holds into the cache, so the
+        request prefills only what neither has (a migrated request resumes this way)."""
+        cache = self.engine.cache
+        local, chained = cache.prompt_hashes(spec.prompt, spec.lora_name)
+        usable = (len(spec.prompt) - 1) // self.block_size  # the last prompt token is always computed
+        cached = cache.blocks.cached_prefix_length(chained[:usable])
+        assert self.pool is not None
+        contents = self.pool.read_prefix(chained[cached:usable])
+        if not contents:
+            return
+        started = time.perf_counter()
+        taken = cache.import_blocks(
+            chained[cached : cached + len(contents)],
+            local[cached : cached + len(contents)],
+            chained[cached - 1] if cached else None,
+            contents,
+        )
+        self.pool_stats.imported_blocks += taken
+        self.pool_stats.rejected_blocks += len(contents) - taken
+        log.info(
+            "KV blocks imported from the pool",
+            request_id=spec.request_id,
+            blocks=taken,
+            cached_before=cached,
+            ms=round((time.perf_counter() - started) * 1000, 3),
+        )
+
+    def _write_through(self, events: list[EventData]) -> None:
+        """Copy the blocks these events stored into this worker's pool segment and publish what
+        the segment gained and lost (tier ``pooled``)."""
+        assert self.pool is not None
+        cache = self.engine.cache
+        pooled: list[EventData] = []
+        for event in events:
+            if not isinstance(event, BlocksStored):
+                continue
+            parent, run = event.parent_hash, []
+            for block in event.blocks:
+                sequence_hash = block.block_hash  # the mock engine's block id is the sequence hash
+                slot = cache.blocks.slot_of(sequence_hash)
+                if cache.kv is None or slot is None or self.pool.own.holds(sequence_hash):
+                    if run:
+                        pooled.append(BlocksStored(parent, tuple(run)))
+                    parent, run = sequence_hash, []
+                    continue
+                evicted = self.pool.put(sequence_hash, cache.kv.region(slot))
+                if evicted is not None:
+                    pooled.append(BlocksRemoved((evicted,)))
+                run.append(block)
+                self.pool_stats.written_blocks += 1
+            if run:
+                pooled.append(BlocksStored(parent, tuple(run)))
+        if pooled and self._pool_publisher is not None:
+            self._pool_publisher.enqueue(pooled)
+
     def _publish_events(self) -> None:
         events = self.engine.drain_events()
+        if events and self.pool is not None:
+            self._write_through(events)
         if events and self._publisher is not None:
             self._publisher.enqueue(events)

@@ -11,7 +11,7 @@ import structlog
 from nats.js import JetStreamContext
 
 from kvmesh.common import names
-from kvmesh.common.kv_events import EventData, KvEvent, KvEventBatch, encode_batch
+from kvmesh.common.kv_events import DEVICE_TIER, EventData, KvEvent, KvEventBatch, encode_batch
 from kvmesh.common.runtime import cancel_and_wait
 
 log = structlog.get_logger(__name__)
@@ -27,8 +27,13 @@ class KvEventPublisher:
     publish is retried with the same ``Nats-Msg-Id``, so the stream stores it once).
     """
 
-    def __init__(self, js: JetStreamContext, namespace: str, worker_id: int, dp_rank: int = 0) -> None:
+    def __init__(
+        self, js: JetStreamContext, namespace: str, worker_id: int, dp_rank: int = 0, tier: str = DEVICE_TIER
+    ) -> None:
+        """``tier``: the memory tier every event of this publisher describes (``pooled``: a KV pool
+        segment, published under its own dp rank so that its event ids run apart)."""
         self._js = js
+        self.tier = tier
         self._subject = names.kv_events_subject(namespace, worker_id)
         self.worker_id = worker_id
         self.dp_rank = dp_rank
@@ -50,7 +55,7 @@ class KvEventPublisher:
 
     def enqueue(self, events: Iterable[EventData]) -> None:
         for data in events:
-            self._queue.append(KvEvent(self._next_event_id, data))
+            self._queue.append(KvEvent(self._next_event_id, data, self.tier))
             self._next_event_id += 1
         if self._queue:
             self._idle.clear()

@@ -136,6 +136,33 @@ class KvCacheManager:
         if self.kv is not None:
             self.kv.fill_many([block.slot for block in request.blocks[start:full]], hashes[start:full])
 
+    def import_blocks(
+        self,
+        sequence_hashes: Sequence[int],
+        local_hashes: Sequence[int],
+        parent_hash: int | None,
+        contents: Sequence[bytes],
+    ) -> int:
+        """Cache consecutive blocks whose KV another worker computed (read from the KV pool), after
+        ``parent_hash``; returns how many were taken. Each block's bytes are checked against what
+        this worker would have computed for it; the first that differs ends the import. The blocks
+        are cached, not held: the request that wanted them finds them as a cached prefix."""
+        if self.kv is None:
+            return 0
+        count = min(len(contents), self.blocks.num_available)
+        if count == 0:
+            return 0
+        blocks = self.blocks.allocate(count)
+        good = 0
+        for block, sequence_hash, content in zip(blocks, sequence_hashes, contents, strict=False):
+            self.kv.region(block.slot)[:] = content
+            if not self.kv.holds(block.slot, sequence_hash):
+                break
+            good += 1
+        self.blocks.register(blocks[:good], sequence_hashes[:good], local_hashes[:good], parent_hash)
+        self.blocks.release(blocks)
+        return good
+
     def free(self, request: EngineRequest) -> None:
         self.blocks.release(request.blocks)
         request.blocks = []

@@ -47,6 +47,15 @@ class _EngineCollector(Collector):
             "KV events published to JetStream",
             value=self._publisher.published_events,
         )
+        pool_stats = getattr(self._engine, "pool_stats", None)
+        if getattr(self._engine, "pool", None) is not None and pool_stats is not None:
+            pool = CounterMetricFamily(
+                "kvmesh_worker_kv_pool_blocks", "KV blocks moved through the host's KV pool", labels=["direction"]
+            )
+            pool.add_metric(["written"], pool_stats.written_blocks)
+            pool.add_metric(["imported"], pool_stats.imported_blocks)
+            pool.add_metric(["rejected"], pool_stats.rejected_blocks)
+            yield pool
         if self._transfer is None:  # an aggregated vLLM worker moves no KV
             return
         backend = GaugeMetricFamily(

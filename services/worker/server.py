@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 
 import structlog
 
 from kvmesh.common.config import advertised_host
 from kvmesh.common.discovery import Registration, new_instance_id
-from kvmesh.common.kv_events import parse_moe_placements
+from kvmesh.common.kv_events import POOL_DP_RANK, POOLED_TIER, parse_moe_placements
 from kvmesh.common.metrics import MetricsEndpoint
 from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.common.service import ServiceStack, service_main
@@ -24,6 +25,7 @@ from kvmesh.worker.engine_loop import MockEngineLoop
 from kvmesh.worker.event_publisher import KvEventPublisher
 from kvmesh.worker.kv_buffer import KvBuffer, KvLayout
 from kvmesh.worker.kv_handover import Handover, KvHandover, KvTransfer
+from kvmesh.worker.kv_pool import KvPool
 from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, TransferStats
 from kvmesh.worker.metrics import TransferView, WorkerMetrics
 from kvmesh.worker.mock_engine import EngineConfig, MockEngine
@@ -111,7 +113,15 @@ async def serve(
         else:
             shape = kv_layout(config).block_bytes(config.mock_shape("block_size"))
             kv = KvBuffer(config.mock_shape("num_gpu_blocks"), shape)
-            engine = await stack.start(MockEngineLoop(build_mock_engine(config, kv), publisher))
+            pool, pool_publisher = None, None
+            if config.kv_pool:
+                pool = KvPool(Path(config.kv_pool), worker_id, shape, config.kv_pool_blocks)
+                stack.callback(pool.close)  # runs after the engine stops: a clean stop removes the segment
+                pool_publisher = await stack.start(
+                    publisher_class(js, config.namespace, worker_id, dp_rank=POOL_DP_RANK, tier=POOLED_TIER)
+                )
+                extra["kv_pool"] = pool.pool_id
+            engine = await stack.start(MockEngineLoop(build_mock_engine(config, kv), publisher, pool, pool_publisher))
             transfer = await start_kv_transfer(stack, config, worker_id, kv, engine)
             handover = KvHandover(worker_id, engine, transfer, config.kv_transfer_timeout_secs)
             extra |= {

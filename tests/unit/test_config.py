@@ -88,6 +88,7 @@ def test_every_command_validates_the_routing_options_alike(capsys):
         (["--balance-rel-threshold", "0.5"], "--balance-rel-threshold >= 1"),
         (["--max-tree-size", "0"], "--max-tree-size must be positive"),
         (["--prefill-policy", "direct"], "invalid choice"),
+        (["--pooled-block-credit", "1.5"], "--pooled-block-credit must be between 0 and 1"),
     ):
         with pytest.raises(SystemExit):
             parse_config(RouterConfig, flags, prog="x", description="", environ={})
@@ -164,3 +165,18 @@ def test_a_disaggregated_compose_planner_needs_two_services(tmp_path, capsys):
             PlannerConfig, [*flags, "--compose-prefill-service", "worker"], prog="p", description="", environ={}
         )
     assert "must name different services" in capsys.readouterr().err
+
+
+def test_the_kv_pool_is_the_mock_engines(capsys):
+    from kvmesh.up import UpConfig
+    from kvmesh.worker.config import WorkerConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(UpConfig, ["--kv-pool", "--engine", "vllm"], prog="up", description="", environ={})
+    assert "--kv-pool is for mock workers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, ["--kv-pool-blocks", "4"], prog="w", description="", environ={})
+    assert "--kv-pool-blocks must be at least 8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, ["--moe-experts", "1-2"], prog="w", description="", environ={})
+    assert "--moe-experts: bad MoE placement" in capsys.readouterr().err

@@ -4,13 +4,11 @@ vLLM, bad input, cancellation, and the indexers' view against what vLLM holds af
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import httpx
@@ -18,6 +16,7 @@ import openai
 import pytest
 
 from kvmesh.common.hashing import block_set_digest
+from kvmesh.common.ports import pid_listening_on
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.frontend.gateway import WORKER_ID_HEADER
 from kvmesh.up import MeshProcess
@@ -183,26 +182,6 @@ def test_workers_advertise_step_times_fitted_from_vllms_own_steps(vllm_mesh: Mes
     record = discovered(vllm_mesh.nats_url, "worker")[0]
     metrics = httpx.get(f"http://{record.extra['metrics']}/metrics", timeout=10).text
     assert 'kvmesh_worker_step_time_constant{constant="prefill_b"}' in metrics
-
-
-def pid_listening_on(port: int) -> int:
-    """The process with a listening TCP socket on ``port`` (read from /proc; no tools needed)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as lines:
-            for line in list(lines)[1:]:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
-                    inodes.add(fields[9])
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            for fd in (entry / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:[") and target[8:-1] in inodes:
-                    return int(entry.name)
-    raise AssertionError(f"no process listens on port {port}")
 
 
 def test_a_vllm_worker_killed_mid_stream_hands_the_stream_to_the_other(vllm_mesh: MeshProcess):

@@ -62,20 +62,22 @@ class FindMatchesRequest(_message.Message):
     def __init__(self, local_hashes: _Optional[_Iterable[int]] = ..., sequence_hashes: _Optional[_Iterable[int]] = ..., moe_query: _Optional[_Iterable[_Union[_common_pb2.MoeExpert, _Mapping]]] = ...) -> None: ...
 
 class WorkerMatch(_message.Message):
-    __slots__ = ("worker_id", "dp_rank", "matched_blocks", "total_blocks", "moe_aligned_blocks", "moe_hosted_experts")
+    __slots__ = ("worker_id", "dp_rank", "matched_blocks", "total_blocks", "moe_aligned_blocks", "moe_hosted_experts", "pooled_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MOE_ALIGNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MOE_HOSTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     dp_rank: int
     matched_blocks: int
     total_blocks: int
     moe_aligned_blocks: int
     moe_hosted_experts: int
-    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., moe_aligned_blocks: _Optional[int] = ..., moe_hosted_experts: _Optional[int] = ...) -> None: ...
+    pooled_blocks: int
+    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., moe_aligned_blocks: _Optional[int] = ..., moe_hosted_experts: _Optional[int] = ..., pooled_blocks: _Optional[int] = ...) -> None: ...
 
 class FindMatchesResponse(_message.Message):
     __slots__ = ("workers", "applied_sequence")

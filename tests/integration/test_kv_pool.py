@@ -1,0 +1,149 @@
+"""The host KV pool over real NATS, gRPC and shared memory: a block one worker computed is imported
+by another instead of recomputed, the indexer reports it as pooled, and a stream whose worker is
+killed resumes on a worker that imports the dead worker's blocks from the pool."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.hashing import local_block_hashes, sequence_hashes
+from kvmesh.common.ports import pid_listening_on
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc, router_pb2_grpc
+from kvmesh.indexer import server as indexer_server
+from kvmesh.indexer.config import IndexerConfig
+from kvmesh.router import server as router_server
+from kvmesh.router.config import RouterConfig
+from tests.support import running, service_config, service_process, wait_until_async
+
+pytestmark = pytest.mark.integration
+NAMESPACE = "pool"
+PROMPT = list(range(3000, 3000 + 16 * 40 + 5))  # 40 full blocks of 16
+
+
+@pytest.fixture
+def pool_dir():
+    shm = Path("/dev/shm")
+    folder = Path(tempfile.mkdtemp(prefix="kvmesh-pool-test-", dir=shm if shm.is_dir() else None))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def config(kind: type, nats_url: str, *extra: str):
+    return service_config(kind, ["--nats-url", nats_url, "--namespace", NAMESPACE, *extra])
+
+
+@contextlib.asynccontextmanager
+async def pool_mesh(nc: NatsClient, nats_url: str, pool: Path, workers: int = 2):
+    """An indexer, a router and worker processes sharing ``pool``; yields (router, indexer, processes, watcher)."""
+    watchers = {c: DiscoveryWatcher(nc.jetstream(), NAMESPACE, c) for c in ("worker", "router", "indexer")}
+    for watcher in watchers.values():
+        await watcher.start()
+    flags = ["--kv-pool", str(pool), "--speedup-ratio", "2", "--lease-ttl", "30"]
+    processes = [service_process("worker", nats_url, NAMESPACE, *flags) for _ in range(workers)]
+    try:
+        async with (
+            running(indexer_server.serve, config(IndexerConfig, nats_url)),
+            running(router_server.serve, config(RouterConfig, nats_url)),
+        ):
+            await wait_until_async(
+                lambda: (
+                    len(watchers["worker"].instances()) == workers
+                    and watchers["router"].instances()
+                    and watchers["indexer"].instances()
+                ),
+                timeout=30,
+                what="up",
+            )
+            yield (
+                watchers["router"].instances()[0].address,
+                watchers["indexer"].instances()[0].address,
+                processes,
+                watchers["worker"],
+            )
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait(timeout=10)
+        for watcher in watchers.values():
+            await watcher.stop()
+
+
+async def generate(router: str, request_id: str, prompt: list[int], max_tokens: int, worker_id: int | None = None):
+    request = common_pb2.PreprocessedRequest(request_id=request_id, token_ids=prompt)
+    request.stop.max_tokens = max_tokens
+    if worker_id is not None:
+        request.routing.worker_id = worker_id
+    async with grpc.aio.insecure_channel(router) as channel:
+        return [o async for o in router_pb2_grpc.RouterStub(channel).Generate(request)]
+
+
+async def pooled_blocks(indexer: str, prompt: list[int]) -> dict[int, tuple[int, int]]:
+    """(matched, pooled) blocks per worker for ``prompt``."""
+    request = indexer_pb2.FindMatchesRequest(sequence_hashes=sequence_hashes(local_block_hashes(prompt, 16)))
+    async with grpc.aio.insecure_channel(indexer) as channel:
+        response = await indexer_pb2_grpc.IndexerStub(channel).FindMatches(request)
+    return {w.worker_id: (w.matched_blocks, w.pooled_blocks) for w in response.workers}
+
+
+def pool_counters(record) -> dict[str, float]:
+    text = httpx.get(f"http://{record.extra['metrics']}/metrics", timeout=10).text
+    counters = {}
+    for line in text.splitlines():
+        if line.startswith("kvmesh_worker_kv_pool_blocks_total{"):
+            direction = line.split('direction="')[1].split('"')[0]
+            counters[direction] = float(line.rsplit(" ", 1)[1])
+    return counters
+
+
+async def test_a_block_one_worker_computed_is_imported_by_another(nats_url: str, nc: NatsClient, pool_dir: Path):
+    async with pool_mesh(nc, nats_url, pool_dir) as (router, indexer, _processes, workers):
+        first, second = workers.instances()
+        await generate(router, "a", PROMPT, 2, first.instance_id)
+        # the indexer sees the blocks on `first` and, through the pool, within reach of `second`
+        await wait_until_async(
+            lambda: _equals(pooled_blocks(indexer, PROMPT), {first.instance_id: (40, 0), second.instance_id: (0, 40)}),
+            timeout=10,
+            what="the pooled blocks indexed",
+        )
+        outputs = await generate(router, "b", PROMPT, 2, second.instance_id)
+        assert outputs[-1].usage.cached_prompt_tokens == 40 * 16  # imported, not recomputed
+        assert pool_counters(second)["imported"] == 40
+        assert pool_counters(first)["written"] >= 40
+
+
+async def _equals(pending, expected) -> bool:
+    return (await pending) == expected
+
+
+async def test_a_stream_whose_worker_is_killed_resumes_from_the_pool(nats_url: str, nc: NatsClient, pool_dir: Path):
+    async with pool_mesh(nc, nats_url, pool_dir) as (router, _indexer, processes, workers):
+        by_pid = dict(zip([p.pid for p in processes], processes, strict=True))
+        request = common_pb2.PreprocessedRequest(request_id="long", token_ids=PROMPT)
+        request.stop.max_tokens = 200
+        received, first_worker = 0, None
+        async with grpc.aio.insecure_channel(router) as channel:
+            async for output in router_pb2_grpc.RouterStub(channel).Generate(request):
+                received += len(output.token_ids)
+                if first_worker is None:
+                    first_worker = output.worker_id
+                    record = next(r for r in workers.instances() if r.instance_id == first_worker)
+                    victim = next(p for pid, p in by_pid.items() if _listens(pid, record.address))
+                    victim.send_signal(signal.SIGKILL)
+                last = output
+        assert received == 200 and last.worker_id != first_worker
+        survivor = next(r for r in workers.instances() if r.instance_id == last.worker_id)
+        assert pool_counters(survivor)["imported"] >= 40  # the prompt came from the dead worker's segment
+
+
+def _listens(pid: int, address: str) -> bool:
+    return pid_listening_on(int(address.rsplit(":", 1)[1])) == pid
