@@ -16,7 +16,7 @@ or cancellation. :meth:`expire` drops requests older than a timeout, in case a f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.common.hashing import blocks_needed
@@ -24,7 +24,7 @@ from kvmesh.common.worker_key import WorkerKey
 from kvmesh.common.worker_load import WorkerLoad
 
 
-@dataclass
+@dataclass(slots=True)
 class _Request:
     worker: WorkerKey
     block_hashes: tuple[int, ...]
@@ -36,7 +36,7 @@ class _Request:
     own_blocks: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _WorkerLoad:
     requests: int = 0
     prefill_tokens: int = 0
@@ -204,6 +204,40 @@ class ActiveSequences:
             decode = load.decode_blocks + n - _active_prefix(load.block_refs, block_hashes) + own if track else 0
             result.append(PotentialLoad(worker, load.prefill_tokens + prefill, decode))
         return result
+
+    def potential_columns(
+        self,
+        workers: Sequence[WorkerKey],
+        block_hashes: Sequence[int],
+        prompt_tokens: int,
+        overlaps: Mapping[WorkerKey, int],
+        expected_output_tokens: int = 0,
+    ) -> tuple[list[int], list[int]]:
+        """:meth:`potential_loads` as two columns (prefill tokens, decode blocks) in ``workers``' order."""
+        own = self._own_blocks(prompt_tokens, len(block_hashes), expected_output_tokens)
+        block_size = self.block_size
+        n = len(block_hashes)
+        first = block_hashes[0] if n else None
+        loads = self._loads
+        get_overlap = overlaps.get
+        get_load = loads.get
+        prefills: list[int] = []
+        decodes: list[int] = []
+        add_prefill, add_decode = prefills.append, decodes.append
+        track = self.track_active_blocks
+        fresh = n + own  # a worker with none of the request's blocks active adds all of them
+        for worker in workers:
+            load = get_load(worker, _NO_LOAD)
+            prefill = prompt_tokens - get_overlap(worker, 0) * block_size
+            add_prefill(load.prefill_tokens + prefill if prefill > 0 else load.prefill_tokens)
+            if track:
+                refs = load.block_refs
+                add_decode(
+                    len(refs) + load.own_blocks + fresh - (_active_prefix(refs, block_hashes) if first in refs else 0)
+                )
+            else:
+                add_decode(0)
+        return prefills, decodes
 
     def worker_loads(self) -> list[WorkerLoad]:
         """Every worker with a load entry: requests in flight, prefill tokens, KV tokens held."""

@@ -134,26 +134,16 @@ class RoutingPolicy:
             return Decision(choice.worker, choice.matched_tokens // self.block_size)
         overlaps = overlaps or {}
         tree_sizes = tree_sizes or {}
-        loads = self.active.potential_loads(
-            workers, block_hashes, prompt_tokens, dict(overlaps), expected_output_tokens
+        prefills, decodes = self.active.potential_columns(
+            workers, block_hashes, prompt_tokens, overlaps, expected_output_tokens
         )
-        candidates = [
-            Candidate(
-                load.worker,
-                load.prefill_tokens,
-                load.decode_blocks,
-                overlaps.get(load.worker, 0),
-                tree_sizes.get(load.worker, 0),
-            )
-            for load in loads
-        ]
+        weight = self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight
+        costs = self.cost_model.costs(workers, prefills, decodes, weight)
         discounts = None
         if moe_hosted and self.moe_score_weight:
             discounts = {worker: self.moe_score_weight * share for worker, share in moe_hosted.items()}
-        choice = self._kv.select(
-            candidates,
-            self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight,
-            self.temperature if temperature is None else temperature,
-            discounts,
+        index = self._kv.pick(
+            workers, costs, tree_sizes, self.temperature if temperature is None else temperature, discounts
         )
-        return Decision(choice.worker, choice.overlap_blocks)
+        chosen = workers[index]
+        return Decision(chosen, overlaps.get(chosen, 0))

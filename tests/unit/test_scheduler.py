@@ -179,3 +179,27 @@ def test_active_prefix_counts_exactly_what_a_scan_counts():
         chain = list(range(1000, 1000 + n))
         active = {h: 1 for h in chain[: rng.randrange(0, n + 1)]}  # active sets are prefixes
         assert _active_prefix(active, chain) == sum(1 for h in chain if h in active)
+
+
+def test_the_column_wise_ttft_cost_is_the_timing_models_formula_in_both_paths():
+    import random as random_module
+
+    from kvmesh.common.timing import TimingModel
+    from kvmesh.router.scheduler import VECTORISE_FROM, PredictedTtftCost
+
+    timing = TimingModel()
+    cost = PredictedTtftCost(16, 8192, 16384 * 16, timing)
+
+    def reference(prefill: int, blocks: int, weight: float) -> float:
+        full, remainder = divmod(prefill, 8192)
+        prefill_ms = full * timing.prefill_ms(8192) + timing.prefill_ms(remainder)
+        steps = max(1, full + (1 if remainder else 0))
+        return weight * prefill_ms + steps * timing.decode_ms(blocks * 16, 16384 * 16, blocks > 0)
+
+    rng = random_module.Random(7)
+    for count in (3, VECTORISE_FROM + 5):  # the loop, then numpy
+        prefills = [rng.choice([0, 1, 8191, 8192, 8193, rng.randrange(0, 40_000)]) for _ in range(count)]
+        blocks = [rng.choice([0, 1, rng.randrange(0, 40_000)]) for _ in range(count)]
+        workers = [(i, 0) for i in range(count)]
+        got = cost.costs(workers, prefills, blocks, 0.7)
+        assert got == pytest.approx([reference(p, b, 0.7) for p, b in zip(prefills, blocks, strict=True)], rel=1e-12)
