@@ -1,0 +1,195 @@
+"""kvmesh next to NVIDIA Dynamo 1.6.1, the SGLang router 0.3.2 and a direct call, on the same load.
+
+Each system serves OpenAI chat on 127.0.0.1 with two mock engines sped up (``--speedup``) so the
+engines are not the bottleneck:
+
+- ``kvmesh``: ``kvmesh up --workers 2`` (frontend, router, indexer, NATS, 2 mock workers);
+- ``dynamo``: Dynamo's frontend with its KV router and 2 mockers (``/tmp/peers/run_dyn/start.sh``);
+- ``sglang``: sglang-router (``cache_aware``) in front of 2 of the peers' minimal HTTP mocks;
+- ``direct``: one of those mocks called directly (the floor).
+
+Every scenario runs ``../shared/peers/loadgen.py`` (non-streaming chat, 16 shared ~200-word system
+prompts, a new connection per request) and reads the serving processes' CPU time from ``/proc``
+(kvmesh: frontend, router, indexer and NATS; Dynamo: its frontend; SGLang: its router), so each
+row gives requests/s, latency p50/p99 and serving CPU per request. The systems run one after the
+other, twice (``--rounds``), and both rounds are printed. Install the peers as
+``../shared/peers/README.md`` says (they live under ``/tmp/peers``).
+
+    python -m bench.peers [--rounds 2 --n 1500 --speedup 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from kvmesh.common.ports import free_port
+from kvmesh.up import MeshProcess
+
+PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
+LOADGEN = PEERS / "loadgen.py"
+RUN = Path("/tmp/peers")
+# (label, max tokens, concurrency, requests as a share of --n)
+SCENARIOS = [("8 tokens, c=1", 8, 1, 0.2), ("8 tokens, c=8", 8, 8, 1.0), ("64 tokens, c=8", 64, 8, 0.5)]
+SCENARIOS += [("8 tokens, c=32", 8, 32, 1.0)]
+
+
+def processes_matching(*markers: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(marker in command for marker in markers) and "bench.peers" not in command:
+            found.append(int(entry))
+    return found
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def wait_for(url: str, body: dict, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer within {timeout} s")
+        time.sleep(0.5)
+
+
+class System:
+    """One system under test: how to start it, its URL and model, which processes serve."""
+
+    def __init__(self, name: str, model: str, serving: tuple[str, ...]) -> None:
+        self.name, self.model, self.serving = name, model, serving
+        self.url = ""
+        self._stop: Callable[[], None] = lambda: None
+
+    def start(self, speedup: float) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        getattr(self, f"_start_{self.name}")(speedup, port)
+        wait_for(self.url, {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+    def stop(self) -> None:
+        self._stop()
+
+    def _start_kvmesh(self, speedup: float, port: int) -> None:
+        mesh = MeshProcess("--workers", "2", "--speedup-ratio", str(speedup), "--log-level", "warning", http_port=port)
+        mesh.start(timeout=120)
+        self._stop = mesh.stop
+
+    def _start_dynamo(self, speedup: float, port: int) -> None:
+        env = {**os.environ, "SPEEDUP": str(speedup), "FE_PORT": str(port), "DYN_LOG": "warn"}
+        subprocess.run(["bash", str(RUN / "run_dyn" / "start.sh")], env=env, check=True)
+        self._stop = lambda: subprocess.run(["bash", str(RUN / "run_dyn" / "stop.sh")], check=False)
+
+    def _start_sglang(self, speedup: float, port: int) -> None:
+        python = str(RUN / "sgl" / "bin" / "python")
+        mocks = [free_port(), free_port()]
+        started = [
+            self._spawn([python, str(PEERS / "mock_worker.py"), "--port", str(p), "--name", f"w{p}"]) for p in mocks
+        ]
+        router = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
+        router += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", "cache_aware"]
+        router += ["--log-level", "warn", "--worker-urls", *[f"http://127.0.0.1:{p}" for p in mocks]]
+        started.append(self._spawn(router))
+        self._stop = lambda: self._end(started)
+
+    def _start_direct(self, speedup: float, port: int) -> None:
+        python = str(RUN / "sgl" / "bin" / "python")
+        started = [self._spawn([python, str(PEERS / "mock_worker.py"), "--port", str(port), "--name", "direct"])]
+        self._stop = lambda: self._end(started)
+
+    @staticmethod
+    def _spawn(argv: list[str]) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "HOME": str(RUN / "home")}
+        return subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
+        )
+
+    @staticmethod
+    def _end(processes: list[subprocess.Popen[bytes]]) -> None:
+        for process in processes:
+            os.killpg(process.pid, signal.SIGTERM)
+        for process in processes:
+            process.wait(timeout=30)
+
+
+SYSTEMS = [
+    System("kvmesh", "kvmesh-tiny", ("kvmesh.frontend", "kvmesh.router", "kvmesh.indexer", "nats-server")),
+    System("dynamo", "tiny", ("dynamo.frontend",)),
+    System("sglang", "tiny", ("sglang::router", "sglang_router")),
+    System("direct", "tiny", ()),
+]
+
+
+def run_scenario(system: System, max_tokens: int, concurrency: int, requests: int) -> dict:
+    pids = processes_matching(*system.serving) if system.serving else []
+    before = cpu_seconds(pids)
+    command = [sys.executable, str(LOADGEN), "--url", system.url, "--n", str(requests), "--c", str(concurrency)]
+    command += ["--max-tokens", str(max_tokens), "--model", system.model]
+    report = json.loads(
+        subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    )
+    served = max(report["ok"], 1)
+    report["cpu_ms"] = (cpu_seconds(pids) - before) * 1000 / served if pids else None
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--n", type=int, default=1500, help="requests of the largest scenario")
+    parser.add_argument("--speedup", type=float, default=100.0)
+    parser.add_argument("--systems", nargs="+", default=[s.name for s in SYSTEMS])
+    args = parser.parse_args()
+    results: dict[tuple[str, str], list[dict]] = {}
+    for _round in range(args.rounds):
+        for system in [s for s in SYSTEMS if s.name in args.systems]:
+            system.start(args.speedup)
+            try:
+                for label, tokens, concurrency, share in SCENARIOS:
+                    report = run_scenario(system, tokens, concurrency, max(50, int(args.n * share)))
+                    results.setdefault((label, system.name), []).append(report)
+                    print(f"  {system.name:<7} {label:<15} {json.dumps(report)}", flush=True)
+            finally:
+                system.stop()
+    names = [s.name for s in SYSTEMS if s.name in args.systems]
+    print(f"\n{'scenario':<16}{'figure':<16}" + "".join(f"{n:>22}" for n in names))
+    for label, *_ in SCENARIOS:
+        for figure, key, digits in (("requests/s", "rps", 0), ("p50 ms", "p50_ms", 2), ("serving CPU ms", "cpu_ms", 2)):
+            cells = []
+            for name in names:
+                values = [r[key] for r in results.get((label, name), []) if r.get(key) is not None]
+                cells.append(" / ".join(f"{v:.{digits}f}" for v in values) if values else "-")
+            print(f"{label:<16}{figure:<16}" + "".join(f"{c:>22}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
