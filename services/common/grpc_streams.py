@@ -48,8 +48,13 @@ async def messages(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[Any]:
             yield message
     finally:
         call.cancel()  # a no-op once the stream ended
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader  # its read ends with the call: the batch completes and is freed
+        # Wait until the read ends with the call, so its batch completes and is freed, even when
+        # cancelled again meanwhile: an anyio cancel scope (starlette's, when an HTTP client goes
+        # away) cancels at every await until the task ends, and leaving the read behind then kept
+        # native memory per request (measured: RSS grew ~160 B a request, flat once waited for).
+        while not reader.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({reader})
 
 
 class _Raised:
