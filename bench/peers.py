@@ -31,6 +31,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.serving_cpu import cpu_seconds
 from kvmesh.common.ports import free_port
 from kvmesh.up import MeshProcess
 
@@ -54,17 +55,6 @@ def processes_matching(*markers: str) -> list[int]:
         if any(marker in command for marker in markers) and "bench.peers" not in command:
             found.append(int(entry))
     return found
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 def wait_for(url: str, body: dict, timeout: float = 120) -> None:
