@@ -188,22 +188,14 @@ class ActiveSequences:
         workers: Sequence[WorkerKey],
         block_hashes: Sequence[int],
         prompt_tokens: int,
-        overlaps: dict[WorkerKey, int],
+        overlaps: Mapping[WorkerKey, int],
         expected_output_tokens: int = 0,
     ) -> list[PotentialLoad]:
         """Each worker's (prefill tokens, decode blocks) if this request were added to it."""
-        own = self._own_blocks(prompt_tokens, len(block_hashes), expected_output_tokens)
-        block_size = self.block_size
-        track = self.track_active_blocks
-        n = len(block_hashes)
-        loads = self._loads
-        result = []
-        for worker in workers:
-            load = loads.get(worker, _NO_LOAD)
-            prefill = max(0, prompt_tokens - overlaps.get(worker, 0) * block_size)
-            decode = load.decode_blocks + n - _active_prefix(load.block_refs, block_hashes) + own if track else 0
-            result.append(PotentialLoad(worker, load.prefill_tokens + prefill, decode))
-        return result
+        prefills, decodes = self.potential_columns(
+            workers, block_hashes, prompt_tokens, overlaps, expected_output_tokens
+        )
+        return [PotentialLoad(*load) for load in zip(workers, prefills, decodes, strict=True)]
 
     def potential_columns(
         self,
@@ -213,7 +205,8 @@ class ActiveSequences:
         overlaps: Mapping[WorkerKey, int],
         expected_output_tokens: int = 0,
     ) -> tuple[list[int], list[int]]:
-        """:meth:`potential_loads` as two columns (prefill tokens, decode blocks) in ``workers``' order."""
+        """:meth:`potential_loads` as two columns (prefill tokens, decode blocks) in ``workers``' order,
+        without an object per worker (the routing decision's hot path)."""
         own = self._own_blocks(prompt_tokens, len(block_hashes), expected_output_tokens)
         block_size = self.block_size
         n = len(block_hashes)

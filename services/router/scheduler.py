@@ -19,9 +19,10 @@ The simple policies: round robin, random, and SGLang's power of two (cache-aware
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -104,13 +105,34 @@ class PredictedTtftCost:
     name: str = "ttft"
     # one full prefill step, computed once (the cost runs for every candidate of every request)
     _full_step_ms: float = field(init=False, repr=False, compare=False)
+    _constants: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_full_step_ms", self.timing.prefill_ms(self.max_num_batched_tokens))
+        object.__setattr__(self, "_constants", self._make_constants())
 
     def cost(self, candidate: Candidate, overlap_score_weight: float) -> float:
         worker, prefill, blocks = candidate.worker, candidate.prefill_tokens, candidate.decode_blocks
         return self.costs((worker,), (prefill,), (blocks,), overlap_score_weight)[0]
+
+    @property
+    def constants(self) -> tuple[float, ...]:
+        """What :func:`ttft_costs` needs of this model, in its order."""
+        return self._constants
+
+    def _make_constants(self) -> tuple[float, ...]:
+        timing = self.timing
+        return (
+            timing.prefill_a,
+            timing.prefill_b,
+            timing.prefill_c,
+            timing.decode_a,
+            timing.decode_b,
+            timing.decode_c,
+            self.max_num_batched_tokens,
+            self._full_step_ms,
+            self.block_size / self.capacity_tokens,
+        )
 
     def costs(
         self,
@@ -121,35 +143,7 @@ class PredictedTtftCost:
     ) -> list[float]:
         if len(prefill_tokens) >= VECTORISE_FROM:
             return self._costs_vectorised(prefill_tokens, decode_blocks, overlap_score_weight)
-        # TimingModel.prefill_ms and decode_ms, inlined with their constants in locals: this loop
-        # runs for every candidate of every request
-        timing = self.timing
-        pa, pb, pc = timing.prefill_a, timing.prefill_b, timing.prefill_c
-        da, db, dc = timing.decode_a, timing.decode_b, timing.decode_c
-        step_tokens, full_step_ms = self.max_num_batched_tokens, self._full_step_ms
-        context_per_block = self.block_size / self.capacity_tokens
-        result: list[float] = []
-        add = result.append
-        for prefill, blocks in zip(prefill_tokens, decode_blocks, strict=True):
-            if prefill < step_tokens:  # the common case, without divmod's call
-                steps = 1
-                prefill_ms = pa * prefill * prefill + pb * prefill + pc if prefill > 0 else 0.0
-            else:
-                full_steps, remainder = divmod(prefill, step_tokens)
-                prefill_ms = full_steps * full_step_ms
-                steps = full_steps
-                if remainder > 0:
-                    prefill_ms += pa * remainder * remainder + pb * remainder + pc
-                    steps += 1
-            if blocks > 0:
-                u = blocks * context_per_block
-                if u > 1.0:
-                    u = 1.0
-                decode_ms = da * u * u + db * u + dc
-                add(overlap_score_weight * prefill_ms + steps * (decode_ms if decode_ms > 1.0 else 1.0))
-            else:
-                add(overlap_score_weight * prefill_ms)
-        return result
+        return ttft_costs(itertools.repeat(self.constants), prefill_tokens, decode_blocks, overlap_score_weight)
 
     def _costs_vectorised(
         self, prefill_tokens: Sequence[int], decode_blocks: Sequence[int], overlap_score_weight: float
@@ -169,6 +163,41 @@ class PredictedTtftCost:
         return costs.tolist()
 
 
+def ttft_costs(
+    constants: Iterable[tuple[float, ...]],
+    prefill_tokens: Sequence[int],
+    decode_blocks: Sequence[int],
+    overlap_score_weight: float,
+) -> list[float]:
+    """:meth:`PredictedTtftCost.costs` with each worker's model constants (:attr:`~PredictedTtftCost.constants`):
+    TimingModel.prefill_ms and decode_ms inlined, since this loop runs for every candidate of every request."""
+    result: list[float] = []
+    add = result.append
+    # `constants` may repeat one model endlessly (itertools.repeat): the columns set the length
+    for (pa, pb, pc, da, db, dc, step_tokens, full_step_ms, context_per_block), prefill, blocks in zip(
+        constants, prefill_tokens, decode_blocks, strict=False
+    ):
+        if prefill < step_tokens:  # the common case, without divmod's call
+            steps = 1
+            prefill_ms = pa * prefill * prefill + pb * prefill + pc if prefill > 0 else 0.0
+        else:
+            full_steps, remainder = divmod(prefill, step_tokens)
+            prefill_ms = full_steps * full_step_ms
+            steps = full_steps
+            if remainder > 0:
+                prefill_ms += pa * remainder * remainder + pb * remainder + pc
+                steps += 1
+        if blocks > 0:
+            u = blocks * context_per_block
+            if u > 1.0:
+                u = 1.0
+            decode_ms = da * u * u + db * u + dc
+            add(overlap_score_weight * prefill_ms + steps * (decode_ms if decode_ms > 1.0 else 1.0))
+        else:
+            add(overlap_score_weight * prefill_ms)
+    return result
+
+
 class PerWorkerTtftCost:
     """:class:`PredictedTtftCost` with each worker's own timing model where one is known (fitted from
     the steps it ran, see :mod:`kvmesh.common.timing_fit`), the shared prior elsewhere — so workers
@@ -180,15 +209,18 @@ class PerWorkerTtftCost:
         self._shape = (block_size, max_num_batched_tokens, capacity_tokens)
         self.default = PredictedTtftCost(*self._shape, prior)
         self._by_worker: dict[WorkerKey, PredictedTtftCost] = {}
+        self._constants: dict[WorkerKey, tuple[float, ...]] = {}  # each one's PredictedTtftCost.constants
 
     def set_timing(self, worker: WorkerKey, timing: TimingModel) -> None:
         self._by_worker[worker] = PredictedTtftCost(*self._shape, timing)
+        self._constants[worker] = self._by_worker[worker].constants
 
     def timing(self, worker: WorkerKey) -> TimingModel:
         return self._by_worker.get(worker, self.default).timing
 
     def forget(self, worker: WorkerKey) -> None:
         self._by_worker.pop(worker, None)
+        self._constants.pop(worker, None)
 
     def cost(self, candidate: Candidate, overlap_score_weight: float) -> float:
         return self._by_worker.get(candidate.worker, self.default).cost(candidate, overlap_score_weight)
@@ -200,13 +232,12 @@ class PerWorkerTtftCost:
         decode_blocks: Sequence[int],
         overlap_score_weight: float,
     ) -> list[float]:
-        result = self.default.costs(workers, prefill_tokens, decode_blocks, overlap_score_weight)
-        if self._by_worker:  # workers with a fitted model of their own
-            for i, worker in enumerate(workers):
-                own = self._by_worker.get(worker)
-                if own is not None:
-                    result[i] = own.costs((worker,), (prefill_tokens[i],), (decode_blocks[i],), overlap_score_weight)[0]
-        return result
+        if not self._by_worker:
+            return self.default.costs(workers, prefill_tokens, decode_blocks, overlap_score_weight)
+        # each worker with a fitted model of its own is costed with its constants, the rest with the prior's
+        by_worker, prior = self._constants, self.default.constants
+        constants = [by_worker.get(worker, prior) for worker in workers]
+        return ttft_costs(constants, prefill_tokens, decode_blocks, overlap_score_weight)
 
 
 COST_MODELS = ("ttft", "blocks")

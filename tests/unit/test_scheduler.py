@@ -203,3 +203,22 @@ def test_the_column_wise_ttft_cost_is_the_timing_models_formula_in_both_paths():
         workers = [(i, 0) for i in range(count)]
         got = cost.costs(workers, prefills, blocks, 0.7)
         assert got == pytest.approx([reference(p, b, 0.7) for p, b in zip(prefills, blocks, strict=True)], rel=1e-12)
+
+
+def test_per_worker_costs_use_each_workers_own_model_and_the_prior_for_the_rest():
+    from kvmesh.common.timing import TimingModel, scaled
+    from kvmesh.router.scheduler import Candidate, PerWorkerTtftCost, PredictedTtftCost
+
+    cost = PerWorkerTtftCost(16, 8192, 16384 * 16, TimingModel())
+    slow = scaled(TimingModel(), 3.0)
+    cost.set_timing((1, 0), slow)
+    workers = [(0, 0), (1, 0), (2, 0)]
+    prefills, blocks = [100, 100, 9000], [50, 50, 0]
+    got = cost.costs(workers, prefills, blocks, 1.0)
+    prior, own = PredictedTtftCost(16, 8192, 16384 * 16, TimingModel()), PredictedTtftCost(16, 8192, 16384 * 16, slow)
+    expected = [
+        prior.cost(Candidate((0, 0), 100, 50), 1.0),
+        own.cost(Candidate((1, 0), 100, 50), 1.0),
+        prior.cost(Candidate((2, 0), 9000, 0), 1.0),
+    ]
+    assert got == expected and got[1] > got[0]
