@@ -69,9 +69,9 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             experts = {(e.layer, e.expert) for e in request.moe_query}
             alignment = self.index.moe_alignment(sequence, matched, experts)
         pooled = self._pooled_blocks(matched)
-        sizes = dict(self.index.tree_sizes())
-        for key in pooled.keys() - sizes.keys():  # a worker that caches nothing yet can still read the pool
-            sizes[key] = 0
+        sizes = self.index.tree_sizes()
+        if pooled.keys() - sizes.keys():  # a worker that caches nothing yet can still read the pool
+            sizes = {**dict.fromkeys(pooled, 0), **sizes}
         self.query_latency.observe(time.perf_counter() - started)
         return indexer_pb2.FindMatchesResponse(
             workers=[
@@ -93,12 +93,13 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
     def _pooled_blocks(self, matched: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
         """Per worker that reads a KV pool: the query's blocks past its own match that a segment of
         that pool holds (the longest prefix any of the pool's writers wrote)."""
-        if self.workers is None:
+        segments = {writer: blocks for (writer, rank), blocks in matched.items() if rank == POOL_DP_RANK and blocks}
+        if self.workers is None or not segments:  # the usual case: no pool, nothing more to do
             return {}
         pool_of = {r.instance_id: r.extra.get("kv_pool") for r in self.workers.instances() if r.extra.get("kv_pool")}
         best: dict[str, int] = {}
-        for (writer, rank), blocks in matched.items():
-            pool = pool_of.get(writer) if rank == POOL_DP_RANK else None
+        for writer, blocks in segments.items():
+            pool = pool_of.get(writer)
             if pool is not None and blocks > best.get(pool, 0):
                 best[pool] = blocks
         if not best:

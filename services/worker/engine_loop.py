@@ -79,9 +79,8 @@ class MockEngineLoop(Engine):
     ) -> TokenQueue:
         if kv_transfer_params:
             raise EngineRequestError("the mock engine moves KV through the worker's transfer server, not a connector")
-        if self.pool is not None:
-            self._import_from_pool(spec)
-        self.engine.add_request(spec, hold_on_finish=hold_on_finish)
+        hashes = self._import_from_pool(spec) if self.pool is not None else None
+        self.engine.add_request(spec, hold_on_finish=hold_on_finish, block_hashes=hashes)
         queue: TokenQueue = asyncio.Queue()
         self._streams[spec.request_id] = queue
         self._wakeup.set()
@@ -160,9 +159,10 @@ class MockEngineLoop(Engine):
         capacity = self.engine.capacity_tokens
         self.timing_fit.observe(result.prefill_tokens, result.decode_context_tokens, capacity, decoding, measured_ms)
 
-    def _import_from_pool(self, spec: EngineRequestSpec) -> None:
+    def _import_from_pool(self, spec: EngineRequestSpec) -> tuple[list[int], list[int]]:
         """Bring the prompt's blocks that this cache lacks and the pool holds into the cache, so the
-        request prefills only what neither has (a migrated request resumes this way)."""
+        request prefills only what neither has (a migrated request resumes this way). Returns the
+        prompt's (local, sequence) block hashes, computed once for the engine too."""
         cache = self.engine.cache
         local, chained = cache.prompt_hashes(spec.prompt, spec.lora_name)
         usable = (len(spec.prompt) - 1) // self.block_size  # the last prompt token is always computed
@@ -170,7 +170,7 @@ class MockEngineLoop(Engine):
         assert self.pool is not None
         contents = self.pool.read_prefix(chained[cached:usable])
         if not contents:
-            return
+            return local, chained
         started = time.perf_counter()
         taken = cache.import_blocks(
             chained[cached : cached + len(contents)],
@@ -187,6 +187,7 @@ class MockEngineLoop(Engine):
             cached_before=cached,
             ms=round((time.perf_counter() - started) * 1000, 3),
         )
+        return local, chained
 
     def _write_through(self, events: list[EventData]) -> None:
         """Copy the blocks these events stored into this worker's pool segment and publish what

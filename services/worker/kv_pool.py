@@ -158,14 +158,8 @@ class KvPool:
         return self.own.write(sequence_hash, data)
 
     def get(self, sequence_hash: int) -> bytes | None:
-        found = self.own.read(sequence_hash)
-        if found is not None:
-            return found
-        for segment in self._segments():
-            found = segment.read(sequence_hash)
-            if found is not None:
-                return found
-        return None
+        found = self.read_prefix([sequence_hash])
+        return found[0] if found else None
 
     def read_prefix(self, sequence_hashes: list[int]) -> list[bytes]:
         """The bytes of the longest run of these blocks, from the start, that the pool holds. Reads
