@@ -31,7 +31,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.serving_cpu import cpu_seconds
+from bench.serving_cpu import command_lines, cpu_seconds
 from kvmesh.common.ports import free_port
 from kvmesh.up import MeshProcess
 
@@ -44,17 +44,11 @@ SCENARIOS += [("8 tokens, c=32", 8, 32, 1.0)]
 
 
 def processes_matching(*markers: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if any(marker in command for marker in markers) and "bench.peers" not in command:
-            found.append(int(entry))
-    return found
+    return [
+        pid
+        for pid, command in command_lines()
+        if any(marker in command for marker in markers) and "bench.peers" not in command
+    ]
 
 
 def wait_for(url: str, body: dict, timeout: float = 120) -> None:

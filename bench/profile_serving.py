@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench.serving_cpu import command_lines
 from kvmesh.common.ports import free_port
 from kvmesh.up import MeshProcess
 
@@ -46,16 +46,7 @@ SUBSYSTEMS = (
 
 
 def pids_of(service: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if f"-m kvmesh.{service} " in command:
-                found.append(int(entry))
-    return sorted(found)
+    return sorted(pid for pid, command in command_lines() if f"-m kvmesh.{service} " in command)
 
 
 def subsystem(frame: str) -> str:

@@ -15,25 +15,31 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 LOADGEN = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "loadgen.py"
 SERVICES = ("kvmesh.frontend", "kvmesh.router", "kvmesh.indexer", "kvmesh.worker", "nats-server")
 
 
+def command_lines() -> Iterator[tuple[int, str]]:
+    """(pid, command line) of every process on this machine that can still be read."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue  # it exited
+            yield int(entry), command
+
+
 def service_pids() -> dict[str, list[int]]:
     """This machine's kvmesh service processes (and NATS servers), by service."""
     found: dict[str, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
+    for pid, command in command_lines():
         for service in SERVICES:
             if service in command and "bench.serving_cpu" not in command:
-                found.setdefault(service.removeprefix("kvmesh."), []).append(int(entry))
+                found.setdefault(service.removeprefix("kvmesh."), []).append(pid)
     return found
 
 
