@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import nats
 import openai
 
 from kvmesh.common.config import parse_config
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.ports import free_port
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
 from kvmesh.common.tiny_model import MODEL_DIR
 
 __all__ = [
@@ -214,3 +216,15 @@ def small_context_model(folder: Path, context: int) -> Path:
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, "model_max_length": context}))
     return model
+
+
+async def router_generate(
+    router_address: str, request_id: str, prompt: list[int], max_tokens: int = 2, worker_id: int | None = None
+) -> list[common_pb2.GenerateOutput]:
+    """Every output of one request through a router's gRPC ``Generate`` (``worker_id``: send it there)."""
+    request = common_pb2.PreprocessedRequest(request_id=request_id, token_ids=prompt)
+    request.stop.max_tokens = max_tokens
+    if worker_id is not None:
+        request.routing.worker_id = worker_id
+    async with grpc.aio.insecure_channel(router_address) as channel:
+        return [output async for output in router_pb2_grpc.RouterStub(channel).Generate(request)]

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
+from kvmesh.frontend.gateway import WORKER_ID_HEADER
 from kvmesh.up import MeshProcess
 from tests.support import wait_until
 
@@ -60,3 +62,12 @@ def kv_mesh() -> Iterator[MeshProcess]:
 @pytest.fixture(scope="module")
 def round_robin_mesh() -> Iterator[MeshProcess]:
     yield from start_mesh("--router-mode", "round-robin")
+
+
+def chat(mesh: MeshProcess, content: str, **kwargs) -> tuple[openai.types.chat.ChatCompletion, int]:
+    """One chat completion through the mesh's HTTP API with the openai client, and the worker that served it."""
+    client = openai.OpenAI(base_url=mesh.api, api_key="unused", max_retries=0, timeout=30)
+    raw = client.chat.completions.with_raw_response.create(
+        model="kvmesh-tiny", messages=[{"role": "user", "content": content}], **kwargs
+    )
+    return raw.parse(), int(raw.headers[WORKER_ID_HEADER])

@@ -12,7 +12,7 @@ import pytest
 
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
-from kvmesh.frontend.gateway import WORKER_ID_HEADER
+from tests.e2e.conftest import chat
 
 pytestmark = pytest.mark.e2e
 MODEL = "kvmesh-tiny"
@@ -23,13 +23,6 @@ LONG_PROMPT = "Explain how a KV-cache aware router decides where to send a reque
 
 def client(mesh) -> openai.OpenAI:
     return openai.OpenAI(base_url=mesh.api, api_key="unused", max_retries=0, timeout=30)
-
-
-def chat(mesh, content: str, **kwargs):
-    raw = client(mesh).chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], **kwargs
-    )
-    return raw.parse(), int(raw.headers[WORKER_ID_HEADER])
 
 
 def test_non_streaming_chat(kv_mesh):

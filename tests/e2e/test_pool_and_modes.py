@@ -9,12 +9,10 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from kvmesh.frontend.gateway import WORKER_ID_HEADER
 from kvmesh.up import MeshProcess
-from tests.e2e.conftest import start_mesh
+from tests.e2e.conftest import chat, start_mesh
 
 pytestmark = pytest.mark.e2e
-MODEL = "kvmesh-tiny"
 BLOCK = 16
 LONG_PROMPT = "A pooled KV tier lets another worker resume a request without recomputing it. " * 3
 
@@ -29,14 +27,6 @@ def pooled_round_robin_mesh() -> Iterator[MeshProcess]:
 @pytest.fixture(scope="module")
 def cache_aware_mesh() -> Iterator[MeshProcess]:
     yield from start_mesh("--router-mode", "cache-aware")
-
-
-def chat(mesh: MeshProcess, content: str, **kwargs):
-    client = openai.OpenAI(base_url=mesh.api, api_key="unused", max_retries=0, timeout=30)
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], **kwargs
-    )
-    return raw.parse(), int(raw.headers[WORKER_ID_HEADER])
 
 
 def test_the_other_worker_imports_the_prompt_from_the_pool(pooled_round_robin_mesh):

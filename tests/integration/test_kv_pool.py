@@ -23,7 +23,7 @@ from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
-from tests.support import running, service_config, service_process, wait_until_async
+from tests.support import router_generate, running, service_config, service_process, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "pool"
@@ -78,15 +78,6 @@ async def pool_mesh(nc: NatsClient, nats_url: str, pool: Path, workers: int = 2)
             await watcher.stop()
 
 
-async def generate(router: str, request_id: str, prompt: list[int], max_tokens: int, worker_id: int | None = None):
-    request = common_pb2.PreprocessedRequest(request_id=request_id, token_ids=prompt)
-    request.stop.max_tokens = max_tokens
-    if worker_id is not None:
-        request.routing.worker_id = worker_id
-    async with grpc.aio.insecure_channel(router) as channel:
-        return [o async for o in router_pb2_grpc.RouterStub(channel).Generate(request)]
-
-
 async def pooled_blocks(indexer: str, prompt: list[int]) -> dict[int, tuple[int, int]]:
     """(matched, pooled) blocks per worker for ``prompt``."""
     request = indexer_pb2.FindMatchesRequest(sequence_hashes=sequence_hashes(local_block_hashes(prompt, 16)))
@@ -108,14 +99,14 @@ def pool_counters(record) -> dict[str, float]:
 async def test_a_block_one_worker_computed_is_imported_by_another(nats_url: str, nc: NatsClient, pool_dir: Path):
     async with pool_mesh(nc, nats_url, pool_dir) as (router, indexer, _processes, workers):
         first, second = workers.instances()
-        await generate(router, "a", PROMPT, 2, first.instance_id)
+        await router_generate(router, "a", PROMPT, 2, first.instance_id)
         # the indexer sees the blocks on `first` and, through the pool, within reach of `second`
         await wait_until_async(
             lambda: _equals(pooled_blocks(indexer, PROMPT), {first.instance_id: (40, 0), second.instance_id: (0, 40)}),
             timeout=10,
             what="the pooled blocks indexed",
         )
-        outputs = await generate(router, "b", PROMPT, 2, second.instance_id)
+        outputs = await router_generate(router, "b", PROMPT, 2, second.instance_id)
         assert outputs[-1].usage.cached_prompt_tokens == 40 * 16  # imported, not recomputed
         assert pool_counters(second)["imported"] == 40
         assert pool_counters(first)["written"] >= 40

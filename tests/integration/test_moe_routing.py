@@ -19,7 +19,7 @@ from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
-from tests.support import running, service_config, wait_until_async
+from tests.support import router_generate, running, service_config, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "moe"
@@ -60,16 +60,6 @@ async def mesh(nc: NatsClient, nats_url: str, worker_flags: list[list[str]]):
             await watcher.stop()
 
 
-async def generate(router: str, request_id: str, prompt: list[int], worker_id: int | None = None) -> int:
-    request = common_pb2.PreprocessedRequest(request_id=request_id, token_ids=prompt)
-    request.stop.max_tokens = 2
-    if worker_id is not None:
-        request.routing.worker_id = worker_id
-    async with grpc.aio.insecure_channel(router) as channel:
-        outputs = [o async for o in router_pb2_grpc.RouterStub(channel).Generate(request)]
-    return outputs[-1].worker_id
-
-
 async def best_worker(router: str, prompt: list[int], moe: list[common_pb2.MoeExpert]) -> int:
     query = router_pb2.RoutingQuery(token_ids=prompt)
     query.router_config_override.moe_query.extend(moe)
@@ -94,7 +84,7 @@ async def test_a_moe_query_draws_a_request_to_the_worker_hosting_its_experts(nat
     async with mesh(nc, nats_url, [["--moe-experts", "0:3,1:7:1"], []]) as (router, indexer, records):
         prompts = {r.instance_id: list(range(1000 * (i + 1), 1000 * (i + 1) + 160)) for i, r in enumerate(records)}
         for worker_id, prompt in prompts.items():  # 10 blocks cached on each worker
-            await generate(router, f"warm{worker_id}", prompt, worker_id)
+            await router_generate(router, f"warm{worker_id}", prompt, worker_id=worker_id)
         tagged: dict[int, tuple[int, int]] = {}
 
         async def indexed() -> bool:
@@ -106,7 +96,8 @@ async def test_a_moe_query_draws_a_request_to_the_worker_hosting_its_experts(nat
         await wait_until_async(indexed, what="the indexer to hold both workers' blocks, one worker's tagged")
         moe_worker = next(w for w, v in tagged.items() if v == (10, 2))
         dense_worker = next(w for w in tagged if w != moe_worker)
-        await generate(router, "more", list(range(8000, 8160)), moe_worker)  # its tree is now the bigger one
+        # its tree is now the bigger one
+        await router_generate(router, "more", list(range(8000, 8160)), worker_id=moe_worker)
         fresh = list(range(5000, 5200))
         await wait_until_async(lambda: _all_indexed(indexer, 2, blocks=30), what="the indexer to hold the last blocks")
         # nothing cached for `fresh`: without the query the smaller tree (the dense worker) wins the tie
@@ -119,7 +110,9 @@ async def test_a_moe_query_draws_a_request_to_the_worker_hosting_its_experts(nat
 async def test_a_dense_fleet_routes_exactly_as_without_the_query(nats_url: str, nc: NatsClient):
     async with mesh(nc, nats_url, [[], []]) as (router, indexer, records):
         for i, record in enumerate(records):
-            await generate(router, f"warm{i}", list(range(100 * i, 100 * i + 48 * (i + 1))), record.instance_id)
+            await router_generate(
+                router, f"warm{i}", list(range(100 * i, 100 * i + 48 * (i + 1))), worker_id=record.instance_id
+            )
         await wait_until_async(
             lambda: _all_indexed(indexer, len(records)), what="the indexer to hold both workers' blocks"
         )

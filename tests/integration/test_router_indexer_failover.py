@@ -13,12 +13,12 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
-from tests.support import running, service_config, service_process, wait_until_async
+from tests.support import router_generate, running, service_config, service_process, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "failover"
@@ -26,11 +26,7 @@ PROMPT = list(range(300))  # 18 full blocks of 16
 
 
 async def generate(router_address: str, request_id: str, prompt: list[int]) -> common_pb2.GenerateOutput:
-    async with grpc.aio.insecure_channel(router_address) as channel:
-        request = common_pb2.PreprocessedRequest(request_id=request_id, token_ids=prompt)
-        request.stop.max_tokens = 2
-        outputs = [o async for o in router_pb2_grpc.RouterStub(channel).Generate(request)]
-    return outputs[-1]
+    return (await router_generate(router_address, request_id, prompt))[-1]
 
 
 @contextlib.asynccontextmanager
