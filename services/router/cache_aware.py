@@ -253,8 +253,9 @@ class CacheAwareSelector:
             if holder is not None and total and matched / total > options.cache_threshold:
                 choice = CacheAwareChoice(holder, matched, "cache_hit")
             else:
-                smallest = min(self.tree.size(worker) for worker in ordered)
-                tied = [worker for worker in ordered if self.tree.size(worker) == smallest]
+                sizes = [self.tree.size(worker) for worker in ordered]
+                smallest = min(sizes)
+                tied = [worker for worker, size in zip(ordered, sizes, strict=True) if size == smallest]
                 worker = tied[0] if len(tied) == 1 else self._rng.choice(tied)
                 choice = CacheAwareChoice(worker, matched if worker == holder else 0, "smallest_tree")
         if commit:
