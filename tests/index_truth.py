@@ -13,7 +13,7 @@ __all__ = ["as_truth", "converged", "truth", "view"]
 
 
 async def truth(workers: DiscoveryWatcher) -> dict[int, tuple[int, int]]:
-    """Each worker's real cache: (block count, digest) from its own dump."""
+    """Each worker's real cache (dp rank 0): (block count, digest) from its own dump."""
     result = {}
     for record in workers.instances():
         async with grpc.aio.insecure_channel(record.address) as channel:
@@ -30,7 +30,7 @@ async def view(address: str) -> indexer_pb2.IndexerStatus:
 
 
 def as_truth(status: indexer_pb2.IndexerStatus) -> dict[int, tuple[int, int]]:
-    return {w.worker_id: (w.blocks, w.blocks_digest) for w in status.workers if w.blocks}
+    return {w.worker_id: (w.blocks, w.blocks_digest) for w in status.workers if w.blocks and w.dp_rank == 0}
 
 
 async def converged(workers: DiscoveryWatcher, address: str) -> bool:

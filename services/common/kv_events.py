@@ -20,6 +20,11 @@ import msgpack
 
 DEVICE_TIER = "device"
 POOLED_TIER = "pooled"
+# A block being copied into a pool: announced, not readable yet (DESIGN §7's block tiers). A store
+# of another tier settles it; a removal of this tier abandons the copy.
+IN_TRANSIT_TIER = "in_transit"
+# What the index keeps of a block a pool dropped: its metadata, no longer a match (never on the wire).
+EVICTED_TIER = "evicted"
 # A worker's KV pool segment publishes its blocks as this dp rank of the worker (its own event ids).
 POOL_DP_RANK = 0xFFFF
 

@@ -20,7 +20,12 @@ Guarantees:
   worker in recovery: its events from the gap on are held back, the worker is listed in
   :attr:`PrefixIndex.gaps_pending`, and :meth:`PrefixIndex.replace_worker` with the worker's own
   dump rebuilds it exactly and then applies the held-back events newer than the dump;
-- a removed worker holds nothing and its late events are ignored.
+- a removed worker holds nothing and its late events are ignored;
+- block tiers (DESIGN §7): a store of tier ``in_transit`` (a copy into a pool in flight) only
+  announces its blocks, which match nothing until a store of their resident tier settles them; a
+  removal of tier ``in_transit`` abandons them; a removal of tier ``pooled`` keeps the block's
+  metadata as ``evicted`` (at most :data:`EVICTED_METADATA_LIMIT` per worker, oldest dropped
+  first). :meth:`PrefixIndex.tier_of` tells a block's state.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ import xxhash
 
 from kvmesh.common.hashing import HASH_SEED, sequence_hashes
 from kvmesh.common.kv_events import (
+    DEVICE_TIER,
+    EVICTED_TIER,
+    IN_TRANSIT_TIER,
+    POOLED_TIER,
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
@@ -52,6 +61,9 @@ _xxh3 = xxhash.xxh3_64_intdigest
 
 
 UNKNOWN_PARENT = -1  # a held block whose parent's sequence hash is not known (sequence hashes are >= 0)
+# Metadata of blocks a pool evicted, kept per worker: enough to tell what the pool recently lost
+# without letting a long-lived pool grow the index without bound.
+EVICTED_METADATA_LIMIT = 65536
 
 
 @dataclass
@@ -76,6 +88,12 @@ class _WorkerBlocks:
     # blocks were computed with each (layer, expert): what the worker hosts. Empty for dense models.
     moe: dict[int, tuple[MoePlacement, ...]] = field(default_factory=dict)
     experts: Counter[tuple[int, int]] = field(default_factory=Counter)
+    # Block tiers beyond the resident one (the tier of the events that store blocks here): copies in
+    # flight (engine id -> sequence hash; not matched) and evicted blocks' metadata (the same,
+    # oldest first). Both empty unless the worker publishes those tiers.
+    tier: str = DEVICE_TIER
+    in_transit: dict[int, int] = field(default_factory=dict)
+    evicted: dict[int, int] = field(default_factory=dict)
 
     @property
     def unique_blocks(self) -> int:
@@ -187,9 +205,17 @@ class PrefixIndex:
                 return
             worker.last_event_id = event.event_id
             data = event.data
-            if isinstance(data, BlocksStored):
+            tier = event.tier
+            if tier == IN_TRANSIT_TIER:
+                self._track_transit(worker, data)
+            elif isinstance(data, BlocksStored):
+                worker.tier = tier
+                if worker.in_transit or worker.evicted:
+                    self._settle(worker, data.blocks)
                 self._store(worker, data.parent_hash, data.blocks)
             elif isinstance(data, BlocksRemoved):
+                if tier == POOLED_TIER:
+                    self._keep_evicted(worker, data.block_hashes)
                 self._remove(worker, data.block_hashes)
             elif isinstance(data, AllBlocksCleared):
                 self._clear(worker)
@@ -197,6 +223,85 @@ class PrefixIndex:
 
     def in_recovery(self, key: WorkerKey) -> bool:
         return key in self._held_back
+
+    # ---- block tiers ---------------------------------------------------------------------
+    def _track_transit(self, worker: _WorkerBlocks, data: BlocksStored | BlocksRemoved | AllBlocksCleared) -> None:
+        """Apply an ``in_transit`` event: announce blocks (their parent held or in flight) or abandon them."""
+        transit = worker.in_transit
+        if isinstance(data, BlocksStored):
+            parent: int | None = None
+            if data.parent_hash is not None:
+                parent = worker.by_engine_id.get(data.parent_hash, transit.get(data.parent_hash))
+                if parent is None:
+                    self.stats.unknown_parent += 1
+                    return
+            for block in data.blocks:
+                seq = block.tokens_hash if parent is None else _xxh3(_pack_pair(parent, block.tokens_hash), HASH_SEED)
+                transit[block.block_hash] = seq
+                worker.evicted.pop(block.block_hash, None)
+                parent = seq
+        elif isinstance(data, BlocksRemoved):
+            for engine_id in data.block_hashes:
+                if transit.pop(engine_id, None) is None:
+                    self.stats.unknown_removals += 1
+        else:
+            transit.clear()
+
+    def _settle(self, worker: _WorkerBlocks, blocks: Sequence[StoredBlock]) -> None:
+        """Blocks now resident leave the in-flight and evicted states."""
+        for block in blocks:
+            worker.in_transit.pop(block.block_hash, None)
+            worker.evicted.pop(block.block_hash, None)
+
+    def _keep_evicted(self, worker: _WorkerBlocks, engine_ids: Iterable[int]) -> None:
+        evicted = worker.evicted
+        for engine_id in engine_ids:
+            seq = worker.by_engine_id.get(engine_id)
+            if seq is not None:
+                evicted.pop(engine_id, None)  # re-evicted: it becomes the newest
+                evicted[engine_id] = seq
+        while len(evicted) > EVICTED_METADATA_LIMIT:
+            del evicted[next(iter(evicted))]
+
+    def tier_of(self, key: WorkerKey, engine_id: int) -> str | None:
+        """The state of one of a worker's blocks: its resident tier (``device``, or ``pooled`` for
+        a pool segment), ``in_transit``, ``evicted``, or None when the index knows nothing of it."""
+        worker = self._workers.get(key)
+        if worker is None:
+            return None
+        if engine_id in worker.by_engine_id:
+            return worker.tier
+        if engine_id in worker.in_transit:
+            return IN_TRANSIT_TIER
+        if engine_id in worker.evicted:
+            return EVICTED_TIER
+        return None
+
+    def tier_of_worker(self, key: WorkerKey) -> str:
+        """The tier of the blocks a worker holds resident (``device`` until it stores any other)."""
+        worker = self._workers.get(key)
+        return DEVICE_TIER if worker is None else worker.tier
+
+    def tier_counts(self, key: WorkerKey) -> tuple[int, int]:
+        """(blocks in transit, evicted blocks whose metadata is kept) of one worker."""
+        worker = self._workers.get(key)
+        return (0, 0) if worker is None else (len(worker.in_transit), len(worker.evicted))
+
+    def export_tiers(self, key: WorkerKey) -> tuple[str, dict[int, int], dict[int, int]]:
+        """(resident tier, blocks in transit, evicted metadata) of one worker, for snapshots."""
+        worker = self._workers[key]
+        return worker.tier, dict(worker.in_transit), dict(worker.evicted)
+
+    def import_tiers(
+        self, key: WorkerKey, tier: str, in_transit: Mapping[int, int], evicted: Mapping[int, int]
+    ) -> None:
+        """Restore a worker's tiers after :meth:`import_worker`."""
+        worker = self._workers.get(key)
+        if worker is None:
+            return
+        worker.tier = tier
+        worker.in_transit = dict(in_transit)
+        worker.evicted = dict(evicted)
 
     def _store(self, worker: _WorkerBlocks, parent_hash: int | None, blocks: Sequence[StoredBlock]) -> None:
         by_engine_id = worker.by_engine_id
@@ -340,6 +445,8 @@ class PrefixIndex:
         worker.child_count.clear()
         worker.moe.clear()
         worker.experts.clear()
+        worker.in_transit.clear()
+        worker.evicted.clear()
         self._set_orphans(worker, 0)
 
     # ---- whole-worker state (gap recovery, snapshots) -------------------------------------

@@ -127,6 +127,9 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                     last_event_id=self.index.last_event_id(key),
                     recovering=key in recovering,
                     blocks_digest=block_set_digest(self.index.worker_blocks(key)) if request.include_digests else 0,
+                    tier=self.index.tier_of_worker(key),
+                    in_transit_blocks=self.index.tier_counts(key)[0],
+                    evicted_blocks=self.index.tier_counts(key)[1],
                 )
                 for key, size in self.index.tree_sizes().items()
             ],

@@ -31,6 +31,7 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
 
 from kvmesh.common import names
+from kvmesh.common.kv_events import DEVICE_TIER
 from kvmesh.common.prefix_index import UNKNOWN_PARENT, PrefixIndex
 from kvmesh.indexer.metrics import IndexerState
 
@@ -59,6 +60,9 @@ class Snapshot:
     created: float = 0.0
     # per (worker id, dp rank) with MoE metadata: sequence hash -> (layer, expert, group) placements
     moe: dict[tuple[int, int], dict[int, tuple[tuple[int, int, int], ...]]] = field(default_factory=dict)
+    # per (worker id, dp rank) publishing tiers beyond the device's: (resident tier, engine id ->
+    # sequence hash of blocks in transit, the same of evicted blocks whose metadata is kept)
+    tiers: dict[tuple[int, int], tuple[str, dict[int, int], dict[int, int]]] = field(default_factory=dict)
 
     @property
     def num_blocks(self) -> int:
@@ -86,7 +90,12 @@ def capture(index: PrefixIndex, stream_sequence: int) -> Snapshot:
         last_event_id, by_engine_id, parent_of = index.export_worker(key)
         workers.append((key[0], key[1], last_event_id, by_engine_id, parent_of))
     moe = {key: tags for key in index.workers() if (tags := index.export_moe(key))}
-    return Snapshot(stream_sequence, workers, index.removed_workers(), time.time(), moe)
+    tiers = {}
+    for key in index.workers():
+        tier, in_transit, evicted = index.export_tiers(key)
+        if tier != DEVICE_TIER or in_transit or evicted:
+            tiers[key] = (tier, in_transit, evicted)
+    return Snapshot(stream_sequence, workers, index.removed_workers(), time.time(), moe, tiers)
 
 
 def _encode_worker(
@@ -139,6 +148,17 @@ def encode(snapshot: Snapshot) -> bytes:
                 }
                 for key, tags in snapshot.moe.items()
             ],
+            # absent unless a worker publishes pool tiers; a reader that predates it ignores the key
+            "tiers": [
+                {
+                    "worker_id": key[0],
+                    "dp_rank": key[1],
+                    "tier": tier,
+                    "in_transit": [_u64(list(in_transit)), _u64(list(in_transit.values()))],
+                    "evicted": [_u64(list(evicted)), _u64(list(evicted.values()))],
+                }
+                for key, (tier, in_transit, evicted) in snapshot.tiers.items()
+            ],
         }
     )
 
@@ -175,12 +195,21 @@ def decode(payload: bytes) -> Snapshot:
             }
             for m in raw.get("moe", [])
         }
+        tiers = {
+            (int(t["worker_id"]), int(t["dp_rank"])): (
+                str(t["tier"]),
+                dict(zip(_from_u64(t["in_transit"][0]), _from_u64(t["in_transit"][1]), strict=True)),
+                dict(zip(_from_u64(t["evicted"][0]), _from_u64(t["evicted"][1]), strict=True)),
+            )
+            for t in raw.get("tiers", [])
+        }
         return Snapshot(
             int(raw["stream_sequence"]),
             workers,
             [int(w) for w in raw["removed_workers"]],
             float(raw.get("created", 0.0)),
             moe,
+            tiers,
         )
     except SnapshotError:
         raise
@@ -195,6 +224,8 @@ def restore(index: PrefixIndex, snapshot: Snapshot) -> None:
         index.import_worker((worker_id, dp_rank), last_event_id, blocks, parent_of)
     for key, tags in snapshot.moe.items():
         index.import_moe(key, tags)
+    for key, (tier, in_transit, evicted) in snapshot.tiers.items():
+        index.import_tiers(key, tier, in_transit, evicted)
 
 
 def snapshot_key(namespace: str) -> str:

@@ -199,3 +199,7 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def dump_kv_state(self) -> tuple[int, list[CachedBlock]]:
         """(last KV event id published, every cached block) as one consistent picture."""
+
+    def dump_pool_state(self) -> tuple[int, list[CachedBlock]] | None:
+        """The same for the worker's KV pool segment (dp rank ``POOL_DP_RANK``); None without one."""
+        return None

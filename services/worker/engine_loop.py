@@ -10,7 +10,6 @@ from typing import Any
 
 import structlog
 
-from kvmesh.common.kv_events import BlocksRemoved, BlocksStored, EventData
 from kvmesh.common.runtime import cancel_and_wait
 from kvmesh.common.timing import TimingModel, real_time
 from kvmesh.common.timing_fit import TimingFit
@@ -26,6 +25,7 @@ from kvmesh.worker.engine import (
 from kvmesh.worker.event_publisher import KvEventPublisher
 from kvmesh.worker.kv_pool import KvPool
 from kvmesh.worker.mock_engine import MockEngine, StepResult
+from kvmesh.worker.pool_writer import PoolWriter
 
 log = structlog.get_logger(__name__)
 
@@ -34,7 +34,6 @@ log = structlog.get_logger(__name__)
 class PoolStats:
     """What this worker moved through the KV pool."""
 
-    written_blocks: int = 0
     imported_blocks: int = 0
     rejected_blocks: int = 0  # read from the pool but not what this worker would compute
 
@@ -57,7 +56,7 @@ class MockEngineLoop(Engine):
         changes published by ``pool_publisher``) and read for a new request's uncached blocks."""
         self.engine = engine
         self.pool = pool
-        self._pool_publisher = pool_publisher
+        self.pool_writer = PoolWriter(pool, pool_publisher) if pool is not None else None
         self.pool_stats = PoolStats()
         # what the steps really took (sleep overshoot and event-loop load included), not the model
         self.timing_fit = TimingFit(real_time(engine.config.timing))
@@ -132,9 +131,17 @@ class MockEngineLoop(Engine):
         blocks = [CachedBlock(h, local, parent, h) for h, local, parent in self.engine.cache.cached_blocks()]
         return last, blocks
 
+    def dump_pool_state(self) -> tuple[int, list[CachedBlock]] | None:
+        if self.pool_writer is None:
+            return None
+        self._publish_events()
+        return self.pool_writer.dump()
+
     async def _run(self) -> None:
         while True:
             if not self.engine.has_work():
+                if self.pool_writer is not None and self.pool_writer.in_flight:
+                    self._publish_events()  # idle: nothing to overlap the copies in flight with
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -189,37 +196,13 @@ class MockEngineLoop(Engine):
         )
         return local, chained
 
-    def _write_through(self, events: list[EventData]) -> None:
-        """Copy the blocks these events stored into this worker's pool segment and publish what
-        the segment gained and lost (tier ``pooled``)."""
-        assert self.pool is not None
-        cache = self.engine.cache
-        pooled: list[EventData] = []
-        for event in events:
-            if not isinstance(event, BlocksStored):
-                continue
-            parent, run = event.parent_hash, []
-            for block in event.blocks:
-                sequence_hash = block.block_hash  # the mock engine's block id is the sequence hash
-                slot = cache.blocks.slot_of(sequence_hash)
-                if cache.kv is None or slot is None or self.pool.own.holds(sequence_hash):
-                    if run:
-                        pooled.append(BlocksStored(parent, tuple(run)))
-                    parent, run = sequence_hash, []
-                    continue
-                evicted = self.pool.put(sequence_hash, cache.kv.region(slot))
-                if evicted is not None:
-                    pooled.append(BlocksRemoved((evicted,)))
-                run.append(block)
-                self.pool_stats.written_blocks += 1
-            if run:
-                pooled.append(BlocksStored(parent, tuple(run)))
-        if pooled and self._pool_publisher is not None:
-            self._pool_publisher.enqueue(pooled)
-
     def _publish_events(self) -> None:
+        """Queue the events of what the engine did; with a pool, the copies into it that were in
+        flight during this step become readable and the blocks it stored start theirs."""
         events = self.engine.drain_events()
-        if events and self.pool is not None:
-            self._write_through(events)
+        if self.pool_writer is not None:
+            self.pool_writer.commit()
+            if events:
+                self.pool_writer.write(events, self.engine.cache)
         if events and self._publisher is not None:
             self._publisher.enqueue(events)

@@ -53,9 +53,12 @@ class KvEventPublisher:
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"kv-publisher-{self.worker_id}")
 
-    def enqueue(self, events: Iterable[EventData]) -> None:
+    def enqueue(self, events: Iterable[EventData], tier: str | None = None) -> None:
+        """Number and queue ``events``, of this publisher's tier unless ``tier`` names another
+        (a pool segment announces copies in flight as ``in_transit``)."""
+        tier = tier or self.tier
         for data in events:
-            self._queue.append(KvEvent(self._next_event_id, data, self.tier))
+            self._queue.append(KvEvent(self._next_event_id, data, tier))
             self._next_event_id += 1
         if self._queue:
             self._idle.clear()

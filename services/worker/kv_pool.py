@@ -91,8 +91,10 @@ class PoolSegment:
     def holds(self, sequence_hash: int) -> bool:
         return sequence_hash in self._slot_of
 
-    def write(self, sequence_hash: int, data: memoryview | bytes) -> int | None:
-        """Store a block (writer only); returns the block it evicted, if any."""
+    def write(self, sequence_hash: int, data: memoryview | bytes, commit: bool = True) -> int | None:
+        """Store a block (writer only); returns the block it evicted, if any. With ``commit`` False
+        the block is a copy in flight: written and checksummed but a miss to readers until
+        :meth:`commit` (the writer publishes it as ``in_transit`` meanwhile)."""
         if not self.writable:
             raise PermissionError(f"{self.path} belongs to another worker")
         if sequence_hash in self._slot_of:
@@ -110,11 +112,20 @@ class PoolSegment:
         entry[0] = sequence_hash
         self._blocks[slot] = np.frombuffer(data, np.uint8)
         entry[1] = xxhash.xxh3_64_intdigest(self._blocks[slot].data)
-        entry[2] = _VALID
+        if commit:
+            entry[2] = _VALID
         self._slot_of[sequence_hash] = slot
         self._held[slot] = sequence_hash
         self._stamp[slot] = next(self._clock)
         return evicted
+
+    def commit(self, sequence_hash: int) -> bool:
+        """Make a block written with ``commit=False`` readable; False if it was evicted meanwhile."""
+        slot = self._slot_of.get(sequence_hash)
+        if slot is None:
+            return False
+        self._entries[slot][2] = _VALID
+        return True
 
     def read(self, sequence_hash: int) -> bytes | None:
         """The block's bytes, checked against its checksum; None when absent or being rewritten."""
@@ -154,8 +165,8 @@ class KvPool:
         self.own = PoolSegment.create(directory / f"{writer_id}{SEGMENT_SUFFIX}", block_bytes, num_slots, writer_id)
         self._others: dict[Path, PoolSegment | None] = {}  # None: unreadable or another shape
 
-    def put(self, sequence_hash: int, data: memoryview | bytes) -> int | None:
-        return self.own.write(sequence_hash, data)
+    def put(self, sequence_hash: int, data: memoryview | bytes, commit: bool = True) -> int | None:
+        return self.own.write(sequence_hash, data, commit)
 
     def get(self, sequence_hash: int) -> bytes | None:
         found = self.read_prefix([sequence_hash])

@@ -48,11 +48,12 @@ class _EngineCollector(Collector):
             value=self._publisher.published_events,
         )
         pool_stats = getattr(self._engine, "pool_stats", None)
-        if getattr(self._engine, "pool", None) is not None and pool_stats is not None:
+        pool_writer = getattr(self._engine, "pool_writer", None)
+        if pool_writer is not None and pool_stats is not None:
             pool = CounterMetricFamily(
                 "kvmesh_worker_kv_pool_blocks", "KV blocks moved through the host's KV pool", labels=["direction"]
             )
-            pool.add_metric(["written"], pool_stats.written_blocks)
+            pool.add_metric(["written"], pool_writer.written_blocks)
             pool.add_metric(["imported"], pool_stats.imported_blocks)
             pool.add_metric(["rejected"], pool_stats.rejected_blocks)
             yield pool

@@ -17,6 +17,7 @@ from kvmesh.common import disagg
 from kvmesh.common.disagg import DecodeOrder, DisaggParamsError, KvSource, PrefillOrder
 from kvmesh.common.finish_reasons import to_proto
 from kvmesh.common.grpc_errors import refuse
+from kvmesh.common.kv_events import POOL_DP_RANK
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.common.status_error import StatusError
 from kvmesh.worker.engine import (
@@ -160,12 +161,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def DumpKvState(
         self, request: worker_pb2.DumpKvStateRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.KvStateDump:
-        if request.dp_rank != 0:
+        dumped = self.engine.dump_pool_state() if request.dp_rank == POOL_DP_RANK else None
+        if dumped is None and request.dp_rank != 0:
             await refuse(
                 context, "worker", grpc.StatusCode.NOT_FOUND, f"this worker has only dp rank 0, not {request.dp_rank}"
             )
-        last_event_id, blocks = self.engine.dump_kv_state()
-        log.info("dumped KV state", last_event_id=last_event_id, blocks=len(blocks))
+        last_event_id, blocks = dumped if dumped is not None else self.engine.dump_kv_state()
+        log.info("dumped KV state", dp_rank=request.dp_rank, last_event_id=last_event_id, blocks=len(blocks))
         cached = []
         for b in blocks:
             block = worker_pb2.CachedBlock(
@@ -174,7 +176,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if b.parent_hash is not None:
                 block.parent_hash = b.parent_hash
             cached.append(block)
-        return worker_pb2.KvStateDump(worker_id=self.worker_id, dp_rank=0, last_event_id=last_event_id, blocks=cached)
+        return worker_pb2.KvStateDump(
+            worker_id=self.worker_id, dp_rank=request.dp_rank, last_event_id=last_event_id, blocks=cached
+        )
 
     async def GetStatus(
         self, request: worker_pb2.WorkerStatusRequest, context: grpc.aio.ServicerContext

@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import shutil
 import signal
 import subprocess
+import tempfile
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,8 +18,11 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.common import names
 from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.hashing import block_set_digest
+from kvmesh.common.kv_events import POOL_DP_RANK
 from kvmesh.common.proto.kvmesh.v1 import (
     common_pb2,
+    worker_pb2,
     worker_pb2_grpc,
 )
 from kvmesh.indexer import server as indexer_server
@@ -34,8 +40,8 @@ NAMESPACE = "replicas"
 WORKER_ARGS = ["--speedup-ratio", "100", "--block-size", "16", "--num-gpu-blocks-override", "48", "--lease-ttl", "2"]
 
 
-def worker_config(nats_url: str) -> WorkerConfig:
-    return service_config(WorkerConfig, ["--nats-url", nats_url, "--namespace", NAMESPACE, *WORKER_ARGS])
+def worker_config(nats_url: str, *extra: str) -> WorkerConfig:
+    return service_config(WorkerConfig, ["--nats-url", nats_url, "--namespace", NAMESPACE, *WORKER_ARGS, *extra])
 
 
 def indexer_config(nats_url: str, replica: str, *extra: str) -> IndexerConfig:
@@ -78,9 +84,9 @@ async def load(workers: DiscoveryWatcher, requests: int, concurrency: int = 8, s
 
 
 @contextlib.asynccontextmanager
-async def two_workers(nats_url: str, nc: NatsClient, publisher_class=KvEventPublisher):
+async def two_workers(nats_url: str, nc: NatsClient, publisher_class=KvEventPublisher, *extra: str):
     workers = await watcher(nc, "worker")
-    config = worker_config(nats_url)
+    config = worker_config(nats_url, *extra)
     stops = [asyncio.Event(), asyncio.Event()]
     tasks = [asyncio.create_task(worker_server.serve(config, stop, publisher_class=publisher_class)) for stop in stops]
     try:
@@ -221,4 +227,47 @@ async def test_lost_events_are_detected_and_recovered_exactly(nats_url: str, nc:
         assert LossyPublisher.lost > 0
         assert status.gaps > 0 and status.recoveries > 0
         assert not any(w.recovering for w in status.workers)
+    await indexers.stop()
+
+
+async def pool_converged(workers: DiscoveryWatcher, address: str) -> bool:
+    """Whether the replica holds exactly each worker's pool segment (its dump at ``POOL_DP_RANK``)."""
+    try:
+        status = await view(address)
+        held = {w.worker_id: (w.blocks, w.blocks_digest) for w in status.workers if w.dp_rank == POOL_DP_RANK}
+        for record in workers.instances():
+            async with grpc.aio.insecure_channel(record.address) as channel:
+                dump = await worker_pb2_grpc.WorkerStub(channel).DumpKvState(
+                    worker_pb2.DumpKvStateRequest(dp_rank=POOL_DP_RANK)
+                )
+            expected = (len(dump.blocks), block_set_digest(b.sequence_hash for b in dump.blocks))
+            if held.get(record.instance_id, (0, block_set_digest([]))) != expected:
+                return False
+        return True
+    except grpc.aio.AioRpcError:
+        return False
+
+
+async def test_lost_pool_segment_events_are_recovered_from_the_segment_dump(nats_url: str, nc: NatsClient):
+    LossyPublisher.lost = 0
+    indexers = await watcher(nc, "indexer")
+    pool = Path(tempfile.mkdtemp(prefix="kvmesh-pool-test-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    try:
+        async with (
+            two_workers(nats_url, nc, LossyPublisher, "--kv-pool", str(pool), "--kv-pool-blocks", "64") as workers,
+            running(indexer_server.serve, indexer_config(nats_url, "p")),
+        ):
+            await wait_until_async(lambda: len(indexers.instances()) == 1, what="replica registered")
+            await load(workers, requests=120)
+            address = indexers.instances()[0].address
+            await wait_until_async(lambda: converged(workers, address), timeout=20, what="device blocks converge")
+            await wait_until_async(lambda: pool_converged(workers, address), timeout=20, what="pool segments converge")
+            status = await view(address)
+            segments = [w for w in status.workers if w.dp_rank == POOL_DP_RANK]
+            assert LossyPublisher.lost >= 4  # each worker's device and pool publishers lost messages
+            assert status.recoveries >= 4 and not any(w.recovering for w in status.workers)
+            assert len(segments) == 2 and all(w.tier == "pooled" and w.blocks > 0 for w in segments)
+            assert sum(w.evicted_blocks for w in segments) > 0  # 64-block segments under this load evict
+    finally:
+        shutil.rmtree(pool, ignore_errors=True)
     await indexers.stop()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.common.proto.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/indexer.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"/\n\x14IndexerStatusRequest\x12\x17\n\x0finclude_digests\x18\x01 \x01(\x08\"\x85\x01\n\rIndexedWorker\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x15\n\rlast_event_id\x18\x04 \x01(\x03\x12\x12\n\nrecovering\x18\x05 \x01(\x08\x12\x15\n\rblocks_digest\x18\x06 \x01(\x04\"\xf4\x01\n\rIndexerStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x18\n\x10\x61pplied_sequence\x18\x02 \x01(\x04\x12\x1c\n\x14stream_last_sequence\x18\x03 \x01(\x04\x12)\n\x07workers\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.IndexedWorker\x12\x16\n\x0e\x65vents_applied\x18\x05 \x01(\x04\x12\x0c\n\x04gaps\x18\x06 \x01(\x04\x12\x12\n\nrecoveries\x18\x07 \x01(\x04\x12\x19\n\x11snapshot_sequence\x18\x08 \x01(\x04\x12\x17\n\x0fsnapshots_taken\x18\t \x01(\x04\"l\n\x12\x46indMatchesRequest\x12\x14\n\x0clocal_hashes\x18\x01 \x03(\x04\x12\x17\n\x0fsequence_hashes\x18\x02 \x03(\x04\x12\'\n\tmoe_query\x18\x03 \x03(\x0b\x32\x14.kvmesh.v1.MoeExpert\"\xae\x01\n\x0bWorkerMatch\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x1a\n\x12moe_aligned_blocks\x18\x05 \x01(\r\x12\x1a\n\x12moe_hosted_experts\x18\x06 \x01(\r\x12\x15\n\rpooled_blocks\x18\x07 \x01(\r\"X\n\x13\x46indMatchesResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerMatch\x12\x18\n\x10\x61pplied_sequence\x18\x02 \x01(\x04\x32\x9f\x01\n\x07Indexer\x12L\n\x0b\x46indMatches\x12\x1d.kvmesh.v1.FindMatchesRequest\x1a\x1e.kvmesh.v1.FindMatchesResponse\x12\x46\n\tGetStatus\x12\x1f.kvmesh.v1.IndexerStatusRequest\x1a\x18.kvmesh.v1.IndexerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/indexer.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"/\n\x14IndexerStatusRequest\x12\x17\n\x0finclude_digests\x18\x01 \x01(\x08\"\xc6\x01\n\rIndexedWorker\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x15\n\rlast_event_id\x18\x04 \x01(\x03\x12\x12\n\nrecovering\x18\x05 \x01(\x08\x12\x15\n\rblocks_digest\x18\x06 \x01(\x04\x12\x0c\n\x04tier\x18\x07 \x01(\t\x12\x19\n\x11in_transit_blocks\x18\x08 \x01(\x04\x12\x16\n\x0e\x65victed_blocks\x18\t \x01(\x04\"\xf4\x01\n\rIndexerStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x18\n\x10\x61pplied_sequence\x18\x02 \x01(\x04\x12\x1c\n\x14stream_last_sequence\x18\x03 \x01(\x04\x12)\n\x07workers\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.IndexedWorker\x12\x16\n\x0e\x65vents_applied\x18\x05 \x01(\x04\x12\x0c\n\x04gaps\x18\x06 \x01(\x04\x12\x12\n\nrecoveries\x18\x07 \x01(\x04\x12\x19\n\x11snapshot_sequence\x18\x08 \x01(\x04\x12\x17\n\x0fsnapshots_taken\x18\t \x01(\x04\"l\n\x12\x46indMatchesRequest\x12\x14\n\x0clocal_hashes\x18\x01 \x03(\x04\x12\x17\n\x0fsequence_hashes\x18\x02 \x03(\x04\x12\'\n\tmoe_query\x18\x03 \x03(\x0b\x32\x14.kvmesh.v1.MoeExpert\"\xae\x01\n\x0bWorkerMatch\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x1a\n\x12moe_aligned_blocks\x18\x05 \x01(\r\x12\x1a\n\x12moe_hosted_experts\x18\x06 \x01(\r\x12\x15\n\rpooled_blocks\x18\x07 \x01(\r\"X\n\x13\x46indMatchesResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerMatch\x12\x18\n\x10\x61pplied_sequence\x18\x02 \x01(\x04\x32\x9f\x01\n\x07Indexer\x12L\n\x0b\x46indMatches\x12\x1d.kvmesh.v1.FindMatchesRequest\x1a\x1e.kvmesh.v1.FindMatchesResponse\x12\x46\n\tGetStatus\x12\x1f.kvmesh.v1.IndexerStatusRequest\x1a\x18.kvmesh.v1.IndexerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INDEXERSTATUSREQUEST']._serialized_start=62
   _globals['_INDEXERSTATUSREQUEST']._serialized_end=109
   _globals['_INDEXEDWORKER']._serialized_start=112
-  _globals['_INDEXEDWORKER']._serialized_end=245
-  _globals['_INDEXERSTATUS']._serialized_start=248
-  _globals['_INDEXERSTATUS']._serialized_end=492
-  _globals['_FINDMATCHESREQUEST']._serialized_start=494
-  _globals['_FINDMATCHESREQUEST']._serialized_end=602
-  _globals['_WORKERMATCH']._serialized_start=605
-  _globals['_WORKERMATCH']._serialized_end=779
-  _globals['_FINDMATCHESRESPONSE']._serialized_start=781
-  _globals['_FINDMATCHESRESPONSE']._serialized_end=869
-  _globals['_INDEXER']._serialized_start=872
-  _globals['_INDEXER']._serialized_end=1031
+  _globals['_INDEXEDWORKER']._serialized_end=310
+  _globals['_INDEXERSTATUS']._serialized_start=313
+  _globals['_INDEXERSTATUS']._serialized_end=557
+  _globals['_FINDMATCHESREQUEST']._serialized_start=559
+  _globals['_FINDMATCHESREQUEST']._serialized_end=667
+  _globals['_WORKERMATCH']._serialized_start=670
+  _globals['_WORKERMATCH']._serialized_end=844
+  _globals['_FINDMATCHESRESPONSE']._serialized_start=846
+  _globals['_FINDMATCHESRESPONSE']._serialized_end=934
+  _globals['_INDEXER']._serialized_start=937
+  _globals['_INDEXER']._serialized_end=1096
 # @@protoc_insertion_point(module_scope)

@@ -14,20 +14,26 @@ class IndexerStatusRequest(_message.Message):
     def __init__(self, include_digests: _Optional[bool] = ...) -> None: ...
 
 class IndexedWorker(_message.Message):
-    __slots__ = ("worker_id", "dp_rank", "blocks", "last_event_id", "recovering", "blocks_digest")
+    __slots__ = ("worker_id", "dp_rank", "blocks", "last_event_id", "recovering", "blocks_digest", "tier", "in_transit_blocks", "evicted_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAST_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     RECOVERING_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    IN_TRANSIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     dp_rank: int
     blocks: int
     last_event_id: int
     recovering: bool
     blocks_digest: int
-    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., blocks: _Optional[int] = ..., last_event_id: _Optional[int] = ..., recovering: _Optional[bool] = ..., blocks_digest: _Optional[int] = ...) -> None: ...
+    tier: str
+    in_transit_blocks: int
+    evicted_blocks: int
+    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., blocks: _Optional[int] = ..., last_event_id: _Optional[int] = ..., recovering: _Optional[bool] = ..., blocks_digest: _Optional[int] = ..., tier: _Optional[str] = ..., in_transit_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class IndexerStatus(_message.Message):
     __slots__ = ("replica_id", "applied_sequence", "stream_last_sequence", "workers", "events_applied", "gaps", "recoveries", "snapshot_sequence", "snapshots_taken")
