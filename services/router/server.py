@@ -22,6 +22,7 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.replica_sync import ReplicaSync
 from kvmesh.router.routing import Router
 from kvmesh.router.servicer import RouterServicer
+from kvmesh.router.worker_sessions import WorkerSessions
 
 log = structlog.get_logger(__name__)
 
@@ -40,11 +41,14 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         js = nc.jetstream()
         channels = ChannelPool()
         stack.push_async_callback(channels.close)
+        sessions = WorkerSessions(channels)
+        stack.push_async_callback(sessions.close)  # before the channels (callbacks run last-in first)
         routers: list[Router] = []  # the router exists once the watchers it reads do
 
         async def worker_left(record: InstanceRecord) -> None:
             for router in routers:
                 router.worker_left(record)
+            sessions.drop(record.address)
             await channels.drop(record.address)
 
         workers = await stack.start(DiscoveryWatcher(js, config.namespace, "worker", on_removed=worker_left))
@@ -66,7 +70,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         metrics = RouterMetrics(router.loads.pictures, lambda: len(router.sync.peers()) if router.sync else 0)
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
-        servicer = RouterServicer(router, channels, metrics)
+        servicer = RouterServicer(router, channels, metrics, sessions)
         registration = await stack.grpc_service(
             js,
             config,

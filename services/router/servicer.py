@@ -37,6 +37,7 @@ from kvmesh.router.prefill_job import (
     prefill_request,
 )
 from kvmesh.router.routing import Router, RoutingError
+from kvmesh.router.worker_sessions import WorkerSessions
 
 log = structlog.get_logger(__name__)
 
@@ -68,9 +69,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     """Guarantees: every attempt is tracked in the load picture until it ends (freed however it
     ends), and a client sees either one whole answer or one error with a gRPC status."""
 
-    def __init__(self, router: Router, channels: ChannelPool, metrics: RouterMetrics | None = None) -> None:
+    def __init__(
+        self,
+        router: Router,
+        channels: ChannelPool,
+        metrics: RouterMetrics | None = None,
+        sessions: WorkerSessions | None = None,
+    ) -> None:
+        """``sessions``: the multiplexed streams to the workers (``--worker-streams multiplexed``);
+        without them every request opens its own ``Worker.Generate`` stream."""
         self.router = router
         self.channels = channels
+        self.sessions = sessions if router.config.worker_streams == "multiplexed" else None
         self.metrics = metrics or RouterMetrics(router.loads.pictures, lambda: 0)
 
     async def Generate(
@@ -188,10 +198,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """The worker's stream, with usage as the client asked (the original prompt, every token of
         every attempt). Raises ``grpc.aio.AioRpcError`` when the stream breaks."""
         request_id = attempt.request.request_id
-        call = worker_pb2_grpc.WorkerStub(self.channels.get(attempt.worker.address)).Generate(attempt.request)
+        address = attempt.worker.address
+        if self.sessions is not None:
+            stream = self.sessions.generate(address, attempt.request)
+        else:
+            stream = messages(worker_pb2_grpc.WorkerStub(self.channels.get(address)).Generate(attempt.request))
         first = True
-        # messages() cancels the call when we stop early: that frees the worker's request
-        async with contextlib.aclosing(messages(call)) as outputs:
+        # closing the stream when we stop early cancels the request at the worker, freeing its KV
+        async with contextlib.aclosing(stream) as outputs:
             async for output in outputs:
                 if first:
                     first = False

@@ -8,6 +8,7 @@ a prefill worker before decoding (see :mod:`~kvmesh.worker.kv_handover`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -30,6 +31,7 @@ from kvmesh.worker.engine import (
 )
 from kvmesh.worker.kv_handover import Handover
 from kvmesh.worker.metrics import WorkerMetrics
+from kvmesh.worker.multiplexed import RequestMultiplexer
 
 log = structlog.get_logger(__name__)
 
@@ -133,6 +135,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if not handed_over:
                 # Runs on normal end too, where it is a no-op; on cancellation it frees the blocks.
                 self.engine.abort(request_id)
+
+    async def GenerateMany(
+        self, request_iterator: AsyncIterator[worker_pb2.GenerateCommand], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateBatch]:
+        """Many requests over one stream, each served by :meth:`Generate` (docs/decisions/0021)."""
+        async with contextlib.aclosing(RequestMultiplexer(self.Generate).serve(request_iterator)) as batches:
+            async for batch in batches:
+                yield batch
 
     def _output(
         self, spec: EngineRequestSpec, output: TokenOutput, completion: int, tokens: list[int]

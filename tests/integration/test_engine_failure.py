@@ -4,13 +4,17 @@ a refusal, so a router takes the worker for failed and migrates the request (rea
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 
 import grpc
 import pytest
 
+from kvmesh.common.channels import ChannelPool
 from kvmesh.common.grpc_errors import error_origin, is_transport_failure
 from kvmesh.common.grpc_server import channel_to, start_grpc_server
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.router.worker_sessions import WorkerSessions
 from kvmesh.worker.engine import (
     CachedBlock,
     Engine,
@@ -74,18 +78,20 @@ class FailingEngine(Engine):
         return -1, []
 
 
-async def call(stub: worker_pb2_grpc.WorkerStub, tokens: int) -> tuple[list[int], grpc.aio.AioRpcError | None]:
+async def call(generate, tokens: int) -> tuple[list[int], grpc.aio.AioRpcError | None]:
+    """``generate(request)``: a Worker.Generate stream, or a request on a router's GenerateMany session."""
     request = common_pb2.PreprocessedRequest(request_id=f"r{tokens}", token_ids=list(range(tokens)))
     received: list[int] = []
     try:
-        async for output in stub.Generate(request):
+        async for output in generate(request):
             received.extend(output.token_ids)
     except grpc.aio.AioRpcError as exc:
         return received, exc
     return received, None
 
 
-async def test_an_engine_failure_is_a_transport_failure_and_a_bad_prompt_a_refusal():
+@pytest.mark.parametrize("streams", ["per-request", "multiplexed"])
+async def test_an_engine_failure_is_a_transport_failure_and_a_bad_prompt_a_refusal(streams: str):
     engine = FailingEngine()
     servicer = WorkerServicer(1, "kvmesh-tiny", engine, WorkerMetrics(engine, None, None), None)
     server = await start_grpc_server(
@@ -93,14 +99,21 @@ async def test_an_engine_failure_is_a_transport_failure_and_a_bad_prompt_a_refus
         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
     )
     try:
-        async with channel_to(f"127.0.0.1:{server.port}") as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            tokens, error = await call(stub, 10)
+        address = f"127.0.0.1:{server.port}"
+        async with channel_to(address) as channel, contextlib.AsyncExitStack() as stack:
+            generate = worker_pb2_grpc.WorkerStub(channel).Generate
+            if streams == "multiplexed":
+                channels = ChannelPool()
+                stack.push_async_callback(channels.close)
+                sessions = WorkerSessions(channels)
+                stack.push_async_callback(sessions.close)
+                generate = functools.partial(sessions.generate, address)
+            tokens, error = await call(generate, 10)
             assert tokens == [7, 8] and error is not None
             assert error.code() == grpc.StatusCode.UNAVAILABLE and "the engine died" in error.details()
             assert is_transport_failure(error)  # a router migrates it
             assert engine.aborted == ["r10"]
-            tokens, error = await call(stub, 200)
+            tokens, error = await call(generate, 200)
             assert tokens == [] and error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert error_origin(error) == "worker"  # a refusal, passed on to the client as a 400
     finally:

@@ -41,6 +41,11 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_common__pb2.PreprocessedRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateOutput.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/kvmesh.v1.Worker/GenerateMany',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.GenerateCommand.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.GenerateBatch.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/kvmesh.v1.Worker/GetStatus',
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.WorkerStatusRequest.SerializeToString,
@@ -59,6 +64,16 @@ class WorkerServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many requests over one stream (a router keeps one per worker, docs/decisions/0021): the caller
+        submits requests and cancels them; the worker answers each message with the outputs of every
+        request that are ready, so a step of the engine costs one message, not one per request. Each
+        request ends with one item carrying its status, as its own Generate stream would.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -84,6 +99,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvmesh_dot_v1_dot_common__pb2.PreprocessedRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateOutput.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.GenerateCommand.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.GenerateBatch.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -124,6 +144,33 @@ class Worker:
             '/kvmesh.v1.Worker/Generate',
             kvmesh_dot_v1_dot_common__pb2.PreprocessedRequest.SerializeToString,
             kvmesh_dot_v1_dot_common__pb2.GenerateOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Worker/GenerateMany',
+            kvmesh_dot_v1_dot_worker__pb2.GenerateCommand.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.GenerateBatch.FromString,
             options,
             channel_credentials,
             insecure,

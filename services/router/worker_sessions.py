@@ -1,0 +1,175 @@
+"""One ``Worker.GenerateMany`` stream per worker, shared by every request the router sends there.
+
+A request's outputs come out of :meth:`WorkerSession.generate` exactly as they would from its own
+``Worker.Generate`` call: in order, then the end; a refusal or a failure raises the
+``grpc.aio.AioRpcError`` that call would have raised (with the ``kvmesh-origin`` mark of a
+refusal), so migration and error handling do not know the difference. A broken stream fails every
+request on it as a transport failure (they migrate); the next request opens a new stream.
+Why: docs/decisions/0021.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from kvmesh.common.channels import ChannelPool
+from kvmesh.common.grpc_errors import ORIGIN_KEY
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.common.runtime import cancel_and_wait
+
+log = structlog.get_logger(__name__)
+
+
+def _as_error(end: worker_pb2.RequestEnd) -> grpc.aio.AioRpcError:
+    code = next((c for c in grpc.StatusCode if c.value[0] == end.code), grpc.StatusCode.UNKNOWN)
+    trailing = grpc.aio.Metadata((ORIGIN_KEY, end.origin)) if end.origin else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, end.details)
+
+
+class WorkerSession:
+    """One open ``GenerateMany`` stream. Guarantees: each request gets its items in order and ends
+    once (finished, refused, failed or cancelled); a request the consumer stops reading is cancelled
+    at the worker; once broken, the session takes no new request (:attr:`broken`)."""
+
+    def __init__(self, channel: grpc.aio.Channel, address: str) -> None:
+        self.address = address
+        self._call = worker_pb2_grpc.WorkerStub(channel).GenerateMany()
+        self._commands: asyncio.Queue[worker_pb2.GenerateCommand] = asyncio.Queue()
+        self._requests: dict[str, asyncio.Queue[worker_pb2.StreamItem | BaseException]] = {}
+        self.broken: BaseException | None = None
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._tasks = [
+            asyncio.create_task(self._write_all(), name=f"session-write-{address}"),
+            asyncio.create_task(self._read_all(), name=f"session-read-{address}"),
+        ]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    async def _write_all(self) -> None:
+        # one writer: grpc.aio allows a single write in flight per call
+        try:
+            while True:
+                await self._call.write(await self._commands.get())
+        except Exception as exc:  # the call ended (AioRpcError, or InvalidStateError once cancelled)
+            self._break(exc)
+
+    async def _read_all(self) -> None:
+        try:
+            while True:
+                batch = await self._call.read()
+                if batch is grpc.aio.EOF:
+                    self._break(None)
+                    return
+                requests = self._requests
+                for item in batch.items:
+                    queue = requests.get(item.request_id)
+                    if queue is not None:
+                        queue.put_nowait(item)
+        except grpc.aio.AioRpcError as exc:
+            self._break(exc)
+
+    def _break(self, cause: BaseException | None) -> None:
+        if self.broken is not None:
+            return
+        if isinstance(cause, grpc.aio.AioRpcError):
+            error = cause
+        else:
+            error = grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                f"the stream to worker {self.address} ended ({cause or 'closed by the worker'})",
+            )
+        self.broken = error
+        for queue in self._requests.values():
+            queue.put_nowait(error)
+
+    async def generate(self, request: common_pb2.PreprocessedRequest) -> AsyncIterator[common_pb2.GenerateOutput]:
+        """The request's outputs; raises ``grpc.aio.AioRpcError`` as its own ``Generate`` would."""
+        request_id = request.request_id
+        if self.broken is not None:
+            raise self.broken
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already on this stream")
+        queue: asyncio.Queue[worker_pb2.StreamItem | BaseException] = asyncio.Queue()
+        self._requests[request_id] = queue
+        self.idle.clear()
+        self._commands.put_nowait(worker_pb2.GenerateCommand(submit=request))
+        ended = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                if item.HasField("end"):
+                    ended = True
+                    if item.end.code:
+                        raise _as_error(item.end)
+                    return
+                yield item.output
+        finally:
+            del self._requests[request_id]
+            if not self._requests:
+                self.idle.set()
+            if not ended and self.broken is None:
+                self._commands.put_nowait(worker_pb2.GenerateCommand(cancel=request_id))
+
+    async def close(self) -> None:
+        self._call.cancel()
+        await cancel_and_wait(*self._tasks)
+        self._break(None)
+
+
+class WorkerSessions:
+    """Sessions by worker address, opened on first use over the router's channels and replaced
+    when broken. :meth:`drop` closes a departed worker's session once its requests have ended."""
+
+    def __init__(self, channels: ChannelPool) -> None:
+        self._channels = channels
+        self._sessions: dict[str, WorkerSession] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def get(self, address: str) -> WorkerSession:
+        session = self._sessions.get(address)
+        if session is None or session.broken is not None:
+            if session is not None:
+                self._close_later(session)
+            session = self._sessions[address] = WorkerSession(self._channels.get(address), address)
+        return session
+
+    async def generate(
+        self, address: str, request: common_pb2.PreprocessedRequest
+    ) -> AsyncIterator[common_pb2.GenerateOutput]:
+        async with contextlib.aclosing(self.get(address).generate(request)) as outputs:
+            async for output in outputs:
+                yield output
+
+    def drop(self, address: str) -> None:
+        session = self._sessions.pop(address, None)
+        if session is not None:
+            self._close_later(session)
+
+    def _close_later(self, session: WorkerSession) -> None:
+        async def close_when_idle() -> None:
+            await session.idle.wait()  # its requests finish, or fail over once it is broken
+            await session.close()
+
+        task = asyncio.create_task(close_when_idle(), name=f"close-session-{session.address}")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        sessions = list(self._sessions.values())
+        self._sessions.clear()
+        await cancel_and_wait(*self._closing)
+        for session in sessions:
+            await session.close()

@@ -1,0 +1,125 @@
+"""``Worker.GenerateMany``: many requests over one stream, every ready output in one message.
+
+Each submitted request runs exactly as its own ``Generate`` stream would (the same code, given a
+context whose ``abort`` ends the request instead of the call); its outputs and its end go to one
+outbox, and the stream sends whatever the outbox holds as one ``GenerateBatch``. While a message is
+being written the next engine step's outputs gather, so under load one message carries one step of
+every request on the stream (docs/decisions/0021).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import structlog
+
+from kvmesh.common.grpc_errors import ORIGIN_KEY
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2
+from kvmesh.common.runtime import cancel_and_wait
+
+log = structlog.get_logger(__name__)
+
+GenerateOne = Callable[[common_pb2.PreprocessedRequest, object], AsyncIterator[common_pb2.GenerateOutput]]
+
+
+class _RequestEnded(Exception):
+    def __init__(self, end: worker_pb2.RequestEnd) -> None:
+        super().__init__(end.details)
+        self.end = end
+
+
+class _RequestContext:
+    """What ``Generate`` needs of a servicer context, for one request of a shared stream: an abort
+    ends that request with the status, never the stream."""
+
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        origin = next((value for key, value in trailing_metadata if key == ORIGIN_KEY), "")
+        raise _RequestEnded(worker_pb2.RequestEnd(code=code.value[0], details=details, origin=origin))
+
+
+class RequestMultiplexer:
+    """Serves one ``GenerateMany`` stream. Guarantees: every submitted request gets its outputs in
+    order and then exactly one end item, unless the caller cancels it (or the stream) first; a
+    cancelled request, or every request of a stream that ends, is aborted in the engine."""
+
+    def __init__(self, generate_one: GenerateOne) -> None:
+        self._generate_one = generate_one
+        self._outbox: asyncio.Queue[worker_pb2.StreamItem] = asyncio.Queue()
+        self._running: dict[str, asyncio.Task[None]] = {}
+
+    async def serve(
+        self, commands: AsyncIterator[worker_pb2.GenerateCommand]
+    ) -> AsyncIterator[worker_pb2.GenerateBatch]:
+        reader = asyncio.create_task(self._read(commands))
+        try:
+            while True:
+                yield self._next_batch(await self._outbox.get())
+        finally:
+            await cancel_and_wait(reader, *self._running.values())
+
+    def _next_batch(self, first: worker_pb2.StreamItem) -> worker_pb2.GenerateBatch:
+        """``first`` and everything else the outbox holds, a request's consecutive outputs merged
+        into one (as ``Generate`` sends every ready token of a request in one message), so the
+        router relays one message per request per batch, not one per token."""
+        items = [first]
+        open_outputs = {first.request_id: first.output} if first.HasField("output") else {}
+        outbox = self._outbox
+        while not outbox.empty():
+            item = outbox.get_nowait()
+            request_id = item.request_id
+            if not item.HasField("output"):
+                open_outputs.pop(request_id, None)  # nothing merges across a request's end
+            else:
+                output = item.output
+                previous = open_outputs.get(request_id)
+                if previous is not None and not previous.finish_reason and not output.disaggregated_params:
+                    previous.token_ids.extend(output.token_ids)
+                    previous.usage.CopyFrom(output.usage)
+                    previous.finish_reason = output.finish_reason
+                    continue
+                open_outputs[request_id] = output
+            items.append(item)
+        return worker_pb2.GenerateBatch(items=items)
+
+    async def _read(self, commands: AsyncIterator[worker_pb2.GenerateCommand]) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            async for command in commands:
+                if command.HasField("submit"):
+                    self._submit(command.submit)
+                else:
+                    task = self._running.get(command.cancel)
+                    if task is not None:
+                        task.cancel()
+
+    def _submit(self, request: common_pb2.PreprocessedRequest) -> None:
+        request_id = request.request_id
+        if not request_id or request_id in self._running:
+            reason = "request_id is required" if not request_id else f"request {request_id!r} is already running here"
+            end = worker_pb2.RequestEnd(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], details=reason, origin="worker")
+            self._outbox.put_nowait(worker_pb2.StreamItem(request_id=request_id, end=end))
+            return
+        self._running[request_id] = asyncio.create_task(self._run(request), name=f"generate-{request_id}")
+
+    async def _run(self, request: common_pb2.PreprocessedRequest) -> None:
+        request_id = request.request_id
+        put = self._outbox.put_nowait
+        end = worker_pb2.RequestEnd()
+        try:
+            async with contextlib.aclosing(self._generate_one(request, _RequestContext())) as outputs:
+                async for output in outputs:
+                    put(worker_pb2.StreamItem(request_id=request_id, output=output))
+        except asyncio.CancelledError:
+            return  # the caller cancelled it: it expects nothing more (Generate's cleanup has run)
+        except _RequestEnded as ended:
+            end = ended.end
+        except Exception as exc:  # a bug must end this request, not the stream and its other requests
+            log.exception("request failed", request_id=request_id)
+            end = worker_pb2.RequestEnd(code=grpc.StatusCode.INTERNAL.value[0], details=f"{type(exc).__name__}: {exc}")
+        finally:
+            self._running.pop(request_id, None)
+        put(worker_pb2.StreamItem(request_id=request_id, end=end))

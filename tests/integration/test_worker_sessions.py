@@ -1,0 +1,196 @@
+"""``Worker.GenerateMany`` and the router's sessions over it, against real worker processes and real
+gRPC: the same answers as ``Worker.Generate``, one message per engine step for many requests,
+refusals and failures raised as their own streams would raise them, cancellation freeing the
+worker, and a killed worker failing every request on its stream as a transport failure."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+
+import grpc
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from kvmesh.common.channels import ChannelPool
+from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.grpc_errors import error_origin, is_transport_failure
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.router import server as router_server
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.worker_sessions import WorkerSessions
+from tests.support import router_generate, running, service_config, service_process, wait_until_async
+
+pytestmark = pytest.mark.integration
+NAMESPACE = "sessions"
+
+
+@contextlib.asynccontextmanager
+async def one_worker(nc: NatsClient, nats_url: str, *flags: str):
+    """A worker process; yields (its address, the process)."""
+    watcher = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "worker")
+    await watcher.start()
+    process = service_process("worker", nats_url, NAMESPACE, "--lease-ttl", "30", *flags)
+    try:
+        await wait_until_async(lambda: len(watcher.instances()) == 1, timeout=30, what="worker registered")
+        yield watcher.instances()[0].address, process
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+        await watcher.stop()
+
+
+def request(request_id: str, prompt_start: int, max_tokens: int, **fields) -> common_pb2.PreprocessedRequest:
+    message = common_pb2.PreprocessedRequest(
+        request_id=request_id, token_ids=list(range(prompt_start, prompt_start + 40)), **fields
+    )
+    message.stop.max_tokens = max_tokens
+    message.stop.ignore_eos = True
+    message.sampling.seed = prompt_start
+    return message
+
+
+async def tokens_of(outputs) -> list[int]:
+    tokens: list[int] = []
+    async for output in outputs:
+        tokens.extend(output.token_ids)
+    return tokens
+
+
+async def test_many_requests_on_one_stream_answer_as_their_own_streams_would(nc: NatsClient, nats_url: str):
+    async with one_worker(nc, nats_url, "--speedup-ratio", "50") as (address, _):
+        channels = ChannelPool()
+        sessions = WorkerSessions(channels)
+        try:
+            stub = worker_pb2_grpc.WorkerStub(channels.get(address))
+            alone = [await tokens_of(stub.Generate(request(f"a{i}", 100 * i, 24))) for i in range(8)]
+            shared = await asyncio.gather(
+                *(tokens_of(sessions.generate(address, request(f"m{i}", 100 * i, 24))) for i in range(8))
+            )
+            assert shared == alone and all(len(tokens) == 24 for tokens in shared)
+        finally:
+            await sessions.close()
+            await channels.close()
+
+
+async def test_one_message_carries_the_outputs_of_many_requests(nc: NatsClient, nats_url: str):
+    async with one_worker(nc, nats_url, "--speedup-ratio", "50") as (address, _):
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).GenerateMany()
+            for i in range(8):
+                await call.write(worker_pb2.GenerateCommand(submit=request(f"b{i}", 100 * i, 16)))
+            ended: set[str] = set()
+            tokens = dict.fromkeys((f"b{i}" for i in range(8)), 0)
+            widest = 0
+            while len(ended) < 8:
+                batch = await call.read()
+                widest = max(widest, len({item.request_id for item in batch.items}))
+                for item in batch.items:
+                    if item.HasField("end"):
+                        assert item.end.code == 0
+                        ended.add(item.request_id)
+                    else:
+                        tokens[item.request_id] += len(item.output.token_ids)
+            call.cancel()
+        assert all(count == 16 for count in tokens.values())
+        assert widest >= 2  # requests sharing engine steps share messages
+
+
+async def test_refusals_and_duplicates_end_only_their_request(nc: NatsClient, nats_url: str):
+    async with one_worker(nc, nats_url, "--speedup-ratio", "50") as (address, _):
+        channels = ChannelPool()
+        sessions = WorkerSessions(channels)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await tokens_of(sessions.generate(address, request("r1", 0, 4, model="not-this-model")))
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND and error_origin(refused.value) == "worker"
+            assert "not-this-model" in refused.value.details()
+            assert not is_transport_failure(refused.value)
+            # a request id already running on the stream is refused; the running one goes on
+            async with grpc.aio.insecure_channel(address) as channel:
+                call = worker_pb2_grpc.WorkerStub(channel).GenerateMany()
+                await call.write(worker_pb2.GenerateCommand(submit=request("twice", 0, 200)))
+                await call.write(worker_pb2.GenerateCommand(submit=request("twice", 0, 200)))
+                ends, tokens = [], 0
+                while len(ends) < 2:
+                    for item in (await call.read()).items:
+                        if item.HasField("end"):
+                            ends.append(item.end)
+                        else:
+                            tokens += len(item.output.token_ids)
+                call.cancel()
+            refusal, finish = ends
+            assert refusal.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "already running" in refusal.details
+            assert refusal.origin == "worker"
+            assert finish.code == 0 and tokens == 200
+        finally:
+            await sessions.close()
+            await channels.close()
+
+
+async def test_a_request_the_router_stops_reading_is_aborted_at_the_worker(nc: NatsClient, nats_url: str):
+    async with one_worker(nc, nats_url, "--speedup-ratio", "5") as (address, _):
+        channels = ChannelPool()
+        sessions = WorkerSessions(channels)
+        stub = worker_pb2_grpc.WorkerStub(channels.get(address))
+        try:
+            async with contextlib.aclosing(sessions.generate(address, request("c1", 0, 5000))) as outputs:
+                await anext(outputs)
+                status = await stub.GetStatus(worker_pb2.WorkerStatusRequest())
+                assert status.running_requests == 1
+
+            async def idle() -> bool:
+                return (await stub.GetStatus(worker_pb2.WorkerStatusRequest())).running_requests == 0
+
+            await wait_until_async(idle, timeout=10, what="the cancelled request aborted at the worker")
+            # the stream stays usable for the next request
+            assert len(await tokens_of(sessions.generate(address, request("c2", 0, 3)))) == 3
+        finally:
+            await sessions.close()
+            await channels.close()
+
+
+async def test_a_killed_worker_fails_every_request_on_its_stream_as_a_transport_failure(nc: NatsClient, nats_url: str):
+    async with one_worker(nc, nats_url, "--speedup-ratio", "2") as (address, process):
+        channels = ChannelPool()
+        sessions = WorkerSessions(channels)
+        try:
+            streams = [sessions.generate(address, request(f"k{i}", 100 * i, 5000)) for i in range(4)]
+            for stream in streams:
+                await anext(stream)
+            broken = sessions.get(address)
+            process.send_signal(signal.SIGKILL)
+            for stream in streams:
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await tokens_of(stream)
+                assert is_transport_failure(failed.value)
+            assert broken.broken is not None and sessions.get(address) is not broken
+        finally:
+            await sessions.close()
+            await channels.close()
+
+
+@pytest.mark.parametrize("streams", ["multiplexed", "per-request"])
+async def test_a_router_serves_through_either_kind_of_worker_stream(nc: NatsClient, nats_url: str, streams: str):
+    routers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "router")
+    await routers.start()
+    config = service_config(
+        RouterConfig, ["--nats-url", nats_url, "--namespace", NAMESPACE, "--worker-streams", streams]
+    )
+    try:
+        async with one_worker(nc, nats_url, "--speedup-ratio", "50"), running(router_server.serve, config):
+            await wait_until_async(lambda: len(routers.instances()) == 1, what="router registered")
+            address = routers.instances()[0].address
+            answers = await asyncio.gather(
+                *(router_generate(address, f"{streams}-{i}", list(range(i, i + 50)), 12) for i in range(6))
+            )
+            assert all(sum(len(o.token_ids) for o in outputs) == 12 for outputs in answers)
+            assert all(outputs[-1].usage.completion_tokens == 12 for outputs in answers)
+    finally:
+        await routers.stop()
+
+
+def test_an_unknown_worker_stream_kind_is_a_clear_error():
+    with pytest.raises(SystemExit):
+        service_config(RouterConfig, ["--worker-streams", "pigeons"])
