@@ -27,6 +27,12 @@ class FrontendConfig(CommonConfig):
     max_concurrent_requests: int = option(
         0, "requests in flight at once; one more is a 503 with Retry-After (0: no limit)"
     )
+    router_streams: str = option(
+        "multiplexed",
+        "how requests reach a router: multiplexed (one Router.GenerateMany stream per router replica, every "
+        "ready output in one message) or per-request (a Router.Generate stream each; for routers that predate "
+        "GenerateMany)",
+    )
 
     def validate(self) -> None:
         if not 0 <= self.http_port < 65536:
@@ -37,5 +43,7 @@ class FrontendConfig(CommonConfig):
             raise ConfigError("--load-report-secs must be positive")
         if self.max_request_body_bytes < 0:
             raise ConfigError("--max-request-body-bytes must be >= 0")
+        if self.router_streams not in ("multiplexed", "per-request"):
+            raise ConfigError(f"--router-streams must be multiplexed or per-request, not {self.router_streams!r}")
         if self.max_concurrent_requests < 0:
             raise ConfigError("--max-concurrent-requests must be >= 0")

@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvmesh.common.finish_reasons import finish_name
 from kvmesh.common.grpc_errors import is_transport_failure
-from kvmesh.common.grpc_streams import messages
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.common.requests import continue_request
 from kvmesh.frontend.errors import (
@@ -181,10 +180,9 @@ class Frontend:
             except NoRouterError as exc:
                 raise ServiceUnavailableError(str(exc)) from exc
             sent = request if attempt == 0 else continue_request(request, generated, max_tokens, f"r{attempt}")
-            call = self.routers.generate(sent, address)
             try:
-                # messages() cancels the call when we stop early: that frees the worker's request
-                async with contextlib.aclosing(messages(call)) as outputs:
+                # closing the stream when we stop early cancels the request: that frees its worker
+                async with contextlib.aclosing(self.routers.generate(sent, address)) as outputs:
                     async for output in outputs:
                         generated.extend(output.token_ids)
                         usage.completion_tokens = len(generated)

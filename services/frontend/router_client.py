@@ -9,7 +9,9 @@ from nats.js import JetStreamContext
 
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
+from kvmesh.common.grpc_streams import messages
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from kvmesh.common.stream_sessions import StreamSessions, open_router_stream
 
 
 class NoRouterError(RuntimeError):
@@ -17,16 +19,20 @@ class NoRouterError(RuntimeError):
 
 
 class RouterClient:
-    """Streams ``Router.Generate`` from a router replica, spreading requests over the replicas.
+    """Streams a request's answer from a router replica, spreading requests over the replicas.
 
-    Holds one channel per live replica: :meth:`router_left` (the watcher's removal callback) drops a
-    departed replica's channel."""
+    Holds one channel per live replica, and over it one ``Router.GenerateMany`` stream that all
+    requests to that replica share (``multiplexed``; else a ``Router.Generate`` call each):
+    :meth:`router_left` (the watcher's removal callback) drops a departed replica's."""
 
-    def __init__(self, watcher: DiscoveryWatcher | None = None, fixed_address: str | None = None) -> None:
+    def __init__(
+        self, watcher: DiscoveryWatcher | None = None, fixed_address: str | None = None, multiplexed: bool = True
+    ) -> None:
         """One fixed router address, a watcher, or neither yet (then call :meth:`watch`)."""
         self._watcher = watcher
         self._fixed = fixed_address
         self._channels = ChannelPool()
+        self._sessions = StreamSessions(self._channels, open_router_stream) if multiplexed else None
         self._counter = itertools.count()
 
     def watch(self, js: JetStreamContext, namespace: str) -> DiscoveryWatcher:
@@ -53,15 +59,22 @@ class RouterClient:
     def generate(
         self, request: common_pb2.PreprocessedRequest, address: str
     ) -> AsyncIterator[common_pb2.GenerateOutput]:
-        """The stream of ``Router.Generate`` at ``address``; raises ``grpc.aio.AioRpcError``."""
-        return router_pb2_grpc.RouterStub(self._channels.get(address)).Generate(request)
+        """The request's outputs from the router at ``address``; raises ``grpc.aio.AioRpcError`` as
+        ``Router.Generate`` would. Closing it early cancels the request (which frees its worker)."""
+        if self._sessions is not None:
+            return self._sessions.generate(address, request)
+        return messages(router_pb2_grpc.RouterStub(self._channels.get(address)).Generate(request))
 
     def channel_addresses(self) -> list[str]:
         """Addresses with an open channel (for tests and inspection)."""
         return self._channels.addresses()
 
     async def router_left(self, record: InstanceRecord) -> None:
+        if self._sessions is not None:
+            self._sessions.drop(record.address)
         await self._channels.drop(record.address)
 
     async def close(self) -> None:
+        if self._sessions is not None:
+            await self._sessions.close()
         await self._channels.close()

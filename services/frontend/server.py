@@ -28,7 +28,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
     model = ServedModel(config.model_name, ModelTokenizer(Path(config.model_path)), int(time.time()))
     async with ServiceStack() as stack:
         nc = await stack.nats(config, "kvmesh-frontend")
-        routers = RouterClient(fixed_address=config.router_address)
+        routers = RouterClient(fixed_address=config.router_address, multiplexed=config.router_streams == "multiplexed")
         stack.push_async_callback(routers.close)
         if not config.router_address:
             await stack.start(routers.watch(nc.jetstream(), config.namespace))

@@ -15,6 +15,7 @@ from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, new_instan
 from kvmesh.common.metrics import MetricsEndpoint
 from kvmesh.common.proto.kvmesh.v1 import router_pb2, router_pb2_grpc
 from kvmesh.common.service import ServiceStack, service_main
+from kvmesh.common.stream_sessions import StreamSessions, open_worker_stream
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.indexer_client import IndexerClient
 from kvmesh.router.load_reports import publish_worker_loads_forever
@@ -22,7 +23,6 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.replica_sync import ReplicaSync
 from kvmesh.router.routing import Router
 from kvmesh.router.servicer import RouterServicer
-from kvmesh.router.worker_sessions import WorkerSessions
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +41,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         js = nc.jetstream()
         channels = ChannelPool()
         stack.push_async_callback(channels.close)
-        sessions = WorkerSessions(channels)
+        sessions = StreamSessions(channels, open_worker_stream)
         stack.push_async_callback(sessions.close)  # before the channels (callbacks run last-in first)
         routers: list[Router] = []  # the router exists once the watchers it reads do
 

@@ -25,8 +25,10 @@ from kvmesh.common.disagg import DecodeOrder, DisaggParamsError, KvSource
 from kvmesh.common.discovery import InstanceRecord
 from kvmesh.common.grpc_errors import is_transport_failure, refuse
 from kvmesh.common.grpc_streams import messages
+from kvmesh.common.multiplexed import RequestMultiplexer
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 from kvmesh.common.requests import DEFAULT_MAX_TOKENS, continue_request
+from kvmesh.common.stream_sessions import StreamSessions
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_job import (
     LocalPrefill,
@@ -37,7 +39,6 @@ from kvmesh.router.prefill_job import (
     prefill_request,
 )
 from kvmesh.router.routing import Router, RoutingError
-from kvmesh.router.worker_sessions import WorkerSessions
 
 log = structlog.get_logger(__name__)
 
@@ -74,7 +75,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         router: Router,
         channels: ChannelPool,
         metrics: RouterMetrics | None = None,
-        sessions: WorkerSessions | None = None,
+        sessions: StreamSessions | None = None,
     ) -> None:
         """``sessions``: the multiplexed streams to the workers (``--worker-streams multiplexed``);
         without them every request opens its own ``Worker.Generate`` stream."""
@@ -142,6 +143,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         progress.migrations += 1
         self.metrics.migrated()
+
+    async def GenerateMany(
+        self, request_iterator: AsyncIterator[common_pb2.GenerateCommand], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GenerateBatch]:
+        """Many requests over one stream, each served by :meth:`Generate` (docs/decisions/0021)."""
+        async with contextlib.aclosing(RequestMultiplexer(self.Generate, "router").serve(request_iterator)) as batches:
+            async for batch in batches:
+                yield batch
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         """Refuse a Generate call, counting it as an outcome named after its status."""

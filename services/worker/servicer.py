@@ -19,6 +19,7 @@ from kvmesh.common.disagg import DecodeOrder, DisaggParamsError, KvSource, Prefi
 from kvmesh.common.finish_reasons import to_proto
 from kvmesh.common.grpc_errors import refuse
 from kvmesh.common.kv_events import POOL_DP_RANK
+from kvmesh.common.multiplexed import RequestMultiplexer
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.common.status_error import StatusError
 from kvmesh.worker.engine import (
@@ -31,7 +32,6 @@ from kvmesh.worker.engine import (
 )
 from kvmesh.worker.kv_handover import Handover
 from kvmesh.worker.metrics import WorkerMetrics
-from kvmesh.worker.multiplexed import RequestMultiplexer
 
 log = structlog.get_logger(__name__)
 
@@ -137,10 +137,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self.engine.abort(request_id)
 
     async def GenerateMany(
-        self, request_iterator: AsyncIterator[worker_pb2.GenerateCommand], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.GenerateBatch]:
+        self, request_iterator: AsyncIterator[common_pb2.GenerateCommand], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GenerateBatch]:
         """Many requests over one stream, each served by :meth:`Generate` (docs/decisions/0021)."""
-        async with contextlib.aclosing(RequestMultiplexer(self.Generate).serve(request_iterator)) as batches:
+        async with contextlib.aclosing(RequestMultiplexer(self.Generate, "worker").serve(request_iterator)) as batches:
             async for batch in batches:
                 yield batch
 

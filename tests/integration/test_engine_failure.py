@@ -14,7 +14,7 @@ from kvmesh.common.channels import ChannelPool
 from kvmesh.common.grpc_errors import error_origin, is_transport_failure
 from kvmesh.common.grpc_server import channel_to, start_grpc_server
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from kvmesh.router.worker_sessions import WorkerSessions
+from kvmesh.common.stream_sessions import StreamSessions, open_worker_stream
 from kvmesh.worker.engine import (
     CachedBlock,
     Engine,
@@ -105,7 +105,7 @@ async def test_an_engine_failure_is_a_transport_failure_and_a_bad_prompt_a_refus
             if streams == "multiplexed":
                 channels = ChannelPool()
                 stack.push_async_callback(channels.close)
-                sessions = WorkerSessions(channels)
+                sessions = StreamSessions(channels, open_worker_stream)
                 stack.push_async_callback(sessions.close)
                 generate = functools.partial(sessions.generate, address)
             tokens, error = await call(generate, 10)

@@ -3,7 +3,9 @@ discovery (both in process: no router is needed for either)."""
 
 from __future__ import annotations
 
+import grpc
 import httpx
+import pytest
 
 from kvmesh.common.discovery import InstanceRecord
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
@@ -31,10 +33,14 @@ async def test_request_metrics_are_labelled_by_route_not_by_raw_path():
     assert not any("wp-admin" in line for line in series)
 
 
-async def test_a_departed_router_loses_its_channel():
-    routers = RouterClient(fixed_address="127.0.0.1:1")
-    for address in ("127.0.0.1:7001", "127.0.0.1:7002"):
-        routers.generate(common_pb2.PreprocessedRequest(), address).cancel()  # opens the address's channel
+@pytest.mark.parametrize("multiplexed", [True, False])
+async def test_a_departed_router_loses_its_channel(multiplexed: bool):
+    routers = RouterClient(fixed_address="127.0.0.1:1", multiplexed=multiplexed)
+    for address in ("127.0.0.1:7001", "127.0.0.1:7002"):  # nothing listens: the attempt fails, the channel stays
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async for _ in routers.generate(common_pb2.PreprocessedRequest(request_id="r", token_ids=[1]), address):
+                pass
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     assert sorted(routers.channel_addresses()) == ["127.0.0.1:7001", "127.0.0.1:7002"]
     await routers.router_left(InstanceRecord("router", 1, "127.0.0.1:7001"))
     assert routers.channel_addresses() == ["127.0.0.1:7002"]

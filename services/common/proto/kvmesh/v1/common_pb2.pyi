@@ -115,3 +115,37 @@ class GenerateOutput(_message.Message):
     worker_id: int
     dp_rank: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., disaggregated_params: _Optional[bytes] = ..., worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ...) -> None: ...
+
+class GenerateCommand(_message.Message):
+    __slots__ = ("submit", "cancel")
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    submit: PreprocessedRequest
+    cancel: str
+    def __init__(self, submit: _Optional[_Union[PreprocessedRequest, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
+
+class RequestEnd(_message.Message):
+    __slots__ = ("code", "details", "origin")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    origin: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., origin: _Optional[str] = ...) -> None: ...
+
+class StreamItem(_message.Message):
+    __slots__ = ("request_id", "output", "end")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    output: GenerateOutput
+    end: RequestEnd
+    def __init__(self, request_id: _Optional[str] = ..., output: _Optional[_Union[GenerateOutput, _Mapping]] = ..., end: _Optional[_Union[RequestEnd, _Mapping]] = ...) -> None: ...
+
+class GenerateBatch(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[StreamItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[StreamItem, _Mapping]]] = ...) -> None: ...

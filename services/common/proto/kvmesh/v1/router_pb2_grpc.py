@@ -41,6 +41,11 @@ class RouterStub:
                 request_serializer=kvmesh_dot_v1_dot_common__pb2.PreprocessedRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateOutput.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/kvmesh.v1.Router/GenerateMany',
+                request_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateCommand.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateBatch.FromString,
+                _registered_method=True)
         self.BestWorker = channel.unary_unary(
                 '/kvmesh.v1.Router/BestWorker',
                 request_serializer=kvmesh_dot_v1_dot_router__pb2.RoutingQuery.SerializeToString,
@@ -64,6 +69,14 @@ class RouterServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many requests over one stream (a frontend keeps one per router replica, docs/decisions/0021):
+        each request is served as Generate would serve it; a message carries every request's ready outputs.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -96,6 +109,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvmesh_dot_v1_dot_common__pb2.PreprocessedRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateOutput.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateCommand.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateBatch.SerializeToString,
             ),
             'BestWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.BestWorker,
@@ -141,6 +159,33 @@ class Router:
             '/kvmesh.v1.Router/Generate',
             kvmesh_dot_v1_dot_common__pb2.PreprocessedRequest.SerializeToString,
             kvmesh_dot_v1_dot_common__pb2.GenerateOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Router/GenerateMany',
+            kvmesh_dot_v1_dot_common__pb2.GenerateCommand.SerializeToString,
+            kvmesh_dot_v1_dot_common__pb2.GenerateBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,31 +25,23 @@ _sym_db = _symbol_database.Default()
 from kvmesh.common.proto.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"`\n\x0fGenerateCommand\x12\x30\n\x06submit\x18\x01 \x01(\x0b\x32\x1e.kvmesh.v1.PreprocessedRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\t\n\x07\x63ommand\";\n\nRequestEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x0e\n\x06origin\x18\x03 \x01(\t\"o\n\nStreamItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06output\x18\x02 \x01(\x0b\x32\x19.kvmesh.v1.GenerateOutput\x12\"\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.RequestEnd\"5\n\rGenerateBatch\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.StreamItem\"%\n\x12\x44umpKvStateRequest\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\"\x8e\x01\n\x0b\x43\x61\x63hedBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x13\n\x0btokens_hash\x18\x02 \x01(\x04\x12\x18\n\x0bparent_hash\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\rsequence_hash\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x0e\n\x0c_parent_hashB\x10\n\x0e_sequence_hash\"p\n\x0bKvStateDump\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x15\n\rlast_event_id\x18\x03 \x01(\x03\x12&\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x16.kvmesh.v1.CachedBlock\"\x15\n\x13WorkerStatusRequest\"\x90\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x15\n\rcached_blocks\x18\x05 \x01(\x04\x12\x15\n\ractive_blocks\x18\x06 \x01(\x04\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x18\n\x10waiting_requests\x18\x08 \x01(\r\x12\x1b\n\x13kv_transfer_backend\x18\t \x01(\t\x12\x1e\n\x16kv_transfers_in_flight\x18\n \x01(\r\x12\x15\n\rheld_prefills\x18\x0b \x01(\r2\xa7\x02\n\x06Worker\x12G\n\x08Generate\x12\x1e.kvmesh.v1.PreprocessedRequest\x1a\x19.kvmesh.v1.GenerateOutput0\x01\x12H\n\x0cGenerateMany\x12\x1a.kvmesh.v1.GenerateCommand\x1a\x18.kvmesh.v1.GenerateBatch(\x01\x30\x01\x12\x44\n\tGetStatus\x12\x1e.kvmesh.v1.WorkerStatusRequest\x1a\x17.kvmesh.v1.WorkerStatus\x12\x44\n\x0b\x44umpKvState\x12\x1d.kvmesh.v1.DumpKvStateRequest\x1a\x16.kvmesh.v1.KvStateDumpb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"%\n\x12\x44umpKvStateRequest\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\"\x8e\x01\n\x0b\x43\x61\x63hedBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x13\n\x0btokens_hash\x18\x02 \x01(\x04\x12\x18\n\x0bparent_hash\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\rsequence_hash\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x0e\n\x0c_parent_hashB\x10\n\x0e_sequence_hash\"p\n\x0bKvStateDump\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x15\n\rlast_event_id\x18\x03 \x01(\x03\x12&\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x16.kvmesh.v1.CachedBlock\"\x15\n\x13WorkerStatusRequest\"\x90\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x15\n\rcached_blocks\x18\x05 \x01(\x04\x12\x15\n\ractive_blocks\x18\x06 \x01(\x04\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x18\n\x10waiting_requests\x18\x08 \x01(\r\x12\x1b\n\x13kv_transfer_backend\x18\t \x01(\t\x12\x1e\n\x16kv_transfers_in_flight\x18\n \x01(\r\x12\x15\n\rheld_prefills\x18\x0b \x01(\r2\xa7\x02\n\x06Worker\x12G\n\x08Generate\x12\x1e.kvmesh.v1.PreprocessedRequest\x1a\x19.kvmesh.v1.GenerateOutput0\x01\x12H\n\x0cGenerateMany\x12\x1a.kvmesh.v1.GenerateCommand\x1a\x18.kvmesh.v1.GenerateBatch(\x01\x30\x01\x12\x44\n\tGetStatus\x12\x1e.kvmesh.v1.WorkerStatusRequest\x1a\x17.kvmesh.v1.WorkerStatus\x12\x44\n\x0b\x44umpKvState\x12\x1d.kvmesh.v1.DumpKvStateRequest\x1a\x16.kvmesh.v1.KvStateDumpb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATECOMMAND']._serialized_start=61
-  _globals['_GENERATECOMMAND']._serialized_end=157
-  _globals['_REQUESTEND']._serialized_start=159
-  _globals['_REQUESTEND']._serialized_end=218
-  _globals['_STREAMITEM']._serialized_start=220
-  _globals['_STREAMITEM']._serialized_end=331
-  _globals['_GENERATEBATCH']._serialized_start=333
-  _globals['_GENERATEBATCH']._serialized_end=386
-  _globals['_DUMPKVSTATEREQUEST']._serialized_start=388
-  _globals['_DUMPKVSTATEREQUEST']._serialized_end=425
-  _globals['_CACHEDBLOCK']._serialized_start=428
-  _globals['_CACHEDBLOCK']._serialized_end=570
-  _globals['_KVSTATEDUMP']._serialized_start=572
-  _globals['_KVSTATEDUMP']._serialized_end=684
-  _globals['_WORKERSTATUSREQUEST']._serialized_start=686
-  _globals['_WORKERSTATUSREQUEST']._serialized_end=707
-  _globals['_WORKERSTATUS']._serialized_start=710
-  _globals['_WORKERSTATUS']._serialized_end=982
-  _globals['_WORKER']._serialized_start=985
-  _globals['_WORKER']._serialized_end=1280
+  _globals['_DUMPKVSTATEREQUEST']._serialized_start=61
+  _globals['_DUMPKVSTATEREQUEST']._serialized_end=98
+  _globals['_CACHEDBLOCK']._serialized_start=101
+  _globals['_CACHEDBLOCK']._serialized_end=243
+  _globals['_KVSTATEDUMP']._serialized_start=245
+  _globals['_KVSTATEDUMP']._serialized_end=357
+  _globals['_WORKERSTATUSREQUEST']._serialized_start=359
+  _globals['_WORKERSTATUSREQUEST']._serialized_end=380
+  _globals['_WORKERSTATUS']._serialized_start=383
+  _globals['_WORKERSTATUS']._serialized_end=655
+  _globals['_WORKER']._serialized_start=658
+  _globals['_WORKER']._serialized_end=953
 # @@protoc_insertion_point(module_scope)

@@ -7,40 +7,6 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class GenerateCommand(_message.Message):
-    __slots__ = ("submit", "cancel")
-    SUBMIT_FIELD_NUMBER: _ClassVar[int]
-    CANCEL_FIELD_NUMBER: _ClassVar[int]
-    submit: _common_pb2.PreprocessedRequest
-    cancel: str
-    def __init__(self, submit: _Optional[_Union[_common_pb2.PreprocessedRequest, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
-
-class RequestEnd(_message.Message):
-    __slots__ = ("code", "details", "origin")
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    DETAILS_FIELD_NUMBER: _ClassVar[int]
-    ORIGIN_FIELD_NUMBER: _ClassVar[int]
-    code: int
-    details: str
-    origin: str
-    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., origin: _Optional[str] = ...) -> None: ...
-
-class StreamItem(_message.Message):
-    __slots__ = ("request_id", "output", "end")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    OUTPUT_FIELD_NUMBER: _ClassVar[int]
-    END_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    output: _common_pb2.GenerateOutput
-    end: RequestEnd
-    def __init__(self, request_id: _Optional[str] = ..., output: _Optional[_Union[_common_pb2.GenerateOutput, _Mapping]] = ..., end: _Optional[_Union[RequestEnd, _Mapping]] = ...) -> None: ...
-
-class GenerateBatch(_message.Message):
-    __slots__ = ("items",)
-    ITEMS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[StreamItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[StreamItem, _Mapping]]] = ...) -> None: ...
-
 class DumpKvStateRequest(_message.Message):
     __slots__ = ("dp_rank",)
     DP_RANK_FIELD_NUMBER: _ClassVar[int]

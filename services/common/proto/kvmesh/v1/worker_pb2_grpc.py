@@ -43,8 +43,8 @@ class WorkerStub:
                 _registered_method=True)
         self.GenerateMany = channel.stream_stream(
                 '/kvmesh.v1.Worker/GenerateMany',
-                request_serializer=kvmesh_dot_v1_dot_worker__pb2.GenerateCommand.SerializeToString,
-                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.GenerateBatch.FromString,
+                request_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateCommand.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateBatch.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/kvmesh.v1.Worker/GetStatus',
@@ -102,8 +102,8 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'GenerateMany': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateMany,
-                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.GenerateCommand.FromString,
-                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.GenerateBatch.SerializeToString,
+                    request_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateCommand.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateBatch.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -169,8 +169,8 @@ class Worker:
             request_iterator,
             target,
             '/kvmesh.v1.Worker/GenerateMany',
-            kvmesh_dot_v1_dot_worker__pb2.GenerateCommand.SerializeToString,
-            kvmesh_dot_v1_dot_worker__pb2.GenerateBatch.FromString,
+            kvmesh_dot_v1_dot_common__pb2.GenerateCommand.SerializeToString,
+            kvmesh_dot_v1_dot_common__pb2.GenerateBatch.FromString,
             options,
             channel_credentials,
             insecure,

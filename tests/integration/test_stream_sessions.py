@@ -17,9 +17,10 @@ from kvmesh.common.channels import ChannelPool
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.grpc_errors import error_origin, is_transport_failure
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.common.stream_sessions import StreamSessions, open_worker_stream
+from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.worker_sessions import WorkerSessions
 from tests.support import router_generate, running, service_config, service_process, wait_until_async
 
 pytestmark = pytest.mark.integration
@@ -61,7 +62,7 @@ async def tokens_of(outputs) -> list[int]:
 async def test_many_requests_on_one_stream_answer_as_their_own_streams_would(nc: NatsClient, nats_url: str):
     async with one_worker(nc, nats_url, "--speedup-ratio", "50") as (address, _):
         channels = ChannelPool()
-        sessions = WorkerSessions(channels)
+        sessions = StreamSessions(channels, open_worker_stream)
         try:
             stub = worker_pb2_grpc.WorkerStub(channels.get(address))
             alone = [await tokens_of(stub.Generate(request(f"a{i}", 100 * i, 24))) for i in range(8)]
@@ -79,7 +80,7 @@ async def test_one_message_carries_the_outputs_of_many_requests(nc: NatsClient, 
         async with grpc.aio.insecure_channel(address) as channel:
             call = worker_pb2_grpc.WorkerStub(channel).GenerateMany()
             for i in range(8):
-                await call.write(worker_pb2.GenerateCommand(submit=request(f"b{i}", 100 * i, 16)))
+                await call.write(common_pb2.GenerateCommand(submit=request(f"b{i}", 100 * i, 16)))
             ended: set[str] = set()
             tokens = dict.fromkeys((f"b{i}" for i in range(8)), 0)
             widest = 0
@@ -100,7 +101,7 @@ async def test_one_message_carries_the_outputs_of_many_requests(nc: NatsClient, 
 async def test_refusals_and_duplicates_end_only_their_request(nc: NatsClient, nats_url: str):
     async with one_worker(nc, nats_url, "--speedup-ratio", "50") as (address, _):
         channels = ChannelPool()
-        sessions = WorkerSessions(channels)
+        sessions = StreamSessions(channels, open_worker_stream)
         try:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await tokens_of(sessions.generate(address, request("r1", 0, 4, model="not-this-model")))
@@ -110,8 +111,8 @@ async def test_refusals_and_duplicates_end_only_their_request(nc: NatsClient, na
             # a request id already running on the stream is refused; the running one goes on
             async with grpc.aio.insecure_channel(address) as channel:
                 call = worker_pb2_grpc.WorkerStub(channel).GenerateMany()
-                await call.write(worker_pb2.GenerateCommand(submit=request("twice", 0, 200)))
-                await call.write(worker_pb2.GenerateCommand(submit=request("twice", 0, 200)))
+                await call.write(common_pb2.GenerateCommand(submit=request("twice", 0, 200)))
+                await call.write(common_pb2.GenerateCommand(submit=request("twice", 0, 200)))
                 ends, tokens = [], 0
                 while len(ends) < 2:
                     for item in (await call.read()).items:
@@ -132,7 +133,7 @@ async def test_refusals_and_duplicates_end_only_their_request(nc: NatsClient, na
 async def test_a_request_the_router_stops_reading_is_aborted_at_the_worker(nc: NatsClient, nats_url: str):
     async with one_worker(nc, nats_url, "--speedup-ratio", "5") as (address, _):
         channels = ChannelPool()
-        sessions = WorkerSessions(channels)
+        sessions = StreamSessions(channels, open_worker_stream)
         stub = worker_pb2_grpc.WorkerStub(channels.get(address))
         try:
             async with contextlib.aclosing(sessions.generate(address, request("c1", 0, 5000))) as outputs:
@@ -154,7 +155,7 @@ async def test_a_request_the_router_stops_reading_is_aborted_at_the_worker(nc: N
 async def test_a_killed_worker_fails_every_request_on_its_stream_as_a_transport_failure(nc: NatsClient, nats_url: str):
     async with one_worker(nc, nats_url, "--speedup-ratio", "2") as (address, process):
         channels = ChannelPool()
-        sessions = WorkerSessions(channels)
+        sessions = StreamSessions(channels, open_worker_stream)
         try:
             streams = [sessions.generate(address, request(f"k{i}", 100 * i, 5000)) for i in range(4)]
             for stream in streams:
@@ -191,6 +192,9 @@ async def test_a_router_serves_through_either_kind_of_worker_stream(nc: NatsClie
         await routers.stop()
 
 
-def test_an_unknown_worker_stream_kind_is_a_clear_error():
+def test_an_unknown_stream_kind_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         service_config(RouterConfig, ["--worker-streams", "pigeons"])
+    with pytest.raises(SystemExit):
+        service_config(FrontendConfig, ["--router-streams", "pigeons"])
+    assert "must be multiplexed or per-request, not 'pigeons'" in capsys.readouterr().err

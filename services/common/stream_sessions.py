@@ -1,46 +1,59 @@
-"""One ``Worker.GenerateMany`` stream per worker, shared by every request the router sends there.
+"""One ``GenerateMany`` stream per peer, shared by every request sent there: a router's to each
+worker, a frontend's to each router replica.
 
-A request's outputs come out of :meth:`WorkerSession.generate` exactly as they would from its own
-``Worker.Generate`` call: in order, then the end; a refusal or a failure raises the
+A request's outputs come out of :meth:`StreamSession.generate` exactly as they would from its own
+``Generate`` call: in order, then the end; a refusal or a failure raises the
 ``grpc.aio.AioRpcError`` that call would have raised (with the ``kvmesh-origin`` mark of a
-refusal), so migration and error handling do not know the difference. A broken stream fails every
-request on it as a transport failure (they migrate); the next request opens a new stream.
-Why: docs/decisions/0021.
+refusal), so migration, failover and error handling do not know the difference. A broken stream
+fails every request on it as a transport failure (they migrate or fail over); the next request
+opens a new stream. Why: docs/decisions/0021.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
 
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.grpc_errors import ORIGIN_KEY
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2_grpc
 from kvmesh.common.runtime import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 
 
-def _as_error(end: worker_pb2.RequestEnd) -> grpc.aio.AioRpcError:
+# Opens a GenerateMany call on a channel (e.g. ``lambda channel: WorkerStub(channel).GenerateMany()``).
+OpenStream = Callable[[grpc.aio.Channel], grpc.aio.StreamStreamCall]
+
+
+def open_worker_stream(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
+    return worker_pb2_grpc.WorkerStub(channel).GenerateMany()
+
+
+def open_router_stream(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
+    return router_pb2_grpc.RouterStub(channel).GenerateMany()
+
+
+def _as_error(end: common_pb2.RequestEnd) -> grpc.aio.AioRpcError:
     code = next((c for c in grpc.StatusCode if c.value[0] == end.code), grpc.StatusCode.UNKNOWN)
     trailing = grpc.aio.Metadata((ORIGIN_KEY, end.origin)) if end.origin else grpc.aio.Metadata()
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, end.details)
 
 
-class WorkerSession:
+class StreamSession:
     """One open ``GenerateMany`` stream. Guarantees: each request gets its items in order and ends
     once (finished, refused, failed or cancelled); a request the consumer stops reading is cancelled
-    at the worker; once broken, the session takes no new request (:attr:`broken`)."""
+    at the peer; once broken, the session takes no new request (:attr:`broken`)."""
 
-    def __init__(self, channel: grpc.aio.Channel, address: str) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, address: str) -> None:
         self.address = address
-        self._call = worker_pb2_grpc.WorkerStub(channel).GenerateMany()
-        self._commands: asyncio.Queue[worker_pb2.GenerateCommand] = asyncio.Queue()
-        self._requests: dict[str, asyncio.Queue[worker_pb2.StreamItem | BaseException]] = {}
+        self._call = call
+        self._commands: asyncio.Queue[common_pb2.GenerateCommand] = asyncio.Queue()
+        self._requests: dict[str, asyncio.Queue[common_pb2.StreamItem | BaseException]] = {}
         self.broken: BaseException | None = None
         self.idle = asyncio.Event()
         self.idle.set()
@@ -86,7 +99,7 @@ class WorkerSession:
                 grpc.StatusCode.UNAVAILABLE,
                 grpc.aio.Metadata(),
                 grpc.aio.Metadata(),
-                f"the stream to worker {self.address} ended ({cause or 'closed by the worker'})",
+                f"the stream to {self.address} ended ({cause or 'closed by the peer'})",
             )
         self.broken = error
         for queue in self._requests.values():
@@ -99,10 +112,10 @@ class WorkerSession:
             raise self.broken
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already on this stream")
-        queue: asyncio.Queue[worker_pb2.StreamItem | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[common_pb2.StreamItem | BaseException] = asyncio.Queue()
         self._requests[request_id] = queue
         self.idle.clear()
-        self._commands.put_nowait(worker_pb2.GenerateCommand(submit=request))
+        self._commands.put_nowait(common_pb2.GenerateCommand(submit=request))
         ended = False
         try:
             while True:
@@ -121,7 +134,7 @@ class WorkerSession:
             if not self._requests:
                 self.idle.set()
             if not ended and self.broken is None:
-                self._commands.put_nowait(worker_pb2.GenerateCommand(cancel=request_id))
+                self._commands.put_nowait(common_pb2.GenerateCommand(cancel=request_id))
 
     async def close(self) -> None:
         self._call.cancel()
@@ -129,21 +142,23 @@ class WorkerSession:
         self._break(None)
 
 
-class WorkerSessions:
-    """Sessions by worker address, opened on first use over the router's channels and replaced
-    when broken. :meth:`drop` closes a departed worker's session once its requests have ended."""
+class StreamSessions:
+    """Sessions by peer address, opened on first use over the owner's channels and replaced
+    when broken. :meth:`drop` closes a departed peer's session once its requests have ended."""
 
-    def __init__(self, channels: ChannelPool) -> None:
+    def __init__(self, channels: ChannelPool, open_stream: OpenStream) -> None:
         self._channels = channels
-        self._sessions: dict[str, WorkerSession] = {}
+        self._open_stream = open_stream
+        self._sessions: dict[str, StreamSession] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
-    def get(self, address: str) -> WorkerSession:
+    def get(self, address: str) -> StreamSession:
         session = self._sessions.get(address)
         if session is None or session.broken is not None:
             if session is not None:
                 self._close_later(session)
-            session = self._sessions[address] = WorkerSession(self._channels.get(address), address)
+            call = self._open_stream(self._channels.get(address))
+            session = self._sessions[address] = StreamSession(call, address)
         return session
 
     async def generate(
@@ -158,7 +173,7 @@ class WorkerSessions:
         if session is not None:
             self._close_later(session)
 
-    def _close_later(self, session: WorkerSession) -> None:
+    def _close_later(self, session: StreamSession) -> None:
         async def close_when_idle() -> None:
             await session.idle.wait()  # its requests finish, or fail over once it is broken
             await session.close()

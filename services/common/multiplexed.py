@@ -1,4 +1,5 @@
-"""``Worker.GenerateMany``: many requests over one stream, every ready output in one message.
+"""``GenerateMany`` (a worker's and a router's): many requests over one stream, every ready
+output in one message.
 
 Each submitted request runs exactly as its own ``Generate`` stream would (the same code, given a
 context whose ``abort`` ends the request instead of the call); its outputs and its end go to one
@@ -17,7 +18,7 @@ import grpc
 import structlog
 
 from kvmesh.common.grpc_errors import ORIGIN_KEY
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2
+from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.common.runtime import cancel_and_wait
 
 log = structlog.get_logger(__name__)
@@ -26,7 +27,7 @@ GenerateOne = Callable[[common_pb2.PreprocessedRequest, object], AsyncIterator[c
 
 
 class _RequestEnded(Exception):
-    def __init__(self, end: worker_pb2.RequestEnd) -> None:
+    def __init__(self, end: common_pb2.RequestEnd) -> None:
         super().__init__(end.details)
         self.end = end
 
@@ -39,7 +40,7 @@ class _RequestContext:
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple[tuple[str, str], ...] = ()
     ) -> None:
         origin = next((value for key, value in trailing_metadata if key == ORIGIN_KEY), "")
-        raise _RequestEnded(worker_pb2.RequestEnd(code=code.value[0], details=details, origin=origin))
+        raise _RequestEnded(common_pb2.RequestEnd(code=code.value[0], details=details, origin=origin))
 
 
 class RequestMultiplexer:
@@ -47,14 +48,16 @@ class RequestMultiplexer:
     order and then exactly one end item, unless the caller cancels it (or the stream) first; a
     cancelled request, or every request of a stream that ends, is aborted in the engine."""
 
-    def __init__(self, generate_one: GenerateOne) -> None:
+    def __init__(self, generate_one: GenerateOne, service: str) -> None:
+        """``generate_one``: the service's own ``Generate``; ``service``: who refuses a bad submit."""
         self._generate_one = generate_one
-        self._outbox: asyncio.Queue[worker_pb2.StreamItem] = asyncio.Queue()
+        self._service = service
+        self._outbox: asyncio.Queue[common_pb2.StreamItem] = asyncio.Queue()
         self._running: dict[str, asyncio.Task[None]] = {}
 
     async def serve(
-        self, commands: AsyncIterator[worker_pb2.GenerateCommand]
-    ) -> AsyncIterator[worker_pb2.GenerateBatch]:
+        self, commands: AsyncIterator[common_pb2.GenerateCommand]
+    ) -> AsyncIterator[common_pb2.GenerateBatch]:
         reader = asyncio.create_task(self._read(commands))
         try:
             while True:
@@ -62,7 +65,7 @@ class RequestMultiplexer:
         finally:
             await cancel_and_wait(reader, *self._running.values())
 
-    def _next_batch(self, first: worker_pb2.StreamItem) -> worker_pb2.GenerateBatch:
+    def _next_batch(self, first: common_pb2.StreamItem) -> common_pb2.GenerateBatch:
         """``first`` and everything else the outbox holds, a request's consecutive outputs merged
         into one (as ``Generate`` sends every ready token of a request in one message), so the
         router relays one message per request per batch, not one per token."""
@@ -84,9 +87,9 @@ class RequestMultiplexer:
                     continue
                 open_outputs[request_id] = output
             items.append(item)
-        return worker_pb2.GenerateBatch(items=items)
+        return common_pb2.GenerateBatch(items=items)
 
-    async def _read(self, commands: AsyncIterator[worker_pb2.GenerateCommand]) -> None:
+    async def _read(self, commands: AsyncIterator[common_pb2.GenerateCommand]) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
             async for command in commands:
                 if command.HasField("submit"):
@@ -100,26 +103,28 @@ class RequestMultiplexer:
         request_id = request.request_id
         if not request_id or request_id in self._running:
             reason = "request_id is required" if not request_id else f"request {request_id!r} is already running here"
-            end = worker_pb2.RequestEnd(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], details=reason, origin="worker")
-            self._outbox.put_nowait(worker_pb2.StreamItem(request_id=request_id, end=end))
+            end = common_pb2.RequestEnd(
+                code=grpc.StatusCode.INVALID_ARGUMENT.value[0], details=reason, origin=self._service
+            )
+            self._outbox.put_nowait(common_pb2.StreamItem(request_id=request_id, end=end))
             return
         self._running[request_id] = asyncio.create_task(self._run(request), name=f"generate-{request_id}")
 
     async def _run(self, request: common_pb2.PreprocessedRequest) -> None:
         request_id = request.request_id
         put = self._outbox.put_nowait
-        end = worker_pb2.RequestEnd()
+        end = common_pb2.RequestEnd()
         try:
             async with contextlib.aclosing(self._generate_one(request, _RequestContext())) as outputs:
                 async for output in outputs:
-                    put(worker_pb2.StreamItem(request_id=request_id, output=output))
+                    put(common_pb2.StreamItem(request_id=request_id, output=output))
         except asyncio.CancelledError:
             return  # the caller cancelled it: it expects nothing more (Generate's cleanup has run)
         except _RequestEnded as ended:
             end = ended.end
         except Exception as exc:  # a bug must end this request, not the stream and its other requests
             log.exception("request failed", request_id=request_id)
-            end = worker_pb2.RequestEnd(code=grpc.StatusCode.INTERNAL.value[0], details=f"{type(exc).__name__}: {exc}")
+            end = common_pb2.RequestEnd(code=grpc.StatusCode.INTERNAL.value[0], details=f"{type(exc).__name__}: {exc}")
         finally:
             self._running.pop(request_id, None)
-        put(worker_pb2.StreamItem(request_id=request_id, end=end))
+        put(common_pb2.StreamItem(request_id=request_id, end=end))
