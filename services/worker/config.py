@@ -14,6 +14,11 @@ MOCK_DEFAULTS = {"block_size": 16, "num_gpu_blocks": 16384, "max_num_seqs": 256,
 
 @dataclass
 class WorkerConfig(GrpcEndpointConfig):
+    kv_events_flush_ms: float = option(
+        5.0,
+        "KV events wait up to this long for the next ones before they are published, so that one stream "
+        "message carries several engine steps' events (0: publish each step's at once)",
+    )
     kv_events_max_age: float = option(
         3600.0, "seconds the KV event stream keeps a message, if this process creates the stream"
     )
@@ -102,6 +107,8 @@ class WorkerConfig(GrpcEndpointConfig):
             raise ConfigError(f"--moe-experts: {exc}") from None
         if self.kv_pool and self.engine != "mock":
             raise ConfigError("--kv-pool is the mock engine's (vLLM manages its own KV memory)")
+        if self.kv_events_flush_ms < 0:
+            raise ConfigError("--kv-events-flush-ms must be >= 0")
         if self.kv_pool_blocks < 8:
             raise ConfigError("--kv-pool-blocks must be at least 8")
         if self.moe_experts and self.engine != "mock":

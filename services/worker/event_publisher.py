@@ -28,11 +28,21 @@ class KvEventPublisher:
     """
 
     def __init__(
-        self, js: JetStreamContext, namespace: str, worker_id: int, dp_rank: int = 0, tier: str = DEVICE_TIER
+        self,
+        js: JetStreamContext,
+        namespace: str,
+        worker_id: int,
+        dp_rank: int = 0,
+        tier: str = DEVICE_TIER,
+        flush_interval_s: float = 0.0,
     ) -> None:
         """``tier``: the memory tier every event of this publisher describes (``pooled``: a KV pool
-        segment, published under its own dp rank so that its event ids run apart)."""
+        segment, published under its own dp rank so that its event ids run apart).
+        ``flush_interval_s``: how long the first queued event waits for more before a publish, so
+        that one stream message (one publish, one acknowledgement, one indexer delivery) carries
+        several engine steps' events instead of one each."""
         self._js = js
+        self._flush_interval = flush_interval_s
         self.tier = tier
         self._subject = names.kv_events_subject(namespace, worker_id)
         self.worker_id = worker_id
@@ -77,6 +87,8 @@ class KvEventPublisher:
     async def _run(self) -> None:
         while True:
             await self._wakeup.wait()
+            if self._flush_interval and len(self._queue) < MAX_EVENTS_PER_MESSAGE:
+                await asyncio.sleep(self._flush_interval)
             self._wakeup.clear()
             while self._queue:
                 chunk = self._queue[:MAX_EVENTS_PER_MESSAGE]

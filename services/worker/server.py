@@ -93,7 +93,8 @@ async def serve(
         nc = await stack.nats(config, f"kvmesh-worker-{worker_id}")
         js = nc.jetstream()
         await ensure_kv_events_stream(js, config.kv_events_max_age)
-        publisher = await stack.start(publisher_class(js, config.namespace, worker_id))
+        flush = config.kv_events_flush_ms / 1000
+        publisher = await stack.start(publisher_class(js, config.namespace, worker_id, flush_interval_s=flush))
         handover: Handover | None = None
         extra: dict[str, object] = {"engine": config.engine}
         if config.engine == "vllm":
@@ -118,7 +119,9 @@ async def serve(
                 pool = KvPool(Path(config.kv_pool), worker_id, shape, config.kv_pool_blocks)
                 stack.callback(pool.close)  # runs after the engine stops: a clean stop removes the segment
                 pool_publisher = await stack.start(
-                    publisher_class(js, config.namespace, worker_id, dp_rank=POOL_DP_RANK, tier=POOLED_TIER)
+                    publisher_class(
+                        js, config.namespace, worker_id, dp_rank=POOL_DP_RANK, tier=POOLED_TIER, flush_interval_s=flush
+                    )
                 )
                 extra["kv_pool"] = pool.pool_id
             engine = await stack.start(MockEngineLoop(build_mock_engine(config, kv), publisher, pool, pool_publisher))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common import names
-from kvmesh.common.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, encode_batch
+from kvmesh.common.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, decode_batch, encode_batch
 from kvmesh.common.prefix_index import PrefixIndex
 from kvmesh.common.streams import ensure_kv_events_stream
 from kvmesh.indexer.consumer import EventStreamConsumer
@@ -140,3 +142,30 @@ async def test_reset_states_starts_a_replica_clean(nc: NatsClient):
         assert (await js.consumer_info(names.KV_EVENTS_STREAM, again.durable)).created != created
     finally:
         await again.stop()
+
+
+@pytest.mark.parametrize(("flush_s", "messages"), [(0.0, 3), (0.5, 1)])
+async def test_events_queued_within_the_flush_window_share_one_message(nc: NatsClient, flush_s: float, messages: int):
+    js = nc.jetstream()
+    await ensure_kv_events_stream(js)
+    worker_id = 40 + messages
+    publisher = KvEventPublisher(js, NAMESPACE, worker_id, flush_interval_s=flush_s)
+    await publisher.start()
+    try:
+        for step in range(3):  # three engine steps, 20 ms apart (the publisher runs in between)
+            publisher.enqueue([BlocksStored(None, (StoredBlock(step, step, 16),))])
+            if flush_s:
+                await asyncio.sleep(0.02)  # time passing between steps, well inside the window
+            else:
+                await publisher.flush()  # without a window each step's events are published alone
+        await publisher.flush()
+    finally:
+        await publisher.stop()
+    subject = names.kv_events_subject(NAMESPACE, worker_id)
+    subscription = await js.subscribe(subject, ordered_consumer=True)
+    batches = []
+    while sum(len(b.events) for b in batches) < 3:
+        batches.append(decode_batch((await subscription.next_msg(timeout=5)).data))
+    await subscription.unsubscribe()
+    assert len(batches) == messages
+    assert [e.event_id for b in batches for e in b.events] == [0, 1, 2]
