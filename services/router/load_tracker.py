@@ -45,6 +45,10 @@ class LoadTracker:
             )
         return sequences
 
+    def __contains__(self, request_id: str) -> bool:
+        """Whether a request with this id is in flight (this replica's or another's)."""
+        return request_id in self._block_size_of
+
     def pictures(self) -> list[ActiveSequences]:
         return list(self._sequences.values())
 

@@ -98,6 +98,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "disaggregated_params is set by the router itself; send the request without it",
             )
+        if request.request_id in self.router.loads:
+            # its load would be counted twice and freed once; a worker stream carries one request per id
+            await self._refuse(
+                context,
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request {request.request_id!r} is already in flight; give each request its own request_id",
+            )
         progress = Progress(len(request.token_ids), request.stop.max_tokens or DEFAULT_MAX_TOKENS)
         forced = request.routing.HasField("worker_id") or self.router.config.router_mode == "direct"
         try:

@@ -16,7 +16,7 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.grpc_errors import error_origin, is_transport_failure
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.common.stream_sessions import StreamSessions, open_worker_stream
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router import server as router_server
@@ -198,3 +198,30 @@ def test_an_unknown_stream_kind_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         service_config(FrontendConfig, ["--router-streams", "pigeons"])
     assert "must be multiplexed or per-request, not 'pigeons'" in capsys.readouterr().err
+
+
+async def test_a_request_id_already_in_flight_is_refused_and_the_first_finishes(nc: NatsClient, nats_url: str):
+    routers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "router")
+    await routers.start()
+    config = service_config(RouterConfig, ["--nats-url", nats_url, "--namespace", NAMESPACE])
+    try:
+        async with one_worker(nc, nats_url, "--speedup-ratio", "5"), running(router_server.serve, config):
+            await wait_until_async(lambda: len(routers.instances()) == 1, what="router registered")
+            address = routers.instances()[0].address
+            first = asyncio.create_task(router_generate(address, "same-id", list(range(50)), 40))
+            channel = grpc.aio.insecure_channel(address)
+            stub = router_pb2_grpc.RouterStub(channel)
+
+            async def first_in_flight() -> bool:
+                status = await stub.GetStatus(router_pb2.RouterStatusRequest())
+                return status.active_requests == 1
+
+            await wait_until_async(first_in_flight, what="the first request in flight")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await router_generate(address, "same-id", list(range(50)), 4)
+            assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS and error_origin(refused.value) == "router"
+            outputs = await first
+            assert sum(len(o.token_ids) for o in outputs) == 40
+            await channel.close()
+    finally:
+        await routers.stop()
