@@ -11,13 +11,15 @@ characters and kvmesh's tokens; the prompts are ASCII and kvmesh's tiny model to
 byte (decision 0004), so both measure the same lengths. Two figures:
 
 - **teacher-forced**: before each request kvmesh's tree holds SGLang's *actual* past choices; the
-  request agrees when kvmesh chooses SGLang's worker. Where several workers tie (equally small
-  trees, or several holding the deepest match) SGLang takes the first its hash map lists, an order
-  it does not define, so the tied ones all agree; the strict figure (kvmesh's own tie-break) is
-  printed beside it;
-- **free-running**: kvmesh routes the whole sequence on its own; its choices against SGLang's once
-  each side's workers are named in order of first use (SGLang's first pick among empty trees is
-  its hash map's, not a property of the policy).
+  request agrees when SGLang's worker is one kvmesh's rule allows (where several workers tie,
+  SGLang takes the first it lists, an order it does not define, so the tied ones all agree); the
+  strict figure (kvmesh's own tie-break) and the agreement on the requests SGLang's tree matched
+  (hits) alone are printed beside it;
+- **free-running**: kvmesh routes the whole sequence on its own tree (both start from the
+  warm-up's choices), and its choices are compared with SGLang's.
+
+Both are printed for each ``--cache-miss-policy``: ``smallest-tree`` (SGLang's documented policy)
+and ``least-loaded`` (what sglang-router 0.3.2's code does on a miss; decision 16).
 
     python -m bench.sglang_fidelity [--requests 600 --workers 3 --seed 0]
 """
@@ -36,7 +38,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvmesh.router.cache_aware import CacheAwareOptions, CacheAwareSelector, token_bytes
+from kvmesh.router.cache_aware import MISS_POLICIES, CacheAwareOptions, CacheAwareSelector, token_bytes
 
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
 WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ro", "si", "tu", "va", "ze") for b in "aeiouxyz"]
@@ -137,16 +139,36 @@ def main() -> None:
     prompts = request_sequence(args.requests, args.seed)
     warmed, theirs = sglang_choices(warmup, prompts, args.sglang_python, args.workers, args.base_port, args.delay_ms)
     workers = [f"mock w{args.base_port + 1 + i}" for i in range(args.workers)]
+    print(f"{len(prompts)} requests, {args.workers} workers: sglang-router 0.3.2 cache_aware (defaults), kvmesh")
+    print(f"warm-up ({args.warmup} at once) per worker: { {w: warmed.count(w) for w in workers} }")
+    print(f"SGLang's choices per worker: { {w: theirs.count(w) for w in workers} }")
+    for policy in MISS_POLICIES:
+        compare(policy, workers, warmup, warmed, prompts, theirs, args.seed)
+
+
+def compare(
+    policy: str,
+    workers: list[str],
+    warmup: list[str],
+    warmed: list[str],
+    prompts: list[str],
+    theirs: list[str],
+    seed: int,
+) -> None:
+    """kvmesh's cache-aware with ``--cache-miss-policy policy`` against SGLang's choices: teacher-forced
+    (kvmesh's tree holds what SGLang sent where; a choice agrees when SGLang's worker is one kvmesh
+    could have picked), strictly (kvmesh's own tie-break), on the requests SGLang's tree matched
+    (hits) alone, and free-running (each with its own tree)."""
     key = {name: (i, 0) for i, name in enumerate(workers)}
     candidates = list(key.values())
-    options = CacheAwareOptions()
-    forced = CacheAwareSelector(options, random.Random(args.seed))
-    free = CacheAwareSelector(options, random.Random(args.seed))
+    options = CacheAwareOptions(miss_policy=policy)
+    forced = CacheAwareSelector(options, random.Random(seed))
+    free = CacheAwareSelector(options, random.Random(seed))
     for prompt, choice in zip(warmup, warmed, strict=True):  # both start from SGLang's state after the warm-up
         for selector in (forced, free):
             selector.tree.insert(token_bytes(list(prompt.encode())), key[choice], 0.0)
-
-    tied_agree = strict_agree = ties = 0
+    idle = [0] * len(candidates)  # requests are sent one at a time: nothing is in flight at a choice
+    tied_agree = strict_agree = ties = hits = hit_agree = 0
     ours = []
     for step, (prompt, choice) in enumerate(zip(prompts, theirs, strict=True), start=1):
         tokens = token_bytes(list(prompt.encode()))
@@ -154,23 +176,22 @@ def main() -> None:
         total = len(tokens) // 4
         if holders and total and matched / total > options.cache_threshold:
             allowed = set(holders)
+            hits += 1
+            hit_agree += key[choice] in allowed
         else:
-            smallest = min(forced.tree.size(worker) for worker in candidates)
-            allowed = {worker for worker in candidates if forced.tree.size(worker) == smallest}
+            allowed = set(forced.miss_candidates(candidates, idle)[0])
         ties += len(allowed) > 1
         tied_agree += key[choice] in allowed
         strict_agree += forced.select(candidates, tokens, {}, float(step), commit=False).worker == key[choice]
         forced.tree.insert(tokens, key[choice], float(step))
         ours.append(free.select(candidates, tokens, {}, float(step)).worker)
     same = sum(mine == key[choice] for mine, choice in zip(ours, theirs, strict=True))
-
     n = len(prompts)
-    print(f"{n} requests, {args.workers} workers, sglang-router 0.3.2 cache_aware (defaults) vs kvmesh cache-aware")
-    print(f"warm-up ({args.warmup} at once) per worker: { {w: warmed.count(w) for w in workers} }")
-    print(f"SGLang's choices per worker: { {w: theirs.count(w) for w in workers} }")
-    print(f"teacher-forced agreement: {tied_agree / n:.4f} ({tied_agree}/{n}; {ties} requests had tied workers)")
+    print(f"--cache-miss-policy {policy}:")
+    print(f"  teacher-forced agreement: {tied_agree / n:.4f} ({tied_agree}/{n}; {ties} requests had tied workers)")
+    print(f"  on SGLang-tree hits alone: {hit_agree / max(hits, 1):.4f} ({hit_agree}/{hits})")
     print(f"  strict (kvmesh's own tie-break): {strict_agree / n:.4f}")
-    print(f"free-running agreement: {same / n:.4f} ({same}/{n})")
+    print(f"  free-running agreement: {same / n:.4f} ({same}/{n})")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ never hears from the workers' caches: no KV events. Per request, :class:`CacheAw
 1. if the loads are imbalanced, ``max - min > balance_abs_threshold`` *and*
    ``max > min × balance_rel_threshold`` (load: requests in flight), takes the least-loaded worker;
 2. otherwise matches the prompt against the tree: when the matched fraction is above
-   ``cache_threshold`` it takes the worker that holds the match, else the worker with the smallest
-   tree (the most cache to spare);
+   ``cache_threshold`` it takes the worker that holds the match, else (a miss) the worker with the
+   smallest tree (the most cache to spare), or with ``miss_policy="least-loaded"`` the worker with
+   the fewest requests in flight, which is what sglang-router 0.3.2's code does (decision 0016);
 3. inserts the prompt under the chosen worker (in both cases), stamped with the time;
 4. every ``eviction_interval_secs`` trims each worker's share of the tree to ``max_tree_size``
    tokens, least recently used leaves first.
@@ -210,13 +211,18 @@ class CacheAwareOptions:
     balance_rel_threshold: float = 1.5
     eviction_interval_secs: float = 60.0
     max_tree_size: int = 2**26
+    # On a miss: "smallest-tree" (SGLang's documented policy) or "least-loaded" (its 0.3.2 code).
+    miss_policy: str = "smallest-tree"
+
+
+MISS_POLICIES = ("smallest-tree", "least-loaded")
 
 
 @dataclass(frozen=True)
 class CacheAwareChoice:
     worker: WorkerKey
     matched_tokens: int  # of the prompt, on the chosen worker as far as the tree knows
-    reason: str  # "imbalanced", "cache_hit" or "smallest_tree"
+    reason: str  # "imbalanced", "cache_hit", "smallest_tree" or "least_loaded"
 
 
 class CacheAwareSelector:
@@ -253,14 +259,21 @@ class CacheAwareSelector:
             if holder is not None and total and matched / total > options.cache_threshold:
                 choice = CacheAwareChoice(holder, matched, "cache_hit")
             else:
-                sizes = [self.tree.size(worker) for worker in ordered]
-                smallest = min(sizes)
-                tied = [worker for worker, size in zip(ordered, sizes, strict=True) if size == smallest]
+                tied, reason = self.miss_candidates(ordered, loads)
                 worker = tied[0] if len(tied) == 1 else self._rng.choice(tied)
-                choice = CacheAwareChoice(worker, matched if worker == holder else 0, "smallest_tree")
+                choice = CacheAwareChoice(worker, matched if worker == holder else 0, reason)
         if commit:
             self.tree.insert(tokens, choice.worker, now)
         return choice
+
+    def miss_candidates(self, ordered: Sequence[WorkerKey], loads: Sequence[int]) -> tuple[list[WorkerKey], str]:
+        """The workers a miss may go to (ties among them are broken at random), and the reason."""
+        if self.options.miss_policy == "least-loaded":
+            least = min(loads)
+            return [worker for worker, load in zip(ordered, loads, strict=True) if load == least], "least_loaded"
+        sizes = [self.tree.size(worker) for worker in ordered]
+        smallest = min(sizes)
+        return [worker for worker, size in zip(ordered, sizes, strict=True) if size == smallest], "smallest_tree"
 
     def forget(self, worker: WorkerKey) -> None:
         self.tree.remove_tenant(worker)

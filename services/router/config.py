@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.common.config import ConfigError, GrpcEndpointConfig, option
-from kvmesh.router.cache_aware import CacheAwareOptions
+from kvmesh.router.cache_aware import MISS_POLICIES, CacheAwareOptions
 from kvmesh.router.policy import POLICY_MODES
 from kvmesh.router.scheduler import COST_MODELS
 
@@ -54,6 +54,13 @@ class RoutingOptions:
         _SGLANG.eviction_interval_secs, "cache-aware: seconds between trims of each worker's share of the tree"
     )
     max_tree_size: int = option(_SGLANG.max_tree_size, "cache-aware: tokens each worker's share is trimmed to")
+    cache_miss_policy: str = option(
+        _SGLANG.miss_policy,
+        "cache-aware: where a prompt the tree matches poorly goes: smallest-tree (SGLang's documented policy: the "
+        "worker with the most cache to spare) or least-loaded (what sglang-router 0.3.2's code does: the fewest "
+        "requests in flight)",
+        choices=MISS_POLICIES,
+    )
     kv_cost: str = option(
         "ttft", "KV cost model: predicted time to first token, or Dynamo's block formula", choices=COST_MODELS
     )
@@ -87,6 +94,7 @@ class RoutingOptions:
             self.balance_rel_threshold,
             self.eviction_interval_secs,
             self.max_tree_size,
+            self.cache_miss_policy,
         )
 
     def validate(self) -> None:

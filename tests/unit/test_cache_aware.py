@@ -13,6 +13,8 @@ from kvmesh.router.cache_aware import (
     common_prefix_bytes,
     token_bytes,
 )
+from kvmesh.router.config import RouterConfig
+from tests.support import service_config
 
 A, B, C = (1, 0), (2, 0), (3, 0)
 
@@ -81,6 +83,22 @@ def test_a_good_match_goes_to_its_holder_and_a_poor_one_to_the_smallest_tree():
     poor = select.select([A, B, C], tokens(range(40), range(700, 760)), {}, now=2)  # 40% matched
     assert poor.reason == "smallest_tree" and poor.worker != first.worker
     assert select.tree.size(poor.worker) == 100
+
+
+def test_the_least_loaded_miss_rule_sends_a_miss_to_the_fewest_requests_in_flight_not_the_smallest_tree():
+    select = selector(cache_threshold=0.5, miss_policy="least-loaded")
+    held = select.select([A, B, C], tokens(range(100)), {}, now=0).worker
+    others = [w for w in (A, B, C) if w != held]
+    # balanced loads (1 - 0 is within the thresholds), a miss: the smallest trees are the two others,
+    # but only the held worker is idle
+    loads = {held: 0, others[0]: 1, others[1]: 1}
+    miss = select.select([A, B, C], tokens(range(500, 600)), loads, now=1)
+    assert (miss.worker, miss.reason) == (held, "least_loaded")
+    assert select.tree.size(held) == 200
+    hit = select.select([A, B, C], tokens(range(500, 590), range(900, 910)), loads, now=2)
+    assert (hit.worker, hit.reason) == (held, "cache_hit")  # a hit still goes to the holder
+    with pytest.raises(SystemExit):
+        service_config(RouterConfig, ["--cache-miss-policy", "largest-tree"])
 
 
 def test_imbalanced_loads_take_the_least_loaded_worker_and_still_record_it():
