@@ -12,19 +12,14 @@ opens a new stream. Why: docs/decisions/0021.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-import structlog
 
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.grpc_errors import ORIGIN_KEY
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2_grpc
 from kvmesh.common.runtime import cancel_and_wait
-
-log = structlog.get_logger(__name__)
-
 
 # Opens a GenerateMany call on a channel (e.g. ``lambda channel: WorkerStub(channel).GenerateMany()``).
 OpenStream = Callable[[grpc.aio.Channel], grpc.aio.StreamStreamCall]
@@ -38,8 +33,11 @@ def open_router_stream(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
     return router_pb2_grpc.RouterStub(channel).GenerateMany()
 
 
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def _as_error(end: common_pb2.RequestEnd) -> grpc.aio.AioRpcError:
-    code = next((c for c in grpc.StatusCode if c.value[0] == end.code), grpc.StatusCode.UNKNOWN)
+    code = _STATUS_BY_NUMBER.get(end.code, grpc.StatusCode.UNKNOWN)
     trailing = grpc.aio.Metadata((ORIGIN_KEY, end.origin)) if end.origin else grpc.aio.Metadata()
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, end.details)
 
@@ -161,12 +159,12 @@ class StreamSessions:
             session = self._sessions[address] = StreamSession(call, address)
         return session
 
-    async def generate(
+    def generate(
         self, address: str, request: common_pb2.PreprocessedRequest
     ) -> AsyncIterator[common_pb2.GenerateOutput]:
-        async with contextlib.aclosing(self.get(address).generate(request)) as outputs:
-            async for output in outputs:
-                yield output
+        """:meth:`StreamSession.generate` on ``address``'s session (opened now if need be); the
+        caller closes it, as it would close its own ``Generate`` call."""
+        return self.get(address).generate(request)
 
     def drop(self, address: str) -> None:
         session = self._sessions.pop(address, None)

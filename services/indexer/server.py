@@ -115,11 +115,10 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
     ) -> indexer_pb2.IndexerStatus:
         recovering = set(self.index.recovering)
         stats = self.index.stats
-        return indexer_pb2.IndexerStatus(
-            replica_id=self.replica_id,
-            applied_sequence=self.consumer.applied_sequence,
-            stream_last_sequence=self.state.stream_last_sequence,
-            workers=[
+        workers = []
+        for key, size in self.index.tree_sizes().items():
+            in_transit, evicted = self.index.tier_counts(key)
+            workers.append(
                 indexer_pb2.IndexedWorker(
                     worker_id=key[0],
                     dp_rank=key[1],
@@ -128,11 +127,15 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                     recovering=key in recovering,
                     blocks_digest=block_set_digest(self.index.worker_blocks(key)) if request.include_digests else 0,
                     tier=self.index.tier_of_worker(key),
-                    in_transit_blocks=self.index.tier_counts(key)[0],
-                    evicted_blocks=self.index.tier_counts(key)[1],
+                    in_transit_blocks=in_transit,
+                    evicted_blocks=evicted,
                 )
-                for key, size in self.index.tree_sizes().items()
-            ],
+            )
+        return indexer_pb2.IndexerStatus(
+            replica_id=self.replica_id,
+            applied_sequence=self.consumer.applied_sequence,
+            stream_last_sequence=self.state.stream_last_sequence,
+            workers=workers,
             events_applied=stats.events_applied,
             gaps=stats.gaps,
             recoveries=stats.recoveries,
