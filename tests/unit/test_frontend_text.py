@@ -34,6 +34,15 @@ def test_incremental_detokenizer_holds_back_partial_utf8(tokenizer):
     assert detok.add([ord("x")]) == "x"
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_incremental_deltas_join_to_the_whole_decode(tokenizer, chunk):
+    ids = tokenizer.encode("<|im_start|>assistant\nnaïve café, 漢字 and emoji 🙂 " * 4)
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    assert "".join(deltas) == tokenizer.decode(ids) == detok.text
+    assert all("\ufffd" not in delta for delta in deltas)
+
+
 def test_stop_strings_cut_the_text_and_never_leak_a_partial_stop():
     matcher = StopStringMatcher(["STOP"])
     assert matcher.feed("hello ST") == ("hello ", False)
