@@ -12,6 +12,7 @@ opens a new stream. Why: docs/decisions/0021.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -42,6 +43,36 @@ def _as_error(end: common_pb2.RequestEnd) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, end.details)
 
 
+class _Inbox:
+    """One request's items, handed from the session's reader to the request's consumer.
+
+    Why not an ``asyncio.Queue``: its ``get`` and ``put_nowait`` check the running loop and manage
+    a list of waiters on every call, which profiled at 7% of a frontend's CPU; one consumer needs
+    only a deque and the one future it waits on, and it takes every item that arrived in one wake-up.
+    """
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[common_pb2.StreamItem | BaseException] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: common_pb2.StreamItem | BaseException) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> common_pb2.StreamItem | BaseException:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 class StreamSession:
     """One open ``GenerateMany`` stream. Guarantees: each request gets its items in order and ends
     once (finished, refused, failed or cancelled); a request the consumer stops reading is cancelled
@@ -51,7 +82,7 @@ class StreamSession:
         self.address = address
         self._call = call
         self._commands: asyncio.Queue[common_pb2.GenerateCommand] = asyncio.Queue()
-        self._requests: dict[str, asyncio.Queue[common_pb2.StreamItem | BaseException]] = {}
+        self._requests: dict[str, _Inbox] = {}
         self.broken: BaseException | None = None
         self.idle = asyncio.Event()
         self.idle.set()
@@ -81,9 +112,9 @@ class StreamSession:
                     return
                 requests = self._requests
                 for item in batch.items:
-                    queue = requests.get(item.request_id)
-                    if queue is not None:
-                        queue.put_nowait(item)
+                    inbox = requests.get(item.request_id)
+                    if inbox is not None:
+                        inbox.put(item)
         except grpc.aio.AioRpcError as exc:
             self._break(exc)
 
@@ -100,8 +131,8 @@ class StreamSession:
                 f"the stream to {self.address} ended ({cause or 'closed by the peer'})",
             )
         self.broken = error
-        for queue in self._requests.values():
-            queue.put_nowait(error)
+        for inbox in self._requests.values():
+            inbox.put(error)
 
     async def generate(self, request: common_pb2.PreprocessedRequest) -> AsyncIterator[common_pb2.GenerateOutput]:
         """The request's outputs; raises ``grpc.aio.AioRpcError`` as its own ``Generate`` would."""
@@ -110,14 +141,13 @@ class StreamSession:
             raise self.broken
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already on this stream")
-        queue: asyncio.Queue[common_pb2.StreamItem | BaseException] = asyncio.Queue()
-        self._requests[request_id] = queue
+        inbox = self._requests[request_id] = _Inbox()
         self.idle.clear()
         self._commands.put_nowait(common_pb2.GenerateCommand(submit=request))
         ended = False
         try:
             while True:
-                item = await queue.get()
+                item = await inbox.get()
                 if isinstance(item, BaseException):
                     ended = True
                     raise item
