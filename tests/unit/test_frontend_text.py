@@ -19,6 +19,11 @@ def test_chat_template_renders_chatml(tokenizer):
     assert ids[0] == 257 and tokenizer.decode(ids) == "user\nhi\nassistant\n"
 
 
+@pytest.mark.parametrize("text", ["", "<|im_start|>user\nhi<|im_end|>\n", "naïve 漢字 🙂 " * 50, "a" * 5000])
+def test_encode_gives_the_ids_of_the_full_encoding(tokenizer, text):
+    assert tokenizer.encode(text) == tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+
+
 def test_shared_text_prefix_gives_shared_token_prefix(tokenizer):
     a = tokenizer.encode("the same long system prompt, then question one")
     b = tokenizer.encode("the same long system prompt, then another question")
