@@ -301,6 +301,10 @@ class Router:
             )
         return Choice(prepared.by_id[decision.worker[0]], decision.overlap_blocks, prepared.block_hashes)
 
+    def has_prefill_workers(self) -> bool:
+        """Whether requests may be split now (a prefill worker is registered, or the split is enforced)."""
+        return self.config.enforce_disagg or any(r.role == "prefill" for r in self.workers.instances())
+
     async def plan_prefill(self, request: common_pb2.PreprocessedRequest) -> RemotePrefill | LocalPrefill | None:
         """Where this request prefills while prefill workers exist (see prefill_placement.py);
         None when no prefill worker is registered (or none shares the decode workers' block size):

@@ -90,21 +90,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
-        if not request.token_ids:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
-        if request.disaggregated_params:
-            await self._refuse(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "disaggregated_params is set by the router itself; send the request without it",
-            )
-        if request.request_id in self.router.loads:
-            # its load would be counted twice and freed once; a worker stream carries one request per id
-            await self._refuse(
-                context,
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request {request.request_id!r} is already in flight; give each request its own request_id",
-            )
+        await self._check(request, context)
         progress = Progress(len(request.token_ids), request.stop.max_tokens or DEFAULT_MAX_TOKENS)
         forced = request.routing.HasField("worker_id") or self.router.config.router_mode == "direct"
         try:
@@ -158,6 +144,68 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         async with contextlib.aclosing(RequestMultiplexer(self.Generate, "router").serve(request_iterator)) as batches:
             async for batch in batches:
                 yield batch
+
+    async def Route(
+        self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.RouteResponse:
+        """Choose the worker and count the request, for a caller that streams from the worker itself
+        and reports the first token and the end (:mod:`kvmesh.router.report_listener`). A request
+        this router would split into prefill and decode is answered ``relay``: call Generate."""
+        sent = request.request
+        if not sent.request_id:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        structlog.contextvars.bind_contextvars(request_id=sent.request_id)
+        try:
+            await self._check(sent, context)
+            forced = sent.routing.HasField("worker_id") or self.router.config.router_mode == "direct"
+            if not forced and self.router.has_prefill_workers():
+                return router_pb2.RouteResponse(relay=True, router_id=self.router.router_id)
+            try:
+                with self.metrics.decision_seconds.time():
+                    choice = await self.router.choose(sent)
+            except RoutingError as exc:
+                await self._refuse(context, exc.code, str(exc))
+            expected = sent.expected_output_tokens if sent.HasField("expected_output_tokens") else 0
+            worker = choice.worker
+            self.router.track_add(
+                sent.request_id, worker, choice.block_hashes, len(sent.token_ids), choice.overlap_blocks, expected
+            )
+            log.info(
+                "routed",
+                worker_id=worker.instance_id,
+                overlap_blocks=choice.overlap_blocks,
+                mode=self.router.config.router_mode,
+                migration=request.migration,
+                token_path="direct",
+            )
+            return router_pb2.RouteResponse(
+                worker_id=worker.instance_id,
+                worker_address=worker.address,
+                overlap_blocks=choice.overlap_blocks,
+                router_id=self.router.router_id,
+                migration_limit=self.router.config.migration_limit,
+                forced=forced,
+            )
+        finally:
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _check(self, request: common_pb2.PreprocessedRequest, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a request this router cannot take as it is (the checks Generate and Route share)."""
+        if not request.token_ids:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
+        if request.disaggregated_params:
+            await self._refuse(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "disaggregated_params is set by the router itself; send the request without it",
+            )
+        if request.request_id in self.router.loads:
+            # its load would be counted twice and freed once; a worker stream carries one request per id
+            await self._refuse(
+                context,
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request {request.request_id!r} is already in flight; give each request its own request_id",
+            )
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         """Refuse a Generate call, counting it as an outcome named after its status."""

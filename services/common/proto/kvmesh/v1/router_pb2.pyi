@@ -21,6 +21,32 @@ class RoutingQuery(_message.Message):
     expected_output_tokens: int
     def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ..., router_config_override: _Optional[_Union[_common_pb2.RouterConfigOverride, _Mapping]] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
 
+class RouteRequest(_message.Message):
+    __slots__ = ("request", "migration")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_FIELD_NUMBER: _ClassVar[int]
+    request: _common_pb2.PreprocessedRequest
+    migration: int
+    def __init__(self, request: _Optional[_Union[_common_pb2.PreprocessedRequest, _Mapping]] = ..., migration: _Optional[int] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("relay", "worker_id", "worker_address", "overlap_blocks", "router_id", "migration_limit", "forced")
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FIELD_NUMBER: _ClassVar[int]
+    relay: bool
+    worker_id: int
+    worker_address: str
+    overlap_blocks: int
+    router_id: str
+    migration_limit: int
+    forced: bool
+    def __init__(self, relay: _Optional[bool] = ..., worker_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., router_id: _Optional[str] = ..., migration_limit: _Optional[int] = ..., forced: _Optional[bool] = ...) -> None: ...
+
 class BestWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "dp_rank", "overlap_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -46,6 +46,11 @@ class RouterStub:
                 request_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateCommand.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateBatch.FromString,
                 _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/kvmesh.v1.Router/Route',
+                request_serializer=kvmesh_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteResponse.FromString,
+                _registered_method=True)
         self.BestWorker = channel.unary_unary(
                 '/kvmesh.v1.Router/BestWorker',
                 request_serializer=kvmesh_dot_v1_dot_router__pb2.RoutingQuery.SerializeToString,
@@ -76,6 +81,15 @@ class RouterServicer:
     def GenerateMany(self, request_iterator, context):
         """Many requests over one stream (a frontend keeps one per router replica, docs/decisions/0021):
         each request is served as Generate would serve it; a message carries every request's ready outputs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Route(self, request, context):
+        """Chooses the worker for a request and counts it in the load picture, without serving it: the
+        caller streams the answer from that worker itself and reports the first token and the end on
+        kvmesh.<ns>.router.<router_id>.reports (the frontend's --token-path direct, docs/decisions/0023).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +128,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.GenerateMany,
                     request_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateCommand.FromString,
                     response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateBatch.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_router__pb2.RouteResponse.SerializeToString,
             ),
             'BestWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.BestWorker,
@@ -186,6 +205,33 @@ class Router:
             '/kvmesh.v1.Router/GenerateMany',
             kvmesh_dot_v1_dot_common__pb2.GenerateCommand.SerializeToString,
             kvmesh_dot_v1_dot_common__pb2.GenerateBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Router/Route',
+            kvmesh_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
+            kvmesh_dot_v1_dot_router__pb2.RouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

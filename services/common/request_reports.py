@@ -1,0 +1,70 @@
+"""What a frontend streaming straight from a worker tells the router that routed the request
+(``--token-path direct``, docs/decisions/0023): the first token, and the end of each try.
+
+A msgpack list of report maps per message (the reports of a few milliseconds, batched), published
+on NATS core to ``kvmesh.<ns>.router.<router_id>.reports``.
+The router applies them to its load picture exactly as it would had it relayed the stream itself
+(MarkPrefillCompleted, Free) and passes them to its replicas through replica sync as usual; a report
+that is lost leaves the request to ``--request-timeout-secs``, like a lost Free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+
+FIRST_TOKEN, END = "first_token", "end"
+KINDS = (FIRST_TOKEN, END)
+
+
+@dataclass(frozen=True)
+class RequestReport:
+    kind: str  # FIRST_TOKEN or END
+    request_id: str
+    # END only: how the try ended, named like the router's outcomes (completed, cancelled, migrated,
+    # unavailable, ...), the tokens it produced, and the worker whose stream broke (0: none did)
+    outcome: str = ""
+    output_tokens: int = 0
+    failed_worker_id: int = 0
+
+    def as_map(self) -> dict[str, object]:
+        return {
+            "kind": self.kind,
+            "request_id": self.request_id,
+            "outcome": self.outcome,
+            "output_tokens": self.output_tokens,
+            "failed_worker_id": self.failed_worker_id,
+        }
+
+    @classmethod
+    def from_map(cls, raw: dict) -> RequestReport:
+        """Raises ``ValueError`` for anything but a report of a known kind."""
+        try:
+            report = cls(
+                kind=str(raw["kind"]),
+                request_id=str(raw["request_id"]),
+                outcome=str(raw.get("outcome", "")),
+                output_tokens=int(raw.get("output_tokens", 0)),
+                failed_worker_id=int(raw.get("failed_worker_id", 0)),
+            )
+        except Exception as exc:
+            raise ValueError(f"not a request report: {exc}") from exc
+        if report.kind not in KINDS or not report.request_id:
+            raise ValueError(f"not a request report: kind {report.kind!r}, request_id {report.request_id!r}")
+        return report
+
+
+def encode_reports(reports: list[RequestReport]) -> bytes:
+    return msgpack.packb([r.as_map() for r in reports])
+
+
+def decode_reports(payload: bytes) -> list[RequestReport]:
+    """Raises ``ValueError`` when the message is not a list of reports (a bad one spoils the lot)."""
+    try:
+        raw = msgpack.unpackb(payload)
+    except Exception as exc:
+        raise ValueError(f"not msgpack: {exc}") from exc
+    if not isinstance(raw, list):
+        raise ValueError(f"not a list of request reports but {type(raw).__name__}")
+    return [RequestReport.from_map(item) for item in raw]

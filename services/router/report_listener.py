@@ -1,0 +1,69 @@
+"""The router's side of ``--token-path direct`` (docs/decisions/0023): the reports of frontends that
+stream requests straight from the workers this replica chose for them."""
+
+from __future__ import annotations
+
+import contextlib
+
+import structlog
+from nats.aio.client import Client as NatsClient
+
+from kvmesh.common import names
+from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport, decode_reports
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.routing import Router
+
+log = structlog.get_logger(__name__)
+
+MIGRATED = "migrated"  # an END whose try broke and moved on: the request itself goes on elsewhere
+
+
+class ReportListener:
+    """Applies each report as the relay would have: the first token marks the prefill done; the end
+    frees the request, avoids a worker whose stream broke and counts the outcome (or the migration).
+    Guarantees: a report for a request this replica does not hold (already freed, expired, freed
+    with its departed worker, or never routed here) changes no load, so a repeated or late report
+    cannot free another request's."""
+
+    def __init__(self, nc: NatsClient, namespace: str, router: Router, metrics: RouterMetrics) -> None:
+        self._nc = nc
+        self.subject = names.router_reports_subject(namespace, router.router_id)
+        self._router = router
+        self._metrics = metrics
+        self._sub = None
+        self.applied = 0
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(self.subject, cb=self._on_message)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _on_message(self, msg) -> None:
+        try:
+            reports = decode_reports(msg.data)
+        except ValueError as exc:
+            log.warning("ignoring a malformed request report", error=str(exc))
+            return
+        for report in reports:
+            self.apply(report)
+
+    def apply(self, report: RequestReport) -> None:
+        router = self._router
+        if report.kind == END:
+            # counted even when the request is no longer held (its worker left, which frees them)
+            if report.failed_worker_id:
+                router.avoid(report.failed_worker_id)
+            if report.outcome == MIGRATED:
+                self._metrics.migrated()
+            elif report.outcome:
+                self._metrics.outcome(report.outcome)
+        if report.request_id not in router.loads:
+            return
+        self.applied += 1
+        if report.kind == FIRST_TOKEN:
+            router.track_first_token(report.request_id)
+        else:
+            router.track_free(report.request_id)

@@ -1,0 +1,78 @@
+"""``--token-path direct``: the reports a frontend sends the router that routed its request, and
+what the router does with them (docs/decisions/0023)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport, decode_reports, encode_reports
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.report_listener import MIGRATED, ReportListener
+from tests.unit.test_disagg_planning import router as make_router
+from tests.unit.test_disagg_planning import worker
+
+
+def test_reports_round_trip_in_one_message():
+    reports = [
+        RequestReport(FIRST_TOKEN, "a"),
+        RequestReport(END, "a", "completed", 12),
+        RequestReport(END, "b:m1", MIGRATED, 3, failed_worker_id=2**63 + 5),
+    ]
+    assert decode_reports(encode_reports(reports)) == reports
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1",  # not msgpack
+        msgpack.packb({"kind": "end", "request_id": "a"}),  # a map, not a list
+        msgpack.packb([{"kind": "free", "request_id": "a"}]),  # an unknown kind
+        msgpack.packb([{"kind": "end", "request_id": ""}]),  # no request
+        msgpack.packb([{"kind": "end"}]),
+    ],
+)
+def test_a_malformed_message_is_refused_whole(payload):
+    with pytest.raises(ValueError, match=r"request report|msgpack"):
+        decode_reports(payload)
+
+
+def listening_router():
+    router = make_router({1: "aggregated", 2: "aggregated"})
+    metrics = RouterMetrics(router.loads.pictures, lambda: 0)
+    return router, metrics, ReportListener(None, "default", router, metrics)
+
+
+def prefill_tokens(router, worker_id: int) -> int:
+    return next(w.active_prefill_tokens for w in router.load_by_worker() if w.worker_id == worker_id)
+
+
+def test_reports_do_what_the_relay_would_do_to_the_load_picture():
+    router, metrics, listener = listening_router()
+    router.track_add("r", worker(1, "aggregated"), [11, 12, 13], 48, 0, 0)
+    assert prefill_tokens(router, 1) == 48
+
+    listener.apply(RequestReport(FIRST_TOKEN, "r"))
+    assert prefill_tokens(router, 1) == 0 and "r" in router.loads
+
+    listener.apply(RequestReport(END, "r", MIGRATED, 5, failed_worker_id=1))
+    assert "r" not in router.loads
+    assert router.failed.avoided(1, router.clock())
+    assert metrics.migrations_total == 1
+
+    router.track_add("r:m1", worker(2, "aggregated"), [11, 12, 13], 53, 0, 0)
+    listener.apply(RequestReport(END, "r:m1", "completed", 7))
+    assert "r:m1" not in router.loads and not router.failed.avoided(2, router.clock())
+    assert metrics.outcomes.totals() == {"completed": 1}
+    assert listener.applied == 3
+
+
+def test_a_report_for_a_request_not_held_changes_no_load_but_still_counts():
+    router, metrics, listener = listening_router()
+    router.track_add("kept", worker(1, "aggregated"), [11], 16, 0, 0)
+    # e.g. a request its departed worker took with it: the migration and the broken worker still count
+    for report in (RequestReport(FIRST_TOKEN, "gone"), RequestReport(END, "gone", MIGRATED, failed_worker_id=2)):
+        listener.apply(report)
+    assert "kept" in router.loads and prefill_tokens(router, 1) == 16
+    assert router.failed.avoided(2, router.clock()) and metrics.migrations_total == 1
+    assert listener.applied == 0
