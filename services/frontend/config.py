@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from kvmesh.common.config import CommonConfig, ConfigError, option
 from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
 
+TOKEN_PATHS = ("router", "direct")
+
 
 @dataclass
 class FrontendConfig(CommonConfig):
@@ -33,6 +35,14 @@ class FrontendConfig(CommonConfig):
         "ready output in one message) or per-request (a Router.Generate stream each; for routers that predate "
         "GenerateMany)",
     )
+    token_path: str = option(
+        "direct",
+        "how answers reach the frontend: router (the router relays the worker's stream) or direct (the router "
+        "only chooses the worker, Router.Route; the frontend streams from the worker itself and reports the "
+        "first token and the end to that router over NATS; requests split into prefill and decode still go "
+        "through the router). Migration, refusals and usage behave the same (docs/decisions/0023)",
+        choices=TOKEN_PATHS,
+    )
 
     def validate(self) -> None:
         if not 0 <= self.http_port < 65536:
@@ -45,5 +55,7 @@ class FrontendConfig(CommonConfig):
             raise ConfigError("--max-request-body-bytes must be >= 0")
         if self.router_streams not in ("multiplexed", "per-request"):
             raise ConfigError(f"--router-streams must be multiplexed or per-request, not {self.router_streams!r}")
+        if self.token_path not in TOKEN_PATHS:
+            raise ConfigError(f"--token-path must be one of {', '.join(TOKEN_PATHS)}, not {self.token_path!r}")
         if self.max_concurrent_requests < 0:
             raise ConfigError("--max-concurrent-requests must be >= 0")

@@ -16,6 +16,7 @@ from kvmesh.common.finish_reasons import finish_name
 from kvmesh.common.grpc_errors import is_transport_failure
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.common.requests import continue_request
+from kvmesh.frontend.direct_path import DirectTokenPath
 from kvmesh.frontend.errors import (
     BadRequestError,
     ModelNotFoundError,
@@ -108,9 +109,13 @@ class Frontend:
         model: ServedModel,
         routers: RouterClient,
         default_max_tokens: int = 64,
+        direct: DirectTokenPath | None = None,
     ) -> None:
+        """``direct``: stream answers straight from the workers (``--token-path direct``); without
+        it the router replicas relay them."""
         self.model = model
         self.routers = routers
+        self.direct = direct
         self.default_max_tokens = default_max_tokens
         self.metrics = FrontendMetrics()
         self.load = LoadWindow(f"frontend-{uuid.uuid4().hex[:8]}")
@@ -182,7 +187,8 @@ class Frontend:
             sent = request if attempt == 0 else continue_request(request, generated, max_tokens, f"r{attempt}")
             try:
                 # closing the stream when we stop early cancels the request: that frees its worker
-                async with contextlib.aclosing(self.routers.generate(sent, address)) as outputs:
+                stream = (self.direct or self.routers).generate(sent, address)
+                async with contextlib.aclosing(stream) as outputs:
                     async for output in outputs:
                         generated.extend(output.token_ids)
                         usage.completion_tokens = len(generated)

@@ -65,6 +65,10 @@ class RouterClient:
             return self._sessions.generate(address, request)
         return messages(router_pb2_grpc.RouterStub(self._channels.get(address)).Generate(request))
 
+    def stub(self, address: str) -> router_pb2_grpc.RouterStub:
+        """A stub for the router replica at ``address``, over the channel its streams use."""
+        return router_pb2_grpc.RouterStub(self._channels.get(address))
+
     def channel_addresses(self) -> list[str]:
         """Addresses with an open channel (for tests and inspection)."""
         return self._channels.addresses()

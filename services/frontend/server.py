@@ -16,6 +16,7 @@ from kvmesh.common.service import ServiceStack, service_main
 from kvmesh.frontend.admission import read_api_keys
 from kvmesh.frontend.app import create_app
 from kvmesh.frontend.config import FrontendConfig
+from kvmesh.frontend.direct_path import DirectTokenPath
 from kvmesh.frontend.gateway import Frontend, ServedModel
 from kvmesh.frontend.load_window import publish_load_forever
 from kvmesh.frontend.router_client import RouterClient
@@ -32,7 +33,12 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
         stack.push_async_callback(routers.close)
         if not config.router_address:
             await stack.start(routers.watch(nc.jetstream(), config.namespace))
-        frontend = Frontend(model, routers, default_max_tokens=config.default_max_tokens)
+        direct = None
+        if config.token_path == "direct":
+            direct = DirectTokenPath(routers, nc, config.namespace)
+            stack.push_async_callback(direct.close)
+            await stack.start(direct.watch(nc.jetstream(), config.namespace))
+        frontend = Frontend(model, routers, default_max_tokens=config.default_max_tokens, direct=direct)
         stack.task(publish_load_forever(nc, config.namespace, frontend.load, config.load_report_secs), "publish-load")
         sock = listening_socket(config.http_host, config.http_port)
         stack.callback(sock.close)
@@ -55,6 +61,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
             model=config.model_name,
             api_keys=len(api_keys),
             max_concurrent_requests=config.max_concurrent_requests or None,
+            token_path=config.token_path,
         )
         stopped = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)

@@ -54,9 +54,11 @@ def start_mesh(*extra: str) -> Iterator[MeshProcess]:
     wait_until(lambda: not any(_alive(pid) for pid in children), timeout=10, what="no orphan processes")
 
 
-@pytest.fixture(scope="module")
-def kv_mesh() -> Iterator[MeshProcess]:
-    yield from start_mesh("--router-mode", "kv")
+@pytest.fixture(scope="module", params=["direct", "router"])
+def kv_mesh(request) -> Iterator[MeshProcess]:
+    """A KV-routing mesh; its tests run with answers streamed from the workers (``--token-path
+    direct``) and relayed by the router (``router``)."""
+    yield from start_mesh("--router-mode", "kv", "--token-path", request.param)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,220 @@
+"""``--token-path direct``: the frontend streams each answer straight from its worker; the router
+only chooses the worker and hears how the request goes (docs/decisions/0023)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+
+from kvmesh.common import names
+from kvmesh.common.channels import ChannelPool
+from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
+from kvmesh.common.grpc_errors import ORIGIN_KEY, is_transport_failure
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport, encode_reports
+from kvmesh.common.requests import DEFAULT_MAX_TOKENS, continue_request
+from kvmesh.common.stream_sessions import StreamSessions, open_worker_stream
+from kvmesh.frontend.router_client import RouterClient
+
+log = structlog.get_logger(__name__)
+
+# reports wait this long to share a message: the router's picture lags by as much, which is small
+# beside a request's life, and NATS carries one message where it carried dozens
+REPORT_WINDOW_S = 0.002
+
+
+class DirectTokenPath:
+    """Serves a request the way ``Router.Generate`` would, without the router in the token path.
+
+    A router replica chooses the worker and counts the request (``Router.Route``); the answer
+    streams from the worker over this frontend's own ``Worker.GenerateMany`` stream to it; the first
+    token and the end of each try are reported to that replica over NATS, which applies them to its
+    load picture as its relay would have.
+
+    Guarantees, the same as the relay's: the outputs carry the usage of the whole request (the
+    original prompt, every token of every try); a worker that breaks mid-stream is avoided and the
+    request moves to another with the tokens streamed so far, up to the router's
+    ``--migration-limit`` (never for a request forced to one worker); a refusal is raised as the
+    router would raise it. Every try the router counted is reported ended exactly once, however it
+    ends (finished, refused, broken, cancelled). A request the router splits into prefill and
+    decode (``relay``) is served through the router's Generate instead.
+    """
+
+    def __init__(self, routers: RouterClient, nc: NatsClient, namespace: str) -> None:
+        self._routers = routers
+        self._nc = nc
+        self._namespace = namespace
+        self._channels = ChannelPool()
+        self._sessions = StreamSessions(self._channels, open_worker_stream)
+        self._pending: dict[str, list[RequestReport]] = {}  # reports not yet sent, by subject
+        self._sending: set[asyncio.Task[None]] = set()
+
+    async def generate(
+        self, request: common_pb2.PreprocessedRequest, router_address: str
+    ) -> AsyncIterator[common_pb2.GenerateOutput]:
+        """The request's outputs; raises ``grpc.aio.AioRpcError`` as ``Router.Generate`` would (a
+        transport failure of the router's Route call, too: the caller fails over to another replica)."""
+        stub = self._routers.stub(router_address)
+        usage = _Usage(len(request.token_ids))
+        max_tokens = request.stop.max_tokens or DEFAULT_MAX_TOKENS
+        migration = 0
+        while True:
+            sent = request if not migration else continue_request(request, usage.generated, max_tokens, f"m{migration}")
+            route = await self._route(stub, router_pb2.RouteRequest(request=sent, migration=migration))
+            if route.relay:
+                async with contextlib.aclosing(self._routers.generate(sent, router_address)) as outputs:
+                    async for output in outputs:
+                        yield usage.account(output)
+                return
+            reports = names.router_reports_subject(self._namespace, route.router_id)
+            end = RequestReport(END, sent.request_id, outcome="cancelled")  # unless it ends otherwise
+            failed_worker: int | None = None  # set when the stream broke: the request may move on
+            try:
+                first = True
+                # closing the stream when we stop early cancels the request at the worker
+                async with contextlib.aclosing(self._sessions.generate(route.worker_address, sent)) as outputs:
+                    async for output in outputs:
+                        if first:
+                            first = False
+                            self._report(reports, RequestReport(FIRST_TOKEN, sent.request_id))
+                        finished = output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                        output = usage.account(output)
+                        if finished:
+                            end = RequestReport(END, sent.request_id, "completed", len(usage.generated))
+                        yield output
+                        if finished:
+                            return
+                log.warning("worker stream ended without a finish reason", worker_id=route.worker_id)
+                failed_worker = 0  # not avoided: the relay does not avoid a worker for this either
+            except grpc.aio.AioRpcError as exc:
+                if not is_transport_failure(exc):
+                    end = RequestReport(END, sent.request_id, exc.code().name.lower(), len(usage.generated))
+                    raise
+                failed_worker = route.worker_id
+                log.warning(
+                    "worker stream broke",
+                    worker_id=route.worker_id,
+                    code=exc.code().name,
+                    tokens_so_far=len(usage.generated),
+                )
+            finally:
+                if failed_worker is None:  # finished, refused, or closed by the client
+                    self._report(reports, end)
+            # the stream broke or ended unfinished: what the router's relay would decide
+            gives_up = route.forced or migration >= route.migration_limit
+            done = len(usage.generated) >= max_tokens
+            outcome = "unavailable" if gives_up else "completed" if done else "migrated"
+            self._report(reports, RequestReport(END, sent.request_id, outcome, len(usage.generated), failed_worker))
+            if gives_up:
+                how = "forced worker" if route.forced else f"{migration} migrations"
+                raise _refusal(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"worker {route.worker_id} failed after {len(usage.generated)} tokens ({how})",
+                )
+            if done:
+                yield usage.finished(route.worker_id)
+                return
+            migration += 1
+
+    async def _route(
+        self, stub: router_pb2_grpc.RouterStub, query: router_pb2.RouteRequest
+    ) -> router_pb2.RouteResponse:
+        """``Router.Route``. If the client goes away while the router answers, the request may be
+        counted all the same: it is then reported ended at once, so it leaves no load behind."""
+        call = asyncio.ensure_future(stub.Route(query))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            request_id = query.request.request_id
+
+            def release(done: asyncio.Future[router_pb2.RouteResponse]) -> None:
+                if done.cancelled() or done.exception() is not None or done.result().relay:
+                    return
+                subject = names.router_reports_subject(self._namespace, done.result().router_id)
+                self._report(subject, RequestReport(END, request_id, outcome="cancelled"))
+
+            call.add_done_callback(release)
+            raise
+
+    def _report(self, subject: str, report: RequestReport) -> None:
+        # batched for REPORT_WINDOW_S and sent from a task: the stream's consumer never waits on
+        # NATS, one message carries the reports of many requests, and a request's keep their order
+        pending = self._pending.get(subject)
+        if pending is None:
+            pending = self._pending[subject] = []
+            asyncio.get_running_loop().call_later(REPORT_WINDOW_S, self._flush, subject)
+        pending.append(report)
+
+    def _flush(self, subject: str) -> None:
+        reports = self._pending.pop(subject, [])
+        if reports:
+            task = asyncio.get_running_loop().create_task(self._send(subject, reports))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, subject: str, reports: list[RequestReport]) -> None:
+        try:
+            await self._nc.publish(subject, encode_reports(reports))
+        except Exception as exc:  # a lost report leaves its request to the router's request timeout
+            log.warning("request reports not sent", reports=len(reports), error=str(exc))
+
+    def watch(self, js: JetStreamContext, namespace: str) -> DiscoveryWatcher:
+        """Follow the workers in discovery (start the returned watcher): a worker that leaves has its
+        stream closed once the requests on it have ended, so a draining worker is not kept waiting."""
+        return DiscoveryWatcher(js, namespace, "worker", on_removed=self.worker_left)
+
+    async def worker_left(self, record: InstanceRecord) -> None:
+        self._sessions.drop(record.address)
+        await self._channels.drop(record.address)
+
+    async def close(self) -> None:
+        for subject in list(self._pending):
+            self._flush(subject)
+        await asyncio.gather(*self._sending, return_exceptions=True)
+        await self._sessions.close()
+        await self._channels.close()
+
+
+class _Usage:
+    """The usage of the whole request across its tries, written into each output as the router's
+    relay writes it: the original prompt, the first try's cached tokens, every token so far."""
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.generated: list[int] = []
+        self.cached_tokens: int | None = None
+        self.worker_id = 0
+
+    def account(self, output: common_pb2.GenerateOutput) -> common_pb2.GenerateOutput:
+        self.generated.extend(output.token_ids)
+        self.worker_id = output.worker_id
+        if self.cached_tokens is None:
+            self.cached_tokens = output.usage.cached_prompt_tokens
+        output.usage.prompt_tokens = self.prompt_tokens
+        output.usage.completion_tokens = len(self.generated)
+        output.usage.cached_prompt_tokens = self.cached_tokens
+        return output
+
+    def finished(self, worker_id: int) -> common_pb2.GenerateOutput:
+        """The closing message for a worker that died right after the last token."""
+        return common_pb2.GenerateOutput(
+            finish_reason=common_pb2.FINISH_REASON_LENGTH,
+            worker_id=worker_id,
+            usage=common_pb2.Usage(
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=len(self.generated),
+                cached_prompt_tokens=self.cached_tokens or 0,
+            ),
+        )
+
+
+def _refusal(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """An error marked as the router's deliberate answer, as its relay would have refused."""
+    trailing = grpc.aio.Metadata((ORIGIN_KEY, "router"))
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
