@@ -36,7 +36,7 @@ class FrontendConfig(CommonConfig):
         "GenerateMany)",
     )
     token_path: str = option(
-        "direct",
+        "router",
         "how answers reach the frontend: router (the router relays the worker's stream) or direct (the router "
         "only chooses the worker, Router.Route; the frontend streams from the worker itself and reports the "
         "first token and the end to that router over NATS; requests split into prefill and decode still go "

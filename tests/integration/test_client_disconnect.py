@@ -12,7 +12,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.frontend import server as frontend_server
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router import server as router_server
@@ -25,22 +25,30 @@ pytestmark = pytest.mark.integration
 NAMESPACE = "walkaway"
 
 
-async def test_a_non_streaming_request_whose_client_left_is_cancelled_on_the_worker(nats_url: str, nc: NatsClient):
+@pytest.mark.parametrize("token_path", ["router", "direct"])
+async def test_a_non_streaming_request_whose_client_left_is_cancelled_on_the_worker(
+    nats_url: str, nc: NatsClient, token_path: str
+):
     port = free_port()
     common = ["--nats-url", nats_url, "--namespace", NAMESPACE]
     workers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "worker")
+    routers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "router")
     await workers.start()
+    await routers.start()
+    frontend_args = [*common, "--http-port", str(port), "--token-path", token_path]
     body = {"model": "kvmesh-tiny", "prompt": "a long answer, please", "max_tokens": 50_000}
     async with (
         running(worker_server.serve, service_config(WorkerConfig, [*common, "--speedup-ratio", "1"])),
         running(router_server.serve, service_config(RouterConfig, common)),
-        running(frontend_server.serve, service_config(FrontendConfig, [*common, "--http-port", str(port)])),
+        running(frontend_server.serve, service_config(FrontendConfig, frontend_args)),
         httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http,
     ):
 
         async def serving() -> bool:
             with contextlib.suppress(httpx.HTTPError):
-                return (await http.get("/health")).status_code == 200 and bool(workers.instances())
+                return (await http.get("/health")).status_code == 200 and bool(
+                    workers.instances() and routers.instances()
+                )
             return False
 
         await wait_until_async(serving, what="the mesh serving")
@@ -56,7 +64,16 @@ async def test_a_non_streaming_request_whose_client_left_is_cancelled_on_the_wor
             with pytest.raises(httpx.ReadTimeout):
                 await post
             await wait_until_async(lambda: running_requests_is(running_requests, 0), what="the request cancelled")
+        async with grpc.aio.insecure_channel(routers.instances()[0].address) as channel:
+            router = router_pb2_grpc.RouterStub(channel)
+
+            async def router_holds_nothing() -> bool:
+                return (await router.GetStatus(router_pb2.RouterStatusRequest())).active_requests == 0
+
+            # freed by the relay's end, or with ``direct`` by the frontend's report
+            await wait_until_async(router_holds_nothing, what="the router's load freed")
     await workers.stop()
+    await routers.stop()
 
 
 async def running_requests_is(running_requests, count: int) -> bool:
