@@ -10,9 +10,12 @@ import nats
 import openai
 import pytest
 
+from kvmesh.common import names
 from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvmesh.common.request_reports import END, RequestReport, encode_reports
 from tests.e2e.conftest import chat
+from tests.support import wait_until_async
 
 pytestmark = pytest.mark.e2e
 MODEL = "kvmesh-tiny"
@@ -127,3 +130,49 @@ def test_router_grpc_api_with_generated_stubs(kv_mesh):
     outputs = asyncio.run(call())
     assert sum(len(o.token_ids) for o in outputs) == 5
     assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_route_counts_a_request_until_its_end_is_reported(kv_mesh):
+    """``Router.Route`` (``--token-path direct``'s call) over gRPC, and its end reported over NATS."""
+
+    async def call() -> None:
+        nc = await nats.connect(kv_mesh.nats_url)
+        routers = DiscoveryWatcher(nc.jetstream(), "default", "router")
+        workers = DiscoveryWatcher(nc.jetstream(), "default", "worker")
+        await routers.start()
+        await workers.start()
+        try:
+            async with grpc.aio.insecure_channel(routers.instances()[0].address) as channel:
+                router = router_pb2_grpc.RouterStub(channel)
+
+                async def active() -> int:
+                    return (await router.GetStatus(router_pb2.RouterStatusRequest())).active_requests
+
+                before = await active()
+                query = router_pb2.RouteRequest(
+                    request=common_pb2.PreprocessedRequest(request_id="routed-e2e", model=MODEL, token_ids=[7] * 40)
+                )
+                route = await router.Route(query)
+                assert not route.relay and route.worker_address in {w.address for w in workers.instances()}
+                assert route.migration_limit == 3 and not route.forced
+                assert await active() == before + 1
+                with pytest.raises(grpc.aio.AioRpcError) as twice:
+                    await router.Route(query)
+                assert twice.value.code() == grpc.StatusCode.ALREADY_EXISTS
+                with pytest.raises(grpc.aio.AioRpcError) as empty:
+                    await router.Route(router_pb2.RouteRequest(request=common_pb2.PreprocessedRequest(request_id="e")))
+                assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+                subject = names.router_reports_subject("default", route.router_id)
+                await nc.publish(subject, encode_reports([RequestReport(END, "routed-e2e", "completed", 3)]))
+
+                async def freed() -> bool:
+                    return await active() == before
+
+                await wait_until_async(freed, what="the reported end to free the request")
+        finally:
+            await routers.stop()
+            await workers.stop()
+            await nc.close()
+
+    asyncio.run(call())
