@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
 
@@ -24,3 +25,36 @@ def continue_request(
     # a remote prefill's KV covered the old prompt only; the new attempt prefills where it lands
     moved.ClearField("disaggregated_params")
     return moved
+
+
+@dataclass
+class AnswerUsage:
+    """The usage of one answer across all its tries (migrations, failovers), as the client sees it:
+    the original prompt, the first try's cached tokens, every token generated so far. The router's
+    relay and the frontend's direct path both write it into each output they pass on."""
+
+    prompt_tokens: int
+    generated: list[int] = field(default_factory=list)
+    cached_tokens: int | None = None  # the first try's (or its remote prefill's), once known
+
+    def account(self, output: common_pb2.GenerateOutput) -> common_pb2.GenerateOutput:
+        """Count ``output``'s tokens and write the whole answer's usage into it."""
+        self.generated.extend(output.token_ids)
+        if self.cached_tokens is None:
+            self.cached_tokens = output.usage.cached_prompt_tokens
+        output.usage.prompt_tokens = self.prompt_tokens
+        output.usage.completion_tokens = len(self.generated)
+        output.usage.cached_prompt_tokens = self.cached_tokens
+        return output
+
+    def closing_output(self, worker_id: int) -> common_pb2.GenerateOutput:
+        """The closing message for a worker that died right after the last token."""
+        return common_pb2.GenerateOutput(
+            finish_reason=common_pb2.FINISH_REASON_LENGTH,
+            worker_id=worker_id,
+            usage=common_pb2.Usage(
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=len(self.generated),
+                cached_prompt_tokens=self.cached_tokens or 0,
+            ),
+        )

@@ -18,7 +18,7 @@ from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.grpc_errors import ORIGIN_KEY, is_transport_failure
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport, encode_reports
-from kvmesh.common.requests import DEFAULT_MAX_TOKENS, continue_request
+from kvmesh.common.requests import DEFAULT_MAX_TOKENS, AnswerUsage, continue_request
 from kvmesh.common.stream_sessions import StreamSessions, open_worker_stream
 from kvmesh.frontend.router_client import RouterClient
 
@@ -61,7 +61,7 @@ class DirectTokenPath:
         """The request's outputs; raises ``grpc.aio.AioRpcError`` as ``Router.Generate`` would (a
         transport failure of the router's Route call, too: the caller fails over to another replica)."""
         stub = self._routers.stub(router_address)
-        usage = _Usage(len(request.token_ids))
+        usage = AnswerUsage(len(request.token_ids))
         max_tokens = request.stop.max_tokens or DEFAULT_MAX_TOKENS
         migration = 0
         while True:
@@ -118,7 +118,7 @@ class DirectTokenPath:
                     f"worker {route.worker_id} failed after {len(usage.generated)} tokens ({how})",
                 )
             if done:
-                yield usage.finished(route.worker_id)
+                yield usage.closing_output(route.worker_id)
                 return
             migration += 1
 
@@ -179,39 +179,6 @@ class DirectTokenPath:
         await asyncio.gather(*self._sending, return_exceptions=True)
         await self._sessions.close()
         await self._channels.close()
-
-
-class _Usage:
-    """The usage of the whole request across its tries, written into each output as the router's
-    relay writes it: the original prompt, the first try's cached tokens, every token so far."""
-
-    def __init__(self, prompt_tokens: int) -> None:
-        self.prompt_tokens = prompt_tokens
-        self.generated: list[int] = []
-        self.cached_tokens: int | None = None
-        self.worker_id = 0
-
-    def account(self, output: common_pb2.GenerateOutput) -> common_pb2.GenerateOutput:
-        self.generated.extend(output.token_ids)
-        self.worker_id = output.worker_id
-        if self.cached_tokens is None:
-            self.cached_tokens = output.usage.cached_prompt_tokens
-        output.usage.prompt_tokens = self.prompt_tokens
-        output.usage.completion_tokens = len(self.generated)
-        output.usage.cached_prompt_tokens = self.cached_tokens
-        return output
-
-    def finished(self, worker_id: int) -> common_pb2.GenerateOutput:
-        """The closing message for a worker that died right after the last token."""
-        return common_pb2.GenerateOutput(
-            finish_reason=common_pb2.FINISH_REASON_LENGTH,
-            worker_id=worker_id,
-            usage=common_pb2.Usage(
-                prompt_tokens=self.prompt_tokens,
-                completion_tokens=len(self.generated),
-                cached_prompt_tokens=self.cached_tokens or 0,
-            ),
-        )
 
 
 def _refusal(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

@@ -27,7 +27,7 @@ from kvmesh.common.grpc_errors import is_transport_failure, refuse
 from kvmesh.common.grpc_streams import messages
 from kvmesh.common.multiplexed import RequestMultiplexer
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
-from kvmesh.common.requests import DEFAULT_MAX_TOKENS, continue_request
+from kvmesh.common.requests import DEFAULT_MAX_TOKENS, AnswerUsage, continue_request
 from kvmesh.common.stream_sessions import StreamSessions
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_job import (
@@ -44,13 +44,10 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass
-class Progress:
+class Progress(AnswerUsage):
     """What the client has been sent so far, across every attempt of one request."""
 
-    prompt_tokens: int
-    max_tokens: int
-    generated: list[int] = field(default_factory=list)
-    cached_tokens: int | None = None
+    max_tokens: int = field(kw_only=True)
     migrations: int = 0
     # the message with the finish reason is on its way: the client may close the call as soon as it
     # has it, before this replica's generator resumes, and that still counts as completed
@@ -91,7 +88,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request.request_id = uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         await self._check(request, context)
-        progress = Progress(len(request.token_ids), request.stop.max_tokens or DEFAULT_MAX_TOKENS)
+        progress = Progress(len(request.token_ids), max_tokens=request.stop.max_tokens or DEFAULT_MAX_TOKENS)
         forced = request.routing.HasField("worker_id") or self.router.config.router_mode == "direct"
         try:
             while True:
@@ -165,11 +162,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     choice = await self.router.choose(sent)
             except RoutingError as exc:
                 await self._refuse(context, exc.code, str(exc))
-            expected = sent.expected_output_tokens if sent.HasField("expected_output_tokens") else 0
             worker = choice.worker
-            self.router.track_add(
-                sent.request_id, worker, choice.block_hashes, len(sent.token_ids), choice.overlap_blocks, expected
-            )
+            self._track(sent, worker, choice.block_hashes, choice.overlap_blocks)
             log.info(
                 "routed",
                 worker_id=worker.instance_id,
@@ -188,6 +182,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
+
+    def _track(
+        self, sent: common_pb2.PreprocessedRequest, worker: InstanceRecord, block_hashes: list[int], overlap: int
+    ) -> None:
+        """Count ``sent`` in the load picture on ``worker`` (Generate's attempts and Route alike)."""
+        expected = sent.expected_output_tokens if sent.HasField("expected_output_tokens") else 0
+        self.router.track_add(sent.request_id, worker, block_hashes, len(sent.token_ids), overlap, expected)
 
     async def _check(self, request: common_pb2.PreprocessedRequest, context: grpc.aio.ServicerContext) -> None:
         """Refuse a request this router cannot take as it is (the checks Generate and Route share)."""
@@ -246,8 +247,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     overlap = 0
         except RoutingError as exc:
             await self._refuse(context, exc.code, str(exc))
-        expected = sent.expected_output_tokens if sent.HasField("expected_output_tokens") else 0
-        self.router.track_add(sent.request_id, worker, block_hashes, len(sent.token_ids), overlap, expected)
+        self._track(sent, worker, block_hashes, overlap)
         log.info(
             "routed",
             worker_id=worker.instance_id,
@@ -280,13 +280,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                             progress.cached_tokens = remote_cached
                 output.ClearField("disaggregated_params")
                 self.router.track_output(request_id, len(output.token_ids))
-                progress.generated.extend(output.token_ids)
-                if progress.cached_tokens is None:
-                    progress.cached_tokens = output.usage.cached_prompt_tokens
-                output.usage.prompt_tokens = progress.prompt_tokens
-                output.usage.completion_tokens = len(progress.generated)
-                output.usage.cached_prompt_tokens = progress.cached_tokens
-                yield output
+                yield progress.account(output)
 
     async def _after_broken_stream(
         self,
@@ -314,7 +308,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 f"({'forced worker' if forced else f'{progress.migrations} migrations'})",
             )
         if len(progress.generated) >= progress.max_tokens:
-            return finished_output(progress, worker_id)
+            return progress.closing_output(worker_id)
         progress.migrations += 1
         self.metrics.migrated()
         return None
@@ -430,16 +424,3 @@ def as_request(query: router_pb2.RoutingQuery) -> common_pb2.PreprocessedRequest
         request.expected_output_tokens = query.expected_output_tokens
     request.routing.router_config_override.CopyFrom(query.router_config_override)
     return request
-
-
-def finished_output(progress: Progress, worker_id: int) -> common_pb2.GenerateOutput:
-    """The closing message for a worker that died right after its last token."""
-    return common_pb2.GenerateOutput(
-        finish_reason=common_pb2.FINISH_REASON_LENGTH,
-        worker_id=worker_id,
-        usage=common_pb2.Usage(
-            prompt_tokens=progress.prompt_tokens,
-            completion_tokens=len(progress.generated),
-            cached_prompt_tokens=progress.cached_tokens or 0,
-        ),
-    )
