@@ -125,7 +125,9 @@ def router_migrations(nats_url: str) -> float:
     return float(match.group(1))
 
 
-def test_a_worker_given_time_to_drain_finishes_its_own_streams(nats_url: str):
+@pytest.mark.parametrize("token_path", ["router", "direct"])
+def test_a_worker_given_time_to_drain_finishes_its_own_streams(nats_url: str, token_path: str):
     # --drain-timeout-secs longer than the streams: the stopping worker takes no new request but
     # finishes every one it has, so none has to move (the short drain cuts and migrates them)
-    assert stop_a_worker_under_load(nats_url, drain_secs=60) == 0
+    # with ``direct`` the frontend holds the worker's stream: it must close it once the worker left
+    assert stop_a_worker_under_load(nats_url, drain_secs=60, token_path=token_path) == 0
