@@ -42,6 +42,9 @@ async def one_worker(nc: NatsClient, nats_url: str, *flags: str):
         await watcher.stop()
 
 
+LONG_ANSWER = 2000  # tokens: about half a second at --speedup-ratio 50
+
+
 def request(request_id: str, prompt_start: int, max_tokens: int, **fields) -> common_pb2.PreprocessedRequest:
     message = common_pb2.PreprocessedRequest(
         request_id=request_id, token_ids=list(range(prompt_start, prompt_start + 40)), **fields
@@ -111,9 +114,14 @@ async def test_refusals_and_duplicates_end_only_their_request(nc: NatsClient, na
             # a request id already running on the stream is refused; the running one goes on
             async with grpc.aio.insecure_channel(address) as channel:
                 call = worker_pb2_grpc.WorkerStub(channel).GenerateMany()
-                await call.write(common_pb2.GenerateCommand(submit=request("twice", 0, 200)))
-                await call.write(common_pb2.GenerateCommand(submit=request("twice", 0, 200)))
-                ends, tokens = [], 0
+                await call.write(common_pb2.GenerateCommand(submit=request("twice", 0, LONG_ANSWER)))
+                # the duplicate goes once the first is running, and that one is long enough not to end
+                # before the worker reads it, however slowly the machine runs this test
+                first = (await call.read()).items
+                assert first and first[0].HasField("output")
+                tokens = sum(len(item.output.token_ids) for item in first)
+                await call.write(common_pb2.GenerateCommand(submit=request("twice", 0, LONG_ANSWER)))
+                ends = []
                 while len(ends) < 2:
                     for item in (await call.read()).items:
                         if item.HasField("end"):
@@ -124,7 +132,7 @@ async def test_refusals_and_duplicates_end_only_their_request(nc: NatsClient, na
             refusal, finish = ends
             assert refusal.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "already running" in refusal.details
             assert refusal.origin == "worker"
-            assert finish.code == 0 and tokens == 200
+            assert finish.code == 0 and tokens == LONG_ANSWER
         finally:
             await sessions.close()
             await channels.close()
