@@ -56,7 +56,7 @@ class RequestMultiplexer:
         self._running: dict[str, asyncio.Task[None]] = {}
 
     async def serve(
-        self, commands: AsyncIterator[common_pb2.GenerateCommand]
+        self, commands: AsyncIterator[common_pb2.GenerateCommands]
     ) -> AsyncIterator[common_pb2.GenerateBatch]:
         reader = asyncio.create_task(self._read(commands))
         try:
@@ -89,15 +89,16 @@ class RequestMultiplexer:
             items.append(item)
         return common_pb2.GenerateBatch(items=items)
 
-    async def _read(self, commands: AsyncIterator[common_pb2.GenerateCommand]) -> None:
+    async def _read(self, messages: AsyncIterator[common_pb2.GenerateCommands]) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-            async for command in commands:
-                if command.HasField("submit"):
-                    self._submit(command.submit)
-                else:
-                    task = self._running.get(command.cancel)
-                    if task is not None:
-                        task.cancel()
+            async for message in messages:
+                for command in message.commands:
+                    if command.HasField("submit"):
+                        self._submit(command.submit)
+                    else:
+                        task = self._running.get(command.cancel)
+                        if task is not None:
+                            task.cancel()
 
     def _submit(self, request: common_pb2.PreprocessedRequest) -> None:
         request_id = request.request_id

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from kvmesh.common.backlog import Backlog
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.grpc_errors import ORIGIN_KEY
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2_grpc
@@ -81,7 +82,8 @@ class StreamSession:
     def __init__(self, call: grpc.aio.StreamStreamCall, address: str) -> None:
         self.address = address
         self._call = call
-        self._commands: asyncio.Queue[common_pb2.GenerateCommand] = asyncio.Queue()
+        # every command ready goes in one message: one write for requests submitted together
+        self._commands: Backlog[common_pb2.GenerateCommand] = Backlog()
         self._requests: dict[str, _Inbox] = {}
         self.broken: BaseException | None = None
         self.idle = asyncio.Event()
@@ -99,7 +101,8 @@ class StreamSession:
         # one writer: grpc.aio allows a single write in flight per call
         try:
             while True:
-                await self._call.write(await self._commands.get())
+                commands = await self._commands.take()
+                await self._call.write(common_pb2.GenerateCommands(commands=commands))
         except Exception as exc:  # the call ended (AioRpcError, or InvalidStateError once cancelled)
             self._break(exc)
 
@@ -143,7 +146,7 @@ class StreamSession:
             raise ValueError(f"request {request_id!r} is already on this stream")
         inbox = self._requests[request_id] = _Inbox()
         self.idle.clear()
-        self._commands.put_nowait(common_pb2.GenerateCommand(submit=request))
+        self._commands.add(common_pb2.GenerateCommand(submit=request))
         ended = False
         try:
             while True:
@@ -162,7 +165,7 @@ class StreamSession:
             if not self._requests:
                 self.idle.set()
             if not ended and self.broken is None:
-                self._commands.put_nowait(common_pb2.GenerateCommand(cancel=request_id))
+                self._commands.add(common_pb2.GenerateCommand(cancel=request_id))
 
     async def close(self) -> None:
         self._call.cancel()

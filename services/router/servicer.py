@@ -135,7 +135,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.metrics.migrated()
 
     async def GenerateMany(
-        self, request_iterator: AsyncIterator[common_pb2.GenerateCommand], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[common_pb2.GenerateCommands], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.GenerateBatch]:
         """Many requests over one stream, each served by :meth:`Generate` (docs/decisions/0021)."""
         async with contextlib.aclosing(RequestMultiplexer(self.Generate, "router").serve(request_iterator)) as batches:

@@ -55,6 +55,12 @@ def request(request_id: str, prompt_start: int, max_tokens: int, **fields) -> co
     return message
 
 
+def submit(*requests: common_pb2.PreprocessedRequest, cancel: tuple[str, ...] = ()) -> common_pb2.GenerateCommands:
+    """One GenerateMany message: these submits, then these cancels."""
+    commands = [common_pb2.GenerateCommand(submit=r) for r in requests]
+    return common_pb2.GenerateCommands(commands=commands + [common_pb2.GenerateCommand(cancel=c) for c in cancel])
+
+
 async def tokens_of(outputs) -> list[int]:
     tokens: list[int] = []
     async for output in outputs:
@@ -83,7 +89,7 @@ async def test_one_message_carries_the_outputs_of_many_requests(nc: NatsClient, 
         async with grpc.aio.insecure_channel(address) as channel:
             call = worker_pb2_grpc.WorkerStub(channel).GenerateMany()
             for i in range(8):
-                await call.write(common_pb2.GenerateCommand(submit=request(f"b{i}", 100 * i, 16)))
+                await call.write(submit(request(f"b{i}", 100 * i, 16)))
             ended: set[str] = set()
             tokens = dict.fromkeys((f"b{i}" for i in range(8)), 0)
             widest = 0
@@ -101,6 +107,27 @@ async def test_one_message_carries_the_outputs_of_many_requests(nc: NatsClient, 
         assert widest >= 2  # requests sharing engine steps share messages
 
 
+async def test_the_commands_of_one_message_run_in_their_order(nc: NatsClient, nats_url: str):
+    # A caller sends whatever commands it has ready as one message; a cancel after its submit in
+    # the same message aborts that request before it produces anything, and only that one.
+    async with one_worker(nc, nats_url, "--speedup-ratio", "50") as (address, _):
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).GenerateMany()
+            await call.write(submit(*(request(f"c{i}", 100 * i, 16) for i in range(3)), cancel=("c1",)))
+            tokens = {"c0": 0, "c2": 0}
+            ended: set[str] = set()
+            while ended != {"c0", "c2"}:
+                for item in (await call.read()).items:
+                    assert item.request_id in tokens  # nothing at all for the cancelled request
+                    if item.HasField("end"):
+                        assert item.end.code == 0
+                        ended.add(item.request_id)
+                    else:
+                        tokens[item.request_id] += len(item.output.token_ids)
+            call.cancel()
+        assert tokens == {"c0": 16, "c2": 16}
+
+
 async def test_refusals_and_duplicates_end_only_their_request(nc: NatsClient, nats_url: str):
     async with one_worker(nc, nats_url, "--speedup-ratio", "50") as (address, _):
         channels = ChannelPool()
@@ -114,13 +141,13 @@ async def test_refusals_and_duplicates_end_only_their_request(nc: NatsClient, na
             # a request id already running on the stream is refused; the running one goes on
             async with grpc.aio.insecure_channel(address) as channel:
                 call = worker_pb2_grpc.WorkerStub(channel).GenerateMany()
-                await call.write(common_pb2.GenerateCommand(submit=request("twice", 0, LONG_ANSWER)))
+                await call.write(submit(request("twice", 0, LONG_ANSWER)))
                 # the duplicate goes once the first is running, and that one is long enough not to end
                 # before the worker reads it, however slowly the machine runs this test
                 first = (await call.read()).items
                 assert first and first[0].HasField("output")
                 tokens = sum(len(item.output.token_ids) for item in first)
-                await call.write(common_pb2.GenerateCommand(submit=request("twice", 0, LONG_ANSWER)))
+                await call.write(submit(request("twice", 0, LONG_ANSWER)))
                 ends = []
                 while len(ends) < 2:
                     for item in (await call.read()).items:

@@ -124,6 +124,12 @@ class GenerateCommand(_message.Message):
     cancel: str
     def __init__(self, submit: _Optional[_Union[PreprocessedRequest, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
 
+class GenerateCommands(_message.Message):
+    __slots__ = ("commands",)
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    commands: _containers.RepeatedCompositeFieldContainer[GenerateCommand]
+    def __init__(self, commands: _Optional[_Iterable[_Union[GenerateCommand, _Mapping]]] = ...) -> None: ...
+
 class RequestEnd(_message.Message):
     __slots__ = ("code", "details", "origin")
     CODE_FIELD_NUMBER: _ClassVar[int]

@@ -43,7 +43,7 @@ class RouterStub:
                 _registered_method=True)
         self.GenerateMany = channel.stream_stream(
                 '/kvmesh.v1.Router/GenerateMany',
-                request_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateCommand.SerializeToString,
+                request_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateCommands.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateBatch.FromString,
                 _registered_method=True)
         self.Route = channel.unary_unary(
@@ -126,7 +126,7 @@ def add_RouterServicer_to_server(servicer, server):
             ),
             'GenerateMany': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateMany,
-                    request_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateCommand.FromString,
+                    request_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateCommands.FromString,
                     response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateBatch.SerializeToString,
             ),
             'Route': grpc.unary_unary_rpc_method_handler(
@@ -203,7 +203,7 @@ class Router:
             request_iterator,
             target,
             '/kvmesh.v1.Router/GenerateMany',
-            kvmesh_dot_v1_dot_common__pb2.GenerateCommand.SerializeToString,
+            kvmesh_dot_v1_dot_common__pb2.GenerateCommands.SerializeToString,
             kvmesh_dot_v1_dot_common__pb2.GenerateBatch.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,106 @@
+"""What one gRPC operation costs the caller in ``grpc.aio`` (uvloop, as the services run), CPU and wall.
+
+A server process answers three generic methods (raw bytes, no protobuf): a client-streaming call
+that only reads, a unary call, and a bidirectional stream that answers each message. The client,
+in this process, times ``--n`` of each in a row with a ``--size``-byte message: a stream write, a
+unary call, and a stream write plus the read of its answer. These are the prices behind kvmesh's
+choice of long-lived streams over unary calls on the request path (docs/decisions/0024).
+
+    python -m bench.grpc_costs [--n 5000 --size 1200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+import uvloop
+
+from kvmesh.common.ports import free_port
+
+
+def serve(port: int, ready: multiprocessing.synchronize.Event) -> None:
+    async def read_only(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+        async for _ in messages:
+            pass
+        return b""
+
+    async def unary(message: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return b"x"
+
+    async def answer_each(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async for _ in messages:
+            yield b"y" * 200
+
+    async def main() -> None:
+        handler = grpc.method_handlers_generic_handler(
+            "bench.Costs",
+            {
+                "ReadOnly": grpc.stream_unary_rpc_method_handler(read_only),
+                "Unary": grpc.unary_unary_rpc_method_handler(unary),
+                "AnswerEach": grpc.stream_stream_rpc_method_handler(answer_each),
+            },
+        )
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((handler,))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        ready.set()
+        await server.wait_for_termination()
+
+    uvloop.run(main())
+
+
+async def timed(label: str, n: int, operation: Callable[[], Awaitable[object]]) -> None:
+    await operation()  # warm: the call is open and the connection settled
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(n):
+        await operation()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    print(f"{label:<28} {1e6 * cpu / n:8.1f} µs CPU {1e6 * wall / n:8.1f} µs wall")
+
+
+async def measure(port: int, n: int, size: int) -> None:
+    message = b"z" * size
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        await channel.channel_ready()
+        writes = channel.stream_unary("/bench.Costs/ReadOnly")()
+        await timed("stream write", n, lambda: writes.write(message))
+        await writes.done_writing()
+        await writes
+        unary = channel.unary_unary("/bench.Costs/Unary")
+        await timed("unary call", n, lambda: unary(message))
+        both = channel.stream_stream("/bench.Costs/AnswerEach")()
+
+        async def write_and_read() -> object:
+            await both.write(message)
+            return await both.read()
+
+        await timed("stream write + its answer", n, write_and_read)
+        both.cancel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=5000, help="operations of each kind")
+    parser.add_argument("--size", type=int, default=1200, help="bytes per message sent")
+    args = parser.parse_args()
+    port = free_port()
+    ready = multiprocessing.Event()
+    server = multiprocessing.Process(target=serve, args=(port, ready), daemon=True)
+    server.start()
+    try:
+        if not ready.wait(30):
+            raise SystemExit("the bench's gRPC server did not start")
+        print(f"client-side cost per operation, {args.n} each, {args.size}-byte messages (grpc {grpc.__version__})")
+        uvloop.run(measure(port, args.n, args.size))
+    finally:
+        server.kill()
+        server.join()
+
+
+if __name__ == "__main__":
+    main()
