@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import structlog
@@ -36,6 +36,10 @@ log = structlog.get_logger(__name__)
 MAX_QUERY_BLOCKS = 1 << 20
 
 
+class QueryRefused(ValueError):
+    """A query this replica will not answer (too long)."""
+
+
 class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
     def __init__(
         self,
@@ -57,10 +61,33 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
     async def FindMatches(
         self, request: indexer_pb2.FindMatchesRequest, context: grpc.aio.ServicerContext
     ) -> indexer_pb2.FindMatchesResponse:
+        try:
+            return self.find_matches(request)
+        except QueryRefused as refused:
+            await refuse(context, "indexer", grpc.StatusCode.INVALID_ARGUMENT, str(refused))
+            raise  # refuse() aborts the call; this is never reached
+
+    async def FindMatchesMany(
+        self, request_iterator: AsyncIterator[indexer_pb2.FindMatchesQueries], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[indexer_pb2.FindMatchesAnswers]:
+        """Answers each message's queries in one reply; a refused query is answered ``refused``,
+        never by ending the stream (the caller's other queries ride on it)."""
+        async for message in request_iterator:
+            answers = []
+            for query in message.queries:
+                answer = indexer_pb2.FindMatchesAnswer(query_id=query.query_id)
+                try:
+                    answer.response.CopyFrom(self.find_matches(query.request))
+                except QueryRefused as refused:
+                    answer.refused = str(refused)
+                answers.append(answer)
+            yield indexer_pb2.FindMatchesAnswers(answers=answers)
+
+    def find_matches(self, request: indexer_pb2.FindMatchesRequest) -> indexer_pb2.FindMatchesResponse:
+        """Per known worker: matched prefix blocks, tree size, MoE alignment and pooled blocks.
+        Raises :class:`QueryRefused` for a query longer than :data:`MAX_QUERY_BLOCKS`."""
         if max(len(request.local_hashes), len(request.sequence_hashes)) > MAX_QUERY_BLOCKS:
-            await refuse(
-                context, "indexer", grpc.StatusCode.INVALID_ARGUMENT, f"query longer than {MAX_QUERY_BLOCKS} blocks"
-            )
+            raise QueryRefused(f"query longer than {MAX_QUERY_BLOCKS} blocks")
         started = time.perf_counter()
         sequence = request.sequence_hashes or sequence_hashes(request.local_hashes)
         matched = self.index.find_matches_by_sequence(sequence)

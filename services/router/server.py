@@ -53,9 +53,17 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
             await channels.drop(record.address)
 
         workers = await stack.start(DiscoveryWatcher(js, config.namespace, "worker", on_removed=worker_left))
-        indexers = await stack.start(DiscoveryWatcher(js, config.namespace, "indexer"))
+        indexer_clients: list[IndexerClient] = []  # as routers: the client exists once its watcher does
+
+        def indexer_left(record: InstanceRecord) -> None:
+            for client in indexer_clients:
+                client.forget(record.address)
+
+        indexers = await stack.start(DiscoveryWatcher(js, config.namespace, "indexer", on_removed=indexer_left))
         rng = random.Random(config.seed)
         indexer_client = IndexerClient(indexers, channels, config.indexer_timeout_ms / 1000, rng)
+        indexer_clients.append(indexer_client)
+        stack.push_async_callback(indexer_client.close)  # before the channels, like the sessions
         router = Router(config, workers, indexer_client, router_id=str(instance_id), rng=rng)
         routers.append(router)
         if config.router_replica_sync:

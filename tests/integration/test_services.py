@@ -130,7 +130,10 @@ async def _reflected_services(channel: grpc.aio.Channel) -> set[str]:
     return set()
 
 
-async def test_indexer_answers_and_forgets_a_departed_worker(nats_url: str, nc: NatsClient):
+async def test_indexer_answers_and_forgets_a_departed_worker(
+    nats_url: str, nc: NatsClient, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(indexer_server, "MAX_QUERY_BLOCKS", 8)  # this test's longer query is refused
     worker_config = service_config(
         WorkerConfig, ["--nats-url", nats_url, "--namespace", NAMESPACE, "--speedup-ratio", "100", "--lease-ttl", "1.5"]
     )
@@ -157,6 +160,26 @@ async def test_indexer_answers_and_forgets_a_departed_worker(nats_url: str, nc: 
                 return any(w.worker_id == worker.instance_id and w.matched_blocks == 6 for w in response.workers)
 
             await wait_until_async(indexed, what="the worker's blocks reach the index")
+
+            # The router's stream of queries: one message, both answered in order, the refusal
+            # in-stream only for the query it concerns, and each answer what FindMatches says.
+            too_long = indexer_pb2.FindMatchesRequest(local_hashes=local_block_hashes(list(range(200)), 16))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await index_stub.FindMatches(too_long)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            queries = [
+                indexer_pb2.FindMatchesQuery(query_id=query_id, request=request)
+                for query_id, request in ((7, query), (9, too_long), (11, query))
+            ]
+            stream = index_stub.FindMatchesMany()
+            await stream.write(indexer_pb2.FindMatchesQueries(queries=queries))
+            answers = (await stream.read()).answers
+            assert [a.query_id for a in answers] == [7, 9, 11]
+            assert answers[1].refused == refused.value.details() and not answers[1].response.workers
+            unary = await index_stub.FindMatches(query)
+            assert answers[0].response.workers == answers[2].response.workers == unary.workers
+            assert not answers[0].refused
+            stream.cancel()
 
         async def forgotten() -> bool:
             response = await index_stub.FindMatches(query)

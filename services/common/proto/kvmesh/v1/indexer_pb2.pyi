@@ -67,6 +67,36 @@ class FindMatchesRequest(_message.Message):
     moe_query: _containers.RepeatedCompositeFieldContainer[_common_pb2.MoeExpert]
     def __init__(self, local_hashes: _Optional[_Iterable[int]] = ..., sequence_hashes: _Optional[_Iterable[int]] = ..., moe_query: _Optional[_Iterable[_Union[_common_pb2.MoeExpert, _Mapping]]] = ...) -> None: ...
 
+class FindMatchesQuery(_message.Message):
+    __slots__ = ("query_id", "request")
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    query_id: int
+    request: FindMatchesRequest
+    def __init__(self, query_id: _Optional[int] = ..., request: _Optional[_Union[FindMatchesRequest, _Mapping]] = ...) -> None: ...
+
+class FindMatchesQueries(_message.Message):
+    __slots__ = ("queries",)
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    queries: _containers.RepeatedCompositeFieldContainer[FindMatchesQuery]
+    def __init__(self, queries: _Optional[_Iterable[_Union[FindMatchesQuery, _Mapping]]] = ...) -> None: ...
+
+class FindMatchesAnswer(_message.Message):
+    __slots__ = ("query_id", "response", "refused")
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    query_id: int
+    response: FindMatchesResponse
+    refused: str
+    def __init__(self, query_id: _Optional[int] = ..., response: _Optional[_Union[FindMatchesResponse, _Mapping]] = ..., refused: _Optional[str] = ...) -> None: ...
+
+class FindMatchesAnswers(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[FindMatchesAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[FindMatchesAnswer, _Mapping]]] = ...) -> None: ...
+
 class WorkerMatch(_message.Message):
     __slots__ = ("worker_id", "dp_rank", "matched_blocks", "total_blocks", "moe_aligned_blocks", "moe_hosted_experts", "pooled_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class IndexerStub:
                 request_serializer=kvmesh_dot_v1_dot_indexer__pb2.FindMatchesRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_indexer__pb2.FindMatchesResponse.FromString,
                 _registered_method=True)
+        self.FindMatchesMany = channel.stream_stream(
+                '/kvmesh.v1.Indexer/FindMatchesMany',
+                request_serializer=kvmesh_dot_v1_dot_indexer__pb2.FindMatchesQueries.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_indexer__pb2.FindMatchesAnswers.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/kvmesh.v1.Indexer/GetStatus',
                 request_serializer=kvmesh_dot_v1_dot_indexer__pb2.IndexerStatusRequest.SerializeToString,
@@ -53,6 +58,15 @@ class IndexerServicer:
 
     def FindMatches(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FindMatchesMany(self, request_iterator, context):
+        """The same queries over one stream, for a caller that asks for every request (the router): each
+        message carries every query the caller has ready, each reply the answers to one message. A
+        stream message costs a fraction of a unary call in grpc.aio (docs/decisions/0024).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -71,6 +85,11 @@ def add_IndexerServicer_to_server(servicer, server):
                     servicer.FindMatches,
                     request_deserializer=kvmesh_dot_v1_dot_indexer__pb2.FindMatchesRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_indexer__pb2.FindMatchesResponse.SerializeToString,
+            ),
+            'FindMatchesMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.FindMatchesMany,
+                    request_deserializer=kvmesh_dot_v1_dot_indexer__pb2.FindMatchesQueries.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_indexer__pb2.FindMatchesAnswers.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -106,6 +125,33 @@ class Indexer:
             '/kvmesh.v1.Indexer/FindMatches',
             kvmesh_dot_v1_dot_indexer__pb2.FindMatchesRequest.SerializeToString,
             kvmesh_dot_v1_dot_indexer__pb2.FindMatchesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FindMatchesMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Indexer/FindMatchesMany',
+            kvmesh_dot_v1_dot_indexer__pb2.FindMatchesQueries.SerializeToString,
+            kvmesh_dot_v1_dot_indexer__pb2.FindMatchesAnswers.FromString,
             options,
             channel_credentials,
             insecure,
