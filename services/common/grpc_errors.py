@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import grpc
 
+from kvmesh.common.proto.kvmesh.v1 import common_pb2
+
 ORIGIN_KEY = "kvmesh-origin"
 _TRANSPORT_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
@@ -36,3 +38,14 @@ def is_transport_failure(error: grpc.aio.AioRpcError) -> bool:
 async def refuse(context: grpc.aio.ServicerContext, service: str, code: grpc.StatusCode, message: str) -> None:
     """Abort the call as a deliberate answer of ``service`` (never retried elsewhere)."""
     await context.abort(code, message, trailing_metadata=origin_metadata(service))
+
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def error_of_end(end: common_pb2.RequestEnd) -> grpc.aio.AioRpcError:
+    """The error a request's own call would have raised, from how it ended on a shared stream
+    (its status, details and the ``kvmesh-origin`` of a refusal)."""
+    code = _STATUS_BY_NUMBER.get(end.code, grpc.StatusCode.UNKNOWN)
+    trailing = grpc.aio.Metadata((ORIGIN_KEY, end.origin)) if end.origin else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, end.details)

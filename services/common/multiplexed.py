@@ -26,13 +26,15 @@ log = structlog.get_logger(__name__)
 GenerateOne = Callable[[common_pb2.PreprocessedRequest, object], AsyncIterator[common_pb2.GenerateOutput]]
 
 
-class _RequestEnded(Exception):
+class RequestEnded(Exception):
+    """How :class:`RequestContext`'s ``abort`` ends one request of a shared stream."""
+
     def __init__(self, end: common_pb2.RequestEnd) -> None:
         super().__init__(end.details)
         self.end = end
 
 
-class _RequestContext:
+class RequestContext:
     """What ``Generate`` needs of a servicer context, for one request of a shared stream: an abort
     ends that request with the status, never the stream."""
 
@@ -40,7 +42,7 @@ class _RequestContext:
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple[tuple[str, str], ...] = ()
     ) -> None:
         origin = next((value for key, value in trailing_metadata if key == ORIGIN_KEY), "")
-        raise _RequestEnded(common_pb2.RequestEnd(code=code.value[0], details=details, origin=origin))
+        raise RequestEnded(common_pb2.RequestEnd(code=code.value[0], details=details, origin=origin))
 
 
 class RequestMultiplexer:
@@ -116,12 +118,12 @@ class RequestMultiplexer:
         put = self._outbox.put_nowait
         end = common_pb2.RequestEnd()
         try:
-            async with contextlib.aclosing(self._generate_one(request, _RequestContext())) as outputs:
+            async with contextlib.aclosing(self._generate_one(request, RequestContext())) as outputs:
                 async for output in outputs:
                     put(common_pb2.StreamItem(request_id=request_id, output=output))
         except asyncio.CancelledError:
             return  # the caller cancelled it: it expects nothing more (Generate's cleanup has run)
-        except _RequestEnded as ended:
+        except RequestEnded as ended:
             end = ended.end
         except Exception as exc:  # a bug must end this request, not the stream and its other requests
             log.exception("request failed", request_id=request_id)

@@ -19,7 +19,7 @@ import grpc
 
 from kvmesh.common.backlog import Backlog
 from kvmesh.common.channels import ChannelPool
-from kvmesh.common.grpc_errors import ORIGIN_KEY
+from kvmesh.common.grpc_errors import error_of_end
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2_grpc
 from kvmesh.common.runtime import cancel_and_wait
 
@@ -33,15 +33,6 @@ def open_worker_stream(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
 
 def open_router_stream(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
     return router_pb2_grpc.RouterStub(channel).GenerateMany()
-
-
-_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def _as_error(end: common_pb2.RequestEnd) -> grpc.aio.AioRpcError:
-    code = _STATUS_BY_NUMBER.get(end.code, grpc.StatusCode.UNKNOWN)
-    trailing = grpc.aio.Metadata((ORIGIN_KEY, end.origin)) if end.origin else grpc.aio.Metadata()
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, end.details)
 
 
 class _Inbox:
@@ -157,7 +148,7 @@ class StreamSession:
                 if item.HasField("end"):
                     ended = True
                     if item.end.code:
-                        raise _as_error(item.end)
+                        raise error_of_end(item.end)
                     return
                 yield item.output
         finally:

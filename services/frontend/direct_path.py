@@ -16,7 +16,7 @@ from kvmesh.common import names
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.grpc_errors import ORIGIN_KEY, is_transport_failure
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
 from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport, encode_reports
 from kvmesh.common.requests import DEFAULT_MAX_TOKENS, AnswerUsage, continue_request
 from kvmesh.common.stream_sessions import StreamSessions, open_worker_stream
@@ -60,13 +60,12 @@ class DirectTokenPath:
     ) -> AsyncIterator[common_pb2.GenerateOutput]:
         """The request's outputs; raises ``grpc.aio.AioRpcError`` as ``Router.Generate`` would (a
         transport failure of the router's Route call, too: the caller fails over to another replica)."""
-        stub = self._routers.stub(router_address)
         usage = AnswerUsage(len(request.token_ids))
         max_tokens = request.stop.max_tokens or DEFAULT_MAX_TOKENS
         migration = 0
         while True:
             sent = request if not migration else continue_request(request, usage.generated, max_tokens, f"m{migration}")
-            route = await self._route(stub, router_pb2.RouteRequest(request=sent, migration=migration))
+            route = await self._route(router_address, router_pb2.RouteRequest(request=sent, migration=migration))
             if route.relay:
                 async with contextlib.aclosing(self._routers.generate(sent, router_address)) as outputs:
                     async for output in outputs:
@@ -122,12 +121,10 @@ class DirectTokenPath:
                 return
             migration += 1
 
-    async def _route(
-        self, stub: router_pb2_grpc.RouterStub, query: router_pb2.RouteRequest
-    ) -> router_pb2.RouteResponse:
+    async def _route(self, router_address: str, query: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
         """``Router.Route``. If the client goes away while the router answers, the request may be
         counted all the same: it is then reported ended at once, so it leaves no load behind."""
-        call = asyncio.ensure_future(stub.Route(query))
+        call = asyncio.ensure_future(self._routers.route(router_address, query))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:

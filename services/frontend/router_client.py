@@ -5,12 +5,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator
 
+import grpc
 from nats.js import JetStreamContext
 
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
+from kvmesh.common.grpc_errors import error_of_end
 from kvmesh.common.grpc_streams import messages
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvmesh.common.query_streams import QueryKind, QueryStreamBroken, QueryStreams
 from kvmesh.common.stream_sessions import StreamSessions, open_router_stream
 
 
@@ -18,12 +21,27 @@ class NoRouterError(RuntimeError):
     """No router replica is registered."""
 
 
+def _route_response(answer: router_pb2.RouteAnswer) -> router_pb2.RouteResponse:
+    if answer.HasField("refused"):
+        raise error_of_end(answer.refused)
+    return answer.response
+
+
+ROUTE_QUERIES: QueryKind[router_pb2.RouteRequest, router_pb2.RouteResponse] = QueryKind(
+    open=lambda channel: router_pb2_grpc.RouterStub(channel).RouteMany(),
+    query=router_pb2.RouteQuery,
+    queries=router_pb2.RouteQueries,
+    response_of=_route_response,
+)
+
+
 class RouterClient:
     """Streams a request's answer from a router replica, spreading requests over the replicas.
 
     Holds one channel per live replica, and over it one ``Router.GenerateMany`` stream that all
-    requests to that replica share (``multiplexed``; else a ``Router.Generate`` call each):
-    :meth:`router_left` (the watcher's removal callback) drops a departed replica's."""
+    requests to that replica share (``multiplexed``; else a ``Router.Generate`` call each) and,
+    once :meth:`route` is used, one ``Router.RouteMany`` stream: :meth:`router_left` (the
+    watcher's removal callback) drops a departed replica's."""
 
     def __init__(
         self, watcher: DiscoveryWatcher | None = None, fixed_address: str | None = None, multiplexed: bool = True
@@ -33,6 +51,7 @@ class RouterClient:
         self._fixed = fixed_address
         self._channels = ChannelPool()
         self._sessions = StreamSessions(self._channels, open_router_stream) if multiplexed else None
+        self._routes = QueryStreams(ROUTE_QUERIES, self._channels)
         self._counter = itertools.count()
 
     def watch(self, js: JetStreamContext, namespace: str) -> DiscoveryWatcher:
@@ -65,9 +84,16 @@ class RouterClient:
             return self._sessions.generate(address, request)
         return messages(router_pb2_grpc.RouterStub(self._channels.get(address)).Generate(request))
 
-    def stub(self, address: str) -> router_pb2_grpc.RouterStub:
-        """A stub for the router replica at ``address``, over the channel its streams use."""
-        return router_pb2_grpc.RouterStub(self._channels.get(address))
+    async def route(self, address: str, query: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
+        """``Router.Route`` at ``address``, over that replica's ``RouteMany`` stream; raises
+        ``grpc.aio.AioRpcError`` as the call would: its refusals as they are, a broken stream as
+        UNAVAILABLE without origin (a transport failure, which the caller fails over)."""
+        try:
+            return await self._routes.ask(address, query)
+        except QueryStreamBroken as exc:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), str(exc)
+            ) from exc
 
     def channel_addresses(self) -> list[str]:
         """Addresses with an open channel (for tests and inspection)."""
@@ -76,9 +102,11 @@ class RouterClient:
     async def router_left(self, record: InstanceRecord) -> None:
         if self._sessions is not None:
             self._sessions.drop(record.address)
+        self._routes.forget(record.address)
         await self._channels.drop(record.address)
 
     async def close(self) -> None:
         if self._sessions is not None:
             await self._sessions.close()
+        await self._routes.close()
         await self._channels.close()

@@ -20,14 +20,16 @@ import grpc
 import structlog
 
 from kvmesh.common import disagg
+from kvmesh.common.backlog import Backlog
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.disagg import DecodeOrder, DisaggParamsError, KvSource
 from kvmesh.common.discovery import InstanceRecord
 from kvmesh.common.grpc_errors import is_transport_failure, refuse
 from kvmesh.common.grpc_streams import messages
-from kvmesh.common.multiplexed import RequestMultiplexer
+from kvmesh.common.multiplexed import RequestContext, RequestEnded, RequestMultiplexer
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 from kvmesh.common.requests import DEFAULT_MAX_TOKENS, AnswerUsage, continue_request
+from kvmesh.common.runtime import cancel_and_wait
 from kvmesh.common.stream_sessions import StreamSessions
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_job import (
@@ -182,6 +184,42 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def RouteMany(
+        self, request_iterator: AsyncIterator[router_pb2.RouteQueries], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.RouteAnswers]:
+        """:meth:`Route` for each query of the stream, concurrently (a query waits on the indexer);
+        each answer goes out as soon as it is decided, with the others then ready. A refusal
+        answers its query only; the stream goes on (docs/decisions/0024)."""
+        answers: Backlog[router_pb2.RouteAnswer] = Backlog()
+        running: set[asyncio.Task[None]] = set()
+
+        async def answer(query: router_pb2.RouteQuery) -> None:
+            reply = router_pb2.RouteAnswer(query_id=query.query_id)
+            try:
+                reply.response.CopyFrom(await self.Route(query.request, RequestContext()))
+            except RequestEnded as ended:
+                reply.refused.CopyFrom(ended.end)
+            except Exception as exc:  # a bug must answer this query, not end the stream
+                log.exception("route failed", request_id=query.request.request.request_id)
+                details = f"{type(exc).__name__}: {exc}"
+                reply.refused.CopyFrom(common_pb2.RequestEnd(code=grpc.StatusCode.INTERNAL.value[0], details=details))
+            answers.add(reply)
+
+        async def read() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+                async for message in request_iterator:
+                    for query in message.queries:
+                        task = asyncio.create_task(answer(query))
+                        running.add(task)
+                        task.add_done_callback(running.discard)
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                yield router_pb2.RouteAnswers(answers=await answers.take())
+        finally:
+            await cancel_and_wait(reader, *running)
 
     def _track(
         self, sent: common_pb2.PreprocessedRequest, worker: InstanceRecord, block_hashes: list[int], overlap: int

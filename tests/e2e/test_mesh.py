@@ -132,6 +132,65 @@ def test_router_grpc_api_with_generated_stubs(kv_mesh):
     assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
+def test_route_many_answers_each_query_as_route_would(kv_mesh):
+    """``Router.RouteMany`` (the stream the frontend's direct path routes over): a message's
+    queries each get Route's answer or refusal, by query id, and the stream goes on after a refusal."""
+
+    def query(query_id: int, request_id: str, tokens: list[int]) -> router_pb2.RouteQuery:
+        request = common_pb2.PreprocessedRequest(request_id=request_id, model=MODEL, token_ids=tokens)
+        return router_pb2.RouteQuery(query_id=query_id, request=router_pb2.RouteRequest(request=request))
+
+    async def answers_to(stream, *queries: router_pb2.RouteQuery) -> dict[int, router_pb2.RouteAnswer]:
+        await stream.write(router_pb2.RouteQueries(queries=queries))
+        answers: dict[int, router_pb2.RouteAnswer] = {}
+        while len(answers) < len(queries):  # each is sent once decided: they may come apart
+            answers.update((a.query_id, a) for a in (await stream.read()).answers)
+        return answers
+
+    async def call() -> None:
+        nc = await nats.connect(kv_mesh.nats_url)
+        routers = DiscoveryWatcher(nc.jetstream(), "default", "router")
+        workers = DiscoveryWatcher(nc.jetstream(), "default", "worker")
+        await routers.start()
+        await workers.start()
+        try:
+            async with grpc.aio.insecure_channel(routers.instances()[0].address) as channel:
+                router = router_pb2_grpc.RouterStub(channel)
+
+                async def active() -> int:
+                    return (await router.GetStatus(router_pb2.RouterStatusRequest())).active_requests
+
+                before = await active()
+                stream = router.RouteMany()
+                first = await answers_to(
+                    stream, query(1, "many-a", [5] * 40), query(2, "many-b", [6] * 40), query(3, "many-c", [])
+                )
+                addresses = {w.address for w in workers.instances()}
+                for routed in (first[1], first[2]):
+                    assert not routed.HasField("refused") and routed.response.worker_address in addresses
+                assert first[3].refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                assert first[3].refused.origin == "router" and "token_ids" in first[3].refused.details
+                assert await active() == before + 2
+                again = await answers_to(stream, query(4, "many-a", [5] * 40))
+                assert again[4].refused.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+                stream.cancel()
+
+                subject = names.router_reports_subject("default", first[1].response.router_id)
+                ends = [RequestReport(END, r, "completed", 1) for r in ("many-a", "many-b")]
+                await nc.publish(subject, encode_reports(ends))
+
+                async def freed() -> bool:
+                    return await active() == before
+
+                await wait_until_async(freed, what="the reported ends to free both requests")
+        finally:
+            await routers.stop()
+            await workers.stop()
+            await nc.close()
+
+    asyncio.run(call())
+
+
 def test_route_counts_a_request_until_its_end_is_reported(kv_mesh):
     """``Router.Route`` (``--token-path direct``'s call) over gRPC, and its end reported over NATS."""
 

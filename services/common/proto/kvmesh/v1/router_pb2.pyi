@@ -47,6 +47,36 @@ class RouteResponse(_message.Message):
     forced: bool
     def __init__(self, relay: _Optional[bool] = ..., worker_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., router_id: _Optional[str] = ..., migration_limit: _Optional[int] = ..., forced: _Optional[bool] = ...) -> None: ...
 
+class RouteQuery(_message.Message):
+    __slots__ = ("query_id", "request")
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    query_id: int
+    request: RouteRequest
+    def __init__(self, query_id: _Optional[int] = ..., request: _Optional[_Union[RouteRequest, _Mapping]] = ...) -> None: ...
+
+class RouteQueries(_message.Message):
+    __slots__ = ("queries",)
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    queries: _containers.RepeatedCompositeFieldContainer[RouteQuery]
+    def __init__(self, queries: _Optional[_Iterable[_Union[RouteQuery, _Mapping]]] = ...) -> None: ...
+
+class RouteAnswer(_message.Message):
+    __slots__ = ("query_id", "response", "refused")
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    query_id: int
+    response: RouteResponse
+    refused: _common_pb2.RequestEnd
+    def __init__(self, query_id: _Optional[int] = ..., response: _Optional[_Union[RouteResponse, _Mapping]] = ..., refused: _Optional[_Union[_common_pb2.RequestEnd, _Mapping]] = ...) -> None: ...
+
+class RouteAnswers(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[RouteAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[RouteAnswer, _Mapping]]] = ...) -> None: ...
+
 class BestWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "dp_rank", "overlap_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

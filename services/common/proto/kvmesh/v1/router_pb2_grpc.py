@@ -51,6 +51,11 @@ class RouterStub:
                 request_serializer=kvmesh_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.RouteMany = channel.stream_stream(
+                '/kvmesh.v1.Router/RouteMany',
+                request_serializer=kvmesh_dot_v1_dot_router__pb2.RouteQueries.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteAnswers.FromString,
+                _registered_method=True)
         self.BestWorker = channel.unary_unary(
                 '/kvmesh.v1.Router/BestWorker',
                 request_serializer=kvmesh_dot_v1_dot_router__pb2.RoutingQuery.SerializeToString,
@@ -95,6 +100,15 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RouteMany(self, request_iterator, context):
+        """Route over one stream, for a caller that routes every request (the frontend's direct path):
+        each message carries every query the caller has ready; each query is answered as soon as it is
+        decided, with what Route would answer or refuse (docs/decisions/0024).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def BestWorker(self, request, context):
         """The worker Generate would choose for these tokens now, without routing anything.
         """
@@ -133,6 +147,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_router__pb2.RouteResponse.SerializeToString,
+            ),
+            'RouteMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.RouteMany,
+                    request_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteQueries.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_router__pb2.RouteAnswers.SerializeToString,
             ),
             'BestWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.BestWorker,
@@ -232,6 +251,33 @@ class Router:
             '/kvmesh.v1.Router/Route',
             kvmesh_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
             kvmesh_dot_v1_dot_router__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RouteMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Router/RouteMany',
+            kvmesh_dot_v1_dot_router__pb2.RouteQueries.SerializeToString,
+            kvmesh_dot_v1_dot_router__pb2.RouteAnswers.FromString,
             options,
             channel_credentials,
             insecure,
