@@ -87,9 +87,9 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions):
     api_key_file: str | None = option(None, "file of API keys, one per line")
     max_concurrent_requests: int = option(0, "HTTP requests in flight at once; more get a 503 (0: no limit)")
     token_path: str = option(
-        "router",
-        "how answers reach the frontend: router (relayed by the router) or direct (streamed from the worker; "
-        "the router only chooses it and hears the first token and the end; docs/decisions/0023)",
+        "direct",
+        "how answers reach the frontend: direct (streamed from the worker; the router only chooses it and hears "
+        "the first token and the end) or router (relayed by the router); docs/decisions/0023",
         choices=TOKEN_PATHS,
     )
     grpc_tls_cert: str | None = option(

@@ -68,10 +68,17 @@ class QueryStream(Generic[RequestT, ResponseT]):
         if self.broken is not None:
             raise self.broken
         self._last_id += 1
+        query_id = self._last_id
         answer: asyncio.Future[ResponseT] = asyncio.get_running_loop().create_future()
-        self._waiting[self._last_id] = answer
-        self._unsent.add(self._kind.query(query_id=self._last_id, request=request))
+        self._waiting[query_id] = answer
+        answer.add_done_callback(lambda done: self._forget_cancelled(query_id, done))
+        self._unsent.add(self._kind.query(query_id=query_id, request=request))
         return answer
+
+    def _forget_cancelled(self, query_id: int, answer: asyncio.Future[ResponseT]) -> None:
+        # a peer that never answers must not make the waiting table grow with every query given up
+        if answer.cancelled():
+            self._waiting.pop(query_id, None)
 
     async def _write_all(self) -> None:
         try:

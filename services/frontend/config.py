@@ -36,11 +36,11 @@ class FrontendConfig(CommonConfig):
         "GenerateMany)",
     )
     token_path: str = option(
-        "router",
-        "how answers reach the frontend: router (the router relays the worker's stream) or direct (the router "
-        "only chooses the worker, Router.Route; the frontend streams from the worker itself and reports the "
-        "first token and the end to that router over NATS; requests split into prefill and decode still go "
-        "through the router). Migration, refusals and usage behave the same (docs/decisions/0023)",
+        "direct",
+        "how answers reach the frontend: direct (the router only chooses the worker, Router.Route; the frontend "
+        "streams from the worker itself and reports the first token and the end to that router over NATS) or "
+        "router (the router relays the worker's stream). Requests split into prefill and decode go through the "
+        "router either way; migration, refusals and usage behave the same (docs/decisions/0023)",
         choices=TOKEN_PATHS,
     )
 

@@ -125,3 +125,17 @@ async def test_queries_in_flight_on_a_replica_that_dies_go_to_the_next():
     finally:
         await client.close()
         await servers[1].stop(0)
+
+
+async def test_queries_given_up_on_a_silent_replica_are_not_kept():
+    silent = ScriptedIndexer("silent")
+    server = await serve(silent)
+    client = IndexerClient(Replicas([server]), ChannelPool(), 0.05, InOrder())  # type: ignore[arg-type]
+    try:
+        for _ in range(5):
+            assert (await client.find_matches([1, 2])).matched == {}  # routing goes on load alone
+        streams = list(client._streams._streams.values())
+        assert len(streams) == 1 and not streams[0]._waiting
+    finally:
+        await client.close()
+        await server.stop(0)
