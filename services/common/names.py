@@ -23,12 +23,6 @@ def router_sync_subject(namespace: str) -> str:
     return f"kvmesh.{namespace}.router.sync"
 
 
-def router_reports_subject(namespace: str, router_id: str) -> str:
-    """Frontends streaming straight from workers report each request's first token and end to the
-    router replica that routed it here (docs/decisions/0023)."""
-    return f"kvmesh.{namespace}.router.{router_id}.reports"
-
-
 def load_report_subject(namespace: str) -> str:
     """Frontends publish what they served each few seconds here; the planner listens."""
     return f"kvmesh.{namespace}.metrics.frontend"

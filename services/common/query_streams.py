@@ -15,6 +15,7 @@ answers``, each ``{query_id, response}`` or, for a query it will not answer, a r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -41,6 +42,14 @@ class QueryKind(Generic[RequestT, ResponseT]):
     query: Callable[..., Any]  # the query message type: query(query_id=..., request=...)
     queries: Callable[..., Any]  # the caller's message type: queries(queries=[...])
     response_of: Callable[[Any], ResponseT]  # an answer's response, or raise its refusal
+    # for a stream that also carries notes (messages that need no answer): puts them in a message
+    attach_notes: Callable[[Any, list[Any]], None] | None = None
+
+
+# A note waits this long for a query to ride with before it is sent alone: the peer learns it that
+# much later, which is small beside a request's life, and one message carries many notes.
+NOTES_WINDOW_S = 0.002
+_SEND_NOTES = object()  # the writer's wake-up when the notes' window ends
 
 
 class QueryStream(Generic[RequestT, ResponseT]):
@@ -56,6 +65,9 @@ class QueryStream(Generic[RequestT, ResponseT]):
         self._last_id = 0
         self._waiting: dict[int, asyncio.Future[ResponseT]] = {}
         self._unsent: Backlog[Any] = Backlog()
+        self._notes: list[Any] = []
+        self._notes_due: asyncio.TimerHandle | None = None
+        self._closing = False
         self.broken: QueryStreamBroken | None = None
         self._tasks = [
             asyncio.create_task(self._write_all(), name=f"queries-write-{address}"),
@@ -75,6 +87,16 @@ class QueryStream(Generic[RequestT, ResponseT]):
         self._unsent.add(self._kind.query(query_id=query_id, request=request))
         return answer
 
+    def tell(self, note: Any) -> None:
+        """Send ``note`` with the next message: with the next query, or alone once
+        :data:`NOTES_WINDOW_S` has passed. Notes are sent in the order told; on a broken stream
+        they are dropped (the peer is gone, or lost what it was told anyway)."""
+        if self.broken is not None:
+            return
+        self._notes.append(note)
+        if self._notes_due is None:
+            self._notes_due = asyncio.get_running_loop().call_later(NOTES_WINDOW_S, self._unsent.add, _SEND_NOTES)
+
     def _forget_cancelled(self, query_id: int, answer: asyncio.Future[ResponseT]) -> None:
         # a peer that never answers must not make the waiting table grow with every query given up
         if answer.cancelled():
@@ -82,9 +104,18 @@ class QueryStream(Generic[RequestT, ResponseT]):
 
     async def _write_all(self) -> None:
         try:
-            while True:
-                queries = await self._unsent.take()
-                await self._call.write(self._kind.queries(queries=queries))
+            while not (self._closing and not self._notes):
+                queries = [item for item in await self._unsent.take() if item is not _SEND_NOTES]
+                notes, self._notes = self._notes, []
+                if self._notes_due is not None:
+                    self._notes_due.cancel()
+                    self._notes_due = None
+                if not queries and not notes:
+                    continue  # the window's notes already rode with a query
+                message = self._kind.queries(queries=queries)
+                if notes and self._kind.attach_notes is not None:
+                    self._kind.attach_notes(message, notes)
+                await self._call.write(message)
         except Exception as exc:  # the call ended (AioRpcError, or InvalidStateError once cancelled)
             self._break(exc)
 
@@ -119,7 +150,16 @@ class QueryStream(Generic[RequestT, ResponseT]):
                 waiting.set_exception(self.broken)
         self._waiting.clear()
 
-    async def close(self) -> None:
+    async def close(self, notes_grace_s: float = 1.0) -> None:
+        """End the stream; notes not yet sent get up to ``notes_grace_s`` to go first (cancelling
+        a write in flight would cut the call, so the writer finishes its own)."""
+        if self._notes and self.broken is None:
+            self._closing = True
+            self._unsent.add(_SEND_NOTES)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._tasks[0]), notes_grace_s)
+        if self._notes_due is not None:
+            self._notes_due.cancel()
         self._call.cancel()
         await cancel_and_wait(*self._tasks)
         self._break(None)
@@ -138,12 +178,23 @@ class QueryStreams(Generic[RequestT, ResponseT]):
     def ask(self, address: str, request: RequestT) -> asyncio.Future[ResponseT]:
         """:meth:`QueryStream.ask` on ``address``'s stream; raises :class:`QueryStreamBroken` when
         that stream broke (the next ask opens a new one)."""
+        return self._stream_to(address).ask(request)
+
+    def tell(self, address: str, note: Any) -> None:
+        """:meth:`QueryStream.tell` on ``address``'s stream. Notes concern what was asked there, so
+        without a stream that is still open (it broke, or the peer left) the note is dropped rather
+        than a stream opened for it, which for a departed peer would reconnect forever."""
+        stream = self._streams.get(address)
+        if stream is not None:
+            stream.tell(note)
+
+    def _stream_to(self, address: str) -> QueryStream[RequestT, ResponseT]:
         stream = self._streams.get(address)
         if stream is None or stream.broken is not None:
             if stream is not None:
                 self._close_later(stream)
             stream = self._streams[address] = QueryStream(self._kind, self._channels.get(address), address)
-        return stream.ask(request)
+        return stream
 
     def forget(self, address: str) -> None:
         """The peer left: close its stream (queries waiting on it fail over at once)."""

@@ -1,8 +1,8 @@
 """What a frontend streaming straight from a worker tells the router that routed the request
 (``--token-path direct``, docs/decisions/0023): the first token, and the end of each try.
 
-A msgpack list of report maps per message (the reports of a few milliseconds, batched), published
-on NATS core to ``kvmesh.<ns>.router.<router_id>.reports``.
+A msgpack list of report maps per message (the reports of a few milliseconds, batched), in the
+``reports`` field of the frontend's next ``RouteMany`` message to the replica that routed them.
 The router applies them to its load picture exactly as it would had it relayed the stream itself
 (MarkPrefillCompleted, Free) and passes them to its replicas through replica sync as usual; a report
 that is lost leaves the request to ``--request-timeout-secs``, like a lost Free.

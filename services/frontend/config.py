@@ -38,7 +38,7 @@ class FrontendConfig(CommonConfig):
     token_path: str = option(
         "direct",
         "how answers reach the frontend: direct (the router only chooses the worker, Router.Route; the frontend "
-        "streams from the worker itself and reports the first token and the end to that router over NATS) or "
+        "streams from the worker itself and reports the first token and the end to that router) or "
         "router (the router relays the worker's stream). Requests split into prefill and decode go through the "
         "router either way; migration, refusals and usage behave the same (docs/decisions/0023)",
         choices=TOKEN_PATHS,

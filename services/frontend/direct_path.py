@@ -9,33 +9,28 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
-from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
-from kvmesh.common import names
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.grpc_errors import ORIGIN_KEY, is_transport_failure
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
-from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport, encode_reports
+from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport
 from kvmesh.common.requests import DEFAULT_MAX_TOKENS, AnswerUsage, continue_request
 from kvmesh.common.stream_sessions import StreamSessions, open_worker_stream
 from kvmesh.frontend.router_client import RouterClient
 
 log = structlog.get_logger(__name__)
 
-# reports wait this long to share a message: the router's picture lags by as much, which is small
-# beside a request's life, and NATS carries one message where it carried dozens
-REPORT_WINDOW_S = 0.002
-
 
 class DirectTokenPath:
     """Serves a request the way ``Router.Generate`` would, without the router in the token path.
 
-    A router replica chooses the worker and counts the request (``Router.Route``); the answer
-    streams from the worker over this frontend's own ``Worker.GenerateMany`` stream to it; the first
-    token and the end of each try are reported to that replica over NATS, which applies them to its
-    load picture as its relay would have.
+    A router replica chooses the worker and counts the request (``Router.Route``, over the
+    frontend's ``RouteMany`` stream to it); the answer streams from the worker over this frontend's
+    own ``Worker.GenerateMany`` stream to it; the first token and the end of each try are reported
+    to that replica on the same ``RouteMany`` stream, and it applies them to its load picture as
+    its relay would have.
 
     Guarantees, the same as the relay's: the outputs carry the usage of the whole request (the
     original prompt, every token of every try); a worker that breaks mid-stream is avoided and the
@@ -46,14 +41,10 @@ class DirectTokenPath:
     decode (``relay``) is served through the router's Generate instead.
     """
 
-    def __init__(self, routers: RouterClient, nc: NatsClient, namespace: str) -> None:
+    def __init__(self, routers: RouterClient) -> None:
         self._routers = routers
-        self._nc = nc
-        self._namespace = namespace
         self._channels = ChannelPool()
         self._sessions = StreamSessions(self._channels, open_worker_stream)
-        self._pending: dict[str, list[RequestReport]] = {}  # reports not yet sent, by subject
-        self._sending: set[asyncio.Task[None]] = set()
 
     async def generate(
         self, request: common_pb2.PreprocessedRequest, router_address: str
@@ -71,7 +62,6 @@ class DirectTokenPath:
                     async for output in outputs:
                         yield usage.account(output)
                 return
-            reports = names.router_reports_subject(self._namespace, route.router_id)
             end = RequestReport(END, sent.request_id, outcome="cancelled")  # unless it ends otherwise
             failed_worker: int | None = None  # set when the stream broke: the request may move on
             try:
@@ -81,7 +71,7 @@ class DirectTokenPath:
                     async for output in outputs:
                         if first:
                             first = False
-                            self._report(reports, RequestReport(FIRST_TOKEN, sent.request_id))
+                            self._routers.report(router_address, RequestReport(FIRST_TOKEN, sent.request_id))
                         finished = output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                         output = usage.account(output)
                         if finished:
@@ -104,12 +94,13 @@ class DirectTokenPath:
                 )
             finally:
                 if failed_worker is None:  # finished, refused, or closed by the client
-                    self._report(reports, end)
+                    self._routers.report(router_address, end)
             # the stream broke or ended unfinished: what the router's relay would decide
             gives_up = route.forced or migration >= route.migration_limit
             done = len(usage.generated) >= max_tokens
             outcome = "unavailable" if gives_up else "completed" if done else "migrated"
-            self._report(reports, RequestReport(END, sent.request_id, outcome, len(usage.generated), failed_worker))
+            ended = RequestReport(END, sent.request_id, outcome, len(usage.generated), failed_worker)
+            self._routers.report(router_address, ended)
             if gives_up:
                 how = "forced worker" if route.forced else f"{migration} migrations"
                 raise _refusal(
@@ -133,33 +124,10 @@ class DirectTokenPath:
             def release(done: asyncio.Future[router_pb2.RouteResponse]) -> None:
                 if done.cancelled() or done.exception() is not None or done.result().relay:
                     return
-                subject = names.router_reports_subject(self._namespace, done.result().router_id)
-                self._report(subject, RequestReport(END, request_id, outcome="cancelled"))
+                self._routers.report(router_address, RequestReport(END, request_id, outcome="cancelled"))
 
             call.add_done_callback(release)
             raise
-
-    def _report(self, subject: str, report: RequestReport) -> None:
-        # batched for REPORT_WINDOW_S and sent from a task: the stream's consumer never waits on
-        # NATS, one message carries the reports of many requests, and a request's keep their order
-        pending = self._pending.get(subject)
-        if pending is None:
-            pending = self._pending[subject] = []
-            asyncio.get_running_loop().call_later(REPORT_WINDOW_S, self._flush, subject)
-        pending.append(report)
-
-    def _flush(self, subject: str) -> None:
-        reports = self._pending.pop(subject, [])
-        if reports:
-            task = asyncio.get_running_loop().create_task(self._send(subject, reports))
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
-
-    async def _send(self, subject: str, reports: list[RequestReport]) -> None:
-        try:
-            await self._nc.publish(subject, encode_reports(reports))
-        except Exception as exc:  # a lost report leaves its request to the router's request timeout
-            log.warning("request reports not sent", reports=len(reports), error=str(exc))
 
     def watch(self, js: JetStreamContext, namespace: str) -> DiscoveryWatcher:
         """Follow the workers in discovery (start the returned watcher): a worker that leaves has its
@@ -171,9 +139,6 @@ class DirectTokenPath:
         await self._channels.drop(record.address)
 
     async def close(self) -> None:
-        for subject in list(self._pending):
-            self._flush(subject)
-        await asyncio.gather(*self._sending, return_exceptions=True)
         await self._sessions.close()
         await self._channels.close()
 

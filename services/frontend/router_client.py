@@ -14,6 +14,7 @@ from kvmesh.common.grpc_errors import error_of_end
 from kvmesh.common.grpc_streams import messages
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from kvmesh.common.query_streams import QueryKind, QueryStreamBroken, QueryStreams
+from kvmesh.common.request_reports import RequestReport, encode_reports
 from kvmesh.common.stream_sessions import StreamSessions, open_router_stream
 
 
@@ -27,11 +28,16 @@ def _route_response(answer: router_pb2.RouteAnswer) -> router_pb2.RouteResponse:
     return answer.response
 
 
+def _attach_reports(message: router_pb2.RouteQueries, reports: list[RequestReport]) -> None:
+    message.reports = encode_reports(reports)
+
+
 ROUTE_QUERIES: QueryKind[router_pb2.RouteRequest, router_pb2.RouteResponse] = QueryKind(
     open=lambda channel: router_pb2_grpc.RouterStub(channel).RouteMany(),
     query=router_pb2.RouteQuery,
     queries=router_pb2.RouteQueries,
     response_of=_route_response,
+    attach_notes=_attach_reports,
 )
 
 
@@ -94,6 +100,13 @@ class RouterClient:
             raise grpc.aio.AioRpcError(
                 grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), str(exc)
             ) from exc
+
+    def report(self, address: str, report: RequestReport) -> None:
+        """Tell the router replica at ``address`` how a request it routed is going (the first token,
+        the end of a try), on the ``RouteMany`` stream its route came back on: with the next
+        query, or within 2 ms. A report to a replica whose stream broke is lost, as the replica
+        itself then is; it frees the request at ``--request-timeout-secs``."""
+        self._routes.tell(address, report)
 
     def channel_addresses(self) -> list[str]:
         """Addresses with an open channel (for tests and inspection)."""

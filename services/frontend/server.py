@@ -35,7 +35,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
             await stack.start(routers.watch(nc.jetstream(), config.namespace))
         direct = None
         if config.token_path == "direct":
-            direct = DirectTokenPath(routers, nc, config.namespace)
+            direct = DirectTokenPath(routers)
             stack.push_async_callback(direct.close)
             await stack.start(direct.watch(nc.jetstream(), config.namespace))
         frontend = Frontend(model, routers, default_max_tokens=config.default_max_tokens, direct=direct)

@@ -1,14 +1,11 @@
 """The router's side of ``--token-path direct`` (docs/decisions/0023): the reports of frontends that
-stream requests straight from the workers this replica chose for them."""
+stream requests straight from the workers this replica chose for them, which arrive on their
+``RouteMany`` streams."""
 
 from __future__ import annotations
 
-import contextlib
-
 import structlog
-from nats.aio.client import Client as NatsClient
 
-from kvmesh.common import names
 from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport, decode_reports
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.routing import Router
@@ -25,27 +22,17 @@ class ReportListener:
     with its departed worker, or never routed here) changes no load, so a repeated or late report
     cannot free another request's."""
 
-    def __init__(self, nc: NatsClient, namespace: str, router: Router, metrics: RouterMetrics) -> None:
-        self._nc = nc
-        self.subject = names.router_reports_subject(namespace, router.router_id)
+    def __init__(self, router: Router, metrics: RouterMetrics) -> None:
         self._router = router
         self._metrics = metrics
-        self._sub = None
         self.applied = 0
 
-    async def start(self) -> None:
-        self._sub = await self._nc.subscribe(self.subject, cb=self._on_message)
-
-    async def stop(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-
-    async def _on_message(self, msg) -> None:
+    def apply_message(self, payload: bytes) -> None:
+        """The reports of one ``RouteMany`` message (:mod:`kvmesh.common.request_reports`)."""
         try:
-            reports = decode_reports(msg.data)
+            reports = decode_reports(payload)
         except ValueError as exc:
-            log.warning("ignoring a malformed request report", error=str(exc))
+            log.warning("ignoring malformed request reports", error=str(exc))
             return
         for report in reports:
             self.apply(report)

@@ -21,7 +21,6 @@ from kvmesh.router.indexer_client import IndexerClient
 from kvmesh.router.load_reports import publish_worker_loads_forever
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.replica_sync import ReplicaSync
-from kvmesh.router.report_listener import ReportListener
 from kvmesh.router.routing import Router
 from kvmesh.router.servicer import RouterServicer
 
@@ -79,7 +78,6 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         metrics = RouterMetrics(router.loads.pictures, lambda: len(router.sync.peers()) if router.sync else 0)
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
-        await stack.start(ReportListener(nc, config.namespace, router, metrics))
         servicer = RouterServicer(router, channels, metrics, sessions)
         registration = await stack.grpc_service(
             js,

@@ -40,6 +40,7 @@ from kvmesh.router.prefill_job import (
     decode_request,
     prefill_request,
 )
+from kvmesh.router.report_listener import ReportListener
 from kvmesh.router.routing import Router, RoutingError
 
 log = structlog.get_logger(__name__)
@@ -82,6 +83,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.channels = channels
         self.sessions = sessions if router.config.worker_streams == "multiplexed" else None
         self.metrics = metrics or RouterMetrics(router.loads.pictures, lambda: 0)
+        self.reports = ReportListener(router, self.metrics)  # what direct-path frontends tell us
 
     async def Generate(
         self, request: common_pb2.PreprocessedRequest, context: grpc.aio.ServicerContext
@@ -190,7 +192,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[router_pb2.RouteAnswers]:
         """:meth:`Route` for each query of the stream, concurrently (a query waits on the indexer);
         each answer goes out as soon as it is decided, with the others then ready. A refusal
-        answers its query only; the stream goes on (docs/decisions/0024)."""
+        answers its query only; the stream goes on (docs/decisions/0024). The caller's reports on
+        the requests it routed here ride on the same stream (:mod:`kvmesh.router.report_listener`)."""
         answers: Backlog[router_pb2.RouteAnswer] = Backlog()
         running: set[asyncio.Task[None]] = set()
 
@@ -209,6 +212,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         async def read() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
                 async for message in request_iterator:
+                    if message.reports:
+                        self.reports.apply_message(message.reports)
                     for query in message.queries:
                         task = asyncio.create_task(answer(query))
                         running.add(task)

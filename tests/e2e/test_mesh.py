@@ -10,7 +10,6 @@ import nats
 import openai
 import pytest
 
-from kvmesh.common import names
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from kvmesh.common.request_reports import END, RequestReport, encode_reports
@@ -173,16 +172,15 @@ def test_route_many_answers_each_query_as_route_would(kv_mesh):
                 assert await active() == before + 2
                 again = await answers_to(stream, query(4, "many-a", [5] * 40))
                 assert again[4].refused.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
-                stream.cancel()
-
-                subject = names.router_reports_subject("default", first[1].response.router_id)
+                # the ends are reported on the same stream, as the frontend's direct path does
                 ends = [RequestReport(END, r, "completed", 1) for r in ("many-a", "many-b")]
-                await nc.publish(subject, encode_reports(ends))
+                await stream.write(router_pb2.RouteQueries(reports=encode_reports(ends)))
 
                 async def freed() -> bool:
                     return await active() == before
 
                 await wait_until_async(freed, what="the reported ends to free both requests")
+                stream.cancel()
         finally:
             await routers.stop()
             await workers.stop()
@@ -192,7 +190,7 @@ def test_route_many_answers_each_query_as_route_would(kv_mesh):
 
 
 def test_route_counts_a_request_until_its_end_is_reported(kv_mesh):
-    """``Router.Route`` (``--token-path direct``'s call) over gRPC, and its end reported over NATS."""
+    """``Router.Route`` over gRPC, and its end reported on a ``RouteMany`` stream."""
 
     async def call() -> None:
         nc = await nats.connect(kv_mesh.nats_url)
@@ -222,13 +220,16 @@ def test_route_counts_a_request_until_its_end_is_reported(kv_mesh):
                     await router.Route(router_pb2.RouteRequest(request=common_pb2.PreprocessedRequest(request_id="e")))
                 assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
-                subject = names.router_reports_subject("default", route.router_id)
-                await nc.publish(subject, encode_reports([RequestReport(END, "routed-e2e", "completed", 3)]))
+                reports = router.RouteMany()  # where a caller of Route reports how its requests go
+                await reports.write(
+                    router_pb2.RouteQueries(reports=encode_reports([RequestReport(END, "routed-e2e", "completed", 3)]))
+                )
 
                 async def freed() -> bool:
                     return await active() == before
 
                 await wait_until_async(freed, what="the reported end to free the request")
+                reports.cancel()
         finally:
             await routers.stop()
             await workers.stop()

@@ -40,7 +40,7 @@ def test_a_malformed_message_is_refused_whole(payload):
 def listening_router():
     router = make_router({1: "aggregated", 2: "aggregated"})
     metrics = RouterMetrics(router.loads.pictures, lambda: 0)
-    return router, metrics, ReportListener(None, "default", router, metrics)
+    return router, metrics, ReportListener(router, metrics)
 
 
 def prefill_tokens(router, worker_id: int) -> int:
@@ -76,3 +76,13 @@ def test_a_report_for_a_request_not_held_changes_no_load_but_still_counts():
     assert "kept" in router.loads and prefill_tokens(router, 1) == 16
     assert router.failed.avoided(2, router.clock()) and metrics.migrations_total == 1
     assert listener.applied == 0
+
+
+def test_a_message_of_reports_is_applied_whole_and_a_malformed_one_not_at_all():
+    router, _, listener = listening_router()
+    router.track_add("a", worker(1, "aggregated"), [11], 16, 0, 0)
+    router.track_add("b", worker(2, "aggregated"), [12], 16, 0, 0)
+    listener.apply_message(msgpack.packb([{"kind": "end", "request_id": "a"}, {"kind": "free", "request_id": "b"}]))
+    assert "a" in router.loads and "b" in router.loads and listener.applied == 0  # one bad report spoils all
+    listener.apply_message(encode_reports([RequestReport(END, "a", "completed", 1), RequestReport(END, "b")]))
+    assert "a" not in router.loads and "b" not in router.loads and listener.applied == 2

@@ -56,10 +56,12 @@ class RouteQuery(_message.Message):
     def __init__(self, query_id: _Optional[int] = ..., request: _Optional[_Union[RouteRequest, _Mapping]] = ...) -> None: ...
 
 class RouteQueries(_message.Message):
-    __slots__ = ("queries",)
+    __slots__ = ("queries", "reports")
     QUERIES_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
     queries: _containers.RepeatedCompositeFieldContainer[RouteQuery]
-    def __init__(self, queries: _Optional[_Iterable[_Union[RouteQuery, _Mapping]]] = ...) -> None: ...
+    reports: bytes
+    def __init__(self, queries: _Optional[_Iterable[_Union[RouteQuery, _Mapping]]] = ..., reports: _Optional[bytes] = ...) -> None: ...
 
 class RouteAnswer(_message.Message):
     __slots__ = ("query_id", "response", "refused")

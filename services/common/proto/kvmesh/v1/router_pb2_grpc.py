@@ -93,8 +93,8 @@ class RouterServicer:
 
     def Route(self, request, context):
         """Chooses the worker for a request and counts it in the load picture, without serving it: the
-        caller streams the answer from that worker itself and reports the first token and the end on
-        kvmesh.<ns>.router.<router_id>.reports (the frontend's --token-path direct, docs/decisions/0023).
+        caller streams the answer from that worker itself and reports the first token and the end
+        (RouteMany's reports; the frontend's --token-path direct, docs/decisions/0023).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
