@@ -12,7 +12,6 @@ opens a new stream. Why: docs/decisions/0021.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -35,36 +34,6 @@ def open_router_stream(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
     return router_pb2_grpc.RouterStub(channel).GenerateMany()
 
 
-class _Inbox:
-    """One request's items, handed from the session's reader to the request's consumer.
-
-    Why not an ``asyncio.Queue``: its ``get`` and ``put_nowait`` check the running loop and manage
-    a list of waiters on every call, which profiled at 7% of a frontend's CPU; one consumer needs
-    only a deque and the one future it waits on, and it takes every item that arrived in one wake-up.
-    """
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: deque[common_pb2.StreamItem | BaseException] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put(self, item: common_pb2.StreamItem | BaseException) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def get(self) -> common_pb2.StreamItem | BaseException:
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.popleft()
-
-
 class StreamSession:
     """One open ``GenerateMany`` stream. Guarantees: each request gets its items in order and ends
     once (finished, refused, failed or cancelled); a request the consumer stops reading is cancelled
@@ -75,7 +44,7 @@ class StreamSession:
         self._call = call
         # every command ready goes in one message: one write for requests submitted together
         self._commands: Backlog[common_pb2.GenerateCommand] = Backlog()
-        self._requests: dict[str, _Inbox] = {}
+        self._requests: dict[str, Backlog[common_pb2.StreamItem | BaseException]] = {}
         self.broken: BaseException | None = None
         self.idle = asyncio.Event()
         self.idle.set()
@@ -108,7 +77,7 @@ class StreamSession:
                 for item in batch.items:
                     inbox = requests.get(item.request_id)
                     if inbox is not None:
-                        inbox.put(item)
+                        inbox.add(item)
         except grpc.aio.AioRpcError as exc:
             self._break(exc)
 
@@ -126,7 +95,7 @@ class StreamSession:
             )
         self.broken = error
         for inbox in self._requests.values():
-            inbox.put(error)
+            inbox.add(error)
 
     async def generate(self, request: common_pb2.PreprocessedRequest) -> AsyncIterator[common_pb2.GenerateOutput]:
         """The request's outputs; raises ``grpc.aio.AioRpcError`` as its own ``Generate`` would."""
@@ -135,22 +104,23 @@ class StreamSession:
             raise self.broken
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already on this stream")
-        inbox = self._requests[request_id] = _Inbox()
+        # the request's items, handed over by the session's reader (all that came, per wake-up)
+        inbox = self._requests[request_id] = Backlog()
         self.idle.clear()
         self._commands.add(common_pb2.GenerateCommand(submit=request))
         ended = False
         try:
             while True:
-                item = await inbox.get()
-                if isinstance(item, BaseException):
-                    ended = True
-                    raise item
-                if item.HasField("end"):
-                    ended = True
-                    if item.end.code:
-                        raise error_of_end(item.end)
-                    return
-                yield item.output
+                for item in await inbox.take():
+                    if isinstance(item, BaseException):
+                        ended = True
+                        raise item
+                    if item.HasField("end"):
+                        ended = True
+                        if item.end.code:
+                            raise error_of_end(item.end)
+                        return
+                    yield item.output
         finally:
             del self._requests[request_id]
             if not self._requests:

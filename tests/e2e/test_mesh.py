@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import httpx
@@ -131,6 +133,27 @@ def test_router_grpc_api_with_generated_stubs(kv_mesh):
     assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
+@contextlib.asynccontextmanager
+async def first_router(nats_url: str) -> AsyncIterator[tuple[router_pb2_grpc.RouterStub, set[str]]]:
+    """A stub for the mesh's first router replica, and the addresses of its workers."""
+    nc = await nats.connect(nats_url)
+    routers = DiscoveryWatcher(nc.jetstream(), "default", "router")
+    workers = DiscoveryWatcher(nc.jetstream(), "default", "worker")
+    await routers.start()
+    await workers.start()
+    try:
+        async with grpc.aio.insecure_channel(routers.instances()[0].address) as channel:
+            yield router_pb2_grpc.RouterStub(channel), {w.address for w in workers.instances()}
+    finally:
+        await routers.stop()
+        await workers.stop()
+        await nc.close()
+
+
+async def active_requests(router: router_pb2_grpc.RouterStub) -> int:
+    return (await router.GetStatus(router_pb2.RouterStatusRequest())).active_requests
+
+
 def test_route_many_answers_each_query_as_route_would(kv_mesh):
     """``Router.RouteMany`` (the stream the frontend's direct path routes over): a message's
     queries each get Route's answer or refusal, by query id, and the stream goes on after a refusal."""
@@ -147,44 +170,28 @@ def test_route_many_answers_each_query_as_route_would(kv_mesh):
         return answers
 
     async def call() -> None:
-        nc = await nats.connect(kv_mesh.nats_url)
-        routers = DiscoveryWatcher(nc.jetstream(), "default", "router")
-        workers = DiscoveryWatcher(nc.jetstream(), "default", "worker")
-        await routers.start()
-        await workers.start()
-        try:
-            async with grpc.aio.insecure_channel(routers.instances()[0].address) as channel:
-                router = router_pb2_grpc.RouterStub(channel)
+        async with first_router(kv_mesh.nats_url) as (router, worker_addresses):
+            before = await active_requests(router)
+            stream = router.RouteMany()
+            first = await answers_to(
+                stream, query(1, "many-a", [5] * 40), query(2, "many-b", [6] * 40), query(3, "many-c", [])
+            )
+            for routed in (first[1], first[2]):
+                assert not routed.HasField("refused") and routed.response.worker_address in worker_addresses
+            assert first[3].refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert first[3].refused.origin == "router" and "token_ids" in first[3].refused.details
+            assert await active_requests(router) == before + 2
+            again = await answers_to(stream, query(4, "many-a", [5] * 40))
+            assert again[4].refused.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+            # the ends are reported on the same stream, as the frontend's direct path does
+            ends = [RequestReport(END, r, "completed", 1) for r in ("many-a", "many-b")]
+            await stream.write(router_pb2.RouteQueries(reports=encode_reports(ends)))
 
-                async def active() -> int:
-                    return (await router.GetStatus(router_pb2.RouterStatusRequest())).active_requests
+            async def freed() -> bool:
+                return await active_requests(router) == before
 
-                before = await active()
-                stream = router.RouteMany()
-                first = await answers_to(
-                    stream, query(1, "many-a", [5] * 40), query(2, "many-b", [6] * 40), query(3, "many-c", [])
-                )
-                addresses = {w.address for w in workers.instances()}
-                for routed in (first[1], first[2]):
-                    assert not routed.HasField("refused") and routed.response.worker_address in addresses
-                assert first[3].refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-                assert first[3].refused.origin == "router" and "token_ids" in first[3].refused.details
-                assert await active() == before + 2
-                again = await answers_to(stream, query(4, "many-a", [5] * 40))
-                assert again[4].refused.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
-                # the ends are reported on the same stream, as the frontend's direct path does
-                ends = [RequestReport(END, r, "completed", 1) for r in ("many-a", "many-b")]
-                await stream.write(router_pb2.RouteQueries(reports=encode_reports(ends)))
-
-                async def freed() -> bool:
-                    return await active() == before
-
-                await wait_until_async(freed, what="the reported ends to free both requests")
-                stream.cancel()
-        finally:
-            await routers.stop()
-            await workers.stop()
-            await nc.close()
+            await wait_until_async(freed, what="the reported ends to free both requests")
+            stream.cancel()
 
     asyncio.run(call())
 
@@ -193,46 +200,30 @@ def test_route_counts_a_request_until_its_end_is_reported(kv_mesh):
     """``Router.Route`` over gRPC, and its end reported on a ``RouteMany`` stream."""
 
     async def call() -> None:
-        nc = await nats.connect(kv_mesh.nats_url)
-        routers = DiscoveryWatcher(nc.jetstream(), "default", "router")
-        workers = DiscoveryWatcher(nc.jetstream(), "default", "worker")
-        await routers.start()
-        await workers.start()
-        try:
-            async with grpc.aio.insecure_channel(routers.instances()[0].address) as channel:
-                router = router_pb2_grpc.RouterStub(channel)
+        async with first_router(kv_mesh.nats_url) as (router, worker_addresses):
+            before = await active_requests(router)
+            query = router_pb2.RouteRequest(
+                request=common_pb2.PreprocessedRequest(request_id="routed-e2e", model=MODEL, token_ids=[7] * 40)
+            )
+            route = await router.Route(query)
+            assert not route.relay and route.worker_address in worker_addresses
+            assert route.migration_limit == 3 and not route.forced
+            assert await active_requests(router) == before + 1
+            with pytest.raises(grpc.aio.AioRpcError) as twice:
+                await router.Route(query)
+            assert twice.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            with pytest.raises(grpc.aio.AioRpcError) as empty:
+                await router.Route(router_pb2.RouteRequest(request=common_pb2.PreprocessedRequest(request_id="e")))
+            assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
-                async def active() -> int:
-                    return (await router.GetStatus(router_pb2.RouterStatusRequest())).active_requests
+            reports = router.RouteMany()  # where a caller of Route reports how its requests go
+            ended = encode_reports([RequestReport(END, "routed-e2e", "completed", 3)])
+            await reports.write(router_pb2.RouteQueries(reports=ended))
 
-                before = await active()
-                query = router_pb2.RouteRequest(
-                    request=common_pb2.PreprocessedRequest(request_id="routed-e2e", model=MODEL, token_ids=[7] * 40)
-                )
-                route = await router.Route(query)
-                assert not route.relay and route.worker_address in {w.address for w in workers.instances()}
-                assert route.migration_limit == 3 and not route.forced
-                assert await active() == before + 1
-                with pytest.raises(grpc.aio.AioRpcError) as twice:
-                    await router.Route(query)
-                assert twice.value.code() == grpc.StatusCode.ALREADY_EXISTS
-                with pytest.raises(grpc.aio.AioRpcError) as empty:
-                    await router.Route(router_pb2.RouteRequest(request=common_pb2.PreprocessedRequest(request_id="e")))
-                assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            async def freed() -> bool:
+                return await active_requests(router) == before
 
-                reports = router.RouteMany()  # where a caller of Route reports how its requests go
-                await reports.write(
-                    router_pb2.RouteQueries(reports=encode_reports([RequestReport(END, "routed-e2e", "completed", 3)]))
-                )
-
-                async def freed() -> bool:
-                    return await active() == before
-
-                await wait_until_async(freed, what="the reported end to free the request")
-                reports.cancel()
-        finally:
-            await routers.stop()
-            await workers.stop()
-            await nc.close()
+            await wait_until_async(freed, what="the reported end to free the request")
+            reports.cancel()
 
     asyncio.run(call())
