@@ -192,9 +192,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[router_pb2.RouteAnswers]:
         """:meth:`Route` for each query of the stream, concurrently (a query waits on the indexer);
         each answer goes out as soon as it is decided, with the others then ready. A refusal
-        answers its query only; the stream goes on (docs/decisions/0024). The caller's reports on
-        the requests it routed here ride on the same stream (:mod:`kvmesh.router.report_listener`)."""
-        answers: Backlog[router_pb2.RouteAnswer] = Backlog()
+        answers its query only; the stream goes on (docs/decisions/0024), and ends once the caller
+        has closed its side and every query is answered. The caller's reports on the requests it
+        routed here ride on the same stream (:mod:`kvmesh.router.report_listener`)."""
+        answers: Backlog[router_pb2.RouteAnswer | None] = Backlog()  # None: the caller is done
         running: set[asyncio.Task[None]] = set()
 
         async def answer(query: router_pb2.RouteQuery) -> None:
@@ -210,7 +211,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             answers.add(reply)
 
         async def read() -> None:
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            try:
                 async for message in request_iterator:
                     if message.reports:
                         self.reports.apply_message(message.reports)
@@ -218,11 +219,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         task = asyncio.create_task(answer(query))
                         running.add(task)
                         task.add_done_callback(running.discard)
+            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+                return  # the call is over: nothing more to send
+            # the caller closed its side: answer what it asked, then end the stream
+            await asyncio.gather(*running, return_exceptions=True)
+            answers.add(None)
 
         reader = asyncio.create_task(read())
         try:
             while True:
-                yield router_pb2.RouteAnswers(answers=await answers.take())
+                ready = await answers.take()
+                replies = [reply for reply in ready if reply is not None]
+                if replies:
+                    yield router_pb2.RouteAnswers(answers=replies)
+                if len(replies) < len(ready):
+                    return
         finally:
             await cancel_and_wait(reader, *running)
 

@@ -183,15 +183,23 @@ def test_route_many_answers_each_query_as_route_would(kv_mesh):
             assert await active_requests(router) == before + 2
             again = await answers_to(stream, query(4, "many-a", [5] * 40))
             assert again[4].refused.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
-            # the ends are reported on the same stream, as the frontend's direct path does
+            # a last query, then the caller closes its side: it is answered before the stream ends
+            await stream.write(router_pb2.RouteQueries(queries=[query(5, "many-d", [])]))
+            await stream.done_writing()
+            last = []
+            while (message := await asyncio.wait_for(stream.read(), timeout=30)) is not grpc.aio.EOF:
+                last += [a.query_id for a in message.answers]
+            assert last == [5]
+            # the ends are reported on a stream too, as the frontend's direct path does
             ends = [RequestReport(END, r, "completed", 1) for r in ("many-a", "many-b")]
-            await stream.write(router_pb2.RouteQueries(reports=encode_reports(ends)))
+            reports = router.RouteMany()
+            await reports.write(router_pb2.RouteQueries(reports=encode_reports(ends)))
 
             async def freed() -> bool:
                 return await active_requests(router) == before
 
             await wait_until_async(freed, what="the reported ends to free both requests")
-            stream.cancel()
+            reports.cancel()
 
     asyncio.run(call())
 
@@ -224,6 +232,7 @@ def test_route_counts_a_request_until_its_end_is_reported(kv_mesh):
                 return await active_requests(router) == before
 
             await wait_until_async(freed, what="the reported end to free the request")
-            reports.cancel()
+            await reports.done_writing()  # a caller that closes its side ends the stream
+            assert await asyncio.wait_for(reports.read(), timeout=30) is grpc.aio.EOF
 
     asyncio.run(call())
