@@ -48,13 +48,14 @@ class RequestContext:
 class RequestMultiplexer:
     """Serves one ``GenerateMany`` stream. Guarantees: every submitted request gets its outputs in
     order and then exactly one end item, unless the caller cancels it (or the stream) first; a
-    cancelled request, or every request of a stream that ends, is aborted in the engine."""
+    cancelled request, or every request of a stream that ends, is aborted in the engine; once the
+    caller has closed its side, the stream ends after the last of its requests' end items."""
 
     def __init__(self, generate_one: GenerateOne, service: str) -> None:
         """``generate_one``: the service's own ``Generate``; ``service``: who refuses a bad submit."""
         self._generate_one = generate_one
         self._service = service
-        self._outbox: asyncio.Queue[common_pb2.StreamItem] = asyncio.Queue()
+        self._outbox: asyncio.Queue[common_pb2.StreamItem | None] = asyncio.Queue()  # None: the end
         self._running: dict[str, asyncio.Task[None]] = {}
 
     async def serve(
@@ -62,20 +63,26 @@ class RequestMultiplexer:
     ) -> AsyncIterator[common_pb2.GenerateBatch]:
         reader = asyncio.create_task(self._read(commands))
         try:
-            while True:
-                yield self._next_batch(await self._outbox.get())
+            while (first := await self._outbox.get()) is not None:
+                batch, last = self._next_batch(first)
+                yield batch
+                if last:
+                    return
         finally:
             await cancel_and_wait(reader, *self._running.values())
 
-    def _next_batch(self, first: common_pb2.StreamItem) -> common_pb2.GenerateBatch:
+    def _next_batch(self, first: common_pb2.StreamItem) -> tuple[common_pb2.GenerateBatch, bool]:
         """``first`` and everything else the outbox holds, a request's consecutive outputs merged
         into one (as ``Generate`` sends every ready token of a request in one message), so the
-        router relays one message per request per batch, not one per token."""
+        router relays one message per request per batch, not one per token; and whether the
+        stream ends after it."""
         items = [first]
         open_outputs = {first.request_id: first.output} if first.HasField("output") else {}
         outbox = self._outbox
         while not outbox.empty():
             item = outbox.get_nowait()
+            if item is None:
+                return common_pb2.GenerateBatch(items=items), True
             request_id = item.request_id
             if not item.HasField("output"):
                 open_outputs.pop(request_id, None)  # nothing merges across a request's end
@@ -89,10 +96,10 @@ class RequestMultiplexer:
                     continue
                 open_outputs[request_id] = output
             items.append(item)
-        return common_pb2.GenerateBatch(items=items)
+        return common_pb2.GenerateBatch(items=items), False
 
     async def _read(self, messages: AsyncIterator[common_pb2.GenerateCommands]) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+        try:
             async for message in messages:
                 for command in message.commands:
                     if command.HasField("submit"):
@@ -101,6 +108,11 @@ class RequestMultiplexer:
                         task = self._running.get(command.cancel)
                         if task is not None:
                             task.cancel()
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            return  # the call is over: nothing more to send
+        # the caller closed its side: its requests run to their ends, then the stream ends
+        await asyncio.gather(*self._running.values(), return_exceptions=True)
+        self._outbox.put_nowait(None)
 
     def _submit(self, request: common_pb2.PreprocessedRequest) -> None:
         request_id = request.request_id

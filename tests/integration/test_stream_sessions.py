@@ -128,6 +128,29 @@ async def test_the_commands_of_one_message_run_in_their_order(nc: NatsClient, na
         assert tokens == {"c0": 16, "c2": 16}
 
 
+async def test_a_caller_that_closes_its_side_gets_every_answer_then_the_end_of_the_stream(
+    nc: NatsClient, nats_url: str
+):
+    async with (
+        one_worker(nc, nats_url, "--speedup-ratio", "50") as (address, _),
+        grpc.aio.insecure_channel(address) as channel,
+    ):
+        call = worker_pb2_grpc.WorkerStub(channel).GenerateMany()
+        await call.write(submit(*(request(f"h{i}", 100 * i, 16) for i in range(3))))
+        await call.done_writing()  # before any answer: the requests still run to their ends
+        tokens = dict.fromkeys(("h0", "h1", "h2"), 0)
+        ended: list[str] = []
+        while (batch := await asyncio.wait_for(call.read(), timeout=30)) is not grpc.aio.EOF:
+            for item in batch.items:
+                if item.HasField("end"):
+                    assert item.end.code == 0
+                    ended.append(item.request_id)
+                else:
+                    tokens[item.request_id] += len(item.output.token_ids)
+        assert sorted(ended) == ["h0", "h1", "h2"] and set(tokens.values()) == {16}
+        assert (await call.code()) == grpc.StatusCode.OK
+
+
 async def test_refusals_and_duplicates_end_only_their_request(nc: NatsClient, nats_url: str):
     async with one_worker(nc, nats_url, "--speedup-ratio", "50") as (address, _):
         channels = ChannelPool()
