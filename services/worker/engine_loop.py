@@ -182,7 +182,7 @@ class MockEngineLoop(Engine):
         taken = cache.import_blocks(
             chained[cached : cached + len(contents)],
             local[cached : cached + len(contents)],
-            chained[cached - 1] if cached else None,
+            chained[:cached],
             contents,
         )
         self.pool_stats.imported_blocks += taken

@@ -140,28 +140,37 @@ class KvCacheManager:
         self,
         sequence_hashes: Sequence[int],
         local_hashes: Sequence[int],
-        parent_hash: int | None,
+        prefix_hashes: Sequence[int],
         contents: Sequence[bytes],
     ) -> int:
         """Cache consecutive blocks whose KV another worker computed (read from the KV pool), after
-        ``parent_hash``; returns how many were taken. Each block's bytes are checked against what
+        the cached blocks ``prefix_hashes`` (sequence hashes, the last one the new blocks' parent;
+        empty at the start); returns how many were taken. Each block's bytes are checked against what
         this worker would have computed for it; the first that differs ends the import. The blocks
         are cached, not held: the request that wanted them finds them as a cached prefix."""
         if self.kv is None:
             return 0
-        count = min(len(contents), self.blocks.num_available)
-        if count == 0:
-            return 0
-        blocks = self.blocks.allocate(count)
-        good = 0
-        for block, sequence_hash, content in zip(blocks, sequence_hashes, contents, strict=False):
-            self.kv.region(block.slot)[:] = content
-            if not self.kv.holds(block.slot, sequence_hash):
-                break
-            good += 1
-        self.blocks.register(blocks[:good], sequence_hashes[:good], local_hashes[:good], parent_hash)
-        self.blocks.release(blocks)
-        return good
+        # The prefix is held while fresh blocks are allocated: evicting it to make room (its parent
+        # is often the least recently used block) would cache the imported run under a parent this
+        # worker no longer has, and every index would drop the run as an orphan.
+        prefix = self.blocks.acquire_cached(prefix_hashes)
+        try:
+            count = min(len(contents), self.blocks.num_available)
+            if count == 0:
+                return 0
+            blocks = self.blocks.allocate(count)
+            good = 0
+            for block, sequence_hash, content in zip(blocks, sequence_hashes, contents, strict=False):
+                self.kv.region(block.slot)[:] = content
+                if not self.kv.holds(block.slot, sequence_hash):
+                    break
+                good += 1
+            parent = prefix_hashes[-1] if prefix_hashes else None
+            self.blocks.register(blocks[:good], sequence_hashes[:good], local_hashes[:good], parent)
+            self.blocks.release(blocks)
+            return good
+        finally:
+            self.blocks.release(prefix)  # after the new blocks: their tail is evicted before the prefix
 
     def free(self, request: EngineRequest) -> None:
         self.blocks.release(request.blocks)
