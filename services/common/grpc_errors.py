@@ -43,9 +43,15 @@ async def refuse(context: grpc.aio.ServicerContext, service: str, code: grpc.Sta
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
+def call_error(code: grpc.StatusCode, details: str, origin: str = "") -> grpc.aio.AioRpcError:
+    """The error a call that failed raises on its caller's side, for a failure a shared stream
+    reports instead of a call of its own: ``origin`` marks a deliberate refusal of that service;
+    without it the error is a transport failure, which callers retry elsewhere."""
+    trailing = grpc.aio.Metadata((ORIGIN_KEY, origin)) if origin else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
+
+
 def error_of_end(end: common_pb2.RequestEnd) -> grpc.aio.AioRpcError:
     """The error a request's own call would have raised, from how it ended on a shared stream
     (its status, details and the ``kvmesh-origin`` of a refusal)."""
-    code = _STATUS_BY_NUMBER.get(end.code, grpc.StatusCode.UNKNOWN)
-    trailing = grpc.aio.Metadata((ORIGIN_KEY, end.origin)) if end.origin else grpc.aio.Metadata()
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, end.details)
+    return call_error(_STATUS_BY_NUMBER.get(end.code, grpc.StatusCode.UNKNOWN), end.details, end.origin)

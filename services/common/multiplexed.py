@@ -45,6 +45,17 @@ class RequestContext:
         raise RequestEnded(common_pb2.RequestEnd(code=code.value[0], details=details, origin=origin))
 
 
+def ending_of(error: Exception, request_id: str) -> common_pb2.RequestEnd:
+    """How one request of a shared stream ends when serving it raised ``error``: a refusal
+    (:class:`RequestContext`'s ``abort``) as given; anything else is a bug, logged (call it from the
+    ``except`` block) and ended INTERNAL, so that it ends this request, not the stream."""
+    if isinstance(error, RequestEnded):
+        return error.end
+    log.exception("request failed", request_id=request_id)
+    details = f"{type(error).__name__}: {error}"
+    return common_pb2.RequestEnd(code=grpc.StatusCode.INTERNAL.value[0], details=details)
+
+
 class RequestMultiplexer:
     """Serves one ``GenerateMany`` stream. Guarantees: every submitted request gets its outputs in
     order and then exactly one end item, unless the caller cancels it (or the stream) first; a
@@ -135,11 +146,8 @@ class RequestMultiplexer:
                     put(common_pb2.StreamItem(request_id=request_id, output=output))
         except asyncio.CancelledError:
             return  # the caller cancelled it: it expects nothing more (Generate's cleanup has run)
-        except RequestEnded as ended:
-            end = ended.end
-        except Exception as exc:  # a bug must end this request, not the stream and its other requests
-            log.exception("request failed", request_id=request_id)
-            end = common_pb2.RequestEnd(code=grpc.StatusCode.INTERNAL.value[0], details=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a refusal or a bug ends this request, not the stream and its other requests
+            end = ending_of(exc, request_id)
         finally:
             self._running.pop(request_id, None)
         put(common_pb2.StreamItem(request_id=request_id, end=end))

@@ -18,7 +18,7 @@ import grpc
 
 from kvmesh.common.backlog import Backlog
 from kvmesh.common.channels import ChannelPool
-from kvmesh.common.grpc_errors import error_of_end
+from kvmesh.common.grpc_errors import call_error, error_of_end
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2_grpc
 from kvmesh.common.runtime import cancel_and_wait
 
@@ -87,12 +87,8 @@ class StreamSession:
         if isinstance(cause, grpc.aio.AioRpcError):
             error = cause
         else:
-            error = grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                f"the stream to {self.address} ended ({cause or 'closed by the peer'})",
-            )
+            ended = f"the stream to {self.address} ended ({cause or 'closed by the peer'})"
+            error = call_error(grpc.StatusCode.UNAVAILABLE, ended)
         self.broken = error
         for inbox in self._requests.values():
             inbox.add(error)

@@ -13,7 +13,7 @@ from nats.js import JetStreamContext
 
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
-from kvmesh.common.grpc_errors import ORIGIN_KEY, is_transport_failure
+from kvmesh.common.grpc_errors import call_error, is_transport_failure
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
 from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport
 from kvmesh.common.requests import DEFAULT_MAX_TOKENS, AnswerUsage, continue_request
@@ -103,10 +103,8 @@ class DirectTokenPath:
             self._routers.report(router_address, ended)
             if gives_up:
                 how = "forced worker" if route.forced else f"{migration} migrations"
-                raise _refusal(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"worker {route.worker_id} failed after {len(usage.generated)} tokens ({how})",
-                )
+                details = f"worker {route.worker_id} failed after {len(usage.generated)} tokens ({how})"
+                raise call_error(grpc.StatusCode.UNAVAILABLE, details, origin="router")  # as the relay refuses
             if done:
                 yield usage.closing_output(route.worker_id)
                 return
@@ -141,9 +139,3 @@ class DirectTokenPath:
     async def close(self) -> None:
         await self._sessions.close()
         await self._channels.close()
-
-
-def _refusal(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """An error marked as the router's deliberate answer, as its relay would have refused."""
-    trailing = grpc.aio.Metadata((ORIGIN_KEY, "router"))
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)

@@ -10,7 +10,7 @@ from nats.js import JetStreamContext
 
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
-from kvmesh.common.grpc_errors import error_of_end
+from kvmesh.common.grpc_errors import call_error, error_of_end
 from kvmesh.common.grpc_streams import messages
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from kvmesh.common.query_streams import QueryKind, QueryStreamBroken, QueryStreams
@@ -97,9 +97,7 @@ class RouterClient:
         try:
             return await self._routes.ask(address, query)
         except QueryStreamBroken as exc:
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), str(exc)
-            ) from exc
+            raise call_error(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
 
     def report(self, address: str, report: RequestReport) -> None:
         """Tell the router replica at ``address`` how a request it routed is going (the first token,

@@ -26,7 +26,7 @@ from kvmesh.common.disagg import DecodeOrder, DisaggParamsError, KvSource
 from kvmesh.common.discovery import InstanceRecord
 from kvmesh.common.grpc_errors import is_transport_failure, refuse
 from kvmesh.common.grpc_streams import messages
-from kvmesh.common.multiplexed import RequestContext, RequestEnded, RequestMultiplexer
+from kvmesh.common.multiplexed import RequestContext, RequestMultiplexer, ending_of
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 from kvmesh.common.requests import DEFAULT_MAX_TOKENS, AnswerUsage, continue_request
 from kvmesh.common.runtime import cancel_and_wait
@@ -93,7 +93,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         await self._check(request, context)
         progress = Progress(len(request.token_ids), max_tokens=request.stop.max_tokens or DEFAULT_MAX_TOKENS)
-        forced = request.routing.HasField("worker_id") or self.router.config.router_mode == "direct"
+        forced = self._forced(request)
         try:
             while True:
                 attempt = await self._attempt(request, progress, forced, context)
@@ -158,7 +158,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         structlog.contextvars.bind_contextvars(request_id=sent.request_id)
         try:
             await self._check(sent, context)
-            forced = sent.routing.HasField("worker_id") or self.router.config.router_mode == "direct"
+            forced = self._forced(sent)
             if not forced and self.router.has_prefill_workers():
                 return router_pb2.RouteResponse(relay=True, router_id=self.router.router_id)
             try:
@@ -202,12 +202,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             reply = router_pb2.RouteAnswer(query_id=query.query_id)
             try:
                 reply.response.CopyFrom(await self.Route(query.request, RequestContext()))
-            except RequestEnded as ended:
-                reply.refused.CopyFrom(ended.end)
-            except Exception as exc:  # a bug must answer this query, not end the stream
-                log.exception("route failed", request_id=query.request.request.request_id)
-                details = f"{type(exc).__name__}: {exc}"
-                reply.refused.CopyFrom(common_pb2.RequestEnd(code=grpc.StatusCode.INTERNAL.value[0], details=details))
+            except Exception as exc:  # a refusal or a bug answers this query, not the stream
+                reply.refused.CopyFrom(ending_of(exc, query.request.request.request_id))
             answers.add(reply)
 
         async def read() -> None:
@@ -236,6 +232,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     return
         finally:
             await cancel_and_wait(reader, *running)
+
+    def _forced(self, request: common_pb2.PreprocessedRequest) -> bool:
+        """Whether ``request`` stays on the worker it was sent to (it names one, or this router
+        routes directly): never moved to another, and not split into prefill and decode."""
+        return request.routing.HasField("worker_id") or self.router.config.router_mode == "direct"
 
     def _track(
         self, sent: common_pb2.PreprocessedRequest, worker: InstanceRecord, block_hashes: list[int], overlap: int
