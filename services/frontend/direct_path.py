@@ -62,7 +62,8 @@ class DirectTokenPath:
                     async for output in outputs:
                         yield usage.account(output)
                 return
-            end = RequestReport(END, sent.request_id, outcome="cancelled")  # unless it ends otherwise
+            # the end to report unless it ends otherwise (None: already reported)
+            end: RequestReport | None = RequestReport(END, sent.request_id, outcome="cancelled")
             failed_worker: int | None = None  # set when the stream broke: the request may move on
             try:
                 first = True
@@ -75,7 +76,12 @@ class DirectTokenPath:
                         finished = output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                         output = usage.account(output)
                         if finished:
-                            end = RequestReport(END, sent.request_id, "completed", len(usage.generated))
+                            # told before the client has its answer: its next request, on the same
+                            # stream to the router, then finds this one's load freed
+                            self._routers.report(
+                                router_address, RequestReport(END, sent.request_id, "completed", len(usage.generated))
+                            )
+                            end = None
                         yield output
                         if finished:
                             return
@@ -93,7 +99,7 @@ class DirectTokenPath:
                     tokens_so_far=len(usage.generated),
                 )
             finally:
-                if failed_worker is None:  # finished, refused, or closed by the client
+                if failed_worker is None and end is not None:  # refused, or closed by the client
                     self._routers.report(router_address, end)
             # the stream broke or ended unfinished: what the router's relay would decide
             gives_up = route.forced or migration >= route.migration_limit

@@ -1,0 +1,49 @@
+"""The frontend's direct path against a real worker, with a router stand-in that records what it is
+told: a finished request's end is reported before the client gets its last output, exactly once,
+so that the client's next request (sent on the same stream to the router, behind that report)
+finds the first one's load freed."""
+
+from __future__ import annotations
+
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from kvmesh.common.proto.kvmesh.v1 import router_pb2
+from kvmesh.common.request_reports import END
+from kvmesh.frontend.direct_path import DirectTokenPath
+from tests.integration.test_stream_sessions import one_worker, request
+
+pytestmark = pytest.mark.integration
+
+
+class RecordingRouters:
+    """What the direct path needs of its RouterClient: routes to one worker, records every call."""
+
+    def __init__(self, worker_address: str) -> None:
+        self.worker_address = worker_address
+        self.calls: list[tuple[str, ...]] = []
+
+    async def route(self, address: str, query: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
+        self.calls.append(("route", query.request.request_id))
+        return router_pb2.RouteResponse(worker_id=1, worker_address=self.worker_address, migration_limit=3)
+
+    def report(self, address: str, report) -> None:
+        self.calls.append((report.kind, report.request_id, report.outcome))
+
+
+async def test_a_finished_request_is_reported_ended_before_its_last_output_reaches_the_client(
+    nc: NatsClient, nats_url: str
+):
+    async with one_worker(nc, nats_url, "--speedup-ratio", "50") as (address, _):
+        routers = RecordingRouters(address)
+        direct = DirectTokenPath(routers)  # type: ignore[arg-type]
+        try:
+            outputs = direct.generate(request("r1", 0, 4), "router-1")
+            async for output in outputs:
+                if output.finish_reason:
+                    assert routers.calls[-1] == (END, "r1", "completed")  # before the client sees it
+                    break
+            await outputs.aclose()
+            assert [c for c in routers.calls if c[0] == END] == [(END, "r1", "completed")]
+        finally:
+            await direct.close()
