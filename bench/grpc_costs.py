@@ -4,22 +4,29 @@ A server process answers three generic methods (raw bytes, no protobuf): a clien
 that only reads, a unary call, and a bidirectional stream that answers each message. The client,
 in this process, times ``--n`` of each in a row with a ``--size``-byte message: a stream write, a
 unary call, and a stream write plus the read of its answer. These are the prices behind kvmesh's
-choice of long-lived streams over unary calls on the request path (docs/decisions/0024).
+choice of long-lived streams over unary calls on the request path (docs/decisions/0024). Both
+processes choose gRPC core's I/O layer as the services do (``KVMESH_GRPC_IO``, default iomgr:
+docs/decisions/0025).
 
-    python -m bench.grpc_costs [--n 5000 --size 1200]
+    [KVMESH_GRPC_IO=event-engine] python -m bench.grpc_costs [--n 5000 --size 1200]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import grpc
-import uvloop
+from kvmesh.common.grpc_io import GRPC_EXPERIMENTS_ENV, choose_grpc_io
 
-from kvmesh.common.ports import free_port
+choose_grpc_io()  # before gRPC loads, as the kvmesh command does; the server process inherits it
+
+import grpc  # noqa: E402
+import uvloop  # noqa: E402
+
+from kvmesh.common.ports import free_port  # noqa: E402
 
 
 def serve(port: int, ready: multiprocessing.synchronize.Event) -> None:
@@ -95,7 +102,9 @@ def main() -> None:
     try:
         if not ready.wait(30):
             raise SystemExit("the bench's gRPC server did not start")
+        experiments = os.environ.get(GRPC_EXPERIMENTS_ENV, "gRPC's defaults")
         print(f"client-side cost per operation, {args.n} each, {args.size}-byte messages (grpc {grpc.__version__})")
+        print(f"{GRPC_EXPERIMENTS_ENV}: {experiments}")
         uvloop.run(measure(port, args.n, args.size))
     finally:
         server.kill()

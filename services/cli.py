@@ -6,6 +6,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from kvmesh.common.grpc_io import choose_grpc_io
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kvmesh.up", "start a whole mesh on this machine (NATS, indexer, router, workers, frontend)"),
     "frontend": ("kvmesh.frontend.server", "run the OpenAI-compatible HTTP facade"),
@@ -29,6 +31,12 @@ def usage() -> str:
     lines = ["usage: kvmesh <command> [options]", "", "commands:"]
     lines += [f"  {name:<12} {summary}" for name, (_module, summary) in COMMANDS.items()]
     lines += ["", "Run `kvmesh <command> --help` for a command's options."]
+    lines += [
+        "",
+        "environment (every service):",
+        "  KVMESH_EVENT_LOOP=asyncio      the standard library's event loop instead of uvloop",
+        "  KVMESH_GRPC_IO=event-engine    gRPC core's default I/O layer instead of iomgr (docs/decisions/0025)",
+    ]
     return "\n".join(lines)
 
 
@@ -41,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if name not in COMMANDS:
         print(f"kvmesh: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
+    # before any service module imports gRPC, which reads its I/O choice once (decision 25)
+    choose_grpc_io()
     module = importlib.import_module(COMMANDS[name][0])
     result = module.main(rest)
     if isinstance(result, int):
