@@ -28,7 +28,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common import names
-from kvmesh.common.child_process import die_with_parent
+from kvmesh.common.child_process import ending_with_parent
 from kvmesh.common.config import CommonConfig, ConfigError, describe, option, options_argv, parse_config
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.grpc_tls import GrpcTls
@@ -162,7 +162,7 @@ class ServiceProcess:
 
     def start(self) -> None:
         # A process group of its own: what the service spawns (vLLM's engine core) goes with it
-        self.process = subprocess.Popen(self.argv, preexec_fn=die_with_parent, start_new_session=True, env=self.env)
+        self.process = subprocess.Popen(ending_with_parent(self.argv), start_new_session=True, env=self.env)
         log.info("started", service=self.name, pid=self.process.pid)
 
     def kill_leftovers(self) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import nats
 
-from kvmesh.common.child_process import die_with_parent
+from kvmesh.common.child_process import ending_with_parent
 from kvmesh.common.nats_auth import NatsCredentials
 from kvmesh.common.ports import free_port
 
@@ -87,13 +87,14 @@ class EmbeddedNatsServer:
         binary = find_nats_server()
         log = open(self._log_path, "ab")  # noqa: SIM115 - the child keeps it open
         self._process = subprocess.Popen(
-            [str(binary), "-a", self.host, "-p", str(self.port), "-js", "-sd", self.store_dir, *self.server_args],
+            ending_with_parent(
+                [str(binary), "-a", self.host, "-p", str(self.port), "-js", "-sd", self.store_dir, *self.server_args]
+            ),
             stdout=log,
             stderr=subprocess.STDOUT,
             # Its own session: a Ctrl-C meant for `kvmesh up` must not stop NATS before the services
             # that use it (they would all log the disconnect while stopping); and it ends with us.
             start_new_session=True,
-            preexec_fn=die_with_parent,
         )
         log.close()
 
