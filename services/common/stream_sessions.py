@@ -116,6 +116,10 @@ class StreamSession:
                         if item.end.code:
                             raise error_of_end(item.end)
                         return
+                    if item.output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                        # finished at the peer: a consumer that stops here has nothing to cancel
+                        # (a cancel would cost a stream write per request for nothing)
+                        ended = True
                     yield item.output
         finally:
             del self._requests[request_id]

@@ -283,3 +283,52 @@ async def test_a_request_id_already_in_flight_is_refused_and_the_first_finishes(
             await channel.close()
     finally:
         await routers.stop()
+
+
+class RecordingWorker(worker_pb2_grpc.WorkerServicer):
+    """A worker stand-in on real gRPC: records every GenerateMany command; answers each submit with
+    one finishing output, then the request's end."""
+
+    def __init__(self) -> None:
+        self.commands: list[str] = []
+
+    async def GenerateMany(self, messages, context):
+        async for message in messages:
+            for command in message.commands:
+                kind = command.WhichOneof("command")
+                request_id = command.submit.request_id if kind == "submit" else command.cancel
+                self.commands.append(f"{kind} {request_id}")
+                if kind == "submit":
+                    finished = common_pb2.GenerateOutput(token_ids=[7], finish_reason=common_pb2.FINISH_REASON_LENGTH)
+                    yield common_pb2.GenerateBatch(
+                        items=[
+                            common_pb2.StreamItem(request_id=request_id, output=finished),
+                            common_pb2.StreamItem(request_id=request_id, end=common_pb2.RequestEnd()),
+                        ]
+                    )
+
+
+async def test_a_request_read_to_its_finishing_output_is_not_cancelled_at_the_worker():
+    # the direct path and the router stop reading at the output that finishes a request; the peer
+    # has nothing left to abort, so a cancel would be a stream write for nothing
+    worker = RecordingWorker()
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channels = ChannelPool()
+    sessions = StreamSessions(channels, open_worker_stream)
+    address = f"127.0.0.1:{port}"
+    try:
+        for request_id in ("r1", "r2"):
+            async with contextlib.aclosing(sessions.generate(address, request(request_id, 0, 1))) as outputs:
+                async for output in outputs:
+                    if output.finish_reason:
+                        break  # as a consumer that has its answer does
+        # commands keep their order: a cancel of r1 would come before the submit of r2
+        await wait_until_async(lambda: "submit r2" in worker.commands, timeout=10, what="the second submit")
+        assert worker.commands == ["submit r1", "submit r2"]
+    finally:
+        await sessions.close()
+        await channels.close()
+        await server.stop(None)
