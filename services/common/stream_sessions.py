@@ -22,6 +22,8 @@ from kvmesh.common.grpc_errors import call_error, error_of_end
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2_grpc
 from kvmesh.common.runtime import cancel_and_wait
 
+FINISH_REASON_UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
+
 # Opens a GenerateMany call on a channel (e.g. ``lambda channel: WorkerStub(channel).GenerateMany()``).
 OpenStream = Callable[[grpc.aio.Channel], grpc.aio.StreamStreamCall]
 
@@ -45,6 +47,8 @@ class StreamSession:
         # every command ready goes in one message: one write for requests submitted together
         self._commands: Backlog[common_pb2.GenerateCommand] = Backlog()
         self._requests: dict[str, Backlog[common_pb2.StreamItem | BaseException]] = {}
+        # requests whose consumer wants only their first and their last item promptly
+        self._quiet: set[str] = set()
         self.broken: BaseException | None = None
         self.idle = asyncio.Event()
         self.idle.set()
@@ -74,9 +78,18 @@ class StreamSession:
                     self._break(None)
                     return
                 requests = self._requests
+                quiet = self._quiet
                 for item in batch.items:
                     inbox = requests.get(item.request_id)
-                    if inbox is not None:
+                    if inbox is None:
+                        continue
+                    if (
+                        item.request_id in quiet
+                        and item.HasField("output")
+                        and item.output.finish_reason == FINISH_REASON_UNSPECIFIED
+                    ):
+                        inbox.hold(item)  # taken with the request's last output, in order
+                    else:
                         inbox.add(item)
         except grpc.aio.AioRpcError as exc:
             self._break(exc)
@@ -93,8 +106,15 @@ class StreamSession:
         for inbox in self._requests.values():
             inbox.add(error)
 
-    async def generate(self, request: common_pb2.PreprocessedRequest) -> AsyncIterator[common_pb2.GenerateOutput]:
-        """The request's outputs; raises ``grpc.aio.AioRpcError`` as its own ``Generate`` would."""
+    async def generate(
+        self, request: common_pb2.PreprocessedRequest, quiet: bool = False
+    ) -> AsyncIterator[common_pb2.GenerateOutput]:
+        """The request's outputs; raises ``grpc.aio.AioRpcError`` as its own ``Generate`` would.
+
+        ``quiet``: the consumer wants the first output at once but the others only as a whole (a
+        non-streaming answer): after the first, outputs wait for the one that finishes the request
+        (or its end, or a failure) and come with it, in order. That saves a wake-up of the
+        consumer per output."""
         request_id = request.request_id
         if self.broken is not None:
             raise self.broken
@@ -107,7 +127,10 @@ class StreamSession:
         ended = False
         try:
             while True:
-                for item in await inbox.take():
+                items = await inbox.take()
+                if quiet:
+                    self._quiet.add(request_id)
+                for item in items:
                     if isinstance(item, BaseException):
                         ended = True
                         raise item
@@ -123,6 +146,7 @@ class StreamSession:
                     yield item.output
         finally:
             del self._requests[request_id]
+            self._quiet.discard(request_id)
             if not self._requests:
                 self.idle.set()
             if not ended and self.broken is None:
@@ -154,11 +178,11 @@ class StreamSessions:
         return session
 
     def generate(
-        self, address: str, request: common_pb2.PreprocessedRequest
+        self, address: str, request: common_pb2.PreprocessedRequest, quiet: bool = False
     ) -> AsyncIterator[common_pb2.GenerateOutput]:
         """:meth:`StreamSession.generate` on ``address``'s session (opened now if need be); the
         caller closes it, as it would close its own ``Generate`` call."""
-        return self.get(address).generate(request)
+        return self.get(address).generate(request, quiet)
 
     def drop(self, address: str) -> None:
         session = self._sessions.pop(address, None)

@@ -167,9 +167,12 @@ class Frontend:
         return request
 
     async def generate(
-        self, request: common_pb2.PreprocessedRequest, stop: list[str], usage: UsageCounter
+        self, request: common_pb2.PreprocessedRequest, stop: list[str], usage: UsageCounter, quiet: bool = False
     ) -> AsyncIterator[Piece]:
         """Stream text pieces; stop strings end the answer early (finish reason ``stop``).
+
+        ``quiet`` (an answer sent whole, with no stop strings to watch for): on the direct path the
+        pieces after the first come when the last one does, which saves a wake-up per output.
 
         A router replica that dies (transport failure, not a deliberate refusal) is replaced by
         another one, which continues from the tokens already streamed: the client sees one answer.
@@ -187,7 +190,10 @@ class Frontend:
             sent = request if attempt == 0 else continue_request(request, generated, max_tokens, f"r{attempt}")
             try:
                 # closing the stream when we stop early cancels the request: that frees its worker
-                stream = (self.direct or self.routers).generate(sent, address)
+                if self.direct is not None:
+                    stream = self.direct.generate(sent, address, quiet)
+                else:
+                    stream = self.routers.generate(sent, address)
                 async with contextlib.aclosing(stream) as outputs:
                     async for output in outputs:
                         generated.extend(output.token_ids)

@@ -62,7 +62,9 @@ async def _respond(
     usage = UsageCounter(prompt_tokens=len(token_ids))
     request = frontend.build_request(request_id, body, token_ids)
     frontend.load.arrived()
-    pieces = frontend.generate(request, body.stop_strings(), usage)
+    stop = body.stop_strings()
+    # an answer sent whole needs its pieces only at the end, unless a stop string may cut it short
+    pieces = frontend.generate(request, stop, usage, quiet=not body.stream and not stop)
     # Wait for the first piece before answering, so routing errors still get their HTTP status.
     try:
         first = await anext(pieces)
