@@ -285,6 +285,34 @@ async def test_a_request_id_already_in_flight_is_refused_and_the_first_finishes(
         await routers.stop()
 
 
+@contextlib.asynccontextmanager
+async def sessions_to(servicer: worker_pb2_grpc.WorkerServicer):
+    """``servicer`` served on real gRPC; yields (sessions opened over it, its address)."""
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channels = ChannelPool()
+    sessions = StreamSessions(channels, open_worker_stream)
+    try:
+        yield sessions, f"127.0.0.1:{port}"
+    finally:
+        await sessions.close()
+        await channels.close()
+        await server.stop(None)
+
+
+def finishing_batch(request_id: str, token: int) -> common_pb2.GenerateBatch:
+    """One message with the request's finishing output (``token``, length) and its end."""
+    last = common_pb2.GenerateOutput(token_ids=[token], finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    return common_pb2.GenerateBatch(
+        items=[
+            common_pb2.StreamItem(request_id=request_id, output=last),
+            common_pb2.StreamItem(request_id=request_id, end=common_pb2.RequestEnd()),
+        ]
+    )
+
+
 class RecordingWorker(worker_pb2_grpc.WorkerServicer):
     """A worker stand-in on real gRPC: records every GenerateMany command; answers each submit with
     one finishing output, then the request's end."""
@@ -299,27 +327,14 @@ class RecordingWorker(worker_pb2_grpc.WorkerServicer):
                 request_id = command.submit.request_id if kind == "submit" else command.cancel
                 self.commands.append(f"{kind} {request_id}")
                 if kind == "submit":
-                    finished = common_pb2.GenerateOutput(token_ids=[7], finish_reason=common_pb2.FINISH_REASON_LENGTH)
-                    yield common_pb2.GenerateBatch(
-                        items=[
-                            common_pb2.StreamItem(request_id=request_id, output=finished),
-                            common_pb2.StreamItem(request_id=request_id, end=common_pb2.RequestEnd()),
-                        ]
-                    )
+                    yield finishing_batch(request_id, 7)
 
 
 async def test_a_request_read_to_its_finishing_output_is_not_cancelled_at_the_worker():
     # the direct path and the router stop reading at the output that finishes a request; the peer
     # has nothing left to abort, so a cancel would be a stream write for nothing
     worker = RecordingWorker()
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channels = ChannelPool()
-    sessions = StreamSessions(channels, open_worker_stream)
-    address = f"127.0.0.1:{port}"
-    try:
+    async with sessions_to(worker) as (sessions, address):
         for request_id in ("r1", "r2"):
             async with contextlib.aclosing(sessions.generate(address, request(request_id, 0, 1))) as outputs:
                 async for output in outputs:
@@ -328,10 +343,6 @@ async def test_a_request_read_to_its_finishing_output_is_not_cancelled_at_the_wo
         # commands keep their order: a cancel of r1 would come before the submit of r2
         await wait_until_async(lambda: "submit r2" in worker.commands, timeout=10, what="the second submit")
         assert worker.commands == ["submit r1", "submit r2"]
-    finally:
-        await sessions.close()
-        await channels.close()
-        await server.stop(None)
 
 
 class GatedWorker(worker_pb2_grpc.WorkerServicer):
@@ -350,25 +361,12 @@ class GatedWorker(worker_pb2_grpc.WorkerServicer):
                 yield common_pb2.GenerateBatch(items=[common_pb2.StreamItem(request_id=request_id, output=output)])
                 await self.go_on.wait()
             await self.release.wait()
-            last = common_pb2.GenerateOutput(token_ids=[5], finish_reason=common_pb2.FINISH_REASON_LENGTH)
-            yield common_pb2.GenerateBatch(
-                items=[
-                    common_pb2.StreamItem(request_id=request_id, output=last),
-                    common_pb2.StreamItem(request_id=request_id, end=common_pb2.RequestEnd()),
-                ]
-            )
+            yield finishing_batch(request_id, 5)
 
 
 async def test_a_quiet_request_gets_its_first_output_at_once_and_the_others_with_its_last():
     worker = GatedWorker()
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channels = ChannelPool()
-    sessions = StreamSessions(channels, open_worker_stream)
-    address = f"127.0.0.1:{port}"
-    try:
+    async with sessions_to(worker) as (sessions, address):
         outputs = sessions.generate(address, request("q", 0, 5), quiet=True)
         assert list((await anext(outputs)).token_ids) == [1]
         worker.go_on.set()
@@ -381,7 +379,3 @@ async def test_a_quiet_request_gets_its_first_output_at_once_and_the_others_with
         rest = [await following, *[output async for output in outputs]]
         assert [list(o.token_ids) for o in rest] == [[2], [3], [4], [5]]
         assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-    finally:
-        await sessions.close()
-        await channels.close()
-        await server.stop(None)
