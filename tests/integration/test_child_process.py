@@ -16,6 +16,7 @@ from kvmesh.common.child_process import ending_with_parent
 from kvmesh.common.ports import free_port
 from tests.support import wait_until
 
+pytestmark = pytest.mark.integration
 needs_setpriv = pytest.mark.skipif(shutil.which("setpriv") is None, reason="util-linux's setpriv is not installed")
 
 
