@@ -24,6 +24,18 @@ from kvmesh.common.runtime import cancel_and_wait
 
 FINISH_REASON_UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 
+
+class _Inbox(Backlog[common_pb2.StreamItem | BaseException]):
+    """One request's items on a session. ``quiet``: its outputs that do not finish it are held
+    (:meth:`~Backlog.hold`) until one that does, its end or a failure comes (see ``generate``)."""
+
+    __slots__ = ("quiet",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quiet = False
+
+
 # Opens a GenerateMany call on a channel (e.g. ``lambda channel: WorkerStub(channel).GenerateMany()``).
 OpenStream = Callable[[grpc.aio.Channel], grpc.aio.StreamStreamCall]
 
@@ -46,9 +58,7 @@ class StreamSession:
         self._call = call
         # every command ready goes in one message: one write for requests submitted together
         self._commands: Backlog[common_pb2.GenerateCommand] = Backlog()
-        self._requests: dict[str, Backlog[common_pb2.StreamItem | BaseException]] = {}
-        # requests whose consumer wants only their first and their last item promptly
-        self._quiet: set[str] = set()
+        self._requests: dict[str, _Inbox] = {}
         self.broken: BaseException | None = None
         self.idle = asyncio.Event()
         self.idle.set()
@@ -78,13 +88,12 @@ class StreamSession:
                     self._break(None)
                     return
                 requests = self._requests
-                quiet = self._quiet
                 for item in batch.items:
                     inbox = requests.get(item.request_id)
                     if inbox is None:
                         continue
                     if (
-                        item.request_id in quiet
+                        inbox.quiet
                         and item.HasField("output")
                         and item.output.finish_reason == FINISH_REASON_UNSPECIFIED
                     ):
@@ -121,15 +130,14 @@ class StreamSession:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already on this stream")
         # the request's items, handed over by the session's reader (all that came, per wake-up)
-        inbox = self._requests[request_id] = Backlog()
+        inbox = self._requests[request_id] = _Inbox()
         self.idle.clear()
         self._commands.add(common_pb2.GenerateCommand(submit=request))
         ended = False
         try:
             while True:
                 items = await inbox.take()
-                if quiet:
-                    self._quiet.add(request_id)
+                inbox.quiet = quiet  # from the second take on: the first output came at once
                 for item in items:
                     if isinstance(item, BaseException):
                         ended = True
@@ -139,14 +147,13 @@ class StreamSession:
                         if item.end.code:
                             raise error_of_end(item.end)
                         return
-                    if item.output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    if item.output.finish_reason != FINISH_REASON_UNSPECIFIED:
                         # finished at the peer: a consumer that stops here has nothing to cancel
                         # (a cancel would cost a stream write per request for nothing)
                         ended = True
                     yield item.output
         finally:
             del self._requests[request_id]
-            self._quiet.discard(request_id)
             if not self._requests:
                 self.idle.set()
             if not ended and self.broken is None:
