@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -61,6 +62,17 @@ def submit(*requests: common_pb2.PreprocessedRequest, cancel: tuple[str, ...] = 
     return common_pb2.GenerateCommands(commands=commands + [common_pb2.GenerateCommand(cancel=c) for c in cancel])
 
 
+def tally(items, tokens: dict[str, int], ended: Callable[[str], None]) -> None:
+    """Count each request's output tokens into ``tokens``; hand each request that ended (with OK,
+    which this asserts) to ``ended``."""
+    for item in items:
+        if item.HasField("end"):
+            assert item.end.code == 0
+            ended(item.request_id)
+        else:
+            tokens[item.request_id] += len(item.output.token_ids)
+
+
 async def tokens_of(outputs) -> list[int]:
     tokens: list[int] = []
     async for output in outputs:
@@ -96,12 +108,7 @@ async def test_one_message_carries_the_outputs_of_many_requests(nc: NatsClient, 
             while len(ended) < 8:
                 batch = await call.read()
                 widest = max(widest, len({item.request_id for item in batch.items}))
-                for item in batch.items:
-                    if item.HasField("end"):
-                        assert item.end.code == 0
-                        ended.add(item.request_id)
-                    else:
-                        tokens[item.request_id] += len(item.output.token_ids)
+                tally(batch.items, tokens, ended.add)
             call.cancel()
         assert all(count == 16 for count in tokens.values())
         assert widest >= 2  # requests sharing engine steps share messages
@@ -117,13 +124,9 @@ async def test_the_commands_of_one_message_run_in_their_order(nc: NatsClient, na
             tokens = {"c0": 0, "c2": 0}
             ended: set[str] = set()
             while ended != {"c0", "c2"}:
-                for item in (await call.read()).items:
-                    assert item.request_id in tokens  # nothing at all for the cancelled request
-                    if item.HasField("end"):
-                        assert item.end.code == 0
-                        ended.add(item.request_id)
-                    else:
-                        tokens[item.request_id] += len(item.output.token_ids)
+                items = (await call.read()).items
+                assert all(item.request_id in tokens for item in items)  # nothing for the cancelled request
+                tally(items, tokens, ended.add)
             call.cancel()
         assert tokens == {"c0": 16, "c2": 16}
 
@@ -141,12 +144,7 @@ async def test_a_caller_that_closes_its_side_gets_every_answer_then_the_end_of_t
         tokens = dict.fromkeys(("h0", "h1", "h2"), 0)
         ended: list[str] = []
         while (batch := await asyncio.wait_for(call.read(), timeout=30)) is not grpc.aio.EOF:
-            for item in batch.items:
-                if item.HasField("end"):
-                    assert item.end.code == 0
-                    ended.append(item.request_id)
-                else:
-                    tokens[item.request_id] += len(item.output.token_ids)
+            tally(batch.items, tokens, ended.append)
         assert sorted(ended) == ["h0", "h1", "h2"] and set(tokens.values()) == {16}
         assert (await call.code()) == grpc.StatusCode.OK
 
