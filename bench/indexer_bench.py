@@ -161,7 +161,7 @@ async def jetstream_apply(total_blocks: int, workers: int) -> dict[str, float]:
         await preload(js, messages)
         last = (await js.stream_info(names.KV_EVENTS_STREAM)).state.last_seq
         index = PrefixIndex()
-        consumer = EventStreamConsumer(js, NAMESPACE, "bench", index)
+        consumer = EventStreamConsumer(nc, NAMESPACE, "bench", index)
         started = time.perf_counter()
         await consumer.start()
         while consumer.applied_sequence < last:

@@ -1,4 +1,5 @@
-"""Feeds the prefix index from the KV event stream through a durable pull consumer (DESIGN §4).
+"""Feeds the prefix index from the KV event stream through a durable pull consumer (DESIGN §4),
+followed with standing pull requests (:mod:`kvmesh.indexer.standing_pull`).
 
 Restart semantics (docs/decisions/0002). The index lives in memory, so a restarted replica must
 rebuild it before its durable consumer is useful. On start the replica
@@ -22,13 +23,14 @@ from collections.abc import Callable
 import nats.errors
 import nats.js.errors
 import structlog
-from nats.js import JetStreamContext
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from kvmesh.common import names
 from kvmesh.common.kv_events import EventDecodeError, decode_batch
 from kvmesh.common.prefix_index import PrefixIndex
-from kvmesh.common.runtime import cancel_and_wait
+from kvmesh.indexer.standing_pull import StandingPull
 
 log = structlog.get_logger(__name__)
 
@@ -40,21 +42,21 @@ class EventStreamConsumer:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        nc: NatsClient,
         namespace: str,
         replica_id: str,
         index: PrefixIndex,
         on_applied: Callable[[int], None] | None = None,
     ) -> None:
-        self._js = js
+        self._nc = nc
+        self._js = nc.jetstream()
         self._subject = names.kv_events_wildcard(namespace)
         self.durable = names.indexer_durable_name(replica_id)
         self._index = index
         self._on_applied = on_applied
         self.applied_sequence = 0
         self.malformed_messages = 0
-        self._task: asyncio.Task[None] | None = None
-        self._sub = None
+        self._pull: StandingPull | None = None
 
     async def start(self, reset: bool = False, start_after: int = 0) -> None:
         """Catch up to the durable's ack floor, then follow the durable.
@@ -79,15 +81,13 @@ class EventStreamConsumer:
                 ack_wait=30,
             )
             await self._js.add_consumer(names.KV_EVENTS_STREAM, config)
-        self._sub = await self._js.pull_subscribe_bind(self.durable, stream=names.KV_EVENTS_STREAM)
-        self._task = asyncio.create_task(self._follow(), name=f"consume-{self.durable}")
+        self._pull = StandingPull(self._nc, names.KV_EVENTS_STREAM, self.durable, self._follow, batch=FETCH_BATCH)
+        await self._pull.start()
         log.info("following the event stream", durable=self.durable, snapshot=start_after, resumed_after=ack_floor)
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+        if self._pull is not None:
+            await self._pull.stop()
 
     async def _ack_floor(self) -> int | None:
         """The durable consumer's ack floor, or None when it does not exist yet."""
@@ -127,31 +127,16 @@ class EventStreamConsumer:
                 await sub.unsubscribe()
         log.info("replayed stream into the index", up_to=self.applied_sequence)
 
-    async def _follow(self) -> None:
-        assert self._sub is not None
-        while True:
-            try:
-                msgs = await self._sub.fetch(FETCH_BATCH, timeout=1)
-            except TimeoutError:
-                # nothing new (nats-py raises its own subclass or a bare asyncio timeout; both land here)
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                # a dropped connection or a failed pull must not end the replica's consumption
-                log.warning("event stream unavailable; retrying", error=f"{type(exc).__name__}: {exc}")
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                seq = msg.metadata.sequence.stream
-                if seq > self.applied_sequence:
-                    self._apply(msg.data, seq)
-                try:
-                    await msg.ack()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # unacked: redelivered later and skipped as already applied
-                    log.warning("ack failed", sequence=seq, error=str(exc))
+    async def _follow(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq > self.applied_sequence:  # else a redelivery of what is applied already
+            self._apply(msg.data, seq)
+        try:
+            await msg.ack()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # unacked: redelivered later and skipped as already applied
+            log.warning("ack failed", sequence=seq, error=str(exc))
 
     def _apply(self, payload: bytes, sequence: int) -> None:
         try:

@@ -213,7 +213,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
             if index.gaps_pending:
                 recovery.poke()
 
-        consumer = EventStreamConsumer(js, config.namespace, config.replica_id, index, on_applied=applied)
+        consumer = EventStreamConsumer(nc, config.namespace, config.replica_id, index, on_applied=applied)
         await consumer.start(reset=config.router_reset_states, start_after=start_after)
         stack.push_async_callback(consumer.stop)
         snapshotter = snapshots.Snapshotter(

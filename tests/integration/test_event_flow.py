@@ -41,7 +41,7 @@ async def test_events_flow_from_worker_to_indexer(nc: NatsClient):
     for p in publishers.values():
         await p.start()
     index = PrefixIndex()
-    consumer = EventStreamConsumer(js, NAMESPACE, "a", index)
+    consumer = EventStreamConsumer(nc, NAMESPACE, "a", index)
     await consumer.start()
     try:
         for wid, engine in engines.items():
@@ -90,7 +90,7 @@ async def test_a_restarted_indexer_resumes_from_its_durable_consumer(nc: NatsCli
     publisher = KvEventPublisher(js, NAMESPACE, 55)
     await publisher.start()
     first_index = PrefixIndex()
-    first = EventStreamConsumer(js, NAMESPACE, "r1", first_index)
+    first = EventStreamConsumer(nc, NAMESPACE, "r1", first_index)
     await first.start()
     run_requests(engine, publisher, workload(1, 20))
     await publisher.flush()
@@ -111,7 +111,7 @@ async def test_a_restarted_indexer_resumes_from_its_durable_consumer(nc: NatsCli
     assert new_last > stream_last
 
     restarted_index = PrefixIndex()  # a new process: empty memory, same replica id
-    restarted = EventStreamConsumer(js, NAMESPACE, "r1", restarted_index)
+    restarted = EventStreamConsumer(nc, NAMESPACE, "r1", restarted_index)
     await restarted.start()
     try:
         await wait_until_async(
@@ -132,11 +132,11 @@ async def test_reset_states_starts_a_replica_clean(nc: NatsClient):
     js = nc.jetstream()
     await ensure_kv_events_stream(js)
     index = PrefixIndex()
-    consumer = EventStreamConsumer(js, NAMESPACE, "reset", index)
+    consumer = EventStreamConsumer(nc, NAMESPACE, "reset", index)
     await consumer.start()
     await consumer.stop()
     created = (await js.consumer_info(names.KV_EVENTS_STREAM, consumer.durable)).created
-    again = EventStreamConsumer(js, NAMESPACE, "reset", PrefixIndex())
+    again = EventStreamConsumer(nc, NAMESPACE, "reset", PrefixIndex())
     await again.start(reset=True)
     try:
         assert (await js.consumer_info(names.KV_EVENTS_STREAM, again.durable)).created != created
