@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from kvmesh.common.timing import TimingModel, scaled
-from kvmesh.common.timing_fit import TimingFit
+from kvmesh.common.timing_fit import TimingFit, _features
 from kvmesh.router.scheduler import Candidate, make_cost_model
 
 CAPACITY = 16384 * 64
@@ -81,3 +82,22 @@ def test_workers_of_different_speeds_get_different_costs():
     assert slow_cost == pytest.approx(2 * fast_cost)
     cost.forget(slow)
     assert cost.cost(same_load[1], 1.0) == pytest.approx(fast_cost)
+
+
+@pytest.mark.parametrize("count", [1, 255, 256, 700])
+def test_steps_folded_in_batches_weigh_as_one_update_per_step(count):
+    # the reference: each step decays what came before by one factor, as the fit promises
+    truth, decay = TimingModel(), 0.99
+    fit = TimingFit(scaled(truth, 2.0), decay=decay)
+    reference = TimingFit(scaled(truth, 2.0), decay=decay)
+    xtx, xty = np.zeros((6, 6)), np.zeros(6)
+    for tokens, context, decoding, ms in steps(truth, count, seed=3):
+        fit.observe(tokens, context, CAPACITY, decoding, ms)
+        x = np.array(_features(tokens, min(1.0, context / CAPACITY), decoding))
+        xtx, xty = decay * xtx + np.outer(x, x), decay * xty + x * ms
+    reference._xtx, reference._xty, reference.observations = xtx, xty, count
+    got, expected = fit.model(), reference.model()
+    for name in ("prefill_a", "prefill_b", "prefill_c", "decode_a", "decode_b", "decode_c"):
+        assert getattr(got, name) == pytest.approx(getattr(expected, name), rel=1e-9, abs=1e-12)
+    # folding is idempotent: asking again changes nothing
+    assert fit.model() == got
