@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 
 import structlog
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvmesh.frontend.errors import OpenAIError, UpstreamError
+from kvmesh.frontend.event_stream import EventStreamResponse
 from kvmesh.frontend.gateway import WORKER_ID_HEADER, Frontend, Piece, UsageCounter
 from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -171,7 +172,7 @@ async def _respond(
         finally:
             await pieces.aclose()
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=_served_by(usage))
+    return EventStreamResponse(events(), headers=_served_by(usage))
 
 
 def _served_by(usage: UsageCounter) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""A client that gives up on a non-streaming request cancels it everywhere, as a streaming client
-that goes away does: real frontend, router and mock worker (real-time speed), httpx as the client."""
+"""A client that gives up on a request, streamed or whole, cancels it everywhere: real frontend,
+router and mock worker (real-time speed), httpx as the client."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ NAMESPACE = "walkaway"
 
 
 @pytest.mark.parametrize("token_path", ["router", "direct"])
-async def test_a_non_streaming_request_whose_client_left_is_cancelled_on_the_worker(
-    nats_url: str, nc: NatsClient, token_path: str
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
+async def test_a_request_whose_client_left_is_cancelled_on_the_worker(
+    nats_url: str, nc: NatsClient, token_path: str, streaming: bool
 ):
     port = free_port()
     common = ["--nats-url", nats_url, "--namespace", NAMESPACE]
@@ -58,11 +59,23 @@ async def test_a_non_streaming_request_whose_client_left_is_cancelled_on_the_wor
             async def running_requests() -> int:
                 return (await worker.GetStatus(worker_pb2.WorkerStatusRequest())).running_requests
 
-            # the client gives up after 3 s; 50,000 tokens at real speed would take minutes
-            post = asyncio.create_task(http.post("/v1/completions", json=body, timeout=httpx.Timeout(10, read=3.0)))
-            await wait_until_async(lambda: running_requests_is(running_requests, 1), what="the request generating")
-            with pytest.raises(httpx.ReadTimeout):
-                await post
+            if streaming:
+                # the client reads the first event and hangs up; uvicorn's send then drops what the
+                # frontend writes without a word, so only watching for the disconnect stops it
+                request = http.build_request("POST", "/v1/completions", json={**body, "stream": True})
+                response = await http.send(request, stream=True)
+                assert response.status_code == 200
+                lines = response.aiter_lines()  # held: a dropped iterator would close the response
+                await anext(lines)
+                await wait_until_async(lambda: running_requests_is(running_requests, 1), what="the stream generating")
+                await response.aclose()
+            else:
+                # the client gives up after 3 s; 50,000 tokens at real speed would take minutes
+                timeout = httpx.Timeout(10, read=3.0)
+                post = asyncio.create_task(http.post("/v1/completions", json=body, timeout=timeout))
+                await wait_until_async(lambda: running_requests_is(running_requests, 1), what="the request generating")
+                with pytest.raises(httpx.ReadTimeout):
+                    await post
             await wait_until_async(lambda: running_requests_is(running_requests, 0), what="the request cancelled")
         async with grpc.aio.insecure_channel(routers.instances()[0].address) as channel:
             router = router_pb2_grpc.RouterStub(channel)
