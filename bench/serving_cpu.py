@@ -1,8 +1,9 @@
 """Requests per second and CPU per request of each serving process, under one load.
 
 Runs ``../shared/peers/loadgen.py`` (bounded async load, non-streaming chat, a new connection per
-request) against a running mesh and reads every kvmesh service's and the NATS server's CPU time
-from ``/proc`` before and after, so the CPU each one spent per request is printed beside the rate.
+request), or with ``--stream`` the same load streamed (``bench.stream_load``), against a running mesh
+and reads every kvmesh service's and the NATS server's CPU time from ``/proc`` before and after, so
+the CPU each one spent per request is printed beside the rate.
 
     kvmesh up --workers 2 --speedup-ratio 100 --http-port 18100 &
     python -m bench.serving_cpu --url http://127.0.0.1:18100/v1/chat/completions --n 2000 --c 32 --max-tokens 64
@@ -62,14 +63,23 @@ def main() -> None:
     parser.add_argument("--c", type=int, default=8, help="concurrency")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", default="kvmesh-tiny")
+    parser.add_argument(
+        "--stream", action="store_true", help="streamed chat (bench.stream_load) instead of whole answers"
+    )
     args = parser.parse_args()
-    if not LOADGEN.exists():
+    if args.stream:
+        command = [sys.executable, "-m", "bench.stream_load"]
+    elif LOADGEN.exists():
+        command = [sys.executable, str(LOADGEN)]
+    else:
         raise SystemExit(f"{LOADGEN} not found: this bench needs ../shared/peers beside the checkout")
+    command += ["--url", args.url, "--n", str(args.n), "--c", str(args.c)]
+    command += ["--max-tokens", str(args.max_tokens), "--model", args.model]
     pids = service_pids()
     before = {service: cpu_seconds(p) for service, p in pids.items()}
-    command = [sys.executable, str(LOADGEN), "--url", args.url, "--n", str(args.n), "--c", str(args.c)]
-    command += ["--max-tokens", str(args.max_tokens), "--model", args.model]
-    finished = subprocess.run(command, capture_output=True, text=True, check=True)
+    finished = subprocess.run(
+        command, capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1]
+    )
     after = {service: cpu_seconds(p) for service, p in pids.items()}
     report = json.loads(finished.stdout.strip().splitlines()[-1])
     served = max(report["ok"], 1)
