@@ -81,7 +81,9 @@ class EventStreamConsumer:
                 ack_wait=30,
             )
             await self._js.add_consumer(names.KV_EVENTS_STREAM, config)
-        self._pull = StandingPull(self._nc, names.KV_EVENTS_STREAM, self.durable, self._follow, batch=FETCH_BATCH)
+        self._pull = StandingPull(
+            self._nc, names.KV_EVENTS_STREAM, self.durable, self._apply_and_ack, batch=FETCH_BATCH
+        )
         await self._pull.start()
         log.info("following the event stream", durable=self.durable, snapshot=start_after, resumed_after=ack_floor)
 
@@ -127,7 +129,7 @@ class EventStreamConsumer:
                 await sub.unsubscribe()
         log.info("replayed stream into the index", up_to=self.applied_sequence)
 
-    async def _follow(self, msg: Msg) -> None:
+    async def _apply_and_ack(self, msg: Msg) -> None:
         seq = msg.metadata.sequence.stream
         if seq > self.applied_sequence:  # else a redelivery of what is applied already
             self._apply(msg.data, seq)

@@ -38,8 +38,8 @@ class StandingPull:
     Guarantees: at most ``batch`` messages are requested ahead of what ``handle`` has been given;
     a pull request the server ended (expired, dropped) is replaced at once; one nobody answered
     (the consumer is missing) or one lost without word (a restarted server) is replaced after two
-    idle heartbeats of silence, or at the next check after a reconnect. Status messages never reach ``handle``.
-    Acknowledging is ``handle``'s business."""
+    idle heartbeats of silence, or at the next check after a reconnect. Status messages never
+    reach ``handle``; acknowledging is ``handle``'s business."""
 
     def __init__(
         self,
