@@ -6,7 +6,9 @@ in this process, times ``--n`` of each in a row with a ``--size``-byte message: 
 unary call, and a stream write plus the read of its answer. These are the prices behind kvmesh's
 choice of long-lived streams over unary calls on the request path (docs/decisions/0024). Both
 processes choose gRPC core's I/O layer as the services do (``KVMESH_GRPC_IO``, default iomgr:
-docs/decisions/0025).
+docs/decisions/0025). For scale, the same write and answer over a plain asyncio stream (uvloop,
+4-byte length prefix, no HTTP/2): what a transport that completes on the event loop's own thread,
+without grpc.aio's poller thread, would cost (docs/decisions/0019).
 
     [KVMESH_GRPC_IO=event-engine] python -m bench.grpc_costs [--n 5000 --size 1200]
 """
@@ -14,8 +16,12 @@ docs/decisions/0025).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import multiprocessing
 import os
+import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -28,8 +34,10 @@ import uvloop  # noqa: E402
 
 from kvmesh.common.ports import free_port  # noqa: E402
 
+FRAME = struct.Struct("<I")  # the plain stream's length prefix
 
-def serve(port: int, ready: multiprocessing.synchronize.Event) -> None:
+
+def serve(port: int, plain_port: int, ready: multiprocessing.synchronize.Event) -> None:
     async def read_only(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
         async for _ in messages:
             pass
@@ -41,6 +49,14 @@ def serve(port: int, ready: multiprocessing.synchronize.Event) -> None:
     async def answer_each(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         async for _ in messages:
             yield b"y" * 200
+
+    async def answer_each_frame(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        answer = FRAME.pack(200) + b"y" * 200
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+                await reader.readexactly(size)
+                writer.write(answer)
 
     async def main() -> None:
         handler = grpc.method_handlers_generic_handler(
@@ -55,6 +71,7 @@ def serve(port: int, ready: multiprocessing.synchronize.Event) -> None:
         server.add_generic_rpc_handlers((handler,))
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
+        await asyncio.start_server(answer_each_frame, "127.0.0.1", plain_port)
         ready.set()
         await server.wait_for_termination()
 
@@ -70,7 +87,7 @@ async def timed(label: str, n: int, operation: Callable[[], Awaitable[object]]) 
     print(f"{label:<28} {1e6 * cpu / n:8.1f} µs CPU {1e6 * wall / n:8.1f} µs wall")
 
 
-async def measure(port: int, n: int, size: int) -> None:
+async def measure(port: int, plain_port: int, n: int, size: int) -> None:
     message = b"z" * size
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         await channel.channel_ready()
@@ -88,6 +105,17 @@ async def measure(port: int, n: int, size: int) -> None:
 
         await timed("stream write + its answer", n, write_and_read)
         both.cancel()
+    reader, writer = await asyncio.open_connection("127.0.0.1", plain_port)
+    writer.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    frame = FRAME.pack(size) + message
+
+    async def plain_write_and_read() -> object:
+        writer.write(frame)
+        (answer_size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+        return await reader.readexactly(answer_size)
+
+    await timed("plain asyncio write + answer", n, plain_write_and_read)
+    writer.close()
 
 
 def main() -> None:
@@ -95,9 +123,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=5000, help="operations of each kind")
     parser.add_argument("--size", type=int, default=1200, help="bytes per message sent")
     args = parser.parse_args()
-    port = free_port()
+    port, plain_port = free_port(), free_port()
     ready = multiprocessing.Event()
-    server = multiprocessing.Process(target=serve, args=(port, ready), daemon=True)
+    server = multiprocessing.Process(target=serve, args=(port, plain_port, ready), daemon=True)
     server.start()
     try:
         if not ready.wait(30):
@@ -105,7 +133,7 @@ def main() -> None:
         experiments = os.environ.get(GRPC_EXPERIMENTS_ENV, "gRPC's defaults")
         print(f"client-side cost per operation, {args.n} each, {args.size}-byte messages (grpc {grpc.__version__})")
         print(f"{GRPC_EXPERIMENTS_ENV}: {experiments}")
-        uvloop.run(measure(port, args.n, args.size))
+        uvloop.run(measure(port, plain_port, args.n, args.size))
     finally:
         server.kill()
         server.join()
