@@ -19,6 +19,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench.stream_load import add_load_arguments
+
 LOADGEN = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "loadgen.py"
 SERVICES = ("kvmesh.frontend", "kvmesh.router", "kvmesh.indexer", "kvmesh.worker", "nats-server")
 
@@ -58,11 +60,7 @@ def cpu_seconds(pids: list[int]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", required=True, help="the chat completions URL (loopback only)")
-    parser.add_argument("--n", type=int, default=1000, help="requests")
-    parser.add_argument("--c", type=int, default=8, help="concurrency")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--model", default="kvmesh-tiny")
+    add_load_arguments(parser)
     parser.add_argument(
         "--stream", action="store_true", help="streamed chat (bench.stream_load) instead of whole answers"
     )

@@ -76,13 +76,18 @@ async def run(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", required=True, help="the chat completions URL")
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The load's options, shared with ``bench.serving_cpu`` (which passes them on)."""
+    parser.add_argument("--url", required=True, help="the chat completions URL (loopback only)")
     parser.add_argument("--n", type=int, default=1000, help="requests")
     parser.add_argument("--c", type=int, default=8, help="concurrency")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", default="kvmesh-tiny")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_load_arguments(parser)
     print(json.dumps(asyncio.run(run(parser.parse_args()))))
 
 
