@@ -20,6 +20,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.api import Header
 
 from kvmesh.common.runtime import cancel_and_wait
 
@@ -87,7 +88,7 @@ class StandingPull:
 
     async def _on_message(self, msg: Msg) -> None:
         self._last_heard = time.monotonic()
-        status = msg.headers.get("Status") if msg.headers else None
+        status = msg.headers.get(Header.STATUS) if msg.headers else None
         if status is None:
             self._pending -= 1
             await self._handle(msg)
@@ -98,10 +99,10 @@ class StandingPull:
         elif status in ENDED_STATUSES:
             self._pending -= _int_header(msg, PENDING_MESSAGES, default=self._pending)
             if status == "409":
-                log.warning("pull request ended by the server", description=msg.headers.get("Description"))
+                log.warning("pull request ended by the server", description=msg.headers.get(Header.DESCRIPTION))
         elif status != IDLE_HEARTBEAT:
             log.warning(
-                "unexpected status on the pull inbox", status=status, description=msg.headers.get("Description")
+                "unexpected status on the pull inbox", status=status, description=msg.headers.get(Header.DESCRIPTION)
             )
         if self._pending <= self._batch // 2:
             await self._top_up()
