@@ -171,12 +171,15 @@ class Frontend:
     ) -> AsyncIterator[Piece]:
         """Stream text pieces; stop strings end the answer early (finish reason ``stop``).
 
-        ``quiet`` (an answer sent whole, with no stop strings to watch for): on the direct path the
-        pieces after the first come when the last one does, which saves a wake-up per output.
+        ``quiet`` (an answer sent whole, with no stop strings to watch for): the worker holds the
+        outputs after the first until the last (``whole_answer``), which saves a message per output
+        through every hop; the first still comes at once, for time to first token and the router's
+        load picture.
 
         A router replica that dies (transport failure, not a deliberate refusal) is replaced by
         another one, which continues from the tokens already streamed: the client sees one answer.
         """
+        request.whole_answer = quiet
         detokenizer = IncrementalDetokenizer(self.model.tokenizer)
         matcher = StopStringMatcher(stop)
         max_tokens = request.stop.max_tokens

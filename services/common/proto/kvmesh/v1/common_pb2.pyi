@@ -69,7 +69,7 @@ class RoutingHints(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., router_config_override: _Optional[_Union[RouterConfigOverride, _Mapping]] = ...) -> None: ...
 
 class PreprocessedRequest(_message.Message):
-    __slots__ = ("request_id", "model", "token_ids", "sampling", "stop", "routing", "lora_name", "disaggregated_params", "expected_output_tokens")
+    __slots__ = ("request_id", "model", "token_ids", "sampling", "stop", "routing", "lora_name", "disaggregated_params", "expected_output_tokens", "whole_answer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class PreprocessedRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_PARAMS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_ANSWER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -88,7 +89,8 @@ class PreprocessedRequest(_message.Message):
     lora_name: str
     disaggregated_params: bytes
     expected_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., routing: _Optional[_Union[RoutingHints, _Mapping]] = ..., lora_name: _Optional[str] = ..., disaggregated_params: _Optional[bytes] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
+    whole_answer: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., routing: _Optional[_Union[RoutingHints, _Mapping]] = ..., lora_name: _Optional[str] = ..., disaggregated_params: _Optional[bytes] = ..., expected_output_tokens: _Optional[int] = ..., whole_answer: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
