@@ -4,6 +4,9 @@ call ends (real gRPC, a scripted engine the test feeds token by token)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import grpc
 import pytest
 
@@ -38,8 +41,8 @@ async def feed_one_at_a_time(queue: TokenQueue, *items: TokenOutput | EngineFail
         await wait_until_async(queue.empty, timeout=10, what="the worker took the output")
 
 
-@pytest.mark.parametrize("whole", [True, False])
-async def test_a_whole_answer_comes_as_its_first_output_and_then_one_with_the_rest(whole: bool):
+@contextlib.asynccontextmanager
+async def scripted_worker() -> AsyncIterator[tuple[ScriptedEngine, worker_pb2_grpc.WorkerStub]]:
     engine = ScriptedEngine()
     servicer = WorkerServicer(1, "kvmesh-tiny", engine, WorkerMetrics(engine, None, None), None)
     server = await start_grpc_server(
@@ -48,47 +51,47 @@ async def test_a_whole_answer_comes_as_its_first_output_and_then_one_with_the_re
     )
     try:
         async with channel_to(f"127.0.0.1:{server.port}") as channel:
-            request = common_pb2.PreprocessedRequest(request_id="w", token_ids=[1, 2, 3], whole_answer=whole)
-            outputs = worker_pb2_grpc.WorkerStub(channel).Generate(request).__aiter__()
-            await wait_until_async(lambda: "w" in engine.queues, timeout=10, what="the request reached the engine")
-            queue = engine.queues["w"]
-            queue.put_nowait(TokenOutput("w", 7, None, 0))
-            assert list((await anext(outputs)).token_ids) == [7]  # at once, whole or not
-            await feed_one_at_a_time(queue, TokenOutput("w", 8, None, 0), TokenOutput("w", 9, None, 0))
-            queue.put_nowait(TokenOutput("w", 10, FinishReason.LENGTH, 0))
-            rest = [output async for output in outputs]
-        if whole:
-            assert [list(o.token_ids) for o in rest] == [[8, 9, 10]]
-        else:
-            assert [list(o.token_ids) for o in rest] == [[8], [9], [10]]
-        assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-        assert rest[-1].usage.completion_tokens == 4
+            yield engine, worker_pb2_grpc.WorkerStub(channel)
     finally:
         await server.stop()
+
+
+async def answer_started(
+    engine: ScriptedEngine, stub: worker_pb2_grpc.WorkerStub, request_id: str, whole: bool
+) -> tuple[AsyncIterator[common_pb2.GenerateOutput], TokenQueue]:
+    """A request whose first output, token 7, the caller has received."""
+    request = common_pb2.PreprocessedRequest(request_id=request_id, token_ids=[1, 2, 3], whole_answer=whole)
+    outputs = stub.Generate(request).__aiter__()
+    await wait_until_async(lambda: request_id in engine.queues, timeout=10, what="the request reached the engine")
+    queue = engine.queues[request_id]
+    queue.put_nowait(TokenOutput(request_id, 7, None, 0))
+    assert list((await anext(outputs)).token_ids) == [7]  # at once, whole or not
+    return outputs, queue
+
+
+@pytest.mark.parametrize("whole", [True, False])
+async def test_a_whole_answer_comes_as_its_first_output_and_then_one_with_the_rest(whole: bool):
+    async with scripted_worker() as (engine, stub):
+        outputs, queue = await answer_started(engine, stub, "w", whole)
+        await feed_one_at_a_time(queue, TokenOutput("w", 8, None, 0), TokenOutput("w", 9, None, 0))
+        queue.put_nowait(TokenOutput("w", 10, FinishReason.LENGTH, 0))
+        rest = [output async for output in outputs]
+    if whole:
+        assert [list(o.token_ids) for o in rest] == [[8, 9, 10]]
+    else:
+        assert [list(o.token_ids) for o in rest] == [[8], [9], [10]]
+    assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert rest[-1].usage.completion_tokens == 4
 
 
 async def test_a_failure_sends_the_held_tokens_before_the_call_ends():
-    engine = ScriptedEngine()
-    servicer = WorkerServicer(1, "kvmesh-tiny", engine, WorkerMetrics(engine, None, None), None)
-    server = await start_grpc_server(
-        lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
-        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
-    )
-    try:
-        async with channel_to(f"127.0.0.1:{server.port}") as channel:
-            request = common_pb2.PreprocessedRequest(request_id="f", token_ids=[1, 2, 3], whole_answer=True)
-            outputs = worker_pb2_grpc.WorkerStub(channel).Generate(request).__aiter__()
-            await wait_until_async(lambda: "f" in engine.queues, timeout=10, what="the request reached the engine")
-            queue = engine.queues["f"]
-            queue.put_nowait(TokenOutput("f", 7, None, 0))
-            assert list((await anext(outputs)).token_ids) == [7]
-            await feed_one_at_a_time(queue, TokenOutput("f", 8, None, 0), TokenOutput("f", 9, None, 0))
-            queue.put_nowait(EngineFailure("the engine died"))
-            held = await anext(outputs)
-            assert list(held.token_ids) == [8, 9] and held.usage.completion_tokens == 3
-            with pytest.raises(grpc.aio.AioRpcError) as failed:
-                await anext(outputs)
-        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE  # a router migrates it after 7, 8, 9
-        assert engine.aborted == ["f"]
-    finally:
-        await server.stop()
+    async with scripted_worker() as (engine, stub):
+        outputs, queue = await answer_started(engine, stub, "f", whole=True)
+        await feed_one_at_a_time(queue, TokenOutput("f", 8, None, 0), TokenOutput("f", 9, None, 0))
+        queue.put_nowait(EngineFailure("the engine died"))
+        held = await anext(outputs)
+        assert list(held.token_ids) == [8, 9] and held.usage.completion_tokens == 3
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await anext(outputs)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE  # a router migrates it after 7, 8, 9
+    assert engine.aborted == ["f"]
