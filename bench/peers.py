@@ -11,7 +11,8 @@ engines are not the bottleneck:
 Every scenario runs ``../shared/peers/loadgen.py`` (non-streaming chat, 16 shared ~200-word system
 prompts, a new connection per request) and reads the serving processes' CPU time from ``/proc``
 (kvmesh: frontend, router, indexer and NATS; Dynamo: its frontend; SGLang: its router), so each
-row gives requests/s, latency p50/p99 and serving CPU per request. The systems run one after the
+row gives requests/s, latency p50/p99 and serving CPU per request, and for kvmesh and Dynamo the
+mock engines' CPU per request (kvmesh's workers, Dynamo's mockers). The systems run one after the
 other, twice (``--rounds``), and both rounds are printed. Install the peers as
 ``../shared/peers/README.md`` says (they live under ``/tmp/peers``).
 
@@ -69,8 +70,8 @@ def wait_for(url: str, body: dict, timeout: float = 120) -> None:
 class System:
     """One system under test: how to start it, its URL and model, which processes serve."""
 
-    def __init__(self, name: str, model: str, serving: tuple[str, ...]) -> None:
-        self.name, self.model, self.serving = name, model, serving
+    def __init__(self, name: str, model: str, serving: tuple[str, ...], engines: tuple[str, ...] = ()) -> None:
+        self.name, self.model, self.serving, self.engines = name, model, serving, engines
         self.url = ""
         self._stop: Callable[[], None] = lambda: None
 
@@ -125,9 +126,10 @@ class System:
             process.wait(timeout=30)
 
 
+KVMESH_SERVING = ("kvmesh.frontend", "kvmesh.router", "kvmesh.indexer", "nats-server")
 SYSTEMS = [
-    System("kvmesh", "kvmesh-tiny", ("kvmesh.frontend", "kvmesh.router", "kvmesh.indexer", "nats-server")),
-    System("dynamo", "tiny", ("dynamo.frontend",)),
+    System("kvmesh", "kvmesh-tiny", KVMESH_SERVING, ("kvmesh.worker",)),
+    System("dynamo", "tiny", ("dynamo.frontend",), ("dynamo.mocker",)),
     System("sglang", "tiny", ("sglang::router", "sglang_router")),
     System("direct", "tiny", ()),
 ]
@@ -135,7 +137,8 @@ SYSTEMS = [
 
 def run_scenario(system: System, max_tokens: int, concurrency: int, requests: int) -> dict:
     pids = processes_matching(*system.serving) if system.serving else []
-    before = cpu_seconds(pids)
+    engine_pids = processes_matching(*system.engines) if system.engines else []
+    before, engines_before = cpu_seconds(pids), cpu_seconds(engine_pids)
     command = [sys.executable, str(LOADGEN), "--url", system.url, "--n", str(requests), "--c", str(concurrency)]
     command += ["--max-tokens", str(max_tokens), "--model", system.model]
     report = json.loads(
@@ -143,6 +146,7 @@ def run_scenario(system: System, max_tokens: int, concurrency: int, requests: in
     )
     served = max(report["ok"], 1)
     report["cpu_ms"] = (cpu_seconds(pids) - before) * 1000 / served if pids else None
+    report["engine_cpu_ms"] = (cpu_seconds(engine_pids) - engines_before) * 1000 / served if engine_pids else None
     return report
 
 
@@ -167,7 +171,9 @@ def main() -> None:
     names = [s.name for s in SYSTEMS if s.name in args.systems]
     print(f"\n{'scenario':<16}{'figure':<16}" + "".join(f"{n:>22}" for n in names))
     for label, *_ in SCENARIOS:
-        for figure, key, digits in (("requests/s", "rps", 0), ("p50 ms", "p50_ms", 2), ("serving CPU ms", "cpu_ms", 2)):
+        figures = [("requests/s", "rps", 0), ("p50 ms", "p50_ms", 2), ("serving CPU ms", "cpu_ms", 2)]
+        figures.append(("engine CPU ms", "engine_cpu_ms", 2))
+        for figure, key, digits in figures:
             cells = []
             for name in names:
                 values = [r[key] for r in results.get((label, name), []) if r.get(key) is not None]
