@@ -38,7 +38,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvmesh.router.cache_aware import MISS_POLICIES, CacheAwareOptions, CacheAwareSelector, token_bytes
+from kvmesh.common.hashing import token_bytes
+from kvmesh.router.cache_aware import MISS_POLICIES, CacheAwareOptions, CacheAwareSelector
 
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
 WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ro", "si", "tu", "va", "ze") for b in "aeiouxyz"]

@@ -19,6 +19,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import xxhash
 
 HASH_SEED = 1337
@@ -37,7 +38,11 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32 bytes (zero-copy for an ``array('I')`` on little-endian hosts)."""
     if isinstance(tokens, array) and tokens.typecode == "I" and tokens.itemsize == 4 and _LITTLE_ENDIAN:
         return tokens.tobytes()
-    return struct.pack(f"<{len(tokens)}I", *tokens)
+    if isinstance(tokens, list | tuple):
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    # Anything else, a protobuf repeated field above all (a request's token_ids): numpy reads it in C,
+    # where struct.pack would first unpack it into 1,100 Python arguments (2 against 23 µs).
+    return np.asarray(tokens, dtype="<u4").tobytes()
 
 
 def hash_block_tokens(tokens: Sequence[int], seed: int = HASH_SEED) -> int:
@@ -50,12 +55,10 @@ def local_block_hashes(tokens: Sequence[int], block_size: int, lora_name: str | 
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     seed = lora_seed(lora_name)
-    full = len(tokens) - len(tokens) % block_size
-    packed = token_bytes(tokens[:full])
+    packed = token_bytes(tokens)  # whole: slicing a protobuf repeated field first would copy it to a list
     width = 4 * block_size
-    return [
-        xxhash.xxh3_64_intdigest(packed[start : start + width], seed=seed) for start in range(0, len(packed), width)
-    ]
+    full = len(packed) - len(packed) % width
+    return [xxhash.xxh3_64_intdigest(packed[start : start + width], seed=seed) for start in range(0, full, width)]
 
 
 def next_sequence_hash(parent_sequence_hash: int, local_hash: int) -> int:

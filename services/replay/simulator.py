@@ -26,7 +26,7 @@ import random
 from dataclasses import dataclass, field
 
 from kvmesh.common.config import ConfigError, option
-from kvmesh.common.hashing import sequence_hashes
+from kvmesh.common.hashing import sequence_hashes, token_bytes
 from kvmesh.common.kv_events import KvEvent, KvEventBatch
 from kvmesh.common.load_report import RequestSample
 from kvmesh.common.prefix_index import PrefixIndex
@@ -37,7 +37,6 @@ from kvmesh.planner.planner import POOLS, Decision, Planner, PlannerOptions, Poo
 from kvmesh.replay.arrival_profile import parse_arrival_profile
 from kvmesh.replay.fleet import IntervalRecorder, VirtualFleet
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
-from kvmesh.router.cache_aware import token_bytes
 from kvmesh.router.config import RoutingOptions
 from kvmesh.router.load_tracker import LoadTracker
 from kvmesh.router.policy import POLICY_MODES, RoutingPolicy

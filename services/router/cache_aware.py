@@ -26,20 +26,12 @@ from __future__ import annotations
 
 import heapq
 import random
-from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.common.worker_key import WorkerKey
 
 TOKEN_BYTES = 4  # the tree's byte strings hold token ids as native uint32
-
-
-def token_bytes(tokens: Iterable[int]) -> bytes:
-    """Token ids as the tree stores them."""
-    if isinstance(tokens, array) and tokens.typecode == "I":
-        return tokens.tobytes()
-    return array("I", tokens).tobytes()
 
 
 def common_prefix_bytes(a: bytes | memoryview, b: bytes | memoryview) -> int:

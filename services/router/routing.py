@@ -19,12 +19,11 @@ import grpc
 import structlog
 
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
-from kvmesh.common.hashing import local_block_hashes, sequence_hashes
+from kvmesh.common.hashing import local_block_hashes, sequence_hashes, token_bytes
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
 from kvmesh.common.status_error import StatusError
 from kvmesh.common.timing import from_constants
 from kvmesh.router.approximate_index import ApproximateIndex
-from kvmesh.router.cache_aware import token_bytes
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.eligibility import (
     BusyThresholds,

@@ -6,12 +6,12 @@ import random
 
 import pytest
 
+from kvmesh.common.hashing import token_bytes
 from kvmesh.router.cache_aware import (
     CacheAwareOptions,
     CacheAwareSelector,
     TenantTree,
     common_prefix_bytes,
-    token_bytes,
 )
 from kvmesh.router.config import RouterConfig
 from tests.support import service_config

@@ -12,6 +12,7 @@ from kvmesh.common.hashing import (
     lora_seed,
     next_sequence_hash,
     sequence_hashes,
+    token_bytes,
 )
 
 TOKENS = list(range(1, 33))  # two blocks of 16
@@ -75,3 +76,15 @@ def test_token_arrays_hash_like_lists():
 
     assert local_block_hashes(array("I", TOKENS), 16) == GOLDEN_LOCAL
     assert hash_block_tokens(array("I", TOKENS[:16])) == GOLDEN_LOCAL[0]
+
+
+def test_a_requests_token_ids_hash_like_lists_whatever_their_container():
+    from kvmesh.common.proto.kvmesh.v1 import common_pb2
+
+    with_partial = [*TOKENS, 99, 100, 2**32 - 1]  # a trailing partial block, and the largest id
+    request = common_pb2.PreprocessedRequest(token_ids=with_partial)
+    assert local_block_hashes(request.token_ids, 16) == GOLDEN_LOCAL
+    assert local_block_hashes(tuple(with_partial), 16) == GOLDEN_LOCAL
+    expected = struct.pack(f"<{len(with_partial)}I", *with_partial)
+    assert token_bytes(request.token_ids) == token_bytes(with_partial) == expected
+    assert token_bytes(request.token_ids[:0]) == token_bytes(common_pb2.PreprocessedRequest().token_ids) == b""
