@@ -9,14 +9,16 @@ engines are not the bottleneck:
 - ``direct``: one of those mocks called directly (the floor).
 
 Every scenario runs ``../shared/peers/loadgen.py`` (non-streaming chat, 16 shared ~200-word system
-prompts, a new connection per request) and reads the serving processes' CPU time from ``/proc``
-(kvmesh: frontend, router, indexer and NATS; Dynamo: its frontend; SGLang: its router), so each
-row gives requests/s, latency p50/p99 and serving CPU per request, and for kvmesh and Dynamo the
-mock engines' CPU per request (kvmesh's workers, Dynamo's mockers). The systems run one after the
-other, twice (``--rounds``), and both rounds are printed. Install the peers as
-``../shared/peers/README.md`` says (they live under ``/tmp/peers``).
+prompts, aiohttp with at most ``c`` connections kept alive) and reads the serving processes' CPU
+time from ``/proc`` (kvmesh: frontend, router, indexer and NATS; Dynamo: its frontend; SGLang: its
+router), so each row gives requests/s, latency p50/p99 and serving CPU per request, and for kvmesh
+and Dynamo the mock engines' CPU per request (kvmesh's workers, Dynamo's mockers). With
+``--stream`` the same requests are streamed (``bench.stream_load``) and the time to the first text
+is printed too; only kvmesh and Dynamo run then, since the peers' minimal mocks behind the SGLang
+router do not stream. The systems run one after the other, twice (``--rounds``), and both rounds are
+printed. Install the peers as ``../shared/peers/README.md`` says (they live under ``/tmp/peers``).
 
-    python -m bench.peers [--rounds 2 --n 1500 --speedup 100]
+    python -m bench.peers [--rounds 2 --n 1500 --speedup 100] [--stream]
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ class System:
 
 
 KVMESH_SERVING = ("kvmesh.frontend", "kvmesh.router", "kvmesh.indexer", "nats-server")
+STREAMING = ("kvmesh", "dynamo")  # the systems whose engines stream
 SYSTEMS = [
     System("kvmesh", "kvmesh-tiny", KVMESH_SERVING, ("kvmesh.worker",)),
     System("dynamo", "tiny", ("dynamo.frontend",), ("dynamo.mocker",)),
@@ -135,15 +138,15 @@ SYSTEMS = [
 ]
 
 
-def run_scenario(system: System, max_tokens: int, concurrency: int, requests: int) -> dict:
+def run_scenario(system: System, max_tokens: int, concurrency: int, requests: int, stream: bool) -> dict:
     pids = processes_matching(*system.serving) if system.serving else []
     engine_pids = processes_matching(*system.engines) if system.engines else []
     before, engines_before = cpu_seconds(pids), cpu_seconds(engine_pids)
-    command = [sys.executable, str(LOADGEN), "--url", system.url, "--n", str(requests), "--c", str(concurrency)]
+    load = [sys.executable, "-m", "bench.stream_load"] if stream else [sys.executable, str(LOADGEN)]
+    command = [*load, "--url", system.url, "--n", str(requests), "--c", str(concurrency)]
     command += ["--max-tokens", str(max_tokens), "--model", system.model]
-    report = json.loads(
-        subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    )
+    finished = subprocess.run(command, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1])
+    report = json.loads(finished.stdout.strip().splitlines()[-1])
     served = max(report["ok"], 1)
     report["cpu_ms"] = (cpu_seconds(pids) - before) * 1000 / served if pids else None
     report["engine_cpu_ms"] = (cpu_seconds(engine_pids) - engines_before) * 1000 / served if engine_pids else None
@@ -156,14 +159,22 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1500, help="requests of the largest scenario")
     parser.add_argument("--speedup", type=float, default=100.0)
     parser.add_argument("--systems", nargs="+", default=[s.name for s in SYSTEMS])
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="streamed chat (bench.stream_load: the same prompts, time to first token too); kvmesh and "
+        "Dynamo only, since the peers' minimal mocks behind the SGLang router do not stream",
+    )
     args = parser.parse_args()
+    if args.stream:
+        args.systems = [name for name in args.systems if name in STREAMING]
     results: dict[tuple[str, str], list[dict]] = {}
     for _round in range(args.rounds):
         for system in [s for s in SYSTEMS if s.name in args.systems]:
             system.start(args.speedup)
             try:
                 for label, tokens, concurrency, share in SCENARIOS:
-                    report = run_scenario(system, tokens, concurrency, max(50, int(args.n * share)))
+                    report = run_scenario(system, tokens, concurrency, max(50, int(args.n * share)), args.stream)
                     results.setdefault((label, system.name), []).append(report)
                     print(f"  {system.name:<7} {label:<15} {json.dumps(report)}", flush=True)
             finally:
@@ -171,7 +182,10 @@ def main() -> None:
     names = [s.name for s in SYSTEMS if s.name in args.systems]
     print(f"\n{'scenario':<16}{'figure':<16}" + "".join(f"{n:>22}" for n in names))
     for label, *_ in SCENARIOS:
-        figures = [("requests/s", "rps", 0), ("p50 ms", "p50_ms", 2), ("serving CPU ms", "cpu_ms", 2)]
+        figures = [("requests/s", "rps", 0)]
+        if args.stream:
+            figures += [("TTFT p50 ms", "ttft_p50_ms", 2), ("TTFT p99 ms", "ttft_p99_ms", 2)]
+        figures += [("p50 ms", "p50_ms", 2), ("p99 ms", "p99_ms", 2), ("serving CPU ms", "cpu_ms", 2)]
         figures.append(("engine CPU ms", "engine_cpu_ms", 2))
         for figure, key, digits in figures:
             cells = []

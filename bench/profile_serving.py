@@ -1,7 +1,7 @@
 """Where the serving path's CPU goes: py-spy flame graphs of the frontend, router and a worker under load.
 
 Starts ``kvmesh up --workers 2`` (mock engines sped up so the engine is not the bottleneck), drives it
-with ``../shared/peers/loadgen.py`` (chat, a new connection per request) and, meanwhile, samples each
+with ``../shared/peers/loadgen.py`` (chat, connections kept alive) and, meanwhile, samples each
 service with py-spy (``pip install py-spy``; it reads the processes' stacks from outside, so it
 changes nothing in them). Writes an SVG flame graph and the collapsed stacks per service to
 ``--output``, and prints per service the functions with the most samples of their own (self time)

@@ -1,9 +1,9 @@
 """Requests per second and CPU per request of each serving process, under one load.
 
-Runs ``../shared/peers/loadgen.py`` (bounded async load, non-streaming chat, a new connection per
-request), or with ``--stream`` the same load streamed (``bench.stream_load``), against a running mesh
-and reads every kvmesh service's and the NATS server's CPU time from ``/proc`` before and after, so
-the CPU each one spent per request is printed beside the rate.
+Runs ``../shared/peers/loadgen.py`` (bounded async load, non-streaming chat, at most ``--c``
+connections kept alive), or with ``--stream`` the same requests streamed (``bench.stream_load``),
+against a running mesh and reads every kvmesh service's and the NATS server's CPU time from
+``/proc`` before and after, so the CPU each one spent per request is printed beside the rate.
 
     kvmesh up --workers 2 --speedup-ratio 100 --http-port 18100 &
     python -m bench.serving_cpu --url http://127.0.0.1:18100/v1/chat/completions --n 2000 --c 32 --max-tokens 64

@@ -1,8 +1,18 @@
-"""Streamed chat load: ``../shared/peers/loadgen.py``'s non-streaming load, streamed.
+"""Streamed chat load: the load of ``../shared/peers/loadgen.py``, streamed, with time to first event.
 
-Sends ``--n`` streamed chat requests, ``--c`` at a time, each on a new connection, reads every
-event to the end, and prints one JSON line with loadgen's fields (``ok``, ``errors``, ``wall_s``,
-``p50_ms``, ``p99_ms``). ``bench.serving_cpu --stream`` runs it; on its own:
+The same requests as loadgen's (16 shared ~200-word system prompts and a 20-word question, from the
+same seeded generator, so prefix caching sees the same prompts), the same client (aiohttp, ``--c``
+requests at a time, 20 warm-up requests not counted), but ``"stream": true``: every event is read to
+``data: [DONE]``. Each request opens a new connection, as in the issue's side-by-side measurement:
+on a kept-alive connection (``--keep-alive``) a server that leaves Nagle's algorithm on (Dynamo's,
+the SGLang router's) holds its second small write until the client's delayed ACK, about 40 ms.
+Prints one JSON line with loadgen's fields (``ok``, ``errors``, ``wall_s``, ``rps``, ``p50_ms``,
+``p99_ms``, ``mean_ms``: the whole answer) and the time to the first event (``ttft_p50_ms``,
+``ttft_p99_ms``). Time to first token is read as time to the first event, not the first text: both
+kvmesh and Dynamo send their first chunk when the first token is there, and Dynamo's mocker makes
+tokens that the peers' tiny tokenizer decodes to no text at all (its chunks carry the role, then
+nothing, then the finish reason).
+``bench.serving_cpu --stream`` and ``bench.peers --stream`` run it; on its own:
 
     python -m bench.stream_load --url http://127.0.0.1:18100/v1/chat/completions --n 1000 --c 8
 """
@@ -12,67 +22,113 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
+import random
 import time
 
-import httpx
+import aiohttp
 
 WARMUP = 20
+# loadgen.py's prompt material, so that both loads send the same prompts
+WORDS = [
+    "the",
+    "a",
+    "cache",
+    "router",
+    "worker",
+    "prefix",
+    "token",
+    "block",
+    "hello",
+    "world",
+    "system",
+    "user",
+    "model",
+    "kv",
+    "llm",
+]
+GROUPS = 16
 
 
-async def one(http: httpx.AsyncClient, url: str, body: dict) -> float:
-    """The request's latency in ms; raises on any status but 200 or a stream without its end."""
+class StreamError(RuntimeError):
+    """A response that is not a whole stream of events (wrong status, no [DONE])."""
+
+
+def request_bodies(count: int, model: str, max_tokens: int, seed: int = 0) -> list[dict]:
+    """loadgen.py's chat bodies, in its order, streamed."""
+    rng = random.Random(seed)
+    system_prompts = [" ".join(rng.choice(WORDS) for _ in range(200)) + f" group{g}" for g in range(GROUPS)]
+    bodies = []
+    for i in range(count):
+        group = rng.randrange(GROUPS)
+        question = " ".join(rng.choice(WORDS) for _ in range(20)) + f" q{i}"
+        messages = [{"role": "system", "content": system_prompts[group]}, {"role": "user", "content": question}]
+        bodies.append({"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True})
+    return bodies
+
+
+async def one(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, float]:
+    """(ms to the first event, ms to the end of the stream)."""
     started = time.perf_counter()
-    async with http.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}")
-        last = b""
-        async for chunk in response.aiter_bytes():
-            last = chunk or last
-    if not last.rstrip().endswith(b"data: [DONE]"):
-        raise RuntimeError("the stream ended without [DONE]")
-    return (time.perf_counter() - started) * 1000
+    first_event: float | None = None
+    done = False
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            raise StreamError(f"HTTP {response.status}")
+        async for line in response.content:
+            if not line.startswith(b"data:"):
+                continue
+            if line.strip() == b"data: [DONE]":
+                done = True
+            elif first_event is None:
+                first_event = time.perf_counter()
+    ended = time.perf_counter()
+    if not done:
+        raise StreamError("the stream ended without [DONE]")
+    return ((first_event or ended) - started) * 1000, (ended - started) * 1000
+
+
+def percentile(values: list[float], share: float) -> float:
+    """loadgen.py's percentile: the value at ``int(share × n)`` of the sorted values."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else float("nan")
 
 
 async def run(args: argparse.Namespace) -> dict:
-    def body(i: int) -> dict:
-        question = f"question {i % 97}: what comes after {i}?"
-        return {
-            "model": args.model,
-            "stream": True,
-            "max_tokens": args.max_tokens,
-            "messages": [
-                {"role": "system", "content": f"You are assistant {i % 16}."},
-                {"role": "user", "content": question},
-            ],
-        }
-
-    limits = httpx.Limits(max_keepalive_connections=0)  # a new connection per request, as loadgen
-    async with httpx.AsyncClient(timeout=60, limits=limits) as http:
-        await asyncio.gather(*(one(http, args.url, body(-i)) for i in range(1, WARMUP + 1)))
-        gate = asyncio.Semaphore(args.c)
+    bodies = request_bodies(WARMUP + args.n, args.model, args.max_tokens)
+    timeout = aiohttp.ClientTimeout(total=60)
+    connector = aiohttp.TCPConnector(limit=args.c, force_close=not args.keep_alive)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        pending = iter(range(len(bodies)))
+        first_events: list[float] = []
         latencies: list[float] = []
         errors = 0
 
-        async def limited(i: int) -> None:
+        async def client() -> None:
             nonlocal errors
-            async with gate:
+            for i in pending:
                 try:
-                    latencies.append(await one(http, args.url, body(i)))
-                except (httpx.HTTPError, RuntimeError):
-                    errors += 1
+                    first_event, latency = await one(session, args.url, bodies[i])
+                except (TimeoutError, aiohttp.ClientError, StreamError):
+                    if i >= WARMUP:
+                        errors += 1
+                    continue
+                if i >= WARMUP:
+                    first_events.append(first_event)
+                    latencies.append(latency)
 
-        started = time.perf_counter()
-        await asyncio.gather(*(limited(i) for i in range(args.n)))
+        started = time.perf_counter()  # as loadgen.py: the warm-up is inside the wall time
+        await asyncio.gather(*(client() for _ in range(args.c)))
         wall = time.perf_counter() - started
-    quantiles = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [0.0] * 99
     return {
         "ok": len(latencies),
         "errors": errors,
         "wall_s": round(wall, 3),
-        "rps": round(len(latencies) / wall, 1),
-        "p50_ms": round(quantiles[49], 2),
-        "p99_ms": round(quantiles[98], 2),
+        "rps": round((len(latencies) + errors) / wall, 1),
+        "ttft_p50_ms": round(percentile(first_events, 0.5), 2),
+        "ttft_p99_ms": round(percentile(first_events, 0.99), 2),
+        "p50_ms": round(percentile(latencies, 0.5), 2),
+        "p99_ms": round(percentile(latencies, 0.99), 2),
+        "mean_ms": round(sum(latencies) / len(latencies), 2) if latencies else None,
     }
 
 
@@ -88,6 +144,7 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_load_arguments(parser)
+    parser.add_argument("--keep-alive", action="store_true", help="reuse connections (default: a new one each)")
     print(json.dumps(asyncio.run(run(parser.parse_args()))))
 
 
