@@ -67,10 +67,12 @@ class PieceCachedEncoder:
     Guarantees: the same ids as that call, for every text (when the tokenizer fails
     :func:`pieces_are_independent`, that call is what it makes); the pieces it remembers hold at
     most ``max_chars`` characters in all, the least recently used dropped first; a piece longer than
-    a sixteenth of that is never kept. Not thread-safe: one event loop uses it.
+    a sixteenth of that is never kept. Memory: the pieces plus at most one id per character (a list
+    of Python ints: a few tens of MB at the default, far less with a tokenizer that merges).
+    Not thread-safe: one event loop uses it.
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_chars: int = 8 << 20) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_chars: int = 1 << 20) -> None:
         self._tokenizer = tokenizer
         self._max_chars = max_chars
         self._largest_kept = max_chars // 16
