@@ -47,3 +47,21 @@ async def test_a_finished_request_is_reported_ended_before_its_last_output_reach
             assert [c for c in routers.calls if c[0] == END] == [(END, "r1", "completed")]
         finally:
             await direct.close()
+
+
+async def test_a_whole_answer_from_a_real_worker_comes_as_its_first_token_then_the_rest_in_one_output(
+    nc: NatsClient, nats_url: str
+):
+    # at speed-up 50 a token takes about 0.1 ms: a reader that keeps up would get most of them alone
+    async with one_worker(nc, nats_url, "--speedup-ratio", "50") as (address, _):
+        direct = DirectTokenPath(RecordingRouters(address))  # type: ignore[arg-type]
+        try:
+            whole = [o async for o in direct.generate(request("w1", 0, 200, whole_answer=True), "router-1")]
+            assert len(whole) == 2 and len(whole[0].token_ids) >= 1 and whole[1].finish_reason
+            assert sum(len(o.token_ids) for o in whole) == 200 and whole[1].usage.completion_tokens == 200
+            # the same request streamed: the same tokens (the seed fixes them), in many outputs
+            streamed = [o async for o in direct.generate(request("s1", 0, 200), "router-1")]
+            assert len(streamed) > 2
+            assert [t for o in streamed for t in o.token_ids] == [t for o in whole for t in o.token_ids]
+        finally:
+            await direct.close()
