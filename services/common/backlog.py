@@ -28,10 +28,6 @@ class Backlog(Generic[T]):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def hold(self, item: T) -> None:
-        """Add ``item`` without waking the consumer: it is taken with the next item :meth:`add` brings."""
-        self._items.append(item)
-
     async def take(self) -> list[T]:
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()

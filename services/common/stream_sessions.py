@@ -25,17 +25,6 @@ from kvmesh.common.runtime import cancel_and_wait
 FINISH_REASON_UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 
 
-class _Inbox(Backlog[common_pb2.StreamItem | BaseException]):
-    """One request's items on a session. ``quiet``: its outputs that do not finish it are held
-    (:meth:`~Backlog.hold`) until one that does, its end or a failure comes (see ``generate``)."""
-
-    __slots__ = ("quiet",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.quiet = False
-
-
 # Opens a GenerateMany call on a channel (e.g. ``lambda channel: WorkerStub(channel).GenerateMany()``).
 OpenStream = Callable[[grpc.aio.Channel], grpc.aio.StreamStreamCall]
 
@@ -58,7 +47,7 @@ class StreamSession:
         self._call = call
         # every command ready goes in one message: one write for requests submitted together
         self._commands: Backlog[common_pb2.GenerateCommand] = Backlog()
-        self._requests: dict[str, _Inbox] = {}
+        self._requests: dict[str, Backlog[common_pb2.StreamItem | BaseException]] = {}
         self.broken: BaseException | None = None
         self.idle = asyncio.Event()
         self.idle.set()
@@ -90,15 +79,7 @@ class StreamSession:
                 requests = self._requests
                 for item in batch.items:
                     inbox = requests.get(item.request_id)
-                    if inbox is None:
-                        continue
-                    if (
-                        inbox.quiet
-                        and item.HasField("output")
-                        and item.output.finish_reason == FINISH_REASON_UNSPECIFIED
-                    ):
-                        inbox.hold(item)  # taken with the request's last output, in order
-                    else:
+                    if inbox is not None:
                         inbox.add(item)
         except grpc.aio.AioRpcError as exc:
             self._break(exc)
@@ -115,29 +96,23 @@ class StreamSession:
         for inbox in self._requests.values():
             inbox.add(error)
 
-    async def generate(
-        self, request: common_pb2.PreprocessedRequest, quiet: bool = False
-    ) -> AsyncIterator[common_pb2.GenerateOutput]:
+    async def generate(self, request: common_pb2.PreprocessedRequest) -> AsyncIterator[common_pb2.GenerateOutput]:
         """The request's outputs; raises ``grpc.aio.AioRpcError`` as its own ``Generate`` would.
-
-        ``quiet``: the consumer wants the first output at once but the others only as a whole (a
-        non-streaming answer): after the first, outputs wait for the one that finishes the request
-        (or its end, or a failure) and come with it, in order. That saves a wake-up of the
-        consumer per output."""
+        (A request marked ``whole_answer`` gets its first output and then one with the rest: the
+        worker holds them, docs/decisions/0026.)"""
         request_id = request.request_id
         if self.broken is not None:
             raise self.broken
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already on this stream")
         # the request's items, handed over by the session's reader (all that came, per wake-up)
-        inbox = self._requests[request_id] = _Inbox()
+        inbox = self._requests[request_id] = Backlog()
         self.idle.clear()
         self._commands.add(common_pb2.GenerateCommand(submit=request))
         ended = False
         try:
             while True:
                 items = await inbox.take()
-                inbox.quiet = quiet  # from the second take on: the first output came at once
                 for item in items:
                     if isinstance(item, BaseException):
                         ended = True
@@ -185,11 +160,11 @@ class StreamSessions:
         return session
 
     def generate(
-        self, address: str, request: common_pb2.PreprocessedRequest, quiet: bool = False
+        self, address: str, request: common_pb2.PreprocessedRequest
     ) -> AsyncIterator[common_pb2.GenerateOutput]:
         """:meth:`StreamSession.generate` on ``address``'s session (opened now if need be); the
         caller closes it, as it would close its own ``Generate`` call."""
-        return self.get(address).generate(request, quiet)
+        return self.get(address).generate(request)
 
     def drop(self, address: str) -> None:
         session = self._sessions.pop(address, None)

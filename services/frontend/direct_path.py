@@ -47,12 +47,10 @@ class DirectTokenPath:
         self._sessions = StreamSessions(self._channels, open_worker_stream)
 
     async def generate(
-        self, request: common_pb2.PreprocessedRequest, router_address: str, quiet: bool = False
+        self, request: common_pb2.PreprocessedRequest, router_address: str
     ) -> AsyncIterator[common_pb2.GenerateOutput]:
         """The request's outputs; raises ``grpc.aio.AioRpcError`` as ``Router.Generate`` would (a
-        transport failure of the router's Route call, too: the caller fails over to another replica).
-        ``quiet``: see :meth:`StreamSession.generate` (outputs between the first and the last come
-        with the last)."""
+        transport failure of the router's Route call, too: the caller fails over to another replica)."""
         usage = AnswerUsage(len(request.token_ids))
         max_tokens = request.stop.max_tokens or DEFAULT_MAX_TOKENS
         migration = 0
@@ -70,7 +68,7 @@ class DirectTokenPath:
             try:
                 first = True
                 # closing the stream when we stop early cancels the request at the worker
-                async with contextlib.aclosing(self._sessions.generate(route.worker_address, sent, quiet)) as outputs:
+                async with contextlib.aclosing(self._sessions.generate(route.worker_address, sent)) as outputs:
                     async for output in outputs:
                         if first:
                             first = False

@@ -167,19 +167,19 @@ class Frontend:
         return request
 
     async def generate(
-        self, request: common_pb2.PreprocessedRequest, stop: list[str], usage: UsageCounter, quiet: bool = False
+        self, request: common_pb2.PreprocessedRequest, stop: list[str], usage: UsageCounter, whole: bool = False
     ) -> AsyncIterator[Piece]:
         """Stream text pieces; stop strings end the answer early (finish reason ``stop``).
 
-        ``quiet`` (an answer sent whole, with no stop strings to watch for): the worker holds the
+        ``whole`` (an answer sent whole, with no stop strings to watch for): the worker holds the
         outputs after the first until the last (``whole_answer``), which saves a message per output
         through every hop; the first still comes at once, for time to first token and the router's
-        load picture.
+        load picture (docs/decisions/0026).
 
         A router replica that dies (transport failure, not a deliberate refusal) is replaced by
         another one, which continues from the tokens already streamed: the client sees one answer.
         """
-        request.whole_answer = quiet
+        request.whole_answer = whole
         detokenizer = IncrementalDetokenizer(self.model.tokenizer)
         matcher = StopStringMatcher(stop)
         max_tokens = request.stop.max_tokens
@@ -194,7 +194,7 @@ class Frontend:
             try:
                 # closing the stream when we stop early cancels the request: that frees its worker
                 if self.direct is not None:
-                    stream = self.direct.generate(sent, address, quiet)
+                    stream = self.direct.generate(sent, address)
                 else:
                     stream = self.routers.generate(sent, address)
                 async with contextlib.aclosing(stream) as outputs:

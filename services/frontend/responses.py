@@ -65,7 +65,7 @@ async def _respond(
     frontend.load.arrived()
     stop = body.stop_strings()
     # an answer sent whole needs its pieces only at the end, unless a stop string may cut it short
-    pieces = frontend.generate(request, stop, usage, quiet=not body.stream and not stop)
+    pieces = frontend.generate(request, stop, usage, whole=not body.stream and not stop)
     # Wait for the first piece before answering, so routing errors still get their HTTP status.
     try:
         first = await anext(pieces)

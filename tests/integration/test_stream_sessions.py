@@ -341,39 +341,3 @@ async def test_a_request_read_to_its_finishing_output_is_not_cancelled_at_the_wo
         # commands keep their order: a cancel of r1 would come before the submit of r2
         await wait_until_async(lambda: "submit r2" in worker.commands, timeout=10, what="the second submit")
         assert worker.commands == ["submit r1", "submit r2"]
-
-
-class GatedWorker(worker_pb2_grpc.WorkerServicer):
-    """A worker stand-in on real gRPC: answers a submit with output 1; once :attr:`go_on` is set,
-    outputs 2-4, one message each; once :attr:`release` is set, the finishing output 5."""
-
-    def __init__(self) -> None:
-        self.go_on = asyncio.Event()
-        self.release = asyncio.Event()
-
-    async def GenerateMany(self, messages, context):
-        async for message in messages:
-            request_id = message.commands[0].submit.request_id
-            for token in range(1, 5):
-                output = common_pb2.GenerateOutput(token_ids=[token])
-                yield common_pb2.GenerateBatch(items=[common_pb2.StreamItem(request_id=request_id, output=output)])
-                await self.go_on.wait()
-            await self.release.wait()
-            yield finishing_batch(request_id, 5)
-
-
-async def test_a_quiet_request_gets_its_first_output_at_once_and_the_others_with_its_last():
-    worker = GatedWorker()
-    async with sessions_to(worker) as (sessions, address):
-        outputs = sessions.generate(address, request("q", 0, 5), quiet=True)
-        assert list((await anext(outputs)).token_ids) == [1]
-        worker.go_on.set()
-        following = asyncio.ensure_future(anext(outputs))
-        inbox = sessions.get(address)._requests["q"]
-        # outputs 2-4 arrive and wait in the inbox: an inbox that woke its reader would be emptied
-        await wait_until_async(lambda: len(inbox._items) == 3, timeout=10, what="outputs 2-4 held")
-        assert not following.done()
-        worker.release.set()
-        rest = [await following, *[output async for output in outputs]]
-        assert [list(o.token_ids) for o in rest] == [[2], [3], [4], [5]]
-        assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
