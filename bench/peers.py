@@ -13,7 +13,7 @@ prompts, aiohttp with at most ``c`` connections kept alive) and reads the servin
 time from ``/proc`` (kvmesh: frontend, router, indexer and NATS; Dynamo: its frontend; SGLang: its
 router), so each row gives requests/s, latency p50/p99 and serving CPU per request, and for kvmesh
 and Dynamo the mock engines' CPU per request (kvmesh's workers, Dynamo's mockers). With
-``--stream`` the same requests are streamed (``bench.stream_load``) and the time to the first text
+``--stream`` the same requests are streamed (``bench.stream_load``) and the time to the first event
 is printed too; only kvmesh and Dynamo run then, since the peers' minimal mocks behind the SGLang
 router do not stream. The systems run one after the other, twice (``--rounds``), and both rounds are
 printed. Install the peers as ``../shared/peers/README.md`` says (they live under ``/tmp/peers``).
@@ -145,7 +145,9 @@ def run_scenario(system: System, max_tokens: int, concurrency: int, requests: in
     load = [sys.executable, "-m", "bench.stream_load"] if stream else [sys.executable, str(LOADGEN)]
     command = [*load, "--url", system.url, "--n", str(requests), "--c", str(concurrency)]
     command += ["--max-tokens", str(max_tokens), "--model", system.model]
-    finished = subprocess.run(command, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1])
+    finished = subprocess.run(
+        command, capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1]
+    )
     report = json.loads(finished.stdout.strip().splitlines()[-1])
     served = max(report["ok"], 1)
     report["cpu_ms"] = (cpu_seconds(pids) - before) * 1000 / served if pids else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -90,31 +91,36 @@ async def call(generate, tokens: int) -> tuple[list[int], grpc.aio.AioRpcError |
     return received, None
 
 
-@pytest.mark.parametrize("streams", ["per-request", "multiplexed"])
-async def test_an_engine_failure_is_a_transport_failure_and_a_bad_prompt_a_refusal(streams: str):
-    engine = FailingEngine()
+@contextlib.asynccontextmanager
+async def worker_serving(engine: Engine) -> AsyncIterator[str]:
+    """``engine`` behind the worker's gRPC servicer on a real server; yields its address."""
     servicer = WorkerServicer(1, "kvmesh-tiny", engine, WorkerMetrics(engine, None, None), None)
     server = await start_grpc_server(
         lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
     )
     try:
-        address = f"127.0.0.1:{server.port}"
-        async with channel_to(address) as channel, contextlib.AsyncExitStack() as stack:
-            generate = worker_pb2_grpc.WorkerStub(channel).Generate
-            if streams == "multiplexed":
-                channels = ChannelPool()
-                stack.push_async_callback(channels.close)
-                sessions = StreamSessions(channels, open_worker_stream)
-                stack.push_async_callback(sessions.close)
-                generate = functools.partial(sessions.generate, address)
-            tokens, error = await call(generate, 10)
-            assert tokens == [7, 8] and error is not None
-            assert error.code() == grpc.StatusCode.UNAVAILABLE and "the engine died" in error.details()
-            assert is_transport_failure(error)  # a router migrates it
-            assert engine.aborted == ["r10"]
-            tokens, error = await call(generate, 200)
-            assert tokens == [] and error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert error_origin(error) == "worker"  # a refusal, passed on to the client as a 400
+        yield f"127.0.0.1:{server.port}"
     finally:
         await server.stop()
+
+
+@pytest.mark.parametrize("streams", ["per-request", "multiplexed"])
+async def test_an_engine_failure_is_a_transport_failure_and_a_bad_prompt_a_refusal(streams: str):
+    engine = FailingEngine()
+    async with worker_serving(engine) as address, channel_to(address) as channel, contextlib.AsyncExitStack() as stack:
+        generate = worker_pb2_grpc.WorkerStub(channel).Generate
+        if streams == "multiplexed":
+            channels = ChannelPool()
+            stack.push_async_callback(channels.close)
+            sessions = StreamSessions(channels, open_worker_stream)
+            stack.push_async_callback(sessions.close)
+            generate = functools.partial(sessions.generate, address)
+        tokens, error = await call(generate, 10)
+        assert tokens == [7, 8] and error is not None
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "the engine died" in error.details()
+        assert is_transport_failure(error)  # a router migrates it
+        assert engine.aborted == ["r10"]
+        tokens, error = await call(generate, 200)
+        assert tokens == [] and error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error_origin(error) == "worker"  # a refusal, passed on to the client as a 400

@@ -11,12 +11,10 @@ import grpc
 import pytest
 
 from kvmesh.common.finish_reasons import FinishReason
-from kvmesh.common.grpc_server import channel_to, start_grpc_server
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.common.grpc_server import channel_to
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
 from kvmesh.worker.engine import EngineFailure, EngineRequestSpec, TokenOutput, TokenQueue
-from kvmesh.worker.metrics import WorkerMetrics
-from kvmesh.worker.servicer import WorkerServicer
-from tests.integration.test_engine_failure import FailingEngine
+from tests.integration.test_engine_failure import FailingEngine, worker_serving
 from tests.support import wait_until_async
 
 pytestmark = pytest.mark.integration
@@ -44,16 +42,8 @@ async def feed_one_at_a_time(queue: TokenQueue, *items: TokenOutput | EngineFail
 @contextlib.asynccontextmanager
 async def scripted_worker() -> AsyncIterator[tuple[ScriptedEngine, worker_pb2_grpc.WorkerStub]]:
     engine = ScriptedEngine()
-    servicer = WorkerServicer(1, "kvmesh-tiny", engine, WorkerMetrics(engine, None, None), None)
-    server = await start_grpc_server(
-        lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
-        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
-    )
-    try:
-        async with channel_to(f"127.0.0.1:{server.port}") as channel:
-            yield engine, worker_pb2_grpc.WorkerStub(channel)
-    finally:
-        await server.stop()
+    async with worker_serving(engine) as address, channel_to(address) as channel:
+        yield engine, worker_pb2_grpc.WorkerStub(channel)
 
 
 async def answer_started(
