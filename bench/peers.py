@@ -14,9 +14,11 @@ time from ``/proc`` (kvmesh: frontend, router, indexer and NATS; Dynamo: its fro
 router), so each row gives requests/s, latency p50/p99 and serving CPU per request, and for kvmesh
 and Dynamo the mock engines' CPU per request (kvmesh's workers, Dynamo's mockers). With
 ``--stream`` the same requests are streamed (``bench.stream_load``) and the time to the first event
-is printed too; only kvmesh and Dynamo run then, since the peers' minimal mocks behind the SGLang
-router do not stream. The systems run one after the other, twice (``--rounds``), and both rounds are
-printed. Install the peers as ``../shared/peers/README.md`` says (they live under ``/tmp/peers``).
+is printed too, with the events an answer had and the load generator's own CPU per request (it
+shares the cores with the system it measures); only kvmesh and Dynamo run then, since the peers'
+minimal mocks behind the SGLang router do not stream. The systems run one after the other, twice
+(``--rounds``), and both rounds are printed. Install the peers as ``../shared/peers/README.md``
+says (they live under ``/tmp/peers``).
 
     python -m bench.peers [--rounds 2 --n 1500 --speedup 100] [--stream]
 """
@@ -189,6 +191,8 @@ def main() -> None:
             figures += [("TTFT p50 ms", "ttft_p50_ms", 2), ("TTFT p99 ms", "ttft_p99_ms", 2)]
         figures += [("p50 ms", "p50_ms", 2), ("p99 ms", "p99_ms", 2), ("serving CPU ms", "cpu_ms", 2)]
         figures.append(("engine CPU ms", "engine_cpu_ms", 2))
+        if args.stream:
+            figures += [("client CPU ms", "client_cpu_ms", 2), ("events/answer", "events_per_answer", 1)]
         for figure, key, digits in figures:
             cells = []
             for name in names:

@@ -7,11 +7,18 @@ requests at a time, 20 warm-up requests not counted), but ``"stream": true``: ev
 on a kept-alive connection (``--keep-alive``) a server that leaves Nagle's algorithm on (Dynamo's,
 the SGLang router's) holds its second small write until the client's delayed ACK, about 40 ms.
 Prints one JSON line with loadgen's fields (``ok``, ``errors``, ``wall_s``, ``rps``, ``p50_ms``,
-``p99_ms``, ``mean_ms``: the whole answer) and the time to the first event (``ttft_p50_ms``,
-``ttft_p99_ms``). Time to first token is read as time to the first event, not the first text: both
-kvmesh and Dynamo send their first chunk when the first token is there, and Dynamo's mocker makes
-tokens that the peers' tiny tokenizer decodes to no text at all (its chunks carry the role, then
-nothing, then the finish reason).
+``p99_ms``, ``mean_ms``: the whole answer), the time to the first event (``ttft_p50_ms``,
+``ttft_p99_ms``), the mean number of events an answer had before ``[DONE]``
+(``events_per_answer``) and this client's own CPU per request while it ran the load
+(``client_cpu_ms``; it shares the machine's cores with the server it measures).
+
+Time to first token is read as time to the first event, not the first text: both kvmesh and Dynamo
+send their first chunk when the first token is there. Dynamo's mocker draws random 32-bit token
+ids, outside the peers' 450-token tiny tokenizer, so they decode to no text and Dynamo's answers
+carry two events whatever their length (the role, then the finish reason). kvmesh's carry one per
+batch of tokens with text (about 40 for 64 tokens at c=8): the events per answer show how much
+less writing, and reading, Dynamo's streamed answers cost on this load.
+
 ``bench.serving_cpu --stream`` and ``bench.peers --stream`` run it; on its own:
 
     python -m bench.stream_load --url http://127.0.0.1:18100/v1/chat/completions --n 1000 --c 8
@@ -66,10 +73,11 @@ def request_bodies(count: int, model: str, max_tokens: int, seed: int = 0) -> li
     return bodies
 
 
-async def one(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, float]:
-    """(ms to the first event, ms to the end of the stream)."""
+async def one(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, float, int]:
+    """(ms to the first event, ms to the end of the stream, events before ``[DONE]``)."""
     started = time.perf_counter()
     first_event: float | None = None
+    events = 0
     done = False
     async with session.post(url, json=body) as response:
         if response.status != 200:
@@ -79,12 +87,14 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[flo
                 continue
             if line.strip() == b"data: [DONE]":
                 done = True
-            elif first_event is None:
+                continue
+            events += 1
+            if first_event is None:
                 first_event = time.perf_counter()
     ended = time.perf_counter()
     if not done:
         raise StreamError("the stream ended without [DONE]")
-    return ((first_event or ended) - started) * 1000, (ended - started) * 1000
+    return ((first_event or ended) - started) * 1000, (ended - started) * 1000, events
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -101,13 +111,14 @@ async def run(args: argparse.Namespace) -> dict:
         pending = iter(range(len(bodies)))
         first_events: list[float] = []
         latencies: list[float] = []
+        events = 0
         errors = 0
 
         async def client() -> None:
-            nonlocal errors
+            nonlocal errors, events
             for i in pending:
                 try:
-                    first_event, latency = await one(session, args.url, bodies[i])
+                    first_event, latency, answer_events = await one(session, args.url, bodies[i])
                 except (TimeoutError, aiohttp.ClientError, StreamError):
                     if i >= WARMUP:
                         errors += 1
@@ -115,10 +126,13 @@ async def run(args: argparse.Namespace) -> dict:
                 if i >= WARMUP:
                     first_events.append(first_event)
                     latencies.append(latency)
+                    events += answer_events
 
         started = time.perf_counter()  # as loadgen.py: the warm-up is inside the wall time
+        cpu_started = time.process_time()
         await asyncio.gather(*(client() for _ in range(args.c)))
         wall = time.perf_counter() - started
+        client_cpu = time.process_time() - cpu_started
     return {
         "ok": len(latencies),
         "errors": errors,
@@ -129,6 +143,8 @@ async def run(args: argparse.Namespace) -> dict:
         "p50_ms": round(percentile(latencies, 0.5), 2),
         "p99_ms": round(percentile(latencies, 0.99), 2),
         "mean_ms": round(sum(latencies) / len(latencies), 2) if latencies else None,
+        "events_per_answer": round(events / len(latencies), 1) if latencies else None,
+        "client_cpu_ms": round(client_cpu * 1000 / (WARMUP + len(latencies)), 3) if latencies else None,
     }
 
 
