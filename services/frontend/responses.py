@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,9 +12,10 @@ import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from kvmesh.frontend.answer_chunks import AnswerChunks, sse_event
 from kvmesh.frontend.errors import OpenAIError, UpstreamError
 from kvmesh.frontend.event_stream import EventStreamResponse
-from kvmesh.frontend.gateway import WORKER_ID_HEADER, Frontend, Piece, UsageCounter
+from kvmesh.frontend.gateway import WORKER_ID_HEADER, Frontend, UsageCounter
 from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
 
 log = structlog.get_logger(__name__)
@@ -124,50 +124,20 @@ async def _respond(
         )
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def chunk(piece: Piece, first_chunk: bool) -> dict[str, object]:
-        if chat:
-            delta: dict[str, object] = {"content": piece.text}
-            if first_chunk:
-                delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "finish_reason": piece.finish_reason, "logprobs": None}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": piece.text, "finish_reason": piece.finish_reason, "logprobs": None}
-            obj = "text_completion"
-        out: dict[str, object] = {
-            "id": request_id,
-            "object": obj,
-            "created": created,
-            "model": body.model,
-            "choices": [choice],
-        }
-        if include_usage:
-            out["usage"] = None
-        return out
+    chunks = AnswerChunks(request_id, body.model, created, chat, include_usage)
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            yield _sse(chunk(first, True))
+            yield chunks.event(first.text, first.finish_reason, first=True)
             async for piece in pieces:
-                yield _sse(chunk(piece, False))
+                yield chunks.event(piece.text, piece.finish_reason)
             if include_usage:
-                obj = "chat.completion.chunk" if chat else "text_completion"
-                yield _sse(
-                    {
-                        "id": request_id,
-                        "object": obj,
-                        "created": created,
-                        "model": body.model,
-                        "choices": [],
-                        "usage": usage.body(),
-                    }
-                )
+                yield chunks.usage_event(usage.body())
             finished()
             yield b"data: [DONE]\n\n"
         except OpenAIError as exc:
             log.warning("stream failed", error=exc.message)
-            yield _sse(exc.body())
+            yield sse_event(exc.body())
             yield b"data: [DONE]\n\n"
         finally:
             await pieces.aclose()
@@ -178,7 +148,3 @@ async def _respond(
 def _served_by(usage: UsageCounter) -> dict[str, str]:
     """Response headers naming the worker that served the request (known once the first token came)."""
     return {WORKER_ID_HEADER: str(usage.worker_id)} if usage.worker_id is not None else {}
-
-
-def _sse(payload: object) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
