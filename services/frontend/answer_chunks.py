@@ -30,6 +30,7 @@ class AnswerChunks:
         self._around = (before, after[0]) if len(after) == 1 else None
 
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict[str, object]:
+        """The chunk with ``text`` as OpenAI's API sends it (the role on the first; the finish reason on the last)."""
         choice: dict[str, object]
         if self._chat:
             delta: dict[str, object] = {"content": text}
