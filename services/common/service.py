@@ -19,6 +19,7 @@ from kvmesh.common import grpc_tls
 from kvmesh.common.config import CommonConfig, GrpcEndpointConfig, describe, parse_config
 from kvmesh.common.discovery import InstanceRecord, Registration
 from kvmesh.common.grpc_server import start_grpc_server
+from kvmesh.common.heap import own_process_heap
 from kvmesh.common.nats_auth import NatsCredentials
 from kvmesh.common.runtime import cancel_and_wait, connect_nats, run_until_signalled
 from kvmesh.common.structured_logging import configure_logging
@@ -89,6 +90,7 @@ def service_main(
     configure_logging(config.log_level, config.log_json, service=service)
     configure_grpc_tls(config)
     log.info(f"starting {service}", config=describe(config))
+    own_process_heap()  # the service freezes its startup heap once ready (docs/decisions/0028)
     run_until_signalled(lambda stop: serve(config, stop))
 
 

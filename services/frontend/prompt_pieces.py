@@ -67,7 +67,7 @@ class PieceCachedEncoder:
     Guarantees: the same ids as that call, for every text (when the tokenizer fails
     :func:`pieces_are_independent`, that call is what it makes); the pieces it remembers hold at
     most ``max_chars`` characters in all, the least recently used dropped first; a piece longer than
-    a sixteenth of that is never kept. Memory: the pieces plus at most one id per character (a list
+    a sixteenth of that is never kept. Memory: the pieces plus at most one id per character (a tuple
     of Python ints: a few tens of MB at the default, far less with a tokenizer that merges).
     Not thread-safe: one event loop uses it.
     """
@@ -77,7 +77,7 @@ class PieceCachedEncoder:
         self._max_chars = max_chars
         self._largest_kept = max_chars // 16
         self._chars = 0
-        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._special: dict[str, int] = {}
         self._splitter: re.Pattern[str] | None = None
         if pieces_are_independent(tokenizer):
@@ -98,13 +98,15 @@ class PieceCachedEncoder:
         known = self._pieces
         special = self._special
         new = list(dict.fromkeys(piece for piece in pieces if piece not in special and piece not in known))
-        fresh: dict[str, list[int]] = {}
+        fresh: dict[str, tuple[int, ...]] = {}
         if new:
             # one call for every piece not seen before (usually just the user's message)
             for piece, encoding in zip(
                 new, self._tokenizer.encode_batch_fast(new, add_special_tokens=False), strict=True
             ):
-                fresh[piece] = encoding.ids
+                # a tuple of ints, unlike a list, drops out of the garbage collector's view at its
+                # first look: thousands of remembered pieces make no full collections (decision 28)
+                fresh[piece] = tuple(encoding.ids)
         ids: list[int] = []
         for piece in pieces:
             token = special.get(piece)
@@ -120,7 +122,7 @@ class PieceCachedEncoder:
             self._keep(piece, piece_ids)
         return ids
 
-    def _keep(self, piece: str, ids: list[int]) -> None:
+    def _keep(self, piece: str, ids: tuple[int, ...]) -> None:
         if len(piece) > self._largest_kept or piece in self._pieces:
             return
         self._pieces[piece] = ids

@@ -12,6 +12,7 @@ from pathlib import Path
 import structlog
 import uvicorn
 
+from kvmesh.common.heap import freeze_startup_heap
 from kvmesh.common.service import ServiceStack, service_main
 from kvmesh.frontend.admission import read_api_keys
 from kvmesh.frontend.app import create_app
@@ -63,6 +64,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
             max_concurrent_requests=config.max_concurrent_requests or None,
             token_path=config.token_path,
         )
+        freeze_startup_heap()
         stopped = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()

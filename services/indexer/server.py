@@ -19,6 +19,7 @@ from prometheus_client import Histogram
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
 from kvmesh.common.grpc_errors import refuse
 from kvmesh.common.hashing import block_set_digest, sequence_hashes
+from kvmesh.common.heap import freeze_startup_heap
 from kvmesh.common.kv_events import POOL_DP_RANK
 from kvmesh.common.metrics import MetricsEndpoint
 from kvmesh.common.prefix_index import PrefixIndex
@@ -243,6 +244,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
         )
         record = registration.record
         log.info("indexer ready", address=record.address, replica_id=config.replica_id, metrics=extra.get("metrics"))
+        freeze_startup_heap()
         await stop.wait()
 
 

@@ -12,6 +12,7 @@ import structlog
 
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
+from kvmesh.common.heap import freeze_startup_heap
 from kvmesh.common.metrics import MetricsEndpoint
 from kvmesh.common.proto.kvmesh.v1 import router_pb2, router_pb2_grpc
 from kvmesh.common.service import ServiceStack, service_main
@@ -94,6 +95,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         )
         record = registration.record
         log.info("router ready", address=record.address, mode=config.router_mode)
+        freeze_startup_heap()
         await stop.wait()
 
 

@@ -12,6 +12,7 @@ import structlog
 
 from kvmesh.common.config import advertised_host
 from kvmesh.common.discovery import Registration, new_instance_id
+from kvmesh.common.heap import freeze_startup_heap
 from kvmesh.common.kv_events import POOL_DP_RANK, POOLED_TIER, parse_moe_placements
 from kvmesh.common.metrics import MetricsEndpoint
 from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -165,6 +166,7 @@ async def serve(
             block_size=status.block_size,
             kv_transfer_backend=extra.get("kv_transfer_backend"),
         )
+        freeze_startup_heap()  # the engine, model and connections live as long as the process
         await stop.wait()
         log.info("worker shutting down")
 

@@ -4,6 +4,7 @@ encoding where it does not."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -126,3 +127,13 @@ def test_the_remembered_pieces_stay_within_their_budget_and_the_ids_stay_exact()
         assert encoder._chars <= 1600 and all(len(piece) <= 100 for piece in encoder._pieces)
         assert encoder._chars == sum(len(piece) for piece in encoder._pieces)
     assert encoder._pieces  # short pieces were kept
+
+
+def test_the_remembered_pieces_are_out_of_the_garbage_collectors_view():
+    # thousands of remembered pieces must not make the full collections a service pays for (decision 28)
+    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    encoder = PieceCachedEncoder(tokenizer)
+    for text in chat_like_texts(50, seed=3):
+        encoder.encode(text)
+    gc.collect()
+    assert encoder._pieces and not any(gc.is_tracked(ids) for ids in encoder._pieces.values())
