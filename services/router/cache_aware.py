@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.common.worker_key import WorkerKey
 
-TOKEN_BYTES = 4  # the tree's byte strings hold token ids as native uint32
+TOKEN_BYTES = 4  # the tree's byte strings hold token ids as little-endian uint32 (hashing.token_bytes)
 
 
 def common_prefix_bytes(a: bytes | memoryview, b: bytes | memoryview) -> int:
