@@ -1,13 +1,13 @@
 """Free ports to hand to servers.
 
-:func:`free_port` (bind port 0, read it, close) is safe only when the server binds it again at once.
-A port handed to an engine that binds it a minute later, after loading its model, can be taken in
-between: every outgoing connection and every port-0 bind on the machine draws from the kernel's
-ephemeral range, and vLLM's start-up alone opens dozens (torch.distributed, ZMQ). vLLM's NIXL
-side-channel listener then fails to bind in a background thread and the engine waits for it forever
-(seen in CI: ``Address already in use`` and a worker that never came up).
+A port found free now (bind port 0, read it, close) is safe only if its server binds it again at once.
+Every outgoing connection and every port-0 bind on the machine draws from the kernel's ephemeral
+range, so a port from that range handed to a server that binds it later can be taken in between.
+Seen in CI twice: vLLM's start-up opens dozens of connections (torch.distributed, ZMQ) and its NIXL
+side-channel listener then failed to bind; and ``kvmesh up`` binds its HTTP port only after NATS, the
+indexer, the router and the workers are up, by which time a worker's connection had taken it.
 
-:func:`late_bound_port` draws from below the ephemeral range instead, where the kernel never hands out
+:func:`free_port` therefore draws from below the ephemeral range, where the kernel never hands out
 ports on its own; only an explicit bind by some other program can take it.
 """
 
@@ -27,15 +27,8 @@ LOWEST_CANDIDATE = 10000
 ATTEMPTS = 200
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel reports free now, from its ephemeral range: for a server that binds it at once."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 class NoFreePortError(RuntimeError):
-    """No port outside the ephemeral range could be bound."""
+    """No port below the ephemeral range could be bound."""
 
 
 def ephemeral_low() -> int:
@@ -55,8 +48,8 @@ def is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def late_bound_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
-    """A port free now, below the ephemeral range, for a server that binds it later.
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A port free now, below the ephemeral range, so that it stays free until its server binds it.
 
     Random rather than sequential, so two workers starting at once rarely pick the same one.
     Raises :class:`NoFreePortError` when the range below the ephemeral ports is too small or full.

@@ -26,7 +26,7 @@ import structlog
 
 from kvmesh.common.finish_reasons import FinishReason
 from kvmesh.common.kv_events import EventData
-from kvmesh.common.ports import late_bound_port
+from kvmesh.common.ports import free_port
 from kvmesh.common.timing import TimingModel
 from kvmesh.common.timing_fit import TimingFit
 from kvmesh.worker import tiny_llama
@@ -182,7 +182,7 @@ class VllmEngine(Engine):
 
         args = await asyncio.to_thread(engine_args, self._argv, self._overrides)
         # the engine binds the replay port (and the side channel's) only after loading its model
-        events_port, replay_port = late_bound_port(), late_bound_port()
+        events_port, replay_port = free_port(), free_port()
         # bound before the engine starts, so its publisher's first batch finds us
         self._relay = VllmEventRelay(
             f"tcp://127.0.0.1:{events_port}",
@@ -233,7 +233,7 @@ class VllmEngine(Engine):
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
         # vLLM's listener fails in a thread of its own when this port is taken, and its engine then
         # waits for it forever: hence a port the kernel does not hand out meanwhile
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(late_bound_port(host))
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(host))
         # read by kvmesh's vLLM plugin in the engine's own processes: NIXL without its spinning thread
         os.environ[QUIET_NIXL_ENV] = "1"
         device = "cpu" if current_platform.is_cpu() else current_platform.device_type

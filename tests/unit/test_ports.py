@@ -1,4 +1,4 @@
-"""Ports handed to servers that bind them later come from below the kernel's ephemeral range."""
+"""Ports handed to servers come from below the kernel's ephemeral range, where nothing takes them unasked."""
 
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ import pytest
 from kvmesh.common import ports
 
 
-def test_a_late_bound_port_is_free_and_below_the_ephemeral_range():
-    port = ports.late_bound_port()
+def test_a_free_port_is_free_and_below_the_ephemeral_range():
+    port = ports.free_port()
     assert ports.LOWEST_CANDIDATE <= port < ports.ephemeral_low()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", port))  # raises if it were taken
 
 
 def test_a_taken_port_is_passed_over():
-    first_choice = ports.late_bound_port(rng=random.Random(7))
+    first_choice = ports.free_port(rng=random.Random(7))
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
         holder.bind(("127.0.0.1", first_choice))
         holder.listen()
-        chosen = ports.late_bound_port(rng=random.Random(7))
+        chosen = ports.free_port(rng=random.Random(7))
     assert chosen != first_choice
 
 
@@ -31,7 +31,7 @@ def test_the_ephemeral_range_is_read_from_the_kernel_setting(tmp_path, monkeypat
     setting.write_text("20000\t60999\n")
     monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", setting)
     assert ports.ephemeral_low() == 20000
-    assert all(ports.late_bound_port() < 20000 for _ in range(20))
+    assert all(ports.free_port() < 20000 for _ in range(20))
 
 
 def test_an_unreadable_setting_falls_back_to_linux_default(tmp_path, monkeypatch):
@@ -44,4 +44,4 @@ def test_no_room_below_the_ephemeral_range_is_a_clear_error(tmp_path, monkeypatc
     setting.write_text("1024 60999\n")
     monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", setting)
     with pytest.raises(ports.NoFreePortError, match="ephemeral port range starts at 1024"):
-        ports.late_bound_port()
+        ports.free_port()
