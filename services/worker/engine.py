@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvmesh.common.finish_reasons import FinishReason
+from kvmesh.common.hashing import token_array
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.common.requests import DEFAULT_MAX_TOKENS
 from kvmesh.common.timing import TimingModel
@@ -45,7 +46,7 @@ class EngineRequestSpec:
         sampling = request.sampling
         return cls(
             request_id=request.request_id,
-            prompt=list(request.token_ids),
+            prompt=token_array(request.token_ids),
             max_tokens=request.stop.max_tokens or DEFAULT_MAX_TOKENS,
             stop_token_ids=tuple(request.stop.stop_token_ids),
             seed=sampling.seed if sampling.HasField("seed") else None,

@@ -12,6 +12,7 @@ from kvmesh.common.hashing import (
     lora_seed,
     next_sequence_hash,
     sequence_hashes,
+    token_array,
     token_bytes,
 )
 
@@ -88,3 +89,14 @@ def test_a_requests_token_ids_hash_like_lists_whatever_their_container():
     expected = struct.pack(f"<{len(with_partial)}I", *with_partial)
     assert token_bytes(request.token_ids) == token_bytes(with_partial) == expected
     assert token_bytes(request.token_ids[:0]) == token_bytes(common_pb2.PreprocessedRequest().token_ids) == b""
+
+
+def test_a_requests_token_ids_pack_into_an_array_that_reads_and_hashes_like_the_list():
+    from kvmesh.common.proto.kvmesh.v1 import common_pb2
+
+    tokens = [*TOKENS, 99, 2**32 - 1]
+    packed = token_array(common_pb2.PreprocessedRequest(token_ids=tokens).token_ids)
+    assert list(packed) == tokens and packed[-1] == 2**32 - 1 and len(packed) == len(tokens)
+    assert local_block_hashes(packed, 16) == GOLDEN_LOCAL
+    assert token_bytes(packed) == token_bytes(tokens)
+    assert list(token_array([])) == []
