@@ -55,6 +55,16 @@ class RequestReport:
         return report
 
 
+def without_superseded(reports: list[RequestReport]) -> list[RequestReport]:
+    """``reports`` less each first-token report whose request's end is among them: the end frees the
+    request, which leaves nothing for marking its prefill done to change. At low load a short
+    answer's two reports nearly always leave together, with the client's next request."""
+    ended = {r.request_id for r in reports if r.kind == END}
+    if not ended:
+        return reports
+    return [r for r in reports if r.kind != FIRST_TOKEN or r.request_id not in ended]
+
+
 def encode_reports(reports: list[RequestReport]) -> bytes:
     return msgpack.packb([r.as_map() for r in reports])
 

@@ -14,7 +14,7 @@ from kvmesh.common.grpc_errors import call_error, error_of_end
 from kvmesh.common.grpc_streams import messages
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from kvmesh.common.query_streams import QueryKind, QueryStreamBroken, QueryStreams
-from kvmesh.common.request_reports import RequestReport, encode_reports
+from kvmesh.common.request_reports import RequestReport, encode_reports, without_superseded
 from kvmesh.common.stream_sessions import StreamSessions, open_router_stream
 
 
@@ -29,7 +29,7 @@ def _route_response(answer: router_pb2.RouteAnswer) -> router_pb2.RouteResponse:
 
 
 def _attach_reports(message: router_pb2.RouteQueries, reports: list[RequestReport]) -> None:
-    message.reports = encode_reports(reports)
+    message.reports = encode_reports(without_superseded(reports))
 
 
 ROUTE_QUERIES: QueryKind[router_pb2.RouteRequest, router_pb2.RouteResponse] = QueryKind(

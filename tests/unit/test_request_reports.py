@@ -6,7 +6,14 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport, decode_reports, encode_reports
+from kvmesh.common.request_reports import (
+    END,
+    FIRST_TOKEN,
+    RequestReport,
+    decode_reports,
+    encode_reports,
+    without_superseded,
+)
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.report_listener import MIGRATED, ReportListener
 from tests.unit.test_disagg_planning import router as make_router
@@ -86,3 +93,25 @@ def test_a_message_of_reports_is_applied_whole_and_a_malformed_one_not_at_all():
     assert "a" in router.loads and "b" in router.loads and listener.applied == 0  # one bad report spoils all
     listener.apply_message(encode_reports([RequestReport(END, "a", "completed", 1), RequestReport(END, "b")]))
     assert "a" not in router.loads and "b" not in router.loads and listener.applied == 2
+
+
+def test_a_first_token_report_travelling_with_its_requests_end_is_left_out():
+    reports = [
+        RequestReport(FIRST_TOKEN, "a"),
+        RequestReport(FIRST_TOKEN, "b"),
+        RequestReport(END, "a", "completed", 8),
+        RequestReport(END, "c", "completed", 3),
+    ]
+    assert without_superseded(reports) == [reports[1], reports[2], reports[3]]
+    only_first = [RequestReport(FIRST_TOKEN, "a")]
+    assert without_superseded(only_first) == only_first
+    # what the router makes of the shorter list is what it made of the whole one
+    whole, short = listening_router(), listening_router()
+    for router, _, _ in (whole, short):
+        router.track_add("a", worker(1, "aggregated"), [11, 12], 32, 0, 0)
+        router.track_add("b", worker(1, "aggregated"), [21, 22], 32, 0, 0)
+    whole[2].apply_message(encode_reports(reports))
+    short[2].apply_message(encode_reports(without_superseded(reports)))
+    assert [r in router.loads for r in ("a", "b") for router in (whole[0], short[0])] == [False, False, True, True]
+    assert prefill_tokens(whole[0], 1) == prefill_tokens(short[0], 1) == 0
+    assert whole[1].outcomes.totals() == short[1].outcomes.totals() == {"completed": 2}
