@@ -18,6 +18,7 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvmesh.frontend.admission import ApiKeyGuard, BodySizeLimit, ConcurrencyLimit
+from kvmesh.frontend.completion_lane import CompletionLane
 from kvmesh.frontend.errors import BadRequestError, OpenAIError
 from kvmesh.frontend.gateway import Frontend
 from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
@@ -92,17 +93,15 @@ def create_app(
     api_keys: frozenset[str] = frozenset(),
     max_body_bytes: int = 0,
     max_concurrent_requests: int = 0,
-) -> FastAPI:
+) -> ASGIApp:
     """The API. ``api_keys``: when any, every request but health and metrics needs one as a Bearer
     token (401 without); ``max_body_bytes``: larger bodies are a 413; ``max_concurrent_requests``:
-    one more is a 503 with Retry-After (0: no limit, for either)."""
+    one more is a 503 with Retry-After (0: no limit, for either).
+
+    Every request is counted, then checked for its key, then against the limits; the completion
+    routes are then called straight (:class:`CompletionLane`), everything else through FastAPI."""
     app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None)
     metrics = frontend.metrics
-    # The last added runs first: count everything, then the key, then the limits.
-    app.add_middleware(BodySizeLimit, limit=max_body_bytes)
-    app.add_middleware(ConcurrencyLimit, limit=max_concurrent_requests)
-    app.add_middleware(ApiKeyGuard, keys=api_keys)
-    app.add_middleware(RequestCounter, counter=metrics.requests)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
@@ -166,9 +165,14 @@ def create_app(
         return await respond(frontend, body, token_ids, chat=False, http_request=request)
 
     app.openapi = lambda: _openapi_with_bodies(app, frontend.model.name)  # type: ignore[method-assign]
-    return app
+    served: ASGIApp = CompletionLane(app, COMPLETION_PATHS)
+    served = BodySizeLimit(served, limit=max_body_bytes)
+    served = ConcurrencyLimit(served, limit=max_concurrent_requests)
+    served = ApiKeyGuard(served, keys=api_keys)
+    return RequestCounter(served, counter=metrics.requests)
 
 
+COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
 _SCHEMA_REF = "#/components/schemas/{model}"
 

@@ -33,6 +33,21 @@ async def test_request_metrics_are_labelled_by_route_not_by_raw_path():
     assert not any("wp-admin" in line for line in series)
 
 
+async def test_completion_requests_are_counted_under_their_route():
+    """The completion routes are called past FastAPI's router (CompletionLane); they keep their label."""
+    app = create_app(frontend(RouterClient(fixed_address="127.0.0.1:1")))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://frontend") as client:
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            response = await client.post(path, content=b"not json")
+            assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+        assert (await client.get("/v1/completions")).status_code == 405
+        metrics = (await client.get("/metrics")).text
+    series = [line for line in metrics.splitlines() if line.startswith("kvmesh_frontend_requests_total")]
+    assert 'kvmesh_frontend_requests_total{endpoint="/v1/chat/completions",status="400"} 1.0' in series
+    assert 'kvmesh_frontend_requests_total{endpoint="/v1/completions",status="400"} 1.0' in series
+    assert 'kvmesh_frontend_requests_total{endpoint="/v1/completions",status="405"} 1.0' in series
+
+
 @pytest.mark.parametrize("multiplexed", [True, False])
 async def test_a_departed_router_loses_its_channel(multiplexed: bool):
     routers = RouterClient(fixed_address="127.0.0.1:1", multiplexed=multiplexed)
