@@ -5,10 +5,13 @@ Restart semantics (docs/decisions/0002). The index lives in memory, so a restart
 rebuild it before its durable consumer is useful. On start the replica
 
 1. restores the latest snapshot, if any, which covers the stream up to its sequence ``S`` (else S=0);
-2. reads its durable consumer's acknowledgement floor ``A`` (0 if the consumer is new);
-3. replays the stream's messages ``S+1..A`` through a short-lived read without acks;
-4. resumes the durable consumer, which delivers from ``A + 1`` (and redelivers anything that was
-   delivered but never acknowledged); a new durable starts at ``S + 1``.
+2. reads how far its durable consumer delivered, ``D`` (0 if the consumer is new); everything up
+   to its acknowledgement floor was applied by the previous process, and the messages after the
+   floor up to ``D`` were delivered to it but perhaps not applied;
+3. replays the stream's messages ``S+1..D`` through a short-lived read without acks;
+4. resumes the durable consumer, which delivers from ``D + 1``; the messages it redelivers after
+   its ack wait (delivered but never acknowledged) are then skipped as applied. A new durable
+   starts at ``S + 1``.
 
 So a replica acknowledges only what it applied, resumes from its durable consumer after a restart,
 and still ends with exactly the state of a replica that never stopped.
@@ -30,15 +33,26 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from kvmesh.common import names
 from kvmesh.common.kv_events import EventDecodeError, decode_batch
 from kvmesh.common.prefix_index import PrefixIndex
+from kvmesh.common.runtime import cancel_and_wait
 from kvmesh.indexer.standing_pull import StandingPull
 
 log = structlog.get_logger(__name__)
 
 FETCH_BATCH = 256
+# Acknowledgements: one for the last message applied, within this long or after this many messages
+# (the durable acks all earlier ones with it). One ack per message was a third of the stream's NATS
+# traffic at the indexer and the server. A replica that dies first loses nothing: the next one
+# replays up to what the durable delivered (docs/decisions/0029).
+ACK_WINDOW_S = 0.005
+ACK_EVERY = 64
 
 
 class EventStreamConsumer:
-    """Applies stream messages to ``index`` in stream order and acks each one after applying it."""
+    """Applies stream messages to ``index`` in stream order.
+
+    Guarantees: a message is acknowledged only once it and every message before it are applied.
+    The durable acknowledges all (``AckPolicy.ALL``): the last message applied is acknowledged
+    within ``ACK_WINDOW_S`` or after ``ACK_EVERY`` messages, which acknowledges the earlier ones."""
 
     def __init__(
         self,
@@ -57,9 +71,13 @@ class EventStreamConsumer:
         self.applied_sequence = 0
         self.malformed_messages = 0
         self._pull: StandingPull | None = None
+        self._last_unacked: Msg | None = None
+        self._unacked = 0
+        self._ack_due = asyncio.Event()
+        self._acker: asyncio.Task[None] | None = None
 
     async def start(self, reset: bool = False, start_after: int = 0) -> None:
-        """Catch up to the durable's ack floor, then follow the durable.
+        """Catch up to what the durable last delivered, then follow the durable.
 
         ``start_after`` is the stream sequence the index already reflects (a restored snapshot).
         """
@@ -67,13 +85,19 @@ class EventStreamConsumer:
             with contextlib.suppress(nats.js.errors.NotFoundError):
                 await self._js.delete_consumer(names.KV_EVENTS_STREAM, self.durable)
         self.applied_sequence = start_after
-        ack_floor = await self._ack_floor()
-        if ack_floor is not None and ack_floor > start_after:
-            await self._replay(start_after + 1, ack_floor)
+        ack_floor, delivered, ack_policy = await self._position()
+        if delivered > start_after:
+            await self._replay(start_after + 1, delivered)
+        if ack_floor is not None and ack_policy != AckPolicy.ALL:
+            # a durable from before acks were batched: the policy cannot be changed in place, so
+            # it is made again, to deliver after what was just replayed
+            await self._js.delete_consumer(names.KV_EVENTS_STREAM, self.durable)
+            log.info("remaking the durable consumer to acknowledge all", durable=self.durable, ack_floor=ack_floor)
+            start_after, ack_floor = max(start_after, self.applied_sequence), None
         if ack_floor is None:
             config = ConsumerConfig(
                 durable_name=self.durable,
-                ack_policy=AckPolicy.EXPLICIT,
+                ack_policy=AckPolicy.ALL,
                 deliver_policy=DeliverPolicy.BY_START_SEQUENCE if start_after else DeliverPolicy.ALL,
                 opt_start_seq=start_after + 1 if start_after else None,
                 filter_subject=self._subject,
@@ -84,20 +108,31 @@ class EventStreamConsumer:
         self._pull = StandingPull(
             self._nc, names.KV_EVENTS_STREAM, self.durable, self._apply_and_ack, batch=FETCH_BATCH
         )
+        self._acker = asyncio.create_task(self._ack_forever(), name=f"ack-{self.durable}")
         await self._pull.start()
-        log.info("following the event stream", durable=self.durable, snapshot=start_after, resumed_after=ack_floor)
+        log.info(
+            "following the event stream",
+            durable=self.durable,
+            snapshot=start_after,
+            resumed_after=self.applied_sequence,
+        )
 
     async def stop(self) -> None:
         if self._pull is not None:
             await self._pull.stop()
+        await cancel_and_wait(self._acker)
+        await self._ack_last()
 
-    async def _ack_floor(self) -> int | None:
-        """The durable consumer's ack floor, or None when it does not exist yet."""
+    async def _position(self) -> tuple[int | None, int, AckPolicy | None]:
+        """The durable consumer's ack floor, the last stream sequence it delivered, and its ack
+        policy; ``(None, 0, None)`` when it does not exist yet."""
         try:
             info = await self._js.consumer_info(names.KV_EVENTS_STREAM, self.durable)
         except nats.js.errors.NotFoundError:
-            return None
-        return info.ack_floor.stream_seq if info.ack_floor else 0
+            return None, 0, None
+        ack_floor = info.ack_floor.stream_seq if info.ack_floor else 0
+        delivered = info.delivered.stream_seq if info.delivered else 0
+        return ack_floor, max(ack_floor, delivered), info.config.ack_policy
 
     async def _replay(self, first_sequence: int, last_sequence: int) -> None:
         """Apply messages first..last with an ephemeral consumer that needs no acks."""
@@ -133,12 +168,31 @@ class EventStreamConsumer:
         seq = msg.metadata.sequence.stream
         if seq > self.applied_sequence:  # else a redelivery of what is applied already
             self._apply(msg.data, seq)
+        self._last_unacked = msg
+        self._unacked += 1
+        if self._unacked >= ACK_EVERY:
+            await self._ack_last()
+        else:
+            self._ack_due.set()
+
+    async def _ack_forever(self) -> None:
+        while True:
+            await self._ack_due.wait()
+            await asyncio.sleep(ACK_WINDOW_S)
+            await self._ack_last()
+
+    async def _ack_last(self) -> None:
+        """Acknowledge the last message applied, and with it every earlier one."""
+        msg, self._last_unacked, self._unacked = self._last_unacked, None, 0
+        self._ack_due.clear()
+        if msg is None:
+            return
         try:
             await msg.ack()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # unacked: redelivered later and skipped as already applied
-            log.warning("ack failed", sequence=seq, error=str(exc))
+            log.warning("ack failed", sequence=msg.metadata.sequence.stream, error=str(exc))
 
     def _apply(self, payload: bytes, sequence: int) -> None:
         try:

@@ -10,7 +10,9 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.common import names
 from kvmesh.common.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, decode_batch, encode_batch
 from kvmesh.common.prefix_index import PrefixIndex
+from kvmesh.common.runtime import cancel_and_wait
 from kvmesh.common.streams import ensure_kv_events_stream
+from kvmesh.indexer import consumer as consumer_module
 from kvmesh.indexer.consumer import EventStreamConsumer
 from kvmesh.worker.event_publisher import KvEventPublisher
 from kvmesh.worker.mock_engine import EngineConfig, EngineRequestSpec, MockEngine
@@ -169,3 +171,124 @@ async def test_events_queued_within_the_flush_window_share_one_message(nc: NatsC
     await subscription.unsubscribe()
     assert len(batches) == messages
     assert [e.event_id for b in batches for e in b.events] == [0, 1, 2]
+
+
+async def test_one_ack_covers_the_messages_applied_before_it(nc: NatsClient):
+    """AckPolicy.ALL: the replica acknowledges the last message it applied, not every message."""
+    js = nc.jetstream()
+    await ensure_kv_events_stream(js)
+    acks: list[bytes] = []
+    watcher = await nc.subscribe(f"$JS.ACK.{names.KV_EVENTS_STREAM}.{names.indexer_durable_name('batched')}.>")
+    watcher_task = asyncio.create_task(_collect(watcher, acks))
+    publisher = KvEventPublisher(js, NAMESPACE, 77)
+    await publisher.start()
+    engine = MockEngine(EngineConfig(num_blocks=256, block_size=16))
+    for prompt in workload(7, 40):  # a stream message (or more) per request
+        run_requests(engine, publisher, [prompt])
+        await publisher.flush()
+    stream_last = (await js.stream_info(names.KV_EVENTS_STREAM)).state.last_seq
+    consumer = EventStreamConsumer(nc, NAMESPACE, "batched", PrefixIndex())
+    await consumer.start()  # the whole backlog is waiting: delivered at once
+    try:
+        assert (await js.consumer_info(names.KV_EVENTS_STREAM, consumer.durable)).config.ack_policy == "all"
+
+        async def acked() -> bool:
+            return (
+                await js.consumer_info(names.KV_EVENTS_STREAM, consumer.durable)
+            ).ack_floor.stream_seq == stream_last
+
+        await wait_until_async(acked, what="the ack floor reaches the stream's end")
+        assert consumer.applied_sequence == stream_last >= 40
+        assert 0 < len(acks) <= stream_last // 4, f"{len(acks)} acks for {stream_last} messages"
+    finally:
+        await consumer.stop()
+        await publisher.stop()
+        watcher_task.cancel()
+        await watcher.unsubscribe()
+
+
+async def test_a_durable_that_acked_each_message_is_remade_to_ack_all_without_losing_events(nc: NatsClient):
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    js = nc.jetstream()
+    await ensure_kv_events_stream(js)
+    durable = names.indexer_durable_name("old")
+    engine = MockEngine(EngineConfig(num_blocks=64, block_size=16))
+    publisher = KvEventPublisher(js, NAMESPACE, 66)
+    await publisher.start()
+    run_requests(engine, publisher, workload(3, 10))
+    await publisher.flush()
+    # what an earlier version made: explicit acks, and its first messages acknowledged
+    await js.add_consumer(
+        names.KV_EVENTS_STREAM,
+        ConsumerConfig(
+            durable_name=durable, ack_policy=AckPolicy.EXPLICIT, filter_subject=names.kv_events_wildcard(NAMESPACE)
+        ),
+    )
+    old = await js.pull_subscribe_bind(durable, stream=names.KV_EVENTS_STREAM)
+    for msg in await old.fetch(3, timeout=5):
+        await msg.ack_sync()
+    await old.unsubscribe()
+    run_requests(engine, publisher, workload(4, 10))
+    await publisher.flush()
+    index = PrefixIndex()
+    consumer = EventStreamConsumer(nc, NAMESPACE, "old", index)
+    await consumer.start()
+    try:
+        assert (await js.consumer_info(names.KV_EVENTS_STREAM, durable)).config.ack_policy == "all"
+        await wait_until_async(
+            lambda: index.worker_blocks((66, 0)) == engine.blocks.cached_hashes(), what="the index converges"
+        )
+        assert index.stats.gaps == 0 and index.stats.duplicates_skipped == 0
+    finally:
+        await consumer.stop()
+        await publisher.stop()
+
+
+async def _collect(subscription, into: list[bytes]) -> None:
+    async for msg in subscription.messages:
+        into.append(msg.data)
+
+
+async def test_a_replica_killed_before_its_acks_left_restarts_without_a_gap(nc: NatsClient, monkeypatch):
+    """Messages delivered to a replica that died before acknowledging them come back only after the
+    durable's ack wait (30 s); the restarted replica replays them itself, up to what was delivered,
+    instead of applying the newer ones first and then skipping those as already applied."""
+
+    # the first replica dies before any of its acks leave: none is due before the kill
+    monkeypatch.setattr(consumer_module, "ACK_WINDOW_S", 3600.0)
+    monkeypatch.setattr(consumer_module, "ACK_EVERY", 1 << 30)
+    js = nc.jetstream()
+    await ensure_kv_events_stream(js)
+    engine = MockEngine(EngineConfig(num_blocks=64, block_size=16))
+    publisher = KvEventPublisher(js, NAMESPACE, 44)
+    await publisher.start()
+    first = EventStreamConsumer(nc, NAMESPACE, "killed", PrefixIndex())
+    await first.start()
+    for prompt in workload(5, 12):
+        run_requests(engine, publisher, [prompt])
+        await publisher.flush()
+    stream_last = (await js.stream_info(names.KV_EVENTS_STREAM)).state.last_seq
+    await wait_until_async(lambda: first.applied_sequence == stream_last, what="first replica caught up")
+    # a kill -9: whatever was applied but not yet acknowledged is never acknowledged
+    await cancel_and_wait(first._acker)
+    await first._pull.stop()
+    info = await js.consumer_info(names.KV_EVENTS_STREAM, first.durable)
+    assert info.delivered.stream_seq == stream_last and info.ack_floor.stream_seq < stream_last
+
+    for prompt in workload(6, 12):
+        run_requests(engine, publisher, [prompt])
+        await publisher.flush()
+    index = PrefixIndex()
+    restarted = EventStreamConsumer(nc, NAMESPACE, "killed", index)
+    await restarted.start()
+    try:
+        await wait_until_async(
+            lambda: index.worker_blocks((44, 0)) == engine.blocks.cached_hashes(),
+            timeout=10,
+            what="the restarted replica converges well before the ack wait",
+        )
+        assert index.stats.gaps == 0
+    finally:
+        await restarted.stop()
+        await publisher.stop()
