@@ -6,18 +6,24 @@ engines are not the bottleneck:
 - ``kvmesh``: ``kvmesh up --workers 2`` (frontend, router, indexer, NATS, 2 mock workers);
 - ``dynamo``: Dynamo's frontend with its KV router and 2 mockers (``/tmp/peers/run_dyn/start.sh``);
 - ``sglang``: sglang-router (``cache_aware``) in front of 2 of the peers' minimal HTTP mocks;
-- ``direct``: one of those mocks called directly (the floor).
+- ``direct``: one of those mocks called directly (the floor);
+- ``layout``: kvmesh's layout with no work in it (``bench.bare_layout``: the same processes, stack
+  and messages per request, no tokenizer, index, policy or engine), the floor of kvmesh's design;
+- ``layout-engine``: the same with kvmesh's mock engine in its workers (``--engine mock``): the
+  floor with the engines' work in it, what kvmesh could reach at best beside Dynamo's mockers.
 
 Every scenario runs ``../shared/peers/loadgen.py`` (non-streaming chat, 16 shared ~200-word system
 prompts, aiohttp with at most ``c`` connections kept alive) and reads the serving processes' CPU
 time from ``/proc`` (kvmesh: frontend, router, indexer and NATS; Dynamo: its frontend; SGLang: its
-router), so each row gives requests/s, latency p50/p99 and serving CPU per request, and for kvmesh
-and Dynamo the mock engines' CPU per request (kvmesh's workers, Dynamo's mockers). With
+router; the bare layout: its frontend, router and indexer), so each row gives requests/s, latency
+p50/p99 and serving CPU per request, and for kvmesh, Dynamo and the bare layout the engines' CPU per
+request (kvmesh's workers, Dynamo's mockers, the layout's answering workers). With
 ``--stream`` the same requests are streamed (``bench.stream_load``) and the time to the first event
 is printed too, with the events an answer had and the load generator's own CPU per request (it
 shares the cores with the system it measures); only kvmesh and Dynamo run then, since the peers'
 minimal mocks behind the SGLang router do not stream. The systems run one after the other, twice
-(``--rounds``), and both rounds are printed. Install the peers as ``../shared/peers/README.md``
+(``--rounds``), and both rounds are printed; each serves ``--warmup`` requests after it starts,
+before anything is measured. Install the peers as ``../shared/peers/README.md``
 says (they live under ``/tmp/peers``).
 
     python -m bench.peers [--rounds 2 --n 1500 --speedup 100] [--stream]
@@ -28,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +41,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from bench import bare_layout
+from bench.processes import start_in_session, stop_sessions
 from bench.serving_cpu import command_lines, cpu_seconds
 from kvmesh.common.ports import free_port
 from kvmesh.up import MeshProcess
@@ -82,7 +89,7 @@ class System:
     def start(self, speedup: float) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        getattr(self, f"_start_{self.name}")(speedup, port)
+        getattr(self, f"_start_{self.name.replace('-', '_')}")(speedup, port)
         wait_for(self.url, {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 
     def stop(self) -> None:
@@ -108,35 +115,37 @@ class System:
         router += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", "cache_aware"]
         router += ["--log-level", "warn", "--worker-urls", *[f"http://127.0.0.1:{p}" for p in mocks]]
         started.append(self._spawn(router))
-        self._stop = lambda: self._end(started)
+        self._stop = lambda: stop_sessions(started)
+
+    def _start_layout(self, speedup: float, port: int) -> None:
+        processes = bare_layout.start_all(port)
+        self._stop = lambda: stop_sessions(processes)
+
+    def _start_layout_engine(self, speedup: float, port: int) -> None:
+        processes = bare_layout.start_all(port, engine="mock", speedup=speedup)
+        self._stop = lambda: stop_sessions(processes)
 
     def _start_direct(self, speedup: float, port: int) -> None:
         python = str(RUN / "sgl" / "bin" / "python")
         started = [self._spawn([python, str(PEERS / "mock_worker.py"), "--port", str(port), "--name", "direct"])]
-        self._stop = lambda: self._end(started)
+        self._stop = lambda: stop_sessions(started)
 
     @staticmethod
     def _spawn(argv: list[str]) -> subprocess.Popen[bytes]:
         env = {**os.environ, "HOME": str(RUN / "home")}
-        return subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
-        )
-
-    @staticmethod
-    def _end(processes: list[subprocess.Popen[bytes]]) -> None:
-        for process in processes:
-            os.killpg(process.pid, signal.SIGTERM)
-        for process in processes:
-            process.wait(timeout=30)
+        return start_in_session(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
 KVMESH_SERVING = ("kvmesh.frontend", "kvmesh.router", "kvmesh.indexer", "nats-server")
+LAYOUT_SERVING = tuple(f"bare_layout --role {role}" for role in ("frontend", "router", "indexer"))
 STREAMING = ("kvmesh", "dynamo")  # the systems whose engines stream
 SYSTEMS = [
     System("kvmesh", "kvmesh-tiny", KVMESH_SERVING, ("kvmesh.worker",)),
     System("dynamo", "tiny", ("dynamo.frontend",), ("dynamo.mocker",)),
     System("sglang", "tiny", ("sglang::router", "sglang_router")),
     System("direct", "tiny", ()),
+    System("layout", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
+    System("layout-engine", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
 ]
 
 
@@ -162,6 +171,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--n", type=int, default=1500, help="requests of the largest scenario")
     parser.add_argument("--speedup", type=float, default=100.0)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=300,
+        help="requests (8 tokens, c=8) each system serves after it starts, before the measured scenarios: "
+        "the first run after a start is slower (kvmesh's frontend by 13-24%%, its workers by 55-64%%)",
+    )
     parser.add_argument("--systems", nargs="+", default=[s.name for s in SYSTEMS])
     parser.add_argument(
         "--stream",
@@ -177,6 +193,8 @@ def main() -> None:
         for system in [s for s in SYSTEMS if s.name in args.systems]:
             system.start(args.speedup)
             try:
+                if args.warmup:  # caches fill and connections open before anything is measured
+                    run_scenario(system, 8, 8, args.warmup, args.stream)
                 for label, tokens, concurrency, share in SCENARIOS:
                     report = run_scenario(system, tokens, concurrency, max(50, int(args.n * share)), args.stream)
                     results.setdefault((label, system.name), []).append(report)

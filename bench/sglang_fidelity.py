@@ -31,13 +31,13 @@ import concurrent.futures
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from bench.processes import start_in_session, stop_sessions
 from kvmesh.common.hashing import token_bytes
 from kvmesh.router.cache_aware import MISS_POLICIES, CacheAwareOptions, CacheAwareSelector
 
@@ -87,7 +87,7 @@ def sglang_choices(
 
     def start(argv: list[str], log: str) -> None:
         with open(logs / log, "wb") as out:
-            started.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            started.append(start_in_session(argv, stdout=out, stderr=subprocess.STDOUT))
 
     try:
         ports = [base_port + 1 + i for i in range(workers)]
@@ -118,9 +118,7 @@ def sglang_choices(
             warmed = list(pool.map(send, warmup))
         return warmed, [send(prompt) for prompt in prompts]
     finally:
-        for process in started:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=30)
+        stop_sessions(started)
 
 
 def main() -> None:
