@@ -7,9 +7,13 @@ SLA attainment (TTFT ≤ 2 s and mean ITL ≤ 50 ms), worker-seconds, and for th
 fixed fleet reaching at least its attainment and how many worker-seconds fewer the planner used.
 A fleet's attainment moves by a point or more with the router's tie-breaking, and the comparison
 jumps with it from one fixed size to the next: ``--seeds`` repeats everything per seed and prints
-the mean and the least saving.
+the mean and the least saving. ``--max-workers`` caps the planner, e.g. at the fleet an operator
+would otherwise provision for the peak, and ``--start-workers`` sets the fleet it starts with
+(docs/decisions/0013, "The goal, with the peak provision as the planner's ceiling").
 
     python -m bench.planner_bench [--profile sine:period=500,amplitude=0.7] [--fixed 4 8] [--seeds 0 1 2]
+    python -m bench.planner_bench --arrival-speedup-ratio 1 --profile sine:period=1000,amplitude=0.9,phase=500 \
+        --fixed 2 5 --seeds 0 1 2 --start-workers 2 --max-workers 4
 """
 
 from __future__ import annotations
@@ -71,14 +75,21 @@ def main() -> None:
         default=[0],
         help="replay seeds (the router's tie-breaking): one comparison per seed, then their mean",
     )
+    parser.add_argument("--start-workers", type=int, default=4, help="planner: the workers it starts with (--workers)")
+    parser.add_argument(
+        "--max-workers",
+        type=int,
+        default=16,
+        help="planner: --max-workers, e.g. the fleet an operator would otherwise provision for the peak",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="replays run in parallel")
     args = parser.parse_args()
     setups = []
     for seed in args.seeds:
         common = {"arrival_profile": args.profile, "arrival_speedup_ratio": args.arrival_speedup_ratio, "seed": seed}
         setups += [(f"fixed {n}", {**common, "workers": n}) for n in range(args.fixed[0], args.fixed[1] + 1)]
-        planned = {"planner": True, "workers": 4, "adjustment_interval": args.interval}
-        planned["worker_startup_secs"] = args.startup
+        planned = {"planner": True, "workers": args.start_workers, "adjustment_interval": args.interval}
+        planned.update(worker_startup_secs=args.startup, max_workers=args.max_workers)
         setups += [(f"planner {p}", {**common, **planned, "load_predictor": p}) for p in PREDICTORS]
         # NVIDIA Dynamo's throughput-based scaling as its planner design describes it, same predictor
         setups.append(
@@ -87,6 +98,7 @@ def main() -> None:
     with ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(replay, setups))
     print(f"trace {TRACE.name}, speed-up {args.arrival_speedup_ratio}, arrival profile {args.profile}")
+    print(f"planner: starts with {args.start_workers} workers, at most {args.max_workers}")
     per_seed = len(results) // len(args.seeds)
     savings: dict[str, list[float | None]] = {}
     for i, seed in enumerate(args.seeds):
