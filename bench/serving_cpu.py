@@ -83,18 +83,17 @@ def main() -> None:
     served = max(report["ok"], 1)
     per_request = {s: round((after[s] - before[s]) * 1000 / served, 2) for s in pids}
     serving = sum(per_request.get(s, 0.0) for s in ("frontend", "router", "indexer"))
-    print(
-        json.dumps(
-            {
-                "ok": report["ok"],
-                "errors": report["errors"],
-                "requests_per_s": round(report["ok"] / report["wall_s"], 1),
-                "p50_ms": report.get("p50_ms"),
-                "cpu_ms_per_request": per_request,
-                "serving_cpu_ms_per_request": round(serving, 2),
-            }
-        )
-    )
+    figures = {
+        "ok": report["ok"],
+        "errors": report["errors"],
+        "requests_per_s": round(report["ok"] / report["wall_s"], 1),
+        "p50_ms": report.get("p50_ms"),
+        "cpu_ms_per_request": per_request,
+        "serving_cpu_ms_per_request": round(serving, 2),
+    }
+    if "events_per_answer" in report:  # streamed: how many SSE events an answer took
+        figures["events_per_answer"] = report["events_per_answer"]
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":
