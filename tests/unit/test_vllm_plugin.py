@@ -1,5 +1,5 @@
-"""kvmesh's vLLM plugin turns NIXL's spinning progress thread off, and only in engines a kvmesh worker
-started."""
+"""kvmesh's vLLM plugin turns NIXL's spinning progress thread off, and has the agent serialise its
+calls instead, and only in engines a kvmesh worker started."""
 
 from __future__ import annotations
 
@@ -29,9 +29,14 @@ def test_the_wrapped_config_factory_always_turns_the_thread_off():
         seen.update(kwargs)
         return kwargs
 
-    quiet = vllm_plugin.without_progress_thread(make_config)
-    assert quiet(num_threads=4, enable_prog_thread=True) == {"num_threads": 4, "enable_prog_thread": False}
+    quiet = vllm_plugin.without_progress_thread(make_config, "strict")
+    assert quiet(num_threads=4, enable_prog_thread=True) == {
+        "num_threads": 4,
+        "enable_prog_thread": False,
+        "sync_mode": "strict",
+    }
     assert seen["num_threads"] == 4
+    assert quiet(sync_mode="rw")["sync_mode"] == "rw"  # a caller's own choice stands
 
 
 @needs_vllm_and_nixl
@@ -54,4 +59,9 @@ def test_in_a_kvmesh_engine_the_connectors_agent_has_no_progress_thread(monkeypa
     config = connector.nixl_agent_config(num_threads=4, capture_telemetry=True)
     assert not config.enable_pthread
     assert config.num_threads == 4
+    # without the thread the UCX worker is single-threaded: the agent serialises calls from vLLM's
+    # engine and handshake threads
+    from nixl._api import nixl_thread_sync_t
+
+    assert config.sync_mode == nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     assert connector.nixl_agent_config.__wrapped__.__name__ == "nixl_agent_config"
