@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 from nats.aio.client import Client as NatsClient
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from kvmesh.common import names
 from kvmesh.common.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, decode_batch, encode_batch
@@ -208,8 +209,6 @@ async def test_one_ack_covers_the_messages_applied_before_it(nc: NatsClient):
 
 
 async def test_a_durable_that_acked_each_message_is_remade_to_ack_all_without_losing_events(nc: NatsClient):
-    from nats.js.api import AckPolicy, ConsumerConfig
-
     js = nc.jetstream()
     await ensure_kv_events_stream(js)
     durable = names.indexer_durable_name("old")

@@ -65,3 +65,19 @@ def test_in_a_kvmesh_engine_the_connectors_agent_has_no_progress_thread(monkeypa
 
     assert config.sync_mode == nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     assert connector.nixl_agent_config.__wrapped__.__name__ == "nixl_agent_config"
+
+
+def config_of_a_nixl_without_sync_modes(**kwargs):
+    """A stand-in for ``nixl_agent_config`` from a NIXL whose module has no ``nixl_thread_sync_t``
+    (this test module has none)."""
+    return kwargs
+
+
+@needs_vllm_and_nixl
+def test_a_nixl_that_cannot_serialise_its_agent_keeps_its_progress_thread(monkeypatch):
+    # without the serialised sync mode the thread-less agent would race vLLM's two threads
+    connector = importlib.import_module(vllm_plugin._CONNECTOR_MODULE)
+    monkeypatch.setattr(connector, "nixl_agent_config", config_of_a_nixl_without_sync_modes)
+    monkeypatch.setenv(vllm_plugin.QUIET_NIXL_ENV, "1")
+    vllm_plugin.register()
+    assert connector.nixl_agent_config is config_of_a_nixl_without_sync_modes
