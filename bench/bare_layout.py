@@ -23,10 +23,18 @@ Against a peer that runs mock engines too (Dynamo's mockers), that is the layout
 time and CPU in it: the most any kvmesh could reach on this machine, since kvmesh must still
 tokenise, hash, index, route and track load on top.
 
-``python -m bench.peers --systems layout layout-engine kvmesh dynamo`` runs both beside the peers;
+``--pattern forward`` changes the messages, not the work: the router sends the request on to the
+worker it chose, and the worker answers the frontend on the stream the frontend opened to it, so a
+request crosses five hops between processes (frontend, router, indexer, router, worker, frontend)
+instead of six (the route answer back to the frontend and its call to the worker become the
+router's one message to the worker). Five is the fewest this shape allows, since the router must
+hear the indexer before it chooses; so ``layout-engine-forward`` is the ceiling of any message
+pattern of kvmesh's shape, not only of the one kvmesh uses.
+
+``python -m bench.peers --systems layout layout-engine kvmesh dynamo`` runs them beside the peers;
 by hand::
 
-    python -m bench.bare_layout --port 8000 [--engine mock]   # then POST /v1/chat/completions
+    python -m bench.bare_layout --port 8000 [--engine mock] [--pattern forward]   # then POST /v1/chat/completions
 """
 
 from __future__ import annotations
@@ -61,8 +69,10 @@ METHOD = f"/{SERVICE}/{RPC}"
 _RUNNING: set[asyncio.Task[Any]] = set()  # the loop keeps only weak references to its tasks
 ROLES = ("indexer", "worker", "router", "frontend")
 ENGINES = ("none", "mock")
+PATTERNS = ("reply", "forward")  # the router answers the frontend / sends the request on to the worker
 CREATED = int(time.time())
-ROUTE, DONE = 0, 1  # the kinds of a frontend's items to the router; only a route is answered
+ROUTE, DONE, FORWARD = 0, 1, 2  # the kinds of a frontend's items to the router; only a route is answered
+GENERATE, HELLO, FORWARDED = 0, 1, 2  # the kinds of a worker's items: a request, the frontend's reply stream
 INDEXER_ANSWER = msgpack.packb([[0, 64], [1, 0]])  # an overlap per worker, the size of kvmesh's
 WORKER_OUTPUT = msgpack.packb({"token_ids": list(range(8)), "finish_reason": "length", "ttft_ms": 1.0})
 
@@ -97,21 +107,33 @@ class BatchWriter:
             self._flushing = False
 
 
+class Inbox:
+    """Where answers wait for their request id, shared by the streams an answer may come on."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, asyncio.Future[Any]] = {}
+        self.ids = itertools.count()
+
+    def expect(self) -> tuple[int, asyncio.Future[Any]]:
+        request_id = next(self.ids)
+        answer = asyncio.get_running_loop().create_future()
+        self.waiting[request_id] = answer
+        return request_id, answer
+
+
 class Peer:
     """The client end of one stream: ``ask`` returns the answer to an item, ``tell`` expects none."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, inbox: Inbox | None = None) -> None:
         self._channel = grpc.aio.insecure_channel(address)
         self._call = self._channel.stream_stream(METHOD)(wait_for_ready=True)  # its server may still be starting
         self._writer = BatchWriter(self._call.write)
-        self._waiting: dict[int, asyncio.Future[Any]] = {}
-        self._ids = itertools.count()
+        # answers may also come for requests asked elsewhere (forwarded by the router): one inbox for all
+        self._inbox = inbox or Inbox()
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     def ask(self, *item: Any) -> asyncio.Future[Any]:
-        request_id = next(self._ids)
-        answer = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = answer
+        request_id, answer = self._inbox.expect()
         self._writer.send([request_id, *item])
         return answer
 
@@ -121,7 +143,7 @@ class Peer:
     async def _read(self) -> None:
         async for message in self._call:
             for request_id, payload in msgpack.unpackb(message):
-                self._waiting.pop(request_id).set_result(payload)
+                self._inbox.waiting.pop(request_id).set_result(payload)
 
 
 async def serve(role: str, port: int, handle: Callable[[list[Any], BatchWriter], None]) -> None:
@@ -141,12 +163,38 @@ async def serve(role: str, port: int, handle: Callable[[list[Any], BatchWriter],
     await server.wait_for_termination()
 
 
-def answer_at_once(payload: bytes) -> Callable[[list[Any], BatchWriter], None]:
-    def handle(batch: list[Any], writer: BatchWriter) -> None:
-        for request_id, *_ in batch:
-            writer.send([request_id, payload])
+class WorkerItems:
+    """A worker's side of both patterns: requests come from the frontend (``GENERATE``, answered on
+    the same stream) or from the router (``FORWARDED``, answered on the stream the frontend opened
+    with ``HELLO``); ``answer(request_id, prompt, max_tokens, writer)`` answers each."""
 
-    return handle
+    def __init__(self, answer: Callable[[int, bytes, int, BatchWriter], None]) -> None:
+        self._answer = answer
+        self._frontend: BatchWriter | None = None
+        self._early: list[list[Any]] = []  # forwarded before the frontend's stream said hello
+
+    def handle(self, batch: list[Any], writer: BatchWriter) -> None:
+        for request_id, kind, *args in batch:
+            if kind == GENERATE:
+                self._answer(request_id, *args, writer)
+            elif kind == HELLO:
+                self._frontend = writer
+                early, self._early = self._early, []
+                for forwarded in early:
+                    self._answer(*forwarded, writer)
+            elif self._frontend is None:
+                self._early.append(args)
+            else:
+                self._answer(*args, self._frontend)
+
+
+def answer_at_once(request_id: int, prompt: bytes, max_tokens: int, writer: BatchWriter) -> None:
+    writer.send([request_id, WORKER_OUTPUT])
+
+
+def answer_indexer(batch: list[Any], writer: BatchWriter) -> None:
+    for request_id, *_ in batch:
+        writer.send([request_id, INDEXER_ANSWER])
 
 
 async def run_engine_worker(port: int, speedup: float) -> None:
@@ -178,38 +226,49 @@ async def run_engine_worker(port: int, speedup: float) -> None:
         answer = {"token_ids": generated, "finish_reason": finish, "ttft_ms": 1.0}
         writer.send([request_id, msgpack.packb(answer)])
 
-    def handle(batch: list[Any], writer: BatchWriter) -> None:
-        for request_id, prompt, max_tokens in batch:
-            spawn(generate(request_id, prompt, max_tokens, writer))
+    def answer(request_id: int, prompt: bytes, max_tokens: int, writer: BatchWriter) -> None:
+        spawn(generate(request_id, prompt, max_tokens, writer))
 
-    await serve("worker", port, handle)
+    await serve("worker", port, WorkerItems(answer).handle)
 
 
-async def run_router(port: int, indexer_port: int) -> None:
+async def run_router(port: int, indexer_port: int, worker_ports: list[int]) -> None:
     indexer = Peer(f"127.0.0.1:{indexer_port}")
-    workers = itertools.cycle((0, 1))
+    workers = [Peer(f"127.0.0.1:{p}") for p in worker_ports]
+    choices = itertools.cycle((0, 1))
+
+    async def choose(prompt: bytes) -> int:
+        overlaps = msgpack.unpackb(await indexer.ask(prompt))
+        return next(choices) if overlaps else 0
 
     async def route(request_id: int, prompt: bytes, writer: BatchWriter) -> None:
-        overlaps = msgpack.unpackb(await indexer.ask(prompt))
-        writer.send([request_id, next(workers) if overlaps else 0])
+        writer.send([request_id, await choose(prompt)])
+
+    async def forward(frontend_request_id: int, prompt: bytes, max_tokens: int) -> None:
+        workers[await choose(prompt)].tell(FORWARDED, frontend_request_id, prompt, max_tokens)
 
     def handle(batch: list[Any], writer: BatchWriter) -> None:
         for request_id, kind, payload in batch:
             if kind == ROUTE:
                 spawn(route(request_id, payload, writer))
+            elif kind == FORWARD:
+                spawn(forward(*payload))
 
     await serve("router", port, handle)
 
 
-def chat_app(router_port: int, worker_ports: list[int]) -> Callable[..., Awaitable[None]]:
+def chat_app(router_port: int, worker_ports: list[int], pattern: str = "reply") -> Callable[..., Awaitable[None]]:
     """A bare ASGI app: POST any path with a chat body, get a chat completion of eight tokens."""
     peers: dict[str, Any] = {}
+    inbox = Inbox()
 
     async def app(scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "lifespan":
             await receive()  # startup: the streams need the server's event loop
             peers["router"] = Peer(f"127.0.0.1:{router_port}")
-            peers["workers"] = [Peer(f"127.0.0.1:{p}") for p in worker_ports]
+            peers["workers"] = [Peer(f"127.0.0.1:{p}", inbox) for p in worker_ports]
+            for worker in peers["workers"]:
+                worker.tell(HELLO)  # the stream a forwarded request's answer comes back on
             await send({"type": "lifespan.startup.complete"})
             await receive()  # shutdown
             await send({"type": "lifespan.shutdown.complete"})
@@ -222,9 +281,14 @@ def chat_app(router_port: int, worker_ports: list[int]) -> Callable[..., Awaitab
                 break
         request = json.loads(body)
         prompt = "".join(m.get("content", "") for m in request.get("messages", [])).encode()
-        worker = await peers["router"].ask(ROUTE, prompt)
         max_tokens = request.get("max_tokens") or 8
-        output = msgpack.unpackb(await peers["workers"][worker].ask(prompt, max_tokens))
+        if pattern == "forward":
+            request_id, answered = inbox.expect()
+            peers["router"].tell(FORWARD, [request_id, prompt, max_tokens])
+        else:
+            worker = await peers["router"].ask(ROUTE, prompt)
+            answered = peers["workers"][worker].ask(GENERATE, prompt, max_tokens)
+        output = msgpack.unpackb(await answered)
         peers["router"].tell(DONE, b"")
         answer = json.dumps(
             {
@@ -255,31 +319,36 @@ def chat_app(router_port: int, worker_ports: list[int]) -> Callable[..., Awaitab
 
 def run_role(args: argparse.Namespace) -> None:
     if args.role == "frontend":
-        app = chat_app(args.router_port, args.worker_ports)
+        app = chat_app(args.router_port, args.worker_ports, args.pattern)
         uvicorn.run(app, host="127.0.0.1", port=args.port, loop="uvloop", http="httptools", log_level="warning")
         return
     uvloop.install()
     if args.role == "router":
-        asyncio.run(run_router(args.port, args.indexer_port))
+        asyncio.run(run_router(args.port, args.indexer_port, args.worker_ports))
     elif args.role == "worker" and args.engine == "mock":
         asyncio.run(run_engine_worker(args.port, args.speedup))
+    elif args.role == "worker":
+        asyncio.run(serve(args.role, args.port, WorkerItems(answer_at_once).handle))
     else:
-        answer = INDEXER_ANSWER if args.role == "indexer" else WORKER_OUTPUT
-        asyncio.run(serve(args.role, args.port, answer_at_once(answer)))
+        asyncio.run(serve(args.role, args.port, answer_indexer))
 
 
-def start_all(http_port: int, engine: str = "none", speedup: float = 100.0) -> list[subprocess.Popen[bytes]]:
+def start_all(
+    http_port: int, engine: str = "none", speedup: float = 100.0, pattern: str = "reply"
+) -> list[subprocess.Popen[bytes]]:
     """The five processes (indexer, two workers, router, frontend), each in its own session; with
-    ``engine`` ``mock`` the workers run kvmesh's mock engine sped up ``speedup`` times."""
+    ``engine`` ``mock`` the workers run kvmesh's mock engine sped up ``speedup`` times; ``pattern``
+    ``forward``: the router sends each request on to its worker."""
     indexer, router = free_port(), free_port()
     workers = [free_port(), free_port()]
     module = [sys.executable, "-m", "bench.bare_layout"]
     argvs = [[*module, "--role", "indexer", "--port", str(indexer)]]
     engine_args = ["--engine", engine, "--speedup", str(speedup)]
     argvs += [[*module, "--role", "worker", "--port", str(p), *engine_args] for p in workers]
-    argvs.append([*module, "--role", "router", "--port", str(router), "--indexer-port", str(indexer)])
+    worker_ports = ["--worker-ports", *map(str, workers)]
+    argvs.append([*module, "--role", "router", "--port", str(router), "--indexer-port", str(indexer), *worker_ports])
     frontend = [*module, "--role", "frontend", "--port", str(http_port), "--router-port", str(router)]
-    argvs.append([*frontend, "--worker-ports", *map(str, workers)])
+    argvs.append([*frontend, *worker_ports, "--pattern", pattern])
     return [start_in_session(argv) for argv in argvs]
 
 
@@ -294,12 +363,19 @@ def main() -> None:
         "--engine", choices=ENGINES, default="none", help="none: workers answer at once; mock: kvmesh's mock engine"
     )
     parser.add_argument("--speedup", type=float, default=100.0, help="the mock engine's speed-up (with --engine mock)")
+    parser.add_argument(
+        "--pattern",
+        choices=PATTERNS,
+        default="reply",
+        help="reply: the router answers the frontend, which calls the worker (kvmesh's messages); "
+        "forward: the router sends the request on to the worker, which answers the frontend",
+    )
     args = parser.parse_args()
     if args.role:
         run_role(args)
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the children on a plain kill too
-    processes = start_all(args.port, args.engine, args.speedup)
+    processes = start_all(args.port, args.engine, args.speedup, args.pattern)
     try:
         processes[-1].wait()
     except KeyboardInterrupt:

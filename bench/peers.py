@@ -10,7 +10,10 @@ engines are not the bottleneck:
 - ``layout``: kvmesh's layout with no work in it (``bench.bare_layout``: the same processes, stack
   and messages per request, no tokenizer, index, policy or engine), the floor of kvmesh's design;
 - ``layout-engine``: the same with kvmesh's mock engine in its workers (``--engine mock``): the
-  floor with the engines' work in it, what kvmesh could reach at best beside Dynamo's mockers.
+  floor with the engines' work in it, what kvmesh could reach at best beside Dynamo's mockers;
+- ``layout-forward``, ``layout-engine-forward``: the same two with the router sending each request
+  on to its worker (``--pattern forward``): one hop fewer than kvmesh's messages, the fewest the
+  shape allows (not run unless named in ``--systems``).
 
 Every scenario runs ``../shared/peers/loadgen.py`` (non-streaming chat, 16 shared ~200-word system
 prompts, aiohttp with at most ``c`` connections kept alive) and reads the serving processes' CPU
@@ -125,6 +128,14 @@ class System:
         processes = bare_layout.start_all(port, engine="mock", speedup=speedup)
         self._stop = lambda: stop_sessions(processes)
 
+    def _start_layout_forward(self, speedup: float, port: int) -> None:
+        processes = bare_layout.start_all(port, pattern="forward")
+        self._stop = lambda: stop_sessions(processes)
+
+    def _start_layout_engine_forward(self, speedup: float, port: int) -> None:
+        processes = bare_layout.start_all(port, engine="mock", speedup=speedup, pattern="forward")
+        self._stop = lambda: stop_sessions(processes)
+
     def _start_direct(self, speedup: float, port: int) -> None:
         python = str(RUN / "sgl" / "bin" / "python")
         started = [self._spawn([python, str(PEERS / "mock_worker.py"), "--port", str(port), "--name", "direct"])]
@@ -146,7 +157,10 @@ SYSTEMS = [
     System("direct", "tiny", ()),
     System("layout", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
     System("layout-engine", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
+    System("layout-forward", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
+    System("layout-engine-forward", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
 ]
+BY_DEFAULT = ("kvmesh", "dynamo", "sglang", "direct", "layout", "layout-engine")
 
 
 def run_scenario(system: System, max_tokens: int, concurrency: int, requests: int, stream: bool) -> dict:
@@ -178,7 +192,14 @@ def main() -> None:
         help="requests (8 tokens, c=8) each system serves after it starts, before the measured scenarios: "
         "the first run after a start is slower (kvmesh's frontend by 13-24%%, its workers by 55-64%%)",
     )
-    parser.add_argument("--systems", nargs="+", default=[s.name for s in SYSTEMS])
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=[s.name for s in SYSTEMS],
+        default=list(BY_DEFAULT),
+        metavar="SYSTEM",
+        help=f"which to run, of {', '.join(s.name for s in SYSTEMS)} (default: all but the two forward layouts)",
+    )
     parser.add_argument(
         "--stream",
         action="store_true",

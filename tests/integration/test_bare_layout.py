@@ -1,8 +1,9 @@
 """``bench.bare_layout`` answers a chat completion through every hop of kvmesh's layout.
 
 The bench's figures say what kvmesh's layout costs before kvmesh does any work; they only mean that
-if a request really crosses frontend, router, indexer, router, frontend, worker and back. A broken
-hop would show as a hang or an error here, not as a fast benchmark.
+if a request really crosses frontend, router, indexer, router, frontend, worker and back (with
+``--pattern forward``: frontend, router, indexer, router, worker, frontend). A broken hop would
+show as a hang or an error here, not as a fast benchmark.
 """
 
 from __future__ import annotations
@@ -21,10 +22,15 @@ def engine(request) -> str:
     return request.param
 
 
+@pytest.fixture(params=bare_layout.PATTERNS)
+def pattern(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def base_url(engine: str):
+def base_url(engine: str, pattern: str):
     port = free_port()
-    processes = bare_layout.start_all(port, engine=engine)
+    processes = bare_layout.start_all(port, engine=engine, pattern=pattern)
     try:
         # the frontend may listen before its peers do: wait for a first answer
         wait_for(f"http://127.0.0.1:{port}/v1/chat/completions", {"messages": []}, timeout=60)
