@@ -29,7 +29,10 @@ request crosses five hops between processes (frontend, router, indexer, router, 
 instead of six (the route answer back to the frontend and its call to the worker become the
 router's one message to the worker). Five is the fewest this shape allows, since the router must
 hear the indexer before it chooses; so ``layout-engine-forward`` is the ceiling of any message
-pattern of kvmesh's shape, not only of the one kvmesh uses.
+pattern of kvmesh's shape, not only of the one kvmesh uses. ``--pattern forward-answered`` is the
+same with the router also answering the frontend's route query (which worker), as a frontend that
+must cancel, fail over or migrate a request before its first output needs: the critical path keeps
+five hops, the route answer costs the router a write and the frontend a read.
 
 ``python -m bench.peers --systems layout layout-engine kvmesh dynamo`` runs them beside the peers;
 by hand::
@@ -69,7 +72,8 @@ METHOD = f"/{SERVICE}/{RPC}"
 _RUNNING: set[asyncio.Task[Any]] = set()  # the loop keeps only weak references to its tasks
 ROLES = ("indexer", "worker", "router", "frontend")
 ENGINES = ("none", "mock")
-PATTERNS = ("reply", "forward")  # the router answers the frontend / sends the request on to the worker
+# the router answers the frontend / sends the request on to the worker / both
+PATTERNS = ("reply", "forward", "forward-answered")
 CREATED = int(time.time())
 ROUTE, DONE, FORWARD = 0, 1, 2  # the kinds of a frontend's items to the router; only a route is answered
 GENERATE, HELLO, FORWARDED = 0, 1, 2  # the kinds of a worker's items: a request, the frontend's reply stream
@@ -244,15 +248,20 @@ async def run_router(port: int, indexer_port: int, worker_ports: list[int]) -> N
     async def route(request_id: int, prompt: bytes, writer: BatchWriter) -> None:
         writer.send([request_id, await choose(prompt)])
 
-    async def forward(frontend_request_id: int, prompt: bytes, max_tokens: int) -> None:
-        workers[await choose(prompt)].tell(FORWARDED, frontend_request_id, prompt, max_tokens)
+    async def forward(
+        request_id: int, writer: BatchWriter, frontend_request_id: int, prompt: bytes, max_tokens: int
+    ) -> None:
+        worker = await choose(prompt)
+        workers[worker].tell(FORWARDED, frontend_request_id, prompt, max_tokens)
+        if request_id >= 0:  # asked, not told: the frontend wants to know where it went
+            writer.send([request_id, worker])
 
     def handle(batch: list[Any], writer: BatchWriter) -> None:
         for request_id, kind, payload in batch:
             if kind == ROUTE:
                 spawn(route(request_id, payload, writer))
             elif kind == FORWARD:
-                spawn(forward(*payload))
+                spawn(forward(request_id, writer, *payload))
 
     await serve("router", port, handle)
 
@@ -285,6 +294,9 @@ def chat_app(router_port: int, worker_ports: list[int], pattern: str = "reply") 
         if pattern == "forward":
             request_id, answered = inbox.expect()
             peers["router"].tell(FORWARD, [request_id, prompt, max_tokens])
+        elif pattern == "forward-answered":
+            request_id, answered = inbox.expect()
+            await peers["router"].ask(FORWARD, [request_id, prompt, max_tokens])  # the worker it went to
         else:
             worker = await peers["router"].ask(ROUTE, prompt)
             answered = peers["workers"][worker].ask(GENERATE, prompt, max_tokens)
@@ -368,7 +380,8 @@ def main() -> None:
         choices=PATTERNS,
         default="reply",
         help="reply: the router answers the frontend, which calls the worker (kvmesh's messages); "
-        "forward: the router sends the request on to the worker, which answers the frontend",
+        "forward: the router sends the request on to the worker, which answers the frontend; "
+        "forward-answered: the same, and the router also tells the frontend which worker",
     )
     args = parser.parse_args()
     if args.role:

@@ -13,7 +13,8 @@ engines are not the bottleneck:
   floor with the engines' work in it, what kvmesh could reach at best beside Dynamo's mockers;
 - ``layout-forward``, ``layout-engine-forward``: the same two with the router sending each request
   on to its worker (``--pattern forward``): one hop fewer than kvmesh's messages, the fewest the
-  shape allows (not run unless named in ``--systems``).
+  shape allows; ``layout-engine-answered``: that with the route answered too (``--pattern
+  forward-answered``). These three run only when named in ``--systems``.
 
 Every scenario runs ``../shared/peers/loadgen.py`` (non-streaming chat, 16 shared ~200-word system
 prompts, aiohttp with at most ``c`` connections kept alive) and reads the serving processes' CPU
@@ -136,6 +137,10 @@ class System:
         processes = bare_layout.start_all(port, engine="mock", speedup=speedup, pattern="forward")
         self._stop = lambda: stop_sessions(processes)
 
+    def _start_layout_engine_answered(self, speedup: float, port: int) -> None:
+        processes = bare_layout.start_all(port, engine="mock", speedup=speedup, pattern="forward-answered")
+        self._stop = lambda: stop_sessions(processes)
+
     def _start_direct(self, speedup: float, port: int) -> None:
         python = str(RUN / "sgl" / "bin" / "python")
         started = [self._spawn([python, str(PEERS / "mock_worker.py"), "--port", str(port), "--name", "direct"])]
@@ -159,6 +164,7 @@ SYSTEMS = [
     System("layout-engine", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
     System("layout-forward", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
     System("layout-engine-forward", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
+    System("layout-engine-answered", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
 ]
 BY_DEFAULT = ("kvmesh", "dynamo", "sglang", "direct", "layout", "layout-engine")
 
@@ -198,7 +204,7 @@ def main() -> None:
         choices=[s.name for s in SYSTEMS],
         default=list(BY_DEFAULT),
         metavar="SYSTEM",
-        help=f"which to run, of {', '.join(s.name for s in SYSTEMS)} (default: all but the two forward layouts)",
+        help=f"which to run, of {', '.join(s.name for s in SYSTEMS)} (default: all but the forward layouts)",
     )
     parser.add_argument(
         "--stream",
