@@ -37,7 +37,8 @@ five hops, the route answer costs the router a write and the frontend a read.
 ``python -m bench.peers --systems layout layout-engine kvmesh dynamo`` runs them beside the peers;
 by hand::
 
-    python -m bench.bare_layout --port 8000 [--engine mock] [--pattern forward]   # then POST /v1/chat/completions
+    python -m bench.bare_layout --port 8000 [--engine mock] [--pattern forward|forward-answered]
+    # then POST /v1/chat/completions
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ async def serve(role: str, port: int, handle: Callable[[list[Any], BatchWriter],
 
 
 class WorkerItems:
-    """A worker's side of both patterns: requests come from the frontend (``GENERATE``, answered on
+    """A worker's side of every pattern: requests come from the frontend (``GENERATE``, answered on
     the same stream) or from the router (``FORWARDED``, answered on the stream the frontend opened
     with ``HELLO``); ``answer(request_id, prompt, max_tokens, writer)`` answers each."""
 
