@@ -93,7 +93,8 @@ class System:
     def start(self, speedup: float) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        getattr(self, f"_start_{self.name.replace('-', '_')}")(speedup, port)
+        start = "layout" if self.name in LAYOUTS else self.name
+        getattr(self, f"_start_{start}")(speedup, port)
         wait_for(self.url, {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 
     def stop(self) -> None:
@@ -122,23 +123,8 @@ class System:
         self._stop = lambda: stop_sessions(started)
 
     def _start_layout(self, speedup: float, port: int) -> None:
-        processes = bare_layout.start_all(port)
-        self._stop = lambda: stop_sessions(processes)
-
-    def _start_layout_engine(self, speedup: float, port: int) -> None:
-        processes = bare_layout.start_all(port, engine="mock", speedup=speedup)
-        self._stop = lambda: stop_sessions(processes)
-
-    def _start_layout_forward(self, speedup: float, port: int) -> None:
-        processes = bare_layout.start_all(port, pattern="forward")
-        self._stop = lambda: stop_sessions(processes)
-
-    def _start_layout_engine_forward(self, speedup: float, port: int) -> None:
-        processes = bare_layout.start_all(port, engine="mock", speedup=speedup, pattern="forward")
-        self._stop = lambda: stop_sessions(processes)
-
-    def _start_layout_engine_answered(self, speedup: float, port: int) -> None:
-        processes = bare_layout.start_all(port, engine="mock", speedup=speedup, pattern="forward-answered")
+        engine, pattern = LAYOUTS[self.name]
+        processes = bare_layout.start_all(port, engine=engine, speedup=speedup, pattern=pattern)
         self._stop = lambda: stop_sessions(processes)
 
     def _start_direct(self, speedup: float, port: int) -> None:
@@ -154,17 +140,21 @@ class System:
 
 KVMESH_SERVING = ("kvmesh.frontend", "kvmesh.router", "kvmesh.indexer", "nats-server")
 LAYOUT_SERVING = tuple(f"bare_layout --role {role}" for role in ("frontend", "router", "indexer"))
+# bench.bare_layout's systems: their workers' engine and their message pattern
+LAYOUTS = {
+    "layout": ("none", "reply"),
+    "layout-engine": ("mock", "reply"),
+    "layout-forward": ("none", "forward"),
+    "layout-engine-forward": ("mock", "forward"),
+    "layout-engine-answered": ("mock", "forward-answered"),
+}
 STREAMING = ("kvmesh", "dynamo")  # the systems whose engines stream
 SYSTEMS = [
     System("kvmesh", "kvmesh-tiny", KVMESH_SERVING, ("kvmesh.worker",)),
     System("dynamo", "tiny", ("dynamo.frontend",), ("dynamo.mocker",)),
     System("sglang", "tiny", ("sglang::router", "sglang_router")),
     System("direct", "tiny", ()),
-    System("layout", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
-    System("layout-engine", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
-    System("layout-forward", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
-    System("layout-engine-forward", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
-    System("layout-engine-answered", "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)),
+    *(System(name, "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)) for name in LAYOUTS),
 ]
 BY_DEFAULT = ("kvmesh", "dynamo", "sglang", "direct", "layout", "layout-engine")
 
@@ -229,7 +219,8 @@ def main() -> None:
             finally:
                 system.stop()
     names = [s.name for s in SYSTEMS if s.name in args.systems]
-    print(f"\n{'scenario':<16}{'figure':<16}" + "".join(f"{n:>22}" for n in names))
+    width = max(22, *(len(n) + 2 for n in names))  # a column per system, wide enough for its name
+    print(f"\n{'scenario':<16}{'figure':<16}" + "".join(f"{n:>{width}}" for n in names))
     for label, *_ in SCENARIOS:
         figures = [("requests/s", "rps", 0)]
         if args.stream:
@@ -243,7 +234,7 @@ def main() -> None:
             for name in names:
                 values = [r[key] for r in results.get((label, name), []) if r.get(key) is not None]
                 cells.append(" / ".join(f"{v:.{digits}f}" for v in values) if values else "-")
-            print(f"{label:<16}{figure:<16}" + "".join(f"{c:>22}" for c in cells))
+            print(f"{label:<16}{figure:<16}" + "".join(f"{c:>{width}}" for c in cells))
 
 
 if __name__ == "__main__":
