@@ -36,10 +36,32 @@ def command_lines() -> Iterator[tuple[int, str]]:
             yield int(entry), command
 
 
-def service_pids() -> dict[str, list[int]]:
-    """This machine's kvmesh service processes (and NATS servers), by service."""
+def descendants(root: int) -> set[int]:
+    """``root`` and every process below it, as they are now."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # it exited
+            children.setdefault(parent, []).append(int(entry))
+    found, unseen = set(), [root]
+    while unseen:
+        pid = unseen.pop()
+        found.add(pid)
+        unseen.extend(children.get(pid, ()))
+    return found
+
+
+def service_pids(root: int | None = None) -> dict[str, list[int]]:
+    """The kvmesh service processes (and NATS servers), by service: this machine's, or only those
+    below the process ``root`` (one ``kvmesh up`` of several)."""
     found: dict[str, list[int]] = {}
+    mine = descendants(root) if root is not None else None
     for pid, command in command_lines():
+        if mine is not None and pid not in mine:
+            continue
         for service in SERVICES:
             if service in command and "bench.serving_cpu" not in command:
                 found.setdefault(service.removeprefix("kvmesh."), []).append(pid)
@@ -64,6 +86,11 @@ def main() -> None:
     parser.add_argument(
         "--stream", action="store_true", help="streamed chat (bench.stream_load) instead of whole answers"
     )
+    parser.add_argument(
+        "--root-pid",
+        type=int,
+        help="count only the processes below this one (the `kvmesh up` of this mesh, when several run)",
+    )
     args = parser.parse_args()
     if args.stream:
         command = [sys.executable, "-m", "bench.stream_load"]
@@ -73,7 +100,7 @@ def main() -> None:
         raise SystemExit(f"{LOADGEN} not found: this bench needs ../shared/peers beside the checkout")
     command += ["--url", args.url, "--n", str(args.n), "--c", str(args.c)]
     command += ["--max-tokens", str(args.max_tokens), "--model", args.model]
-    pids = service_pids()
+    pids = service_pids(args.root_pid)
     before = {service: cpu_seconds(p) for service, p in pids.items()}
     finished = subprocess.run(
         command, capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1]

@@ -517,10 +517,12 @@ class MeshProcess:
     """``kvmesh up`` as a child process, for tests and benchmarks: start it, wait for its banner,
     read where it listens, stop it with SIGTERM."""
 
-    def __init__(self, *args: str, http_port: int | None = None) -> None:
+    def __init__(self, *args: str, http_port: int | None = None, env: dict[str, str] | None = None) -> None:
+        """``env``: variables set for it on top of this process's environment."""
         from kvmesh.common.ports import free_port
 
         self.http_port = http_port or free_port()
+        self.env = env or {}
         self.argv = [sys.executable, "-m", "kvmesh", "up", "--http-port", str(self.http_port), *args]
         self.output: list[str] = []
         self.process: subprocess.Popen[str] | None = None
@@ -544,7 +546,7 @@ class MeshProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"},
         )
         stdout = self.process.stdout
         threading.Thread(target=lambda: self.output.extend(iter(stdout.readline, "")), daemon=True).start()
