@@ -27,15 +27,20 @@ is printed too, with the events an answer had and the load generator's own CPU p
 shares the cores with the system it measures); only kvmesh and Dynamo run then, since the peers'
 minimal mocks behind the SGLang router do not stream. The systems run one after the other, twice
 (``--rounds``), and both rounds are printed; each serves ``--warmup`` requests after it starts,
-before anything is measured. Install the peers as ``../shared/peers/README.md``
+before anything is measured. With ``--interleave`` they all run at once instead and each scenario
+goes round them in turn, the order flipped every round: this machine's speed drifts by up to 20%
+a minute, and interleaving puts that drift on every system alike rather than between them. Each
+system's CPU is read from the processes its own start made, so two of the same kind (two bare
+layouts) can run side by side. Install the peers as ``../shared/peers/README.md``
 says (they live under ``/tmp/peers``).
 
-    python -m bench.peers [--rounds 2 --n 1500 --speedup 100] [--stream]
+    python -m bench.peers [--rounds 2 --n 1500 --speedup 100] [--stream] [--interleave]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -47,7 +52,7 @@ from pathlib import Path
 
 from bench import bare_layout
 from bench.processes import start_in_session, stop_sessions
-from bench.serving_cpu import command_lines, cpu_seconds
+from bench.serving_cpu import command_lines, cpu_seconds, descendants
 from kvmesh.common.ports import free_port
 from kvmesh.up import MeshProcess
 
@@ -89,6 +94,16 @@ class System:
         self.name, self.model, self.serving, self.engines = name, model, serving, engines
         self.url = ""
         self._stop: Callable[[], None] = lambda: None
+        # the processes this start made: its serving and engine processes are found below them, so
+        # two systems with the same process names (two bare layouts) can run at once
+        self.roots: list[int] = []
+
+    def processes(self, markers: tuple[str, ...]) -> list[int]:
+        """This system's processes whose command line holds one of ``markers``."""
+        if not markers:
+            return []
+        mine = set().union(*(descendants(root) for root in self.roots))
+        return [pid for pid in processes_matching(*markers) if pid in mine]
 
     def start(self, speedup: float) -> None:
         port = free_port()
@@ -103,11 +118,14 @@ class System:
     def _start_kvmesh(self, speedup: float, port: int) -> None:
         mesh = MeshProcess("--workers", "2", "--speedup-ratio", str(speedup), "--log-level", "warning", http_port=port)
         mesh.start(timeout=120)
+        self.roots = [mesh.process.pid]
         self._stop = mesh.stop
 
     def _start_dynamo(self, speedup: float, port: int) -> None:
         env = {**os.environ, "SPEEDUP": str(speedup), "FE_PORT": str(port), "DYN_LOG": "warn"}
         subprocess.run(["bash", str(RUN / "run_dyn" / "start.sh")], env=env, check=True)
+        # start.sh leaves its processes to init and writes their pids
+        self.roots = [int((RUN / "run_dyn" / f"{p}.pid").read_text()) for p in ("frontend", "mocker1", "mocker2")]
         self._stop = lambda: subprocess.run(["bash", str(RUN / "run_dyn" / "stop.sh")], check=False)
 
     def _start_sglang(self, speedup: float, port: int) -> None:
@@ -120,16 +138,19 @@ class System:
         router += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", "cache_aware"]
         router += ["--log-level", "warn", "--worker-urls", *[f"http://127.0.0.1:{p}" for p in mocks]]
         started.append(self._spawn(router))
+        self.roots = [p.pid for p in started]
         self._stop = lambda: stop_sessions(started)
 
     def _start_layout(self, speedup: float, port: int) -> None:
         engine, pattern = LAYOUTS[self.name]
         processes = bare_layout.start_all(port, engine=engine, speedup=speedup, pattern=pattern)
+        self.roots = [p.pid for p in processes]
         self._stop = lambda: stop_sessions(processes)
 
     def _start_direct(self, speedup: float, port: int) -> None:
         python = str(RUN / "sgl" / "bin" / "python")
         started = [self._spawn([python, str(PEERS / "mock_worker.py"), "--port", str(port), "--name", "direct"])]
+        self.roots = [p.pid for p in started]
         self._stop = lambda: stop_sessions(started)
 
     @staticmethod
@@ -160,8 +181,7 @@ BY_DEFAULT = ("kvmesh", "dynamo", "sglang", "direct", "layout", "layout-engine")
 
 
 def run_scenario(system: System, max_tokens: int, concurrency: int, requests: int, stream: bool) -> dict:
-    pids = processes_matching(*system.serving) if system.serving else []
-    engine_pids = processes_matching(*system.engines) if system.engines else []
+    pids, engine_pids = system.processes(system.serving), system.processes(system.engines)
     before, engines_before = cpu_seconds(pids), cpu_seconds(engine_pids)
     load = [sys.executable, "-m", "bench.stream_load"] if stream else [sys.executable, str(LOADGEN)]
     command = [*load, "--url", system.url, "--n", str(requests), "--c", str(concurrency)]
@@ -202,23 +222,48 @@ def main() -> None:
         help="streamed chat (bench.stream_load: the same prompts, time to first token too); kvmesh and "
         "Dynamo only, since the peers' minimal mocks behind the SGLang router do not stream",
     )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every system at once and run each scenario on each system in turn, the order "
+        "flipped every round, so the machine's drift (up to 20%% a minute here) falls on all of them "
+        "alike; by default each system runs all scenarios alone, one system after the other",
+    )
     args = parser.parse_args()
     if args.stream:
         args.systems = [name for name in args.systems if name in STREAMING]
+    systems = [s for s in SYSTEMS if s.name in args.systems]
     results: dict[tuple[str, str], list[dict]] = {}
-    for _round in range(args.rounds):
-        for system in [s for s in SYSTEMS if s.name in args.systems]:
-            system.start(args.speedup)
-            try:
-                if args.warmup:  # caches fill and connections open before anything is measured
-                    run_scenario(system, 8, 8, args.warmup, args.stream)
+
+    def measure(system: System, label: str, tokens: int, concurrency: int, share: float) -> None:
+        report = run_scenario(system, tokens, concurrency, max(50, int(args.n * share)), args.stream)
+        results.setdefault((label, system.name), []).append(report)
+        print(f"  {system.name:<7} {label:<15} {json.dumps(report)}", flush=True)
+
+    def start(system: System) -> None:
+        system.start(args.speedup)
+        if args.warmup:  # caches fill and connections open before anything is measured
+            run_scenario(system, 8, 8, args.warmup, args.stream)
+
+    if args.interleave:
+        with contextlib.ExitStack() as running:
+            for system in systems:
+                running.callback(system.stop)
+                start(system)
+            for number in range(args.rounds):
                 for label, tokens, concurrency, share in SCENARIOS:
-                    report = run_scenario(system, tokens, concurrency, max(50, int(args.n * share)), args.stream)
-                    results.setdefault((label, system.name), []).append(report)
-                    print(f"  {system.name:<7} {label:<15} {json.dumps(report)}", flush=True)
-            finally:
-                system.stop()
-    names = [s.name for s in SYSTEMS if s.name in args.systems]
+                    for system in systems if number % 2 == 0 else systems[::-1]:
+                        measure(system, label, tokens, concurrency, share)
+    else:
+        for _round in range(args.rounds):
+            for system in systems:
+                try:
+                    start(system)
+                    for scenario in SCENARIOS:
+                        measure(system, *scenario)
+                finally:
+                    system.stop()
+    names = [s.name for s in systems]
     width = max(22, *(len(n) + 2 for n in names))  # a column per system, wide enough for its name
     print(f"\n{'scenario':<16}{'figure':<16}" + "".join(f"{n:>{width}}" for n in names))
     for label, *_ in SCENARIOS:
