@@ -102,7 +102,7 @@ class System:
         """This system's processes whose command line holds one of ``markers``."""
         if not markers:
             return []
-        mine = set().union(*(descendants(root) for root in self.roots))
+        mine = descendants(*self.roots)
         return [pid for pid in processes_matching(*markers) if pid in mine]
 
     def start(self, speedup: float) -> None:

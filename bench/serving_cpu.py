@@ -36,8 +36,8 @@ def command_lines() -> Iterator[tuple[int, str]]:
             yield int(entry), command
 
 
-def descendants(root: int) -> set[int]:
-    """``root`` and every process below it, as they are now."""
+def descendants(*roots: int) -> set[int]:
+    """``roots`` and every process below them, as they are now (one pass over ``/proc``)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -46,7 +46,7 @@ def descendants(root: int) -> set[int]:
             except (OSError, IndexError, ValueError):
                 continue  # it exited
             children.setdefault(parent, []).append(int(entry))
-    found, unseen = set(), [root]
+    found, unseen = set(), list(roots)
     while unseen:
         pid = unseen.pop()
         found.add(pid)

@@ -8,28 +8,15 @@ from pathlib import Path
 import openai
 import pytest
 
+from bench.serving_cpu import descendants as process_tree
 from kvmesh.frontend.gateway import WORKER_ID_HEADER
 from kvmesh.up import MeshProcess
 from tests.support import wait_until
 
 
 def descendants(pid: int) -> set[int]:
-    """Every live descendant of ``pid`` (read from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            parents[int(entry.name)] = ppid
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - found
-        found |= frontier
-    return found
+    """Every live descendant of ``pid`` (read from /proc), ``pid`` itself left out."""
+    return process_tree(pid) - {pid}
 
 
 def _alive(pid: int) -> bool:

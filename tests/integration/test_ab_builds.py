@@ -33,6 +33,7 @@ def test_descendants_are_a_process_and_everything_below_it_only() -> None:
         other_child = int(other.stdout.readline())
         assert descendants(first.pid) == {first.pid, first_child}
         assert other_child in descendants(other.pid) and other_child not in descendants(first.pid)
+        assert descendants(first.pid, other.pid) == {first.pid, first_child, other.pid, other_child}
         assert service_pids(first.pid) == {}  # neither runs a kvmesh service
     finally:
         for process in (first, other):
