@@ -35,12 +35,14 @@ def test_two_bare_layouts_side_by_side_each_count_their_own_processes() -> None:
 
 @pytest.mark.skipif(not LOADGEN.exists(), reason="the load generator is ../shared/peers/loadgen.py")
 def test_a_scenario_reports_the_cpu_of_the_system_it_loaded() -> None:
-    layout = System("layout", "tiny", LAYOUT_SERVING, LAYOUT_WORKERS)
+    # the mock engine, and enough requests, for the workers' CPU to span several clock ticks (10 ms):
+    # workers that answer at once spend less than one on a short load, and /proc then reads 0
+    layout = System("layout-engine", "tiny", LAYOUT_SERVING, LAYOUT_WORKERS)
     try:
         layout.start(100)
-        report = run_scenario(layout, max_tokens=8, concurrency=2, requests=40, stream=False)
+        report = run_scenario(layout, max_tokens=8, concurrency=2, requests=200, stream=False)
     finally:
         layout.stop()
-    assert report["ok"] == 40 and report["errors"] == 0
+    assert report["ok"] == 200 and report["errors"] == 0
     assert report["cpu_ms"] is not None and report["cpu_ms"] > 0
     assert report["engine_cpu_ms"] is not None and report["engine_cpu_ms"] > 0
