@@ -215,21 +215,25 @@ class ActiveSequences:
         get_overlap = overlaps.get
         get_load = loads.get
         prefills: list[int] = []
+        add_prefill = prefills.append
+        if not self.track_active_blocks:
+            for worker in workers:
+                prefill = prompt_tokens - get_overlap(worker, 0) * block_size
+                queued = get_load(worker, _NO_LOAD).prefill_tokens
+                add_prefill(queued + prefill if prefill > 0 else queued)
+            return prefills, [0] * len(prefills)
         decodes: list[int] = []
-        add_prefill, add_decode = prefills.append, decodes.append
-        track = self.track_active_blocks
+        add_decode = decodes.append
         fresh = n + own  # a worker with none of the request's blocks active adds all of them
         for worker in workers:
             load = get_load(worker, _NO_LOAD)
             prefill = prompt_tokens - get_overlap(worker, 0) * block_size
             add_prefill(load.prefill_tokens + prefill if prefill > 0 else load.prefill_tokens)
-            if track:
-                refs = load.block_refs
-                add_decode(
-                    len(refs) + load.own_blocks + fresh - (_active_prefix(refs, block_hashes) if first in refs else 0)
-                )
+            refs = load.block_refs
+            if first in refs:
+                add_decode(len(refs) + load.own_blocks + fresh - _active_prefix(refs, block_hashes))
             else:
-                add_decode(0)
+                add_decode(len(refs) + load.own_blocks + fresh)
         return prefills, decodes
 
     def worker_loads(self) -> list[WorkerLoad]:

@@ -173,25 +173,27 @@ def ttft_costs(
     TimingModel.prefill_ms and decode_ms inlined, since this loop runs for every candidate of every request."""
     result: list[float] = []
     add = result.append
+    model: tuple[float, ...] | None = None
     # `constants` may repeat one model endlessly (itertools.repeat): the columns set the length
-    for (pa, pb, pc, da, db, dc, step_tokens, full_step_ms, context_per_block), prefill, blocks in zip(
-        constants, prefill_tokens, decode_blocks, strict=False
-    ):
+    for constants_now, prefill, blocks in zip(constants, prefill_tokens, decode_blocks, strict=False):
+        if constants_now is not model:  # unpacked once per model, not once per worker
+            model = constants_now
+            pa, pb, pc, da, db, dc, step_tokens, full_step_ms, context_per_block = model
         if prefill < step_tokens:  # the common case, without divmod's call
             steps = 1
-            prefill_ms = pa * prefill * prefill + pb * prefill + pc if prefill > 0 else 0.0
+            prefill_ms = (pa * prefill + pb) * prefill + pc if prefill > 0 else 0.0
         else:
             full_steps, remainder = divmod(prefill, step_tokens)
             prefill_ms = full_steps * full_step_ms
             steps = full_steps
             if remainder > 0:
-                prefill_ms += pa * remainder * remainder + pb * remainder + pc
+                prefill_ms += (pa * remainder + pb) * remainder + pc
                 steps += 1
         if blocks > 0:
             u = blocks * context_per_block
             if u > 1.0:
                 u = 1.0
-            decode_ms = da * u * u + db * u + dc
+            decode_ms = (da * u + db) * u + dc
             add(overlap_score_weight * prefill_ms + steps * (decode_ms if decode_ms > 1.0 else 1.0))
         else:
             add(overlap_score_weight * prefill_ms)
