@@ -92,6 +92,11 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions):
         "the first token and the end) or router (relayed by the router); docs/decisions/0023",
         choices=TOKEN_PATHS,
     )
+    hand_on: bool = option(
+        True,
+        "with --token-path direct: routers send each request on to its worker, to be served on the frontend's "
+        "stream there (docs/decisions/0030)",
+    )
     grpc_tls_cert: str | None = option(
         None, "certificate every gRPC server of the mesh presents (TLS on its request path)"
     )
@@ -226,6 +231,7 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
                 str(config.max_concurrent_requests),
                 "--token-path",
                 config.token_path,
+                "--hand-on" if config.hand_on else "--no-hand-on",
             ],
             env={"KVMESH_API_KEY": config.api_key} if config.api_key else None,
         )

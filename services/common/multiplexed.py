@@ -56,18 +56,46 @@ def ending_of(error: Exception, request_id: str) -> common_pb2.RequestEnd:
     return common_pb2.RequestEnd(code=grpc.StatusCode.INTERNAL.value[0], details=details)
 
 
+class Attachments:
+    """Which ``GenerateMany`` stream serves each frontend's hand-ons: the one it attached last,
+    while that stream is open (docs/decisions/0030)."""
+
+    def __init__(self) -> None:
+        self._by_frontend: dict[str, RequestMultiplexer] = {}
+
+    def attach(self, frontend_id: str, stream: RequestMultiplexer) -> None:
+        self._by_frontend[frontend_id] = stream
+
+    def detach(self, frontend_id: str, stream: RequestMultiplexer) -> None:
+        if self._by_frontend.get(frontend_id) is stream:  # a later stream of that frontend stays
+            del self._by_frontend[frontend_id]
+
+    def stream_of(self, frontend_id: str) -> RequestMultiplexer | None:
+        return self._by_frontend.get(frontend_id)
+
+
 class RequestMultiplexer:
     """Serves one ``GenerateMany`` stream. Guarantees: every submitted request gets its outputs in
     order and then exactly one end item, unless the caller cancels it (or the stream) first; a
     cancelled request, or every request of a stream that ends, is aborted in the engine; once the
-    caller has closed its side, the stream ends after the last of its requests' end items."""
+    caller has closed its side, the stream ends after the last of its requests' end items.
 
-    def __init__(self, generate_one: GenerateOne, service: str) -> None:
+    With ``attachments`` (a worker's), a frontend may attach its stream, and a router may hand a
+    request on to be served on that frontend's stream: the router's stream then hears only of a
+    hand-on that failed, refused (no stream from that frontend) or cut short (that stream ended
+    while the request ran), each as the request's end item on the router's stream."""
+
+    def __init__(self, generate_one: GenerateOne, service: str, attachments: Attachments | None = None) -> None:
         """``generate_one``: the service's own ``Generate``; ``service``: who refuses a bad submit."""
         self._generate_one = generate_one
         self._service = service
         self._outbox: asyncio.Queue[common_pb2.StreamItem | None] = asyncio.Queue()  # None: the end
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._attachments = attachments
+        self._attached_as: str | None = None
+        # requests handed on to this stream, by the stream they came from (told if they are cut short)
+        self._handed_from: dict[str, RequestMultiplexer] = {}
+        self.closed = False
 
     async def serve(
         self, commands: AsyncIterator[common_pb2.GenerateCommands]
@@ -80,7 +108,13 @@ class RequestMultiplexer:
                 if last:
                     return
         finally:
+            self.closed = True
+            if self._attached_as is not None:
+                self._attachments.detach(self._attached_as, self)
+            cut_short = [(rid, origin) for rid, origin in self._handed_from.items() if rid in self._running]
             await cancel_and_wait(reader, *self._running.values())
+            for request_id, origin in cut_short:
+                origin.end(request_id, grpc.StatusCode.UNAVAILABLE, "the frontend's stream here ended first", "")
 
     def _next_batch(self, first: common_pb2.StreamItem) -> tuple[common_pb2.GenerateBatch, bool]:
         """``first`` and everything else the outbox holds, a request's consecutive outputs merged
@@ -115,6 +149,10 @@ class RequestMultiplexer:
                 for command in message.commands:
                     if command.HasField("submit"):
                         self._submit(command.submit)
+                    elif command.HasField("hand_on"):
+                        self._hand_on(command.hand_on)
+                    elif command.HasField("attach"):
+                        self._attach(command.attach)
                     else:
                         task = self._running.get(command.cancel)
                         if task is not None:
@@ -125,16 +163,38 @@ class RequestMultiplexer:
         await asyncio.gather(*self._running.values(), return_exceptions=True)
         self._outbox.put_nowait(None)
 
-    def _submit(self, request: common_pb2.PreprocessedRequest) -> None:
+    def end(self, request_id: str, code: grpc.StatusCode, details: str, origin: str) -> None:
+        """End ``request_id`` on this stream with ``code`` (``origin``: who refused it; empty for a
+        failure), unless the stream has ended."""
+        if not self.closed:
+            end = common_pb2.RequestEnd(code=code.value[0], details=details, origin=origin)
+            self._outbox.put_nowait(common_pb2.StreamItem(request_id=request_id, end=end))
+
+    def _submit(self, request: common_pb2.PreprocessedRequest) -> bool:
         request_id = request.request_id
         if not request_id or request_id in self._running:
             reason = "request_id is required" if not request_id else f"request {request_id!r} is already running here"
-            end = common_pb2.RequestEnd(
-                code=grpc.StatusCode.INVALID_ARGUMENT.value[0], details=reason, origin=self._service
-            )
-            self._outbox.put_nowait(common_pb2.StreamItem(request_id=request_id, end=end))
-            return
+            self.end(request_id, grpc.StatusCode.INVALID_ARGUMENT, reason, self._service)
+            return False
         self._running[request_id] = asyncio.create_task(self._run(request), name=f"generate-{request_id}")
+        return True
+
+    def _attach(self, frontend_id: str) -> None:
+        if self._attachments is not None and frontend_id and not self.closed:
+            if self._attached_as is not None:
+                self._attachments.detach(self._attached_as, self)
+            self._attachments.attach(frontend_id, self)
+            self._attached_as = frontend_id
+
+    def _hand_on(self, hand_on: common_pb2.HandOn) -> None:
+        request = hand_on.request
+        target = self._attachments.stream_of(hand_on.frontend_id) if self._attachments is not None else None
+        if target is None or target.closed:
+            details = f"no stream from frontend {hand_on.frontend_id!r} is attached here"
+            self.end(request.request_id, grpc.StatusCode.FAILED_PRECONDITION, details, self._service)
+            return
+        if target._submit(request):
+            target._handed_from[request.request_id] = self
 
     async def _run(self, request: common_pb2.PreprocessedRequest) -> None:
         request_id = request.request_id
@@ -150,4 +210,5 @@ class RequestMultiplexer:
             end = ending_of(exc, request_id)
         finally:
             self._running.pop(request_id, None)
+            self._handed_from.pop(request_id, None)
         put(common_pb2.StreamItem(request_id=request_id, end=end))

@@ -37,17 +37,73 @@ def open_router_stream(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
     return router_pb2_grpc.RouterStub(channel).GenerateMany()
 
 
+Inbox = Backlog[common_pb2.StreamItem | BaseException]
+
+
+class HandOnExpectation:
+    """A request that a router may hand on to a worker for this frontend (docs/decisions/0030).
+    :attr:`decided` resolves with the session that the request's first item came in on, unless
+    the caller decides first (the router answered): whichever comes first wins."""
+
+    __slots__ = ("decided", "inbox", "request_id")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.inbox: Inbox = Backlog()
+        self.decided: asyncio.Future[StreamSession | None] = asyncio.get_running_loop().create_future()
+
+
+class HandOnTable:
+    """The requests this frontend expects to be handed on, shared by its sessions to the workers:
+    a session that reads an item for a request it was not given claims it here."""
+
+    def __init__(self) -> None:
+        self._expected: dict[str, HandOnExpectation] = {}
+
+    def expect(self, request_id: str) -> HandOnExpectation:
+        expectation = self._expected[request_id] = HandOnExpectation(request_id)
+        return expectation
+
+    def forget(self, request_id: str) -> None:
+        self._expected.pop(request_id, None)
+
+    def claim(self, request_id: str, session: StreamSession) -> Inbox | None:
+        expectation = self._expected.pop(request_id, None)
+        if expectation is None or expectation.decided.done():
+            return None
+        expectation.decided.set_result(session)
+        return expectation.inbox
+
+    def __len__(self) -> int:
+        return len(self._expected)
+
+
 class StreamSession:
     """One open ``GenerateMany`` stream. Guarantees: each request gets its items in order and ends
     once (finished, refused, failed or cancelled); a request the consumer stops reading is cancelled
-    at the peer; once broken, the session takes no new request (:attr:`broken`)."""
+    at the peer; once broken, the session takes no new request (:attr:`broken`).
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, address: str) -> None:
+    Hand-ons (docs/decisions/0030): a frontend's session ``attach``es its stream and claims, from
+    ``expected``, the requests that routers hand on to it; an output for a request that no one here
+    waits for is cancelled at the peer. A router's session sends hand-ons (:meth:`hand_on`) and
+    hears back only of those that failed."""
+
+    def __init__(
+        self,
+        call: grpc.aio.StreamStreamCall,
+        address: str,
+        expected: HandOnTable | None = None,
+        attach_as: str | None = None,
+    ) -> None:
         self.address = address
         self._call = call
         # every command ready goes in one message: one write for requests submitted together
         self._commands: Backlog[common_pb2.GenerateCommand] = Backlog()
-        self._requests: dict[str, Backlog[common_pb2.StreamItem | BaseException]] = {}
+        if attach_as:
+            self._commands.add(common_pb2.GenerateCommand(attach=attach_as))
+        self._requests: dict[str, Inbox] = {}
+        self._expected = expected
+        self._handed_on: dict[str, asyncio.Future[common_pb2.RequestEnd]] = {}
         self.broken: BaseException | None = None
         self.idle = asyncio.Event()
         self.idle.set()
@@ -79,10 +135,36 @@ class StreamSession:
                 requests = self._requests
                 for item in batch.items:
                     inbox = requests.get(item.request_id)
-                    if inbox is not None:
-                        inbox.add(item)
+                    if inbox is None:
+                        inbox = self._unexpected(item)
+                        if inbox is None:
+                            continue
+                    inbox.add(item)
         except grpc.aio.AioRpcError as exc:
             self._break(exc)
+
+    def _unexpected(self, item: common_pb2.StreamItem) -> Inbox | None:
+        """Where an item for a request not submitted on this session goes: a hand-on's failure to
+        the router that sent it, a handed-on request's first item to the frontend's expectation
+        (the request is this session's from then on); None to drop it. The end item of a finished
+        request comes this way too, and is dropped."""
+        request_id = item.request_id
+        failed = self._handed_on.pop(request_id, None)
+        if failed is not None:
+            if not failed.done():
+                failed.set_result(item.end)
+            return None
+        if self._expected is None:
+            return None
+        inbox = self._expected.claim(request_id, self)
+        if inbox is not None:
+            self._requests[request_id] = inbox
+            self.idle.clear()
+            return inbox
+        if item.HasField("output") and not item.output.finish_reason:
+            # handed on after its asker gave up on it (or to a frontend that never asked): stop it
+            self._commands.add(common_pb2.GenerateCommand(cancel=request_id))
+        return None
 
     def _break(self, cause: BaseException | None) -> None:
         if self.broken is not None:
@@ -95,20 +177,30 @@ class StreamSession:
         self.broken = error
         for inbox in self._requests.values():
             inbox.add(error)
+        for failed in self._handed_on.values():
+            if not failed.done():
+                failed.set_exception(error)
+        self._handed_on.clear()
 
-    async def generate(self, request: common_pb2.PreprocessedRequest) -> AsyncIterator[common_pb2.GenerateOutput]:
+    async def generate(
+        self, request: common_pb2.PreprocessedRequest, claimed: Inbox | None = None
+    ) -> AsyncIterator[common_pb2.GenerateOutput]:
         """The request's outputs; raises ``grpc.aio.AioRpcError`` as its own ``Generate`` would.
         (A request marked ``whole_answer`` gets its first output and then one with the rest: the
-        worker holds them, docs/decisions/0026.)"""
+        worker holds them, docs/decisions/0026.) ``claimed``: the request was handed on to this
+        session and claimed (its items gather there): only read it."""
         request_id = request.request_id
-        if self.broken is not None:
-            raise self.broken
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} is already on this stream")
-        # the request's items, handed over by the session's reader (all that came, per wake-up)
-        inbox = self._requests[request_id] = Backlog()
-        self.idle.clear()
-        self._commands.add(common_pb2.GenerateCommand(submit=request))
+        if claimed is not None:
+            inbox = claimed
+        else:
+            if self.broken is not None:
+                raise self.broken
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} is already on this stream")
+            # the request's items, handed over by the session's reader (all that came, per wake-up)
+            inbox = self._requests[request_id] = Backlog()
+            self.idle.clear()
+            self._commands.add(common_pb2.GenerateCommand(submit=request))
         ended = False
         try:
             while True:
@@ -128,11 +220,40 @@ class StreamSession:
                         ended = True
                     yield item.output
         finally:
-            del self._requests[request_id]
-            if not self._requests:
-                self.idle.set()
-            if not ended and self.broken is None:
-                self._commands.add(common_pb2.GenerateCommand(cancel=request_id))
+            if not ended:
+                self.abandon(request_id)
+            else:
+                self._requests.pop(request_id, None)
+                if not self._requests:
+                    self.idle.set()
+
+    def abandon(self, request_id: str) -> None:
+        """Stop reading ``request_id`` here and cancel it at the peer."""
+        self._requests.pop(request_id, None)
+        if not self._requests:
+            self.idle.set()
+        if self.broken is None:
+            self._commands.add(common_pb2.GenerateCommand(cancel=request_id))
+
+    def hand_on(
+        self, request: common_pb2.PreprocessedRequest, frontend_id: str
+    ) -> asyncio.Future[common_pb2.RequestEnd]:
+        """Send ``request`` to the peer, to be served on the stream ``frontend_id`` attached there.
+        The future resolves with the end item the peer sends back if the hand-on fails (refused:
+        no such stream; cut short: that stream ended first), or fails with this session's break;
+        :meth:`settle` it once the request is known to run (its first token was reported)."""
+        if self.broken is not None:
+            raise self.broken
+        failed: asyncio.Future[common_pb2.RequestEnd] = asyncio.get_running_loop().create_future()
+        self._handed_on[request.request_id] = failed
+        self._commands.add(
+            common_pb2.GenerateCommand(hand_on=common_pb2.HandOn(request=request, frontend_id=frontend_id))
+        )
+        return failed
+
+    def settle(self, request_id: str) -> None:
+        """The hand-on of ``request_id`` runs, or no longer matters: stop watching for its failure."""
+        self._handed_on.pop(request_id, None)
 
     async def close(self) -> None:
         self._call.cancel()
@@ -144,9 +265,19 @@ class StreamSessions:
     """Sessions by peer address, opened on first use over the owner's channels and replaced
     when broken. :meth:`drop` closes a departed peer's session once its requests have ended."""
 
-    def __init__(self, channels: ChannelPool, open_stream: OpenStream) -> None:
+    def __init__(
+        self,
+        channels: ChannelPool,
+        open_stream: OpenStream,
+        expected: HandOnTable | None = None,
+        attach_as: str | None = None,
+    ) -> None:
+        """``expected`` and ``attach_as``: a frontend's sessions that take hand-ons (each stream is
+        attached as ``attach_as`` and claims requests from ``expected``)."""
         self._channels = channels
         self._open_stream = open_stream
+        self._expected = expected
+        self._attach_as = attach_as
         self._sessions: dict[str, StreamSession] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -156,8 +287,20 @@ class StreamSessions:
             if session is not None:
                 self._close_later(session)
             call = self._open_stream(self._channels.get(address))
-            session = self._sessions[address] = StreamSession(call, address)
+            session = self._sessions[address] = StreamSession(call, address, self._expected, self._attach_as)
         return session
+
+    def open_session(self, address: str) -> StreamSession | None:
+        """``address``'s session if it is open (none is opened)."""
+        session = self._sessions.get(address)
+        return session if session is not None and session.broken is None else None
+
+    def cancel_everywhere(self, request_id: str) -> None:
+        """Cancel ``request_id`` on every open session: a hand-on whose worker is not known may be
+        running on any of them (a peer that does not hold it ignores the cancel)."""
+        for session in self._sessions.values():
+            if session.broken is None:
+                session.abandon(request_id)
 
     def generate(
         self, address: str, request: common_pb2.PreprocessedRequest

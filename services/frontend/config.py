@@ -43,6 +43,12 @@ class FrontendConfig(CommonConfig):
         "router either way; migration, refusals and usage behave the same (docs/decisions/0023)",
         choices=TOKEN_PATHS,
     )
+    hand_on: bool = option(
+        True,
+        "with --token-path direct: the router sends each request on to the worker it chose, to be served on this "
+        "frontend's stream there, and answers only if that fails; one message fewer per request and one hop "
+        "fewer before the first token (docs/decisions/0030)",
+    )
 
     def validate(self) -> None:
         if not 0 <= self.http_port < 65536:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator
 
@@ -20,6 +21,14 @@ from kvmesh.common.stream_sessions import StreamSessions, open_router_stream
 
 class NoRouterError(RuntimeError):
     """No router replica is registered."""
+
+
+def route_failure(error: BaseException) -> BaseException:
+    """The exception a route call raises for ``error``: a broken query stream as UNAVAILABLE
+    without origin (a transport failure, which the caller fails over), anything else as it is."""
+    if isinstance(error, QueryStreamBroken):
+        return call_error(grpc.StatusCode.UNAVAILABLE, str(error))
+    return error
 
 
 def _route_response(answer: router_pb2.RouteAnswer) -> router_pb2.RouteResponse:
@@ -59,6 +68,8 @@ class RouterClient:
         self._sessions = StreamSessions(self._channels, open_router_stream) if multiplexed else None
         self._routes = QueryStreams(ROUTE_QUERIES, self._channels)
         self._counter = itertools.count()
+        # each replica's --migration-limit, from its last answer (a hand-on needs it before any)
+        self.migration_limits: dict[str, int] = {}
 
     def watch(self, js: JetStreamContext, namespace: str) -> DiscoveryWatcher:
         """Follow the router replicas in discovery (start the returned watcher); a replica that
@@ -95,9 +106,21 @@ class RouterClient:
         ``grpc.aio.AioRpcError`` as the call would: its refusals as they are, a broken stream as
         UNAVAILABLE without origin (a transport failure, which the caller fails over)."""
         try:
-            return await self._routes.ask(address, query)
+            response = await self._routes.ask(address, query)
         except QueryStreamBroken as exc:
-            raise call_error(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+            raise route_failure(exc) from exc
+        self.migration_limits[address] = response.migration_limit
+        return response
+
+    def ask_route(self, address: str, query: router_pb2.RouteRequest) -> asyncio.Future[router_pb2.RouteResponse]:
+        """:meth:`route`'s answer as a future, for a query that may never be answered (a hand-on,
+        docs/decisions/0030): cancel it once the answer no longer matters. It fails with
+        :class:`~kvmesh.common.query_streams.QueryStreamBroken` when the stream breaks first
+        (:func:`route_failure` turns that into the call's UNAVAILABLE)."""
+        try:
+            return self._routes.ask(address, query)
+        except QueryStreamBroken as exc:
+            raise route_failure(exc) from exc
 
     def report(self, address: str, report: RequestReport) -> None:
         """Tell the router replica at ``address`` how a request it routed is going (the first token,

@@ -36,7 +36,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
             await stack.start(routers.watch(nc.jetstream(), config.namespace))
         direct = None
         if config.token_path == "direct":
-            direct = DirectTokenPath(routers)
+            direct = DirectTokenPath(routers, hand_on=config.hand_on)
             stack.push_async_callback(direct.close)
             await stack.start(direct.watch(nc.jetstream(), config.namespace))
         frontend = Frontend(model, routers, default_max_tokens=config.default_max_tokens, direct=direct)
@@ -63,6 +63,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
             api_keys=len(api_keys),
             max_concurrent_requests=config.max_concurrent_requests or None,
             token_path=config.token_path,
+            hand_on=config.hand_on,
         )
         freeze_startup_heap()
         stopped = asyncio.create_task(stop.wait())

@@ -27,15 +27,17 @@ class ReportListener:
         self._metrics = metrics
         self.applied = 0
 
-    def apply_message(self, payload: bytes) -> None:
-        """The reports of one ``RouteMany`` message (:mod:`kvmesh.common.request_reports`)."""
+    def apply_message(self, payload: bytes) -> list[RequestReport]:
+        """The reports of one ``RouteMany`` message (:mod:`kvmesh.common.request_reports`); returns
+        them (none when the message is malformed: it is ignored whole)."""
         try:
             reports = decode_reports(payload)
         except ValueError as exc:
             log.warning("ignoring malformed request reports", error=str(exc))
-            return
+            return []
         for report in reports:
             self.apply(report)
+        return reports
 
     def apply(self, report: RequestReport) -> None:
         router = self._router

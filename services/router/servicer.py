@@ -31,6 +31,7 @@ from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grp
 from kvmesh.common.requests import DEFAULT_MAX_TOKENS, AnswerUsage, continue_request
 from kvmesh.common.runtime import cancel_and_wait
 from kvmesh.common.stream_sessions import StreamSessions
+from kvmesh.router.hand_ons import HandOns
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_job import (
     LocalPrefill,
@@ -197,11 +198,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         routed here ride on the same stream (:mod:`kvmesh.router.report_listener`)."""
         answers: Backlog[router_pb2.RouteAnswer | None] = Backlog()  # None: the caller is done
         running: set[asyncio.Task[None]] = set()
+        hand_ons = HandOns(answers, self.metrics.hand_on_failed)  # handed on, not yet known to run
 
         async def answer(query: router_pb2.RouteQuery) -> None:
             reply = router_pb2.RouteAnswer(query_id=query.query_id)
             try:
-                reply.response.CopyFrom(await self.Route(query.request, RequestContext()))
+                response = await self.Route(query.request, RequestContext())
+                if query.request.hand_on_to and self._hand_on(query.request, response, reply, hand_ons):
+                    return  # answered only if the hand-on fails
+                reply.response.CopyFrom(response)
             except Exception as exc:  # a refusal or a bug answers this query, not the stream
                 reply.refused.CopyFrom(ending_of(exc, query.request.request.request_id))
             answers.add(reply)
@@ -210,7 +215,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             try:
                 async for message in request_iterator:
                     if message.reports:
-                        self.reports.apply_message(message.reports)
+                        for report in self.reports.apply_message(message.reports):
+                            hand_ons.settle(report.request_id)  # its first token or its end: it ran
                     for query in message.queries:
                         task = asyncio.create_task(answer(query))
                         running.add(task)
@@ -231,7 +237,31 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if len(replies) < len(ready):
                     return
         finally:
+            hand_ons.settle_all()
             await cancel_and_wait(reader, *running)
+
+    def _hand_on(
+        self,
+        query: router_pb2.RouteRequest,
+        response: router_pb2.RouteResponse,
+        reply: router_pb2.RouteAnswer,
+        hand_ons: HandOns,
+    ) -> bool:
+        """Send the routed request on to its worker, to be served on the stream the caller's frontend
+        attached there (docs/decisions/0030); whether it was sent. Not for a request that is relayed,
+        never moves (``forced``: the frontend must know that) or that this router serves without
+        multiplexed worker streams; nor when the stream to the worker is already broken (the caller
+        then submits it itself, and finds that out as it would have)."""
+        if response.relay or response.forced or self.sessions is None:
+            return False
+        session = self.sessions.get(response.worker_address)
+        try:
+            failed = session.hand_on(query.request, query.hand_on_to)
+        except grpc.aio.AioRpcError:
+            return False
+        hand_ons.watch(query.request.request_id, session, failed, response, reply)
+        self.metrics.hand_ons_sent.inc()
+        return True
 
     def _forced(self, request: common_pb2.PreprocessedRequest) -> bool:
         """Whether ``request`` stays on the worker it was sent to (it names one, or this router

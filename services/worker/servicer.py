@@ -19,7 +19,7 @@ from kvmesh.common.disagg import DecodeOrder, DisaggParamsError, KvSource, Prefi
 from kvmesh.common.finish_reasons import to_proto
 from kvmesh.common.grpc_errors import refuse
 from kvmesh.common.kv_events import POOL_DP_RANK
-from kvmesh.common.multiplexed import RequestMultiplexer
+from kvmesh.common.multiplexed import Attachments, RequestMultiplexer
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.common.status_error import StatusError
 from kvmesh.worker.engine import (
@@ -47,6 +47,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
         self.metrics = metrics
         self.handover = handover
+        # each frontend's attached GenerateMany stream, where routers' hand-ons for it are served
+        self.attachments = Attachments()
 
     async def Generate(
         self, request: common_pb2.PreprocessedRequest, context: grpc.aio.ServicerContext
@@ -151,8 +153,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GenerateMany(
         self, request_iterator: AsyncIterator[common_pb2.GenerateCommands], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.GenerateBatch]:
-        """Many requests over one stream, each served by :meth:`Generate` (docs/decisions/0021)."""
-        async with contextlib.aclosing(RequestMultiplexer(self.Generate, "worker").serve(request_iterator)) as batches:
+        """Many requests over one stream, each served by :meth:`Generate` (docs/decisions/0021); a
+        frontend's stream may be attached, and a router's hand requests on to it (docs/decisions/0030)."""
+        multiplexer = RequestMultiplexer(self.Generate, "worker", self.attachments)
+        async with contextlib.aclosing(multiplexer.serve(request_iterator)) as batches:
             async for batch in batches:
                 yield batch
 
