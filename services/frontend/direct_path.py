@@ -186,7 +186,7 @@ class DirectTokenPath:
                 self._sessions.cancel_everywhere(request_id)
             raise route_failure(error)
         route = answer.result()
-        self._routers.migration_limits[router_address] = route.migration_limit
+        self._routers.note_route(router_address, route)
         return route, None
 
     def _abandon(

@@ -109,8 +109,14 @@ class RouterClient:
             response = await self._routes.ask(address, query)
         except QueryStreamBroken as exc:
             raise route_failure(exc) from exc
-        self.migration_limits[address] = response.migration_limit
+        self.note_route(address, response)
         return response
+
+    def note_route(self, address: str, response: router_pb2.RouteResponse) -> None:
+        """Learn the replica's ``--migration-limit`` from a route answer that chose a worker (a
+        ``relay`` answer carries none)."""
+        if not response.relay:
+            self.migration_limits[address] = response.migration_limit
 
     def ask_route(self, address: str, query: router_pb2.RouteRequest) -> asyncio.Future[router_pb2.RouteResponse]:
         """:meth:`route`'s answer as a future, for a query that may never be answered (a hand-on,

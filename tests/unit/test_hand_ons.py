@@ -82,3 +82,14 @@ async def test_the_end_of_the_stream_settles_every_hand_on():
     hand_ons.settle_all()
     assert all(f.cancelled() for f in futures) and sorted(session.settled) == ["r0", "r1", "r2"]
     assert len(hand_ons) == 0 and await answers_now(answers) == []
+
+
+def test_the_frontend_learns_a_routers_migration_limit_only_from_answers_that_chose_a_worker():
+    # a hand-on needs the limit before any answer: a relay answer (which carries none) must not
+    # turn it to 0, or a handed-on request whose worker breaks would fail instead of moving on
+    from kvmesh.frontend.router_client import RouterClient
+
+    routers = RouterClient(fixed_address="127.0.0.1:1")
+    routers.note_route("r:1", router_pb2.RouteResponse(worker_id=1, worker_address="w:1", migration_limit=3))
+    routers.note_route("r:1", router_pb2.RouteResponse(relay=True, router_id="r"))
+    assert routers.migration_limits == {"r:1": 3}
