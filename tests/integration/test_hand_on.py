@@ -102,6 +102,7 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
         self.queries: list[router_pb2.RouteRequest] = []
         self.reports: list[RequestReport] = []
         self.script: dict[str, str] = {}
+        self.refused: list[str] = []  # hand-ons the worker refused (no stream from that frontend)
         self.hand_on_delay = 0.0
 
     def response(self, **fields) -> router_pb2.RouteResponse:
@@ -133,6 +134,7 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
                     end = await failed
                     if end.code != REFUSED:
                         return
+                    self.refused.append(routed.request.request_id)
             lost = action == "lost"
             answer = router_pb2.RouteAnswer(query_id=query.query_id, response=self.response(hand_on_lost=lost))
             await answers.put(answer)
@@ -250,3 +252,19 @@ async def test_a_client_that_leaves_before_the_first_output_stops_the_hand_on_an
     assert [r.outcome for r in router.ends("gone")] == ["cancelled"]
     await wait_until_async(lambda: _zero(stub), what="the late hand-on cancelled at the worker")
     assert direct.expected_hand_ons == 0
+
+
+async def test_a_hand_on_the_worker_refuses_is_submitted_by_the_frontend_itself(handing_on):
+    _stub, router, router_address, _ = handing_on
+    routers = RouterClient(fixed_address=router_address)
+    routers.note_route(router_address, router.response())  # the limit is known, no worker stream is open
+    fresh = DirectTokenPath(routers, hand_on=True)
+    try:
+        assert len(await answer_of(fresh, request("r1", 100, 6), router_address)) == 6
+        assert router.queries[-1].hand_on_to == fresh.frontend_id  # asked for, refused, then submitted
+        assert len(await answer_of(fresh, request("r2", 200, 6), router_address)) == 6  # now attached
+        assert router.queries[-1].hand_on_to == fresh.frontend_id
+        assert router.refused == ["r1"] and fresh.expected_hand_ons == 0
+    finally:
+        await fresh.close()
+        await routers.close()
