@@ -193,8 +193,13 @@ class RequestMultiplexer:
             details = f"no stream from frontend {hand_on.frontend_id!r} is attached here"
             self.end(request.request_id, grpc.StatusCode.FAILED_PRECONDITION, details, self._service)
             return
-        if target._submit(request):
-            target._handed_from[request.request_id] = self
+        target.take_hand_on(request, self)
+
+    def take_hand_on(self, request: common_pb2.PreprocessedRequest, origin: RequestMultiplexer) -> None:
+        """Serve ``request``, handed on from the stream ``origin``, as if submitted here; ``origin``
+        is told if this stream ends before the request does."""
+        if self._submit(request):
+            self._handed_from[request.request_id] = origin
 
     async def _run(self, request: common_pb2.PreprocessedRequest) -> None:
         request_id = request.request_id

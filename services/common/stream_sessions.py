@@ -220,18 +220,19 @@ class StreamSession:
                         ended = True
                     yield item.output
         finally:
-            if not ended:
-                self.abandon(request_id)
+            if ended:
+                self._forget(request_id)
             else:
-                self._requests.pop(request_id, None)
-                if not self._requests:
-                    self.idle.set()
+                self.abandon(request_id)
 
-    def abandon(self, request_id: str) -> None:
-        """Stop reading ``request_id`` here and cancel it at the peer."""
+    def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
         if not self._requests:
             self.idle.set()
+
+    def abandon(self, request_id: str) -> None:
+        """Stop reading ``request_id`` here and cancel it at the peer."""
+        self._forget(request_id)
         if self.broken is None:
             self._commands.add(common_pb2.GenerateCommand(cancel=request_id))
 
@@ -299,8 +300,7 @@ class StreamSessions:
         """Cancel ``request_id`` on every open session: a hand-on whose worker is not known may be
         running on any of them (a peer that does not hold it ignores the cancel)."""
         for session in self._sessions.values():
-            if session.broken is None:
-                session.abandon(request_id)
+            session.abandon(request_id)  # a broken one sends nothing
 
     def generate(
         self, address: str, request: common_pb2.PreprocessedRequest

@@ -181,10 +181,11 @@ class DirectTokenPath:
         self._hand_ons.forget(request_id)
         error = answer.exception()
         if error is not None:
-            if is_transport_failure(route_failure(error)):
+            failure = route_failure(error)
+            if is_transport_failure(failure):
                 # the router may have sent it on before its stream broke: wherever it runs, stop it
                 self._sessions.cancel_everywhere(request_id)
-            raise route_failure(error)
+            raise failure
         route = answer.result()
         self._routers.note_route(router_address, route)
         return route, None
@@ -203,10 +204,17 @@ class DirectTokenPath:
         if session is not None:
             answer.cancel()
             session.abandon(request_id)
-        elif answer.cancelled() or answer.exception() is not None or answer.result().relay:
-            return  # not counted, or counted by a relay that the router itself ends
-        elif answer.result().hand_on_lost:
+            self._routers.report(router_address, RequestReport(END, request_id, outcome="cancelled"))
+            return
+        if not answer.cancelled() and answer.exception() is None and answer.result().hand_on_lost:
             self._sessions.cancel_everywhere(request_id)
+        self._release(router_address, request_id, answer)
+
+    def _release(self, router_address: str, request_id: str, answer: asyncio.Future[router_pb2.RouteResponse]) -> None:
+        """A route answer that came after its client left: a request the router counted (not one it
+        relays, which it ends itself) is reported ended, so it leaves no load behind."""
+        if answer.cancelled() or answer.exception() is not None or answer.result().relay:
+            return
         self._routers.report(router_address, RequestReport(END, request_id, outcome="cancelled"))
 
     async def _route(self, router_address: str, query: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
@@ -216,14 +224,7 @@ class DirectTokenPath:
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
-            request_id = query.request.request_id
-
-            def release(done: asyncio.Future[router_pb2.RouteResponse]) -> None:
-                if done.cancelled() or done.exception() is not None or done.result().relay:
-                    return
-                self._routers.report(router_address, RequestReport(END, request_id, outcome="cancelled"))
-
-            call.add_done_callback(release)
+            call.add_done_callback(functools.partial(self._release, router_address, query.request.request_id))
             raise
 
     @property
