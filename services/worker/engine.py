@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -105,8 +106,65 @@ class EngineStatus:
     held_prefills: int
 
 
-# A request's outputs, in order: tokens, the last with a finish reason, or an EngineFailure.
-TokenQueue = asyncio.Queue[TokenOutput | EngineFailure]
+class TokenQueue:
+    """A request's outputs, in order, for its one reader: tokens, the last with a finish reason, or
+    an :class:`EngineFailure`.
+
+    Guarantees: :meth:`get` returns the items in the order put; after :meth:`hold_until_last` it
+    returns only once the last output or a failure is queued, and the outputs before it wait here
+    (taken with :meth:`get_nowait`). A whole answer needs nothing of its outputs between its first
+    and its last (docs/decisions/0026), so its reader then wakes once instead of once per engine
+    step. Why not an ``asyncio.Queue``: it cannot wait for a kind of item, and its per-call loop
+    checks and waiter list cost more than one reader needs (docs/decisions/0019).
+    """
+
+    __slots__ = ("_hold", "_items", "_last_queued", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque[TokenOutput | EngineFailure] = collections.deque()
+        self._last_queued = False
+        self._hold = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: TokenOutput | EngineFailure) -> None:
+        self._items.append(item)
+        if isinstance(item, EngineFailure) or item.finish_reason is not None:
+            self._last_queued = True
+        elif self._hold:
+            return  # the reader waits for the last one
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> TokenOutput | EngineFailure:
+        # One wait is enough: put_nowait wakes the reader only once what it waits for is queued.
+        if not self._items or (self._hold and not self._last_queued):
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def get_nowait(self) -> TokenOutput | EngineFailure:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def hold_until_last(self) -> None:
+        """From now on :meth:`get` waits for the last output or a failure."""
+        self._hold = True
+
+    @property
+    def holding(self) -> bool:
+        """Whether :meth:`hold_until_last` was called."""
+        return self._hold
 
 
 def take_ready(queue: TokenQueue, first: TokenOutput) -> tuple[TokenOutput, list[int], EngineFailure | None]:

@@ -80,14 +80,14 @@ class MockEngineLoop(Engine):
             raise EngineRequestError("the mock engine moves KV through the worker's transfer server, not a connector")
         hashes = self._import_from_pool(spec) if self.pool is not None else None
         self.engine.add_request(spec, hold_on_finish=hold_on_finish, block_hashes=hashes)
-        queue: TokenQueue = asyncio.Queue()
+        queue = TokenQueue()
         self._streams[spec.request_id] = queue
         self._wakeup.set()
         return queue
 
     def reserve_remote(self, spec: EngineRequestSpec) -> tuple[TransferPlan | None, TokenQueue]:
         plan = self.engine.add_remote_prefill(spec)
-        queue: TokenQueue = asyncio.Queue()
+        queue = TokenQueue()
         if plan is not None:
             self._streams[spec.request_id] = queue
         return plan, queue

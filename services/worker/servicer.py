@@ -129,6 +129,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if source is not None and starts_answer:
                     message.disaggregated_params = disagg.encode(source)
                 if output.finish_reason is None:
+                    if request.whole_answer and starts_answer:
+                        queue.hold_until_last()  # nothing more to send before it: one wake-up, not one a step
                     yield message
                     continue
                 if prefill is not None:

@@ -274,7 +274,7 @@ class VllmEngine(Engine):
             )
         if hold_on_finish:  # a prefill for another worker: vLLM keeps its blocks for the decode side's pull
             kv_transfer_params = {"do_remote_decode": True}
-        queue: TokenQueue = asyncio.Queue()
+        queue = TokenQueue()
         generate = self._generate(spec, queue, kv_transfer_params)
         task = asyncio.create_task(generate, name=f"vllm-{spec.request_id}")
         self._requests[spec.request_id] = task

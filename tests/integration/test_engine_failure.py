@@ -3,7 +3,6 @@ a refusal, so a router takes the worker for failed and migrates the request (rea
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncIterator
@@ -51,7 +50,7 @@ class FailingEngine(Engine):
     def submit(self, spec: EngineRequestSpec, hold_on_finish: bool = False) -> TokenQueue:
         if len(spec.prompt) > 100:
             raise EngineRequestError("the prompt is longer than the model's context")
-        queue: TokenQueue = asyncio.Queue()
+        queue = TokenQueue()
         queue.put_nowait(TokenOutput(spec.request_id, 7, None, 0))
         queue.put_nowait(TokenOutput(spec.request_id, 8, None, 0))
         queue.put_nowait(EngineFailure("the engine died"))

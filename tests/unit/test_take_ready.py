@@ -3,8 +3,6 @@ outputs up to its last one, and stops in front of a failure so the tokens before
 
 from __future__ import annotations
 
-import asyncio
-
 from kvmesh.common.finish_reasons import FinishReason
 from kvmesh.worker.engine import EngineFailure, TokenOutput, TokenQueue, take_ready
 
@@ -14,7 +12,7 @@ def token(token_id: int | None, finish: FinishReason | None = None) -> TokenOutp
 
 
 def queued(*items) -> TokenQueue:
-    queue: TokenQueue = asyncio.Queue()
+    queue = TokenQueue()
     for item in items:
         queue.put_nowait(item)
     return queue
