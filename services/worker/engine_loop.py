@@ -38,6 +38,11 @@ class PoolStats:
     rejected_blocks: int = 0  # read from the pool but not what this worker would compute
 
 
+# How far behind their schedule the steps may catch up: half the event loop's timer resolution (a
+# millisecond), the most one rounded wait overshoots (see ``MockEngineLoop._run``).
+SCHEDULE_SLACK_S = 0.0005
+
+
 class MockEngineLoop(Engine):
     """Runs engine steps back to back while there is work, sleeping each step's simulated duration.
 
@@ -138,6 +143,12 @@ class MockEngineLoop(Engine):
         return self.pool_writer.dump()
 
     async def _run(self) -> None:
+        # When the current step's simulated end falls due. The event loop's timers run to the nearest
+        # millisecond, so a step shorter than half of one would not wait at all and the engine would
+        # run ahead of its timing model (at --speedup-ratio 100 a decode step is modelled at about
+        # 0.07 ms). Each step waits for its end on a running schedule instead, so the rounding of one
+        # wait is made up by the next ones and the steps keep the model's pace on average.
+        due = 0.0
         while True:
             if not self.engine.has_work():
                 if self.pool_writer is not None and self.pool_writer.in_flight:
@@ -148,7 +159,11 @@ class MockEngineLoop(Engine):
             started = time.perf_counter()
             result = self.engine.step()
             if result.duration_ms > 0:
-                await asyncio.sleep(result.duration_ms / 1000.0)
+                # A step starts when the one before it ends, or now if that end is past: at most
+                # SCHEDULE_SLACK_S before now, so a wait that the timer rounded up is made up by the
+                # next steps, and the time spent idle is not.
+                due = max(due, started - SCHEDULE_SLACK_S) + result.duration_ms / 1000.0
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
             self._observe(result, (time.perf_counter() - started) * 1000.0)
             self._publish_events()
             for output in result.outputs:
