@@ -22,8 +22,8 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from kvmesh.common.backlog import Backlog
 from kvmesh.common.channels import ChannelPool
+from kvmesh.common.outbox import MessageOutbox
 from kvmesh.common.runtime import cancel_and_wait
 
 RequestT = TypeVar("RequestT")
@@ -39,8 +39,7 @@ class QueryKind(Generic[RequestT, ResponseT]):
     """One kind of query stream: how to open it and how its messages are made and read."""
 
     open: Callable[[grpc.aio.Channel], grpc.aio.StreamStreamCall]
-    query: Callable[..., Any]  # the query message type: query(query_id=..., request=...)
-    queries: Callable[..., Any]  # the caller's message type: queries(queries=[...])
+    queries: Callable[[], Any]  # the caller's message type, whose ``queries`` are {query_id, request}
     response_of: Callable[[Any], ResponseT]  # an answer's response, or raise its refusal
     # for a stream that also carries notes (messages that need no answer): puts them in a message
     attach_notes: Callable[[Any, list[Any]], None] | None = None
@@ -49,7 +48,6 @@ class QueryKind(Generic[RequestT, ResponseT]):
 # A note waits this long for a query to ride with before it is sent alone: the peer learns it that
 # much later, which is small beside a request's life, and one message carries many notes.
 NOTES_WINDOW_S = 0.002
-_SEND_NOTES = object()  # the writer's wake-up when the notes' window ends
 
 
 class QueryStream(Generic[RequestT, ResponseT]):
@@ -64,7 +62,7 @@ class QueryStream(Generic[RequestT, ResponseT]):
         self._call = kind.open(channel)
         self._last_id = 0
         self._waiting: dict[int, asyncio.Future[ResponseT]] = {}
-        self._unsent: Backlog[Any] = Backlog()
+        self._unsent: MessageOutbox[Any] = MessageOutbox(kind.queries, "queries")
         self._notes: list[Any] = []
         self._notes_due: asyncio.TimerHandle | None = None
         self._closing = False
@@ -84,7 +82,9 @@ class QueryStream(Generic[RequestT, ResponseT]):
         answer: asyncio.Future[ResponseT] = asyncio.get_running_loop().create_future()
         self._waiting[query_id] = answer
         answer.add_done_callback(lambda done: self._forget_cancelled(query_id, done))
-        self._unsent.add(self._kind.query(query_id=query_id, request=request))
+        query = self._unsent.add()
+        query.query_id = query_id
+        query.request.CopyFrom(request)  # in place: see MessageOutbox
         return answer
 
     def tell(self, note: Any) -> None:
@@ -95,7 +95,7 @@ class QueryStream(Generic[RequestT, ResponseT]):
             return
         self._notes.append(note)
         if self._notes_due is None:
-            self._notes_due = asyncio.get_running_loop().call_later(NOTES_WINDOW_S, self._unsent.add, _SEND_NOTES)
+            self._notes_due = asyncio.get_running_loop().call_later(NOTES_WINDOW_S, self._unsent.wake)
 
     def _forget_cancelled(self, query_id: int, answer: asyncio.Future[ResponseT]) -> None:
         # a peer that never answers must not make the waiting table grow with every query given up
@@ -105,14 +105,13 @@ class QueryStream(Generic[RequestT, ResponseT]):
     async def _write_all(self) -> None:
         try:
             while not (self._closing and not self._notes):
-                queries = [item for item in await self._unsent.take() if item is not _SEND_NOTES]
+                message = await self._unsent.take()
                 notes, self._notes = self._notes, []
                 if self._notes_due is not None:
                     self._notes_due.cancel()
                     self._notes_due = None
-                if not queries and not notes:
+                if not message.queries and not notes:
                     continue  # the window's notes already rode with a query
-                message = self._kind.queries(queries=queries)
                 if notes and self._kind.attach_notes is not None:
                     self._kind.attach_notes(message, notes)
                 await self._call.write(message)
@@ -155,7 +154,7 @@ class QueryStream(Generic[RequestT, ResponseT]):
         a write in flight would cut the call, so the writer finishes its own)."""
         if self._notes and self.broken is None:
             self._closing = True
-            self._unsent.add(_SEND_NOTES)
+            self._unsent.wake()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._tasks[0]), notes_grace_s)
         if self._notes_due is not None:

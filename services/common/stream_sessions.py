@@ -19,6 +19,7 @@ import grpc
 from kvmesh.common.backlog import Backlog
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.grpc_errors import call_error, error_of_end
+from kvmesh.common.outbox import MessageOutbox
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2_grpc
 from kvmesh.common.runtime import cancel_and_wait
 
@@ -98,9 +99,11 @@ class StreamSession:
         self.address = address
         self._call = call
         # every command ready goes in one message: one write for requests submitted together
-        self._commands: Backlog[common_pb2.GenerateCommand] = Backlog()
+        self._commands: MessageOutbox[common_pb2.GenerateCommands] = MessageOutbox(
+            common_pb2.GenerateCommands, "commands"
+        )
         if attach_as:
-            self._commands.add(common_pb2.GenerateCommand(attach=attach_as))
+            self._commands.add().attach = attach_as
         self._requests: dict[str, Inbox] = {}
         self._expected = expected
         self._handed_on: dict[str, asyncio.Future[common_pb2.RequestEnd]] = {}
@@ -120,8 +123,7 @@ class StreamSession:
         # one writer: grpc.aio allows a single write in flight per call
         try:
             while True:
-                commands = await self._commands.take()
-                await self._call.write(common_pb2.GenerateCommands(commands=commands))
+                await self._call.write(await self._commands.take())
         except Exception as exc:  # the call ended (AioRpcError, or InvalidStateError once cancelled)
             self._break(exc)
 
@@ -163,7 +165,7 @@ class StreamSession:
             return inbox
         if item.HasField("output") and not item.output.finish_reason:
             # handed on after its asker gave up on it (or to a frontend that never asked): stop it
-            self._commands.add(common_pb2.GenerateCommand(cancel=request_id))
+            self._commands.add().cancel = request_id
         return None
 
     def _break(self, cause: BaseException | None) -> None:
@@ -200,7 +202,7 @@ class StreamSession:
             # the request's items, handed over by the session's reader (all that came, per wake-up)
             inbox = self._requests[request_id] = Backlog()
             self.idle.clear()
-            self._commands.add(common_pb2.GenerateCommand(submit=request))
+            self._commands.add().submit.CopyFrom(request)
         ended = False
         try:
             while True:
@@ -234,7 +236,7 @@ class StreamSession:
         """Stop reading ``request_id`` here and cancel it at the peer."""
         self._forget(request_id)
         if self.broken is None:
-            self._commands.add(common_pb2.GenerateCommand(cancel=request_id))
+            self._commands.add().cancel = request_id
 
     def hand_on(
         self, request: common_pb2.PreprocessedRequest, frontend_id: str
@@ -247,9 +249,9 @@ class StreamSession:
             raise self.broken
         failed: asyncio.Future[common_pb2.RequestEnd] = asyncio.get_running_loop().create_future()
         self._handed_on[request.request_id] = failed
-        self._commands.add(
-            common_pb2.GenerateCommand(hand_on=common_pb2.HandOn(request=request, frontend_id=frontend_id))
-        )
+        hand_on = self._commands.add().hand_on
+        hand_on.frontend_id = frontend_id
+        hand_on.request.CopyFrom(request)
         return failed
 
     def settle(self, request_id: str) -> None:

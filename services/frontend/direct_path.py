@@ -20,7 +20,7 @@ from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
 from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport
 from kvmesh.common.requests import DEFAULT_MAX_TOKENS, AnswerUsage, continue_request
 from kvmesh.common.stream_sessions import HandOnTable, Inbox, StreamSession, StreamSessions, open_worker_stream
-from kvmesh.frontend.router_client import RouterClient, route_failure
+from kvmesh.frontend.router_client import RouterClient, route_failure, route_request
 
 log = structlog.get_logger(__name__)
 
@@ -72,7 +72,7 @@ class DirectTokenPath:
             if self._may_hand_on(sent, migration, router_address):
                 route, claimed = await self._hand_on(router_address, sent)
             else:
-                route = await self._route(router_address, router_pb2.RouteRequest(request=sent, migration=migration))
+                route = await self._route(router_address, route_request(sent, migration=migration))
             if route.relay:
                 async with contextlib.aclosing(self._routers.generate(sent, router_address)) as outputs:
                     async for output in outputs:
@@ -159,7 +159,7 @@ class DirectTokenPath:
         worker's address and the router's migration limit) and the claiming session, if any."""
         request_id = sent.request_id
         expectation = self._hand_ons.expect(request_id)
-        query = router_pb2.RouteRequest(request=sent, hand_on_to=self.frontend_id)
+        query = route_request(sent, hand_on_to=self.frontend_id)
         try:
             answer = self._routers.ask_route(router_address, query)
         except BaseException:

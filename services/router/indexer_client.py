@@ -44,7 +44,6 @@ def _response_of(answer: indexer_pb2.FindMatchesAnswer) -> indexer_pb2.FindMatch
 
 INDEXER_QUERIES: QueryKind[indexer_pb2.FindMatchesRequest, indexer_pb2.FindMatchesResponse] = QueryKind(
     open=lambda channel: indexer_pb2_grpc.IndexerStub(channel).FindMatchesMany(),
-    query=indexer_pb2.FindMatchesQuery,
     queries=indexer_pb2.FindMatchesQueries,
     response_of=_response_of,
 )
