@@ -74,19 +74,22 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         """Answers each message's queries in one reply; a refused query is answered ``refused``,
         never by ending the stream (the caller's other queries ride on it)."""
         async for message in request_iterator:
-            answers = []
+            # built in place: a nested message given to a constructor is copied (docs/decisions/0019)
+            reply = indexer_pb2.FindMatchesAnswers()
             for query in message.queries:
-                answer = indexer_pb2.FindMatchesAnswer(query_id=query.query_id)
+                answer = reply.answers.add(query_id=query.query_id)
                 try:
-                    answer.response.CopyFrom(self.find_matches(query.request))
+                    self.find_matches(query.request, into=answer.response)
                 except QueryRefused as refused:
                     answer.refused = str(refused)
-                answers.append(answer)
-            yield indexer_pb2.FindMatchesAnswers(answers=answers)
+            yield reply
 
-    def find_matches(self, request: indexer_pb2.FindMatchesRequest) -> indexer_pb2.FindMatchesResponse:
-        """Per known worker: matched prefix blocks, tree size, MoE alignment and pooled blocks.
-        Raises :class:`QueryRefused` for a query longer than :data:`MAX_QUERY_BLOCKS`."""
+    def find_matches(
+        self, request: indexer_pb2.FindMatchesRequest, into: indexer_pb2.FindMatchesResponse | None = None
+    ) -> indexer_pb2.FindMatchesResponse:
+        """Per known worker: matched prefix blocks, tree size, MoE alignment and pooled blocks,
+        written into ``into`` (an empty response, filled in place) or a new response. Raises
+        :class:`QueryRefused` for a query longer than :data:`MAX_QUERY_BLOCKS`, before writing."""
         if max(len(request.local_hashes), len(request.sequence_hashes)) > MAX_QUERY_BLOCKS:
             raise QueryRefused(f"query longer than {MAX_QUERY_BLOCKS} blocks")
         started = time.perf_counter()
@@ -101,22 +104,23 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         if pooled.keys() - sizes.keys():  # a worker that caches nothing yet can still read the pool
             sizes = {**dict.fromkeys(pooled, 0), **sizes}
         self.query_latency.observe(time.perf_counter() - started)
-        return indexer_pb2.FindMatchesResponse(
-            workers=[
-                indexer_pb2.WorkerMatch(
-                    worker_id=key[0],
-                    dp_rank=key[1],
-                    matched_blocks=matched.get(key, 0),
-                    total_blocks=size,
-                    moe_aligned_blocks=alignment.get(key, (0, 0))[0],
-                    moe_hosted_experts=alignment.get(key, (0, 0))[1],
-                    pooled_blocks=pooled.get(key, 0),
-                )
-                for key, size in sizes.items()
-                if key[1] != POOL_DP_RANK
-            ],
-            applied_sequence=self.consumer.applied_sequence,
-        )
+        response = indexer_pb2.FindMatchesResponse() if into is None else into
+        add = response.workers.add
+        for key, size in sizes.items():
+            if key[1] == POOL_DP_RANK:
+                continue
+            aligned, hosted = alignment.get(key, (0, 0))
+            add(
+                worker_id=key[0],
+                dp_rank=key[1],
+                matched_blocks=matched.get(key, 0),
+                total_blocks=size,
+                moe_aligned_blocks=aligned,
+                moe_hosted_experts=hosted,
+                pooled_blocks=pooled.get(key, 0),
+            )
+        response.applied_sequence = self.consumer.applied_sequence
+        return response
 
     def _pooled_blocks(self, matched: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
         """Per worker that reads a KV pool: the query's blocks past its own match that a segment of
