@@ -102,35 +102,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             )
             completion = 0
             failure: EngineFailure | None = None
-            # a whole answer's tokens after its first output, waiting for its last (or a failure)
-            held: list[int] = []
-            latest: TokenOutput | None = None
             while True:
                 if failure is not None:
-                    if held and latest is not None:
-                        # what was made goes out first: a migration carries on after these tokens
-                        yield self._output(spec, latest, completion, held)
                     # not marked as a refusal: the router takes it as a failed worker and migrates
                     await context.abort(grpc.StatusCode.UNAVAILABLE, failure.message)
                 first = await queue.get()
                 if isinstance(first, EngineFailure):
                     failure = first
                     continue
+                # every output ready, up to the last or a failure: what was made before a failure goes
+                # out first, so that a migration carries on after it
                 output, tokens, failure = take_ready(queue, first)
                 starts_answer = completion == 0 and bool(tokens)
                 completion += len(tokens)
-                if request.whole_answer and not starts_answer and output.finish_reason is None and failure is None:
-                    held.extend(tokens)
-                    latest = output
-                    continue
-                if held:
-                    tokens, held = held + tokens, []
                 message = self._output(spec, output, completion, tokens)
                 if source is not None and starts_answer:
                     message.disaggregated_params = disagg.encode(source)
                 if output.finish_reason is None:
                     if request.whole_answer and starts_answer:
-                        queue.hold_until_last()  # nothing more to send before it: one wake-up, not one a step
+                        # the rest waits in the queue for the last output or a failure (decision 26):
+                        # one wake-up, not one a step
+                        queue.hold_until_last()
                     yield message
                     continue
                 if prefill is not None:
