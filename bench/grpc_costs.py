@@ -10,7 +10,10 @@ docs/decisions/0025). For scale, the same write and answer over a plain asyncio 
 4-byte length prefix, no HTTP/2): what a transport that completes on the event loop's own thread,
 without grpc.aio's poller thread, would cost (docs/decisions/0019).
 
-    [KVMESH_GRPC_IO=event-engine] python -m bench.grpc_costs [--n 5000 --size 1200]
+``--option NAME=VALUE`` (repeatable) gives the server and the channel a gRPC channel argument, to
+price one before the services take it (``--option grpc.minimal_stack=1``, decision 19).
+
+    [KVMESH_GRPC_IO=event-engine] python -m bench.grpc_costs [--n 5000 --size 1200 --option NAME=VALUE]
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from kvmesh.common.ports import free_port  # noqa: E402
 FRAME = struct.Struct("<I")  # the plain stream's length prefix
 
 
-def serve(port: int, plain_port: int, ready: multiprocessing.synchronize.Event) -> None:
+def serve(
+    port: int, plain_port: int, ready: multiprocessing.synchronize.Event, options: list[tuple[str, int | str]]
+) -> None:
     async def read_only(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
         async for _ in messages:
             pass
@@ -67,7 +72,7 @@ def serve(port: int, plain_port: int, ready: multiprocessing.synchronize.Event) 
                 "AnswerEach": grpc.stream_stream_rpc_method_handler(answer_each),
             },
         )
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=options)
         server.add_generic_rpc_handlers((handler,))
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
@@ -87,9 +92,9 @@ async def timed(label: str, n: int, operation: Callable[[], Awaitable[object]]) 
     print(f"{label:<28} {1e6 * cpu / n:8.1f} µs CPU {1e6 * wall / n:8.1f} µs wall")
 
 
-async def measure(port: int, plain_port: int, n: int, size: int) -> None:
+async def measure(port: int, plain_port: int, n: int, size: int, options: list[tuple[str, int | str]]) -> None:
     message = b"z" * size
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
         await channel.channel_ready()
         writes = channel.stream_unary("/bench.Costs/ReadOnly")()
         await timed("stream write", n, lambda: writes.write(message))
@@ -118,14 +123,33 @@ async def measure(port: int, plain_port: int, n: int, size: int) -> None:
     writer.close()
 
 
+def channel_option(text: str) -> tuple[str, int | str]:
+    """``NAME=VALUE`` as gRPC takes a channel argument: an integer where the value is one."""
+    name, separator, value = text.partition("=")
+    if not separator or not name:
+        raise SystemExit(f"--option takes NAME=VALUE, not {text!r}")
+    try:
+        return name, int(value)
+    except ValueError:
+        return name, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=5000, help="operations of each kind")
     parser.add_argument("--size", type=int, default=1200, help="bytes per message sent")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a gRPC channel argument for the server and the channel (repeatable; integers stay integers)",
+    )
     args = parser.parse_args()
+    options = [channel_option(text) for text in args.option]
     port, plain_port = free_port(), free_port()
     ready = multiprocessing.Event()
-    server = multiprocessing.Process(target=serve, args=(port, plain_port, ready), daemon=True)
+    server = multiprocessing.Process(target=serve, args=(port, plain_port, ready, options), daemon=True)
     server.start()
     try:
         if not ready.wait(30):
@@ -133,7 +157,9 @@ def main() -> None:
         experiments = os.environ.get(GRPC_EXPERIMENTS_ENV, "gRPC's defaults")
         print(f"client-side cost per operation, {args.n} each, {args.size}-byte messages (grpc {grpc.__version__})")
         print(f"{GRPC_EXPERIMENTS_ENV}: {experiments}")
-        uvloop.run(measure(port, plain_port, args.n, args.size))
+        if options:
+            print("channel arguments: " + ", ".join(f"{name}={value}" for name, value in options))
+        uvloop.run(measure(port, plain_port, args.n, args.size, options))
     finally:
         server.kill()
         server.join()
