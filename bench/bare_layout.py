@@ -34,10 +34,18 @@ same with the router also answering the frontend's route query (which worker), a
 must cancel, fail over or migrate a request before its first output needs: the critical path keeps
 five hops, the route answer costs the router a write and the frontend a read.
 
+``--pattern forward-local`` is the ``forward`` pattern with a router that does not ask the indexer:
+it chooses from what it holds itself, as a router reading its own in-process replica of the index
+would (the indexer still runs, idle). A request then crosses three hops (frontend, router, worker,
+frontend). That is outside kvmesh's fixed shape, where indexer replicas answer the router's overlap
+queries; ``layout-engine-local`` measures what that change of shape would be worth, before any of it
+is built (docs/decisions/0019). Keeping such a replica costs the router the KV events' work, which
+no layout counts.
+
 ``python -m bench.peers --systems layout layout-engine kvmesh dynamo`` runs them beside the peers;
 by hand::
 
-    python -m bench.bare_layout --port 8000 [--engine mock] [--pattern forward|forward-answered]
+    python -m bench.bare_layout --port 8000 [--engine mock] [--pattern forward|forward-answered|forward-local]
     # then POST /v1/chat/completions
 """
 
@@ -73,10 +81,11 @@ METHOD = f"/{SERVICE}/{RPC}"
 _RUNNING: set[asyncio.Task[Any]] = set()  # the loop keeps only weak references to its tasks
 ROLES = ("indexer", "worker", "router", "frontend")
 ENGINES = ("none", "mock")
-# the router answers the frontend / sends the request on to the worker / both
-PATTERNS = ("reply", "forward", "forward-answered")
+# the router answers the frontend / sends the request on to the worker / both / sends it on unasked of the indexer
+PATTERNS = ("reply", "forward", "forward-answered", "forward-local")
 CREATED = int(time.time())
-ROUTE, DONE, FORWARD = 0, 1, 2  # the kinds of a frontend's items to the router; only a route is answered
+# the kinds of a frontend's items to the router; only a route is answered
+ROUTE, DONE, FORWARD, FORWARD_LOCAL = 0, 1, 2, 3
 GENERATE, HELLO, FORWARDED = 0, 1, 2  # the kinds of a worker's items: a request, the frontend's reply stream
 INDEXER_ANSWER = msgpack.packb([[0, 64], [1, 0]])  # an overlap per worker, the size of kvmesh's
 WORKER_OUTPUT = msgpack.packb({"token_ids": list(range(8)), "finish_reason": "length", "ttft_ms": 1.0})
@@ -246,6 +255,10 @@ async def run_router(port: int, indexer_port: int, worker_ports: list[int]) -> N
         overlaps = msgpack.unpackb(await indexer.ask(prompt))
         return next(choices) if overlaps else 0
 
+    def choose_locally() -> int:
+        # the choice a router makes from its own copy of the index: free here, as all work is
+        return next(choices)
+
     async def route(request_id: int, prompt: bytes, writer: BatchWriter) -> None:
         writer.send([request_id, await choose(prompt)])
 
@@ -263,6 +276,9 @@ async def run_router(port: int, indexer_port: int, worker_ports: list[int]) -> N
                 spawn(route(request_id, payload, writer))
             elif kind == FORWARD:
                 spawn(forward(request_id, writer, *payload))
+            elif kind == FORWARD_LOCAL:
+                frontend_request_id, prompt, max_tokens = payload
+                workers[choose_locally()].tell(FORWARDED, frontend_request_id, prompt, max_tokens)
 
     await serve("router", port, handle)
 
@@ -292,9 +308,10 @@ def chat_app(router_port: int, worker_ports: list[int], pattern: str = "reply") 
         request = json.loads(body)
         prompt = "".join(m.get("content", "") for m in request.get("messages", [])).encode()
         max_tokens = request.get("max_tokens") or 8
-        if pattern == "forward":
+        if pattern in ("forward", "forward-local"):
             request_id, answered = inbox.expect()
-            peers["router"].tell(FORWARD, [request_id, prompt, max_tokens])
+            kind = FORWARD if pattern == "forward" else FORWARD_LOCAL
+            peers["router"].tell(kind, [request_id, prompt, max_tokens])
         elif pattern == "forward-answered":
             request_id, answered = inbox.expect()
             await peers["router"].ask(FORWARD, [request_id, prompt, max_tokens])  # the worker it went to
@@ -351,7 +368,8 @@ def start_all(
 ) -> list[subprocess.Popen[bytes]]:
     """The five processes (indexer, two workers, router, frontend), each in its own session; with
     ``engine`` ``mock`` the workers run kvmesh's mock engine sped up ``speedup`` times; ``pattern``
-    ``forward``: the router sends each request on to its worker."""
+    ``forward``: the router sends each request on to its worker (``forward-local``: without asking
+    the indexer first)."""
     indexer, router = free_port(), free_port()
     workers = [free_port(), free_port()]
     module = [sys.executable, "-m", "bench.bare_layout"]
@@ -382,7 +400,8 @@ def main() -> None:
         default="reply",
         help="reply: the router answers the frontend, which calls the worker (kvmesh's messages); "
         "forward: the router sends the request on to the worker, which answers the frontend; "
-        "forward-answered: the same, and the router also tells the frontend which worker",
+        "forward-answered: the same, and the router also tells the frontend which worker; "
+        "forward-local: forward with a router that does not ask the indexer (outside kvmesh's shape)",
     )
     args = parser.parse_args()
     if args.role:

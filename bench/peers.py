@@ -14,7 +14,10 @@ engines are not the bottleneck:
 - ``layout-forward``, ``layout-engine-forward``: the same two with the router sending each request
   on to its worker (``--pattern forward``): one hop fewer than kvmesh's messages, the fewest the
   shape allows; ``layout-engine-answered``: that with the route answered too (``--pattern
-  forward-answered``). These three run only when named in ``--systems``.
+  forward-answered``); ``layout-engine-local``: ``layout-engine-forward`` with a router that does
+  not ask the indexer (``--pattern forward-local``: three hops, outside kvmesh's fixed shape), what
+  a router reading its own replica of the index would be worth. These four run only when named in
+  ``--systems``.
 
 Every scenario runs ``../shared/peers/loadgen.py`` (non-streaming chat, 16 shared ~200-word system
 prompts, aiohttp with at most ``c`` connections kept alive) and reads the serving processes' CPU
@@ -168,6 +171,7 @@ LAYOUTS = {
     "layout-forward": ("none", "forward"),
     "layout-engine-forward": ("mock", "forward"),
     "layout-engine-answered": ("mock", "forward-answered"),
+    "layout-engine-local": ("mock", "forward-local"),
 }
 STREAMING = ("kvmesh", "dynamo")  # the systems whose engines stream
 SYSTEMS = [

@@ -2,8 +2,9 @@
 
 The bench's figures say what kvmesh's layout costs before kvmesh does any work; they only mean that
 if a request really crosses frontend, router, indexer, router, frontend, worker and back (with
-``--pattern forward`` or ``forward-answered``: frontend, router, indexer, router, worker, frontend). A broken hop would
-show as a hang or an error here, not as a fast benchmark.
+``--pattern forward`` or ``forward-answered``: frontend, router, indexer, router, worker, frontend; with
+``forward-local``: frontend, router, worker, frontend). A broken hop would show as a hang or an error
+here, not as a fast benchmark.
 """
 
 from __future__ import annotations
