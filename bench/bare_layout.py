@@ -255,10 +255,6 @@ async def run_router(port: int, indexer_port: int, worker_ports: list[int]) -> N
         overlaps = msgpack.unpackb(await indexer.ask(prompt))
         return next(choices) if overlaps else 0
 
-    def choose_locally() -> int:
-        # the choice a router makes from its own copy of the index: free here, as all work is
-        return next(choices)
-
     async def route(request_id: int, prompt: bytes, writer: BatchWriter) -> None:
         writer.send([request_id, await choose(prompt)])
 
@@ -276,9 +272,8 @@ async def run_router(port: int, indexer_port: int, worker_ports: list[int]) -> N
                 spawn(route(request_id, payload, writer))
             elif kind == FORWARD:
                 spawn(forward(request_id, writer, *payload))
-            elif kind == FORWARD_LOCAL:
-                frontend_request_id, prompt, max_tokens = payload
-                workers[choose_locally()].tell(FORWARDED, frontend_request_id, prompt, max_tokens)
+            elif kind == FORWARD_LOCAL:  # chosen from the router's own copy of the index: free here, as all work is
+                workers[next(choices)].tell(FORWARDED, *payload)
 
     await serve("router", port, handle)
 

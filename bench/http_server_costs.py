@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -48,15 +47,11 @@ def serve(server: str, port: int) -> None:
     import uvloop
 
     if server == "uvicorn":
-        import socket
-
         import uvicorn
 
-        # bound as the frontend binds it (kvmesh.frontend.server.listening_socket): TCP_NODELAY inherited
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind(("127.0.0.1", port))
+        from kvmesh.frontend.server import listening_socket  # bound as the frontend binds it
+
+        sock = listening_socket("127.0.0.1", port)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
         uvloop.run(uvicorn.Server(config).serve(sockets=[sock]))
         return
@@ -64,11 +59,6 @@ def serve(server: str, port: int) -> None:
     from granian.server.embed import Server
 
     uvloop.run(Server(app, address="127.0.0.1", port=port, interface=Interfaces.ASGI, log_enabled=False).serve())
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def load(url: str, n: int, c: int, keep_alive: bool) -> float:
@@ -91,24 +81,12 @@ async def load(url: str, n: int, c: int, keep_alive: bool) -> float:
         return time.perf_counter() - started
 
 
-def wait_until_serving(url: str, timeout_s: float = 30.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            urllib.request.urlopen(urllib.request.Request(url, data=b"{}"), timeout=1).read()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the bench's server did not answer on {url} within {timeout_s:.0f} s") from None
-            time.sleep(0.1)
-
-
 def measure(server: str, python: str, n: int, c: int, rounds: int) -> list[dict[str, object]]:
     """One figure per round and connection mode: the server's CPU per request and the requests/s."""
     # imported here: the server's child process imports this module in an interpreter that may not
     # have kvmesh (Granian's), so the module's top level needs the standard library only
+    from bench.peers import wait_for
+    from bench.serving_cpu import cpu_seconds
     from kvmesh.common.ports import free_port
 
     port = free_port()
@@ -119,13 +97,13 @@ def measure(server: str, python: str, n: int, c: int, rounds: int) -> list[dict[
     url = f"http://127.0.0.1:{port}/"
     figures: list[dict[str, object]] = []
     try:
-        wait_until_serving(url)
+        wait_for(url, {}, timeout=30)
         asyncio.run(load(url, min(n, 500), c, keep_alive=True))  # warm: the server's code paths are hot
         for round_number in range(1, rounds + 1):
             for keep_alive in (False, True):
-                before = cpu_seconds(child.pid)
+                before = cpu_seconds([child.pid])
                 wall = asyncio.run(load(url, n, c, keep_alive))
-                used = cpu_seconds(child.pid) - before
+                used = cpu_seconds([child.pid]) - before
                 figures.append(
                     {
                         "server": server,
