@@ -6,25 +6,16 @@ engines are not the bottleneck:
 - ``kvmesh``: ``kvmesh up --workers 2`` (frontend, router, indexer, NATS, 2 mock workers);
 - ``dynamo``: Dynamo's frontend with its KV router and 2 mockers (``/tmp/peers/run_dyn/start.sh``);
 - ``sglang``: sglang-router (``cache_aware``) in front of 2 of the peers' minimal HTTP mocks;
-- ``direct``: one of those mocks called directly (the floor);
-- ``layout``: kvmesh's layout with no work in it (``bench.bare_layout``: the same processes, stack
-  and messages per request, no tokenizer, index, policy or engine), the floor of kvmesh's design;
-- ``layout-engine``: the same with kvmesh's mock engine in its workers (``--engine mock``): the
-  floor with the engines' work in it, what kvmesh could reach at best beside Dynamo's mockers;
-- ``layout-forward``, ``layout-engine-forward``: the same two with the router sending each request
-  on to its worker (``--pattern forward``): one hop fewer than kvmesh's messages, the fewest the
-  shape allows; ``layout-engine-answered``: that with the route answered too (``--pattern
-  forward-answered``); ``layout-engine-local``: ``layout-engine-forward`` with a router that does
-  not ask the indexer (``--pattern forward-local``: three hops, outside kvmesh's fixed shape), what
-  a router reading its own replica of the index would be worth. These four run only when named in
-  ``--systems``.
+- ``direct``: one of those mocks called directly (the floor).
+
+(The layout systems, kvmesh's processes and messages with no work in them, were an investigation
+of the serving-CPU push; their findings are in docs/decisions/0019 and docs/perf/history.md.)
 
 Every scenario runs ``../shared/peers/loadgen.py`` (non-streaming chat, 16 shared ~200-word system
 prompts, aiohttp with at most ``c`` connections kept alive) and reads the serving processes' CPU
 time from ``/proc`` (kvmesh: frontend, router, indexer and NATS; Dynamo: its frontend; SGLang: its
-router; the bare layout: its frontend, router and indexer), so each row gives requests/s, latency
-p50/p99 and serving CPU per request, and for kvmesh, Dynamo and the bare layout the engines' CPU per
-request (kvmesh's workers, Dynamo's mockers, the layout's answering workers). With
+router), so each row gives requests/s, latency p50/p99 and serving CPU per request, and for kvmesh
+and Dynamo the engines' CPU per request (kvmesh's workers, Dynamo's mockers). With
 ``--stream`` the same requests are streamed (``bench.stream_load``) and the time to the first event
 is printed too, with the events an answer had and the load generator's own CPU per request (it
 shares the cores with the system it measures); only kvmesh and Dynamo run then, since the peers'
@@ -33,8 +24,7 @@ minimal mocks behind the SGLang router do not stream. The systems run one after 
 before anything is measured. With ``--interleave`` they all run at once instead and each scenario
 goes round them in turn, the order flipped every round: this machine's speed drifts by up to 20%
 a minute, and interleaving puts that drift on every system alike rather than between them. Each
-system's CPU is read from the processes its own start made, so two of the same kind (two bare
-layouts) can run side by side. Install the peers as ``../shared/peers/README.md``
+system's CPU is read from the processes its own start made. Install the peers as ``../shared/peers/README.md``
 says (they live under ``/tmp/peers``).
 
     python -m bench.peers [--rounds 2 --n 1500 --speedup 100] [--stream] [--interleave]
@@ -53,10 +43,9 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import bare_layout
 from bench.processes import start_in_session, stop_sessions
-from bench.serving_cpu import command_lines, cpu_seconds, descendants
-from kvmesh.common.ports import free_port
+from bench.serving_cpu import command_lines, cpu_seconds
+from kvmesh.common.ports import free_port, process_tree
 from kvmesh.up import MeshProcess
 
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
@@ -98,21 +87,20 @@ class System:
         self.url = ""
         self._stop: Callable[[], None] = lambda: None
         # the processes this start made: its serving and engine processes are found below them, so
-        # two systems with the same process names (two bare layouts) can run at once
+        # two systems with the same process names can run at once
         self.roots: list[int] = []
 
     def processes(self, markers: tuple[str, ...]) -> list[int]:
         """This system's processes whose command line holds one of ``markers``."""
         if not markers:
             return []
-        mine = descendants(*self.roots)
+        mine = process_tree(*self.roots)
         return [pid for pid in processes_matching(*markers) if pid in mine]
 
     def start(self, speedup: float) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        start = "layout" if self.name in LAYOUTS else self.name
-        getattr(self, f"_start_{start}")(speedup, port)
+        getattr(self, f"_start_{self.name}")(speedup, port)
         wait_for(self.url, {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 
     def stop(self) -> None:
@@ -144,12 +132,6 @@ class System:
         self.roots = [p.pid for p in started]
         self._stop = lambda: stop_sessions(started)
 
-    def _start_layout(self, speedup: float, port: int) -> None:
-        engine, pattern = LAYOUTS[self.name]
-        processes = bare_layout.start_all(port, engine=engine, speedup=speedup, pattern=pattern)
-        self.roots = [p.pid for p in processes]
-        self._stop = lambda: stop_sessions(processes)
-
     def _start_direct(self, speedup: float, port: int) -> None:
         python = str(RUN / "sgl" / "bin" / "python")
         started = [self._spawn([python, str(PEERS / "mock_worker.py"), "--port", str(port), "--name", "direct"])]
@@ -163,25 +145,14 @@ class System:
 
 
 KVMESH_SERVING = ("kvmesh.frontend", "kvmesh.router", "kvmesh.indexer", "nats-server")
-LAYOUT_SERVING = tuple(f"bare_layout --role {role}" for role in ("frontend", "router", "indexer"))
-# bench.bare_layout's systems: their workers' engine and their message pattern
-LAYOUTS = {
-    "layout": ("none", "reply"),
-    "layout-engine": ("mock", "reply"),
-    "layout-forward": ("none", "forward"),
-    "layout-engine-forward": ("mock", "forward"),
-    "layout-engine-answered": ("mock", "forward-answered"),
-    "layout-engine-local": ("mock", "forward-local"),
-}
 STREAMING = ("kvmesh", "dynamo")  # the systems whose engines stream
 SYSTEMS = [
     System("kvmesh", "kvmesh-tiny", KVMESH_SERVING, ("kvmesh.worker",)),
     System("dynamo", "tiny", ("dynamo.frontend",), ("dynamo.mocker",)),
     System("sglang", "tiny", ("sglang::router", "sglang_router")),
     System("direct", "tiny", ()),
-    *(System(name, "tiny", LAYOUT_SERVING, ("bare_layout --role worker",)) for name in LAYOUTS),
 ]
-BY_DEFAULT = ("kvmesh", "dynamo", "sglang", "direct", "layout", "layout-engine")
+BY_DEFAULT = ("kvmesh", "dynamo", "sglang", "direct")
 
 
 def run_scenario(system: System, max_tokens: int, concurrency: int, requests: int, stream: bool) -> dict:
@@ -218,7 +189,7 @@ def main() -> None:
         choices=[s.name for s in SYSTEMS],
         default=list(BY_DEFAULT),
         metavar="SYSTEM",
-        help=f"which to run, of {', '.join(s.name for s in SYSTEMS)} (default: all but the forward layouts)",
+        help=f"which to run, of {', '.join(s.name for s in SYSTEMS)} (default: all)",
     )
     parser.add_argument(
         "--stream",

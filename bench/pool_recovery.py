@@ -1,9 +1,9 @@
 """Recovery time of a stream whose worker dies: resumed from the host KV pool vs re-prefilled.
 
 Runs ``kvmesh up --workers 2`` twice, without and with ``--kv-pool``. Each trial streams a fresh
-long prompt through the router's gRPC ``Generate``, kills (SIGKILL) the worker serving it after a
+long prompt through the request path (``kvmesh.client.RouterApi``), kills (SIGKILL) the worker serving it after a
 few tokens, and measures the gap from the kill to the first token the other worker sends,
-after the router migrates the request there. Without the pool that worker prefills the prompt and
+after the request migrates there. Without the pool that worker prefills the prompt and
 the tokens so far; with it, it imports the dead worker's blocks from shared memory first.
 ``kvmesh up`` restarts the killed worker; the next trial waits for it.
 
@@ -20,10 +20,8 @@ import signal
 import statistics
 import time
 
-import grpc
-
+from kvmesh.client import RouterApi
 from kvmesh.common.ports import pid_listening_on
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
 from kvmesh.up import MeshProcess
 from tests.support import discovered
 
@@ -32,11 +30,9 @@ KILL_AFTER_TOKENS = 5
 
 async def one_trial(router: str, workers: dict[int, str], prompt: list[int], max_tokens: int) -> tuple[float, int]:
     """(seconds from the kill to the next token, the killed worker)."""
-    request = common_pb2.PreprocessedRequest(request_id=f"r{random.getrandbits(40)}", token_ids=prompt)
-    request.stop.max_tokens = max_tokens
     received, killed_at, gap, victim = 0, None, None, -1
-    async with grpc.aio.insecure_channel(router) as channel:
-        async for output in router_pb2_grpc.RouterStub(channel).Generate(request):
+    async with RouterApi(router) as api:
+        async for output in api.generate(prompt, max_tokens, request_id=f"r{random.getrandbits(40)}"):
             received += len(output.token_ids)
             if killed_at is not None and gap is None and output.worker_id != victim:
                 gap = time.perf_counter() - killed_at  # tokens already on their way do not count

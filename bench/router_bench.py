@@ -21,12 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
-
+from kvmesh.client import RouterApi
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.hashing import local_block_hashes, sequence_hashes
 from kvmesh.common.nats_server import EmbeddedNatsServer
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
 from kvmesh.common.runtime import connect_nats
 from kvmesh.router.policy import RoutingPolicy
 from kvmesh.router.scheduler import make_cost_model
@@ -90,14 +88,11 @@ async def throughput(seconds: float, concurrency: int) -> dict[str, float]:
 
         async def client(index: int, deadline: float) -> None:
             nonlocal done
-            async with grpc.aio.insecure_channel(address) as channel:
-                stub = router_pb2_grpc.RouterStub(channel)
+            async with RouterApi(address) as api:
                 n = 0
                 while time.monotonic() < deadline:
-                    request = common_pb2.PreprocessedRequest(token_ids=[index % 8] * 64 + [n % 251] * 8)
-                    request.stop.max_tokens = 4
                     started = time.perf_counter()
-                    async for _ in stub.Generate(request):
+                    async for _ in api.generate([index % 8] * 64 + [n % 251] * 8, max_tokens=4):
                         pass
                     latencies.append((time.perf_counter() - started) * 1000)
                     done += 1

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench.stream_load import add_load_arguments
+from kvmesh.common.ports import process_tree
 
 LOADGEN = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "loadgen.py"
 SERVICES = ("kvmesh.frontend", "kvmesh.router", "kvmesh.indexer", "kvmesh.worker", "nats-server")
@@ -36,29 +37,11 @@ def command_lines() -> Iterator[tuple[int, str]]:
             yield int(entry), command
 
 
-def descendants(*roots: int) -> set[int]:
-    """``roots`` and every process below them, as they are now (one pass over ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # it exited
-            children.setdefault(parent, []).append(int(entry))
-    found, unseen = set(), list(roots)
-    while unseen:
-        pid = unseen.pop()
-        found.add(pid)
-        unseen.extend(children.get(pid, ()))
-    return found
-
-
 def service_pids(root: int | None = None) -> dict[str, list[int]]:
     """The kvmesh service processes (and NATS servers), by service: this machine's, or only those
     below the process ``root`` (one ``kvmesh up`` of several)."""
     found: dict[str, list[int]] = {}
-    mine = descendants(root) if root is not None else None
+    mine = process_tree(root) if root is not None else None
     for pid, command in command_lines():
         if mine is not None and pid not in mine:
             continue

@@ -17,13 +17,25 @@
 #                       (default /tmp/kvmesh-docker)
 #   KVMESH_BASE_IMAGE   tag of the locally built base image (default kvmesh-base:bookworm)
 #   KVMESH_IMAGE        tag of the kvmesh image (default kvmesh:latest)
-#   DEBIAN_MIRROR       where debootstrap fetches Debian (default http://deb.debian.org/debian)
+#   DEBIAN_MIRROR       where debootstrap fetches Debian (default: the first Debian archive this
+#                       machine's own apt configuration names; the script names no host itself)
 set -euo pipefail
+
+# The Debian archive this machine's apt already uses: the first `URIs:` line of a deb822 source, or
+# the first `deb` line of a one-line source, that ends in /debian (not the security archive).
+apt_mirror() {
+    local file
+    for file in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
+        [ -r "$file" ] || continue
+        awk '/^URIs:/ { for (i = 2; i <= NF; i++) if ($i ~ /\/debian\/?$/) { print $i; exit } }
+             /^deb / { for (i = 2; i <= NF; i++) if ($i ~ /^https?:\/\/.*\/debian\/?$/) { print $i; exit } }' "$file"
+    done | head -n 1
+}
 
 STATE_DIR="${KVMESH_DOCKER_DIR:-/tmp/kvmesh-docker}"
 BASE_IMAGE="${KVMESH_BASE_IMAGE:-kvmesh-base:bookworm}"
 IMAGE="${KVMESH_IMAGE:-kvmesh:latest}"
-MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+MIRROR="${DEBIAN_MIRROR:-$(apt_mirror)}"
 SOCKET="$STATE_DIR/docker.sock"
 PID_FILE="$STATE_DIR/dockerd.pid"
 LOG_FILE="$STATE_DIR/dockerd.log"
@@ -107,6 +119,7 @@ cmd_base() {
     fi
     need_root "debootstrap"
     command -v debootstrap >/dev/null || die "debootstrap not found: run '$0 install' first"
+    [ -n "$MIRROR" ] || die "this machine's apt configuration names no Debian archive: set DEBIAN_MIRROR"
     local root="$STATE_DIR/rootfs"
     rm -rf "$root"
     log "building $BASE_IMAGE with debootstrap (Debian bookworm, minbase, Python 3.11)"

@@ -6,12 +6,15 @@
         answer = await api.complete(token_ids, max_tokens=16, worker_id=target.worker_id)
 
 ``best_worker`` and ``potential_loads`` ask without routing anything (like Dynamo's KvPushRouter);
-``generate`` / ``complete`` route, optionally forced to one worker. Errors arrive as
-:class:`RouterApiError` with the gRPC status code.
+``generate`` / ``complete`` serve a request on the one request path (the router plans it and hands
+it on; the answer streams from the worker, :mod:`kvmesh.common.request_path`), optionally forced to
+one worker. Errors arrive as :class:`RouterApiError` with the gRPC status code.
 """
 
 from __future__ import annotations
 
+import contextlib
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -22,6 +25,8 @@ from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.finish_reasons import finish_name
 from kvmesh.common.grpc_server import channel_to
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvmesh.common.request_path import RequestPath
+from kvmesh.common.router_client import RouterClient
 from kvmesh.common.run_file import default_namespace, resolve_nats_url
 from kvmesh.common.runtime import connect_nats
 from kvmesh.common.status_error import StatusError
@@ -77,6 +82,8 @@ class RouterApi:
         self.model = model
         self._channel = channel_to(address)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._routers = RouterClient(fixed_address=address)
+        self._path = RequestPath(self._routers)
 
     @classmethod
     async def discover(
@@ -109,6 +116,8 @@ class RouterApi:
         await self.close()
 
     async def close(self) -> None:
+        await self._path.close()
+        await self._routers.close()
         await self._channel.close()
 
     def _query(self, token_ids: Sequence[int], expected_output_tokens: int | None) -> router_pb2.RoutingQuery:
@@ -153,31 +162,35 @@ class RouterApi:
         request_id: str = "",
     ) -> AsyncIterator[Chunk]:
         """Stream the answer; ``worker_id`` forces the worker (no KV choice, no migration)."""
-        request = common_pb2.PreprocessedRequest(request_id=request_id, model=self.model, token_ids=token_ids)
+        request = self._request(token_ids, max_tokens, worker_id, seed, request_id)
+        try:
+            async with contextlib.aclosing(self._path.generate(request)) as outputs:
+                async for output in outputs:
+                    yield Chunk(tuple(output.token_ids), finish_name(output.finish_reason), output.worker_id)
+        except grpc.aio.AioRpcError as exc:
+            raise RouterApiError(exc.code(), exc.details() or "") from exc
+
+    def _request(
+        self, token_ids: Sequence[int], max_tokens: int, worker_id: int | None, seed: int | None, request_id: str
+    ) -> common_pb2.PreprocessedRequest:
+        request = common_pb2.PreprocessedRequest(
+            request_id=request_id or uuid.uuid4().hex, model=self.model, token_ids=token_ids
+        )
         request.stop.max_tokens = max_tokens
         if worker_id is not None:
             request.routing.worker_id = worker_id
         if seed is not None:
             request.sampling.seed = seed
-        try:
-            async for output in self._stub.Generate(request):
-                yield Chunk(tuple(output.token_ids), finish_name(output.finish_reason), output.worker_id)
-        except grpc.aio.AioRpcError as exc:
-            raise RouterApiError(exc.code(), exc.details() or "") from exc
+        return request
 
     async def complete(
         self, token_ids: Sequence[int], max_tokens: int, worker_id: int | None = None, seed: int | None = None
     ) -> Completion:
-        request = common_pb2.PreprocessedRequest(model=self.model, token_ids=token_ids)
-        request.stop.max_tokens = max_tokens
-        if worker_id is not None:
-            request.routing.worker_id = worker_id
-        if seed is not None:
-            request.sampling.seed = seed
+        request = self._request(token_ids, max_tokens, worker_id, seed, "")
         tokens: list[int] = []
         last = None
         try:
-            async for output in self._stub.Generate(request):
+            async for output in self._path.generate(request):
                 tokens.extend(output.token_ids)
                 last = output
         except grpc.aio.AioRpcError as exc:

@@ -39,7 +39,6 @@ from kvmesh.common.runtime import connect_nats
 from kvmesh.common.structured_logging import configure_logging
 from kvmesh.common.timing import TimingModel
 from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
-from kvmesh.frontend.config import TOKEN_PATHS
 from kvmesh.planner.planner import PlannerOptions
 from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.router.config import RouterOptions
@@ -86,17 +85,6 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions):
     )
     api_key_file: str | None = option(None, "file of API keys, one per line")
     max_concurrent_requests: int = option(0, "HTTP requests in flight at once; more get a 503 (0: no limit)")
-    token_path: str = option(
-        "direct",
-        "how answers reach the frontend: direct (streamed from the worker; the router only chooses it and hears "
-        "the first token and the end) or router (relayed by the router); docs/decisions/0023",
-        choices=TOKEN_PATHS,
-    )
-    hand_on: bool = option(
-        True,
-        "with --token-path direct: routers send each request on to its worker, to be served on the frontend's "
-        "stream there (docs/decisions/0030)",
-    )
     grpc_tls_cert: str | None = option(
         None, "certificate every gRPC server of the mesh presents (TLS on its request path)"
     )
@@ -229,9 +217,6 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
                 *(["--api-key-file", config.api_key_file] if config.api_key_file else []),
                 "--max-concurrent-requests",
                 str(config.max_concurrent_requests),
-                "--token-path",
-                config.token_path,
-                "--hand-on" if config.hand_on else "--no-hand-on",
             ],
             env={"KVMESH_API_KEY": config.api_key} if config.api_key else None,
         )

@@ -15,14 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import grpc
 import nats
 import openai
 
 from kvmesh.common.config import parse_config
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.ports import free_port
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.common.tiny_model import MODEL_DIR
 
 __all__ = [
@@ -219,12 +218,35 @@ def small_context_model(folder: Path, context: int) -> Path:
 
 
 async def router_generate(
-    router_address: str, request_id: str, prompt: list[int], max_tokens: int = 2, worker_id: int | None = None
+    router_address: str,
+    request_id: str,
+    prompt: list[int],
+    max_tokens: int = 2,
+    worker_id: int | None = None,
+    on_output: Callable[[common_pb2.GenerateOutput], None] | None = None,
+    **stop: object,
 ) -> list[common_pb2.GenerateOutput]:
-    """Every output of one request through a router's gRPC ``Generate`` (``worker_id``: send it there)."""
+    """Every output of one request served on the request path through the router at
+    ``router_address`` (``worker_id``: send it there; ``on_output``: told of each output as it
+    comes; ``stop``: more ``StopConditions`` fields). Raises ``grpc.aio.AioRpcError`` as the path does."""
+    from kvmesh.common.request_path import RequestPath
+    from kvmesh.common.router_client import RouterClient
+
     request = common_pb2.PreprocessedRequest(request_id=request_id, token_ids=prompt)
     request.stop.max_tokens = max_tokens
+    for name, value in stop.items():
+        setattr(request.stop, name, value)
     if worker_id is not None:
         request.routing.worker_id = worker_id
-    async with grpc.aio.insecure_channel(router_address) as channel:
-        return [output async for output in router_pb2_grpc.RouterStub(channel).Generate(request)]
+    routers = RouterClient(fixed_address=router_address)
+    path = RequestPath(routers)
+    outputs = []
+    try:
+        async for output in path.generate(request):
+            outputs.append(output)
+            if on_output is not None:
+                on_output(output)
+        return outputs
+    finally:
+        await path.close()
+        await routers.close()

@@ -7,7 +7,8 @@ a ``kind``), so router and workers agree on it without importing each other. One
 - :class:`KvReady` (prefill worker → router, on its last output): the KV waits at ``host:port``;
 - :class:`DecodeOrder` (router → decode worker): pull the prompt's KV from ``host:port`` in
   ``room`` (a rendezvous: on the bootstrap path the prefill may still be running), then decode;
-- :class:`KvSource` (decode worker → router, on its first output): where the prompt's KV came from.
+- :class:`KvSource` (decode worker → frontend, on its first output): where the prompt's KV came from
+  (the frontend passes it on to the router in its first-token report).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class KvReady:
     backend: str
     # an engine's own KV connector parameters (vLLM's kv_transfer_params, msgpack), opaque to the router
     engine_params: bytes = b""
+    cached_tokens: int = 0  # prompt tokens the prefill found in its own cache
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,14 @@ class DecodeOrder:
     # whether a failed transfer may fall back to a local prefill (not under --enforce-disagg)
     allow_local: bool = True
     engine_params: bytes = b""  # from KvReady: the engine's connector pulls the KV with them
+    # from KvReady, when the prefill ran first (sync path); on the bootstrap path the pull brings it
+    cached_tokens: int = 0
 
     @classmethod
     def from_ready(cls, ready: KvReady, allow_local: bool) -> DecodeOrder:
-        return cls(ready.room, ready.host, ready.port, ready.worker_id, allow_local, ready.engine_params)
+        return cls(
+            ready.room, ready.host, ready.port, ready.worker_id, allow_local, ready.engine_params, ready.cached_tokens
+        )
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,8 @@ class KvSource:
     bytes: int = 0
     blocks: int = 0  # blocks received
     reason: str = ""  # for "local": one of LOCAL_REASONS
+    # for "remote": the prefill worker's cached prompt tokens, the usage the client is shown
+    cached_tokens: int = 0
 
     @classmethod
     def local(cls, reason: str) -> KvSource:

@@ -1,5 +1,4 @@
-"""``GenerateMany`` (a worker's and a router's): many requests over one stream, every ready
-output in one message.
+"""``Worker.GenerateMany``: many requests over one stream, every ready output in one message.
 
 Each submitted request runs exactly as its own ``Generate`` stream would (the same code, given a
 context whose ``abort`` ends the request instead of the call); its outputs and its end go to one
@@ -57,7 +56,7 @@ def ending_of(error: Exception, request_id: str) -> common_pb2.RequestEnd:
 
 
 class Attachments:
-    """Which ``GenerateMany`` stream serves each frontend's hand-ons: the one it attached last,
+    """Which ``GenerateMany`` stream serves each frontend's handoffs: the one it attached last,
     while that stream is open (docs/decisions/0030)."""
 
     def __init__(self) -> None:
@@ -82,7 +81,7 @@ class RequestMultiplexer:
 
     With ``attachments`` (a worker's), a frontend may attach its stream, and a router may hand a
     request on to be served on that frontend's stream: the router's stream then hears only of a
-    hand-on that failed, refused (no stream from that frontend) or cut short (that stream ended
+    handoff that failed, refused (no stream from that frontend) or cut short (that stream ended
     while the request ran), each as the request's end item on the router's stream."""
 
     def __init__(self, generate_one: GenerateOne, service: str, attachments: Attachments | None = None) -> None:
@@ -149,8 +148,8 @@ class RequestMultiplexer:
                 for command in message.commands:
                     if command.HasField("submit"):
                         self._submit(command.submit)
-                    elif command.HasField("hand_on"):
-                        self._hand_on(command.hand_on)
+                    elif command.HasField("handoff"):
+                        self._handoff(command.handoff)
                     elif command.HasField("attach"):
                         self._attach(command.attach)
                     else:
@@ -186,16 +185,16 @@ class RequestMultiplexer:
             self._attachments.attach(frontend_id, self)
             self._attached_as = frontend_id
 
-    def _hand_on(self, hand_on: common_pb2.HandOn) -> None:
-        request = hand_on.request
-        target = self._attachments.stream_of(hand_on.frontend_id) if self._attachments is not None else None
+    def _handoff(self, handoff: common_pb2.Handoff) -> None:
+        request = handoff.request
+        target = self._attachments.stream_of(handoff.frontend_id) if self._attachments is not None else None
         if target is None or target.closed:
-            details = f"no stream from frontend {hand_on.frontend_id!r} is attached here"
+            details = f"no stream from frontend {handoff.frontend_id!r} is attached here"
             self.end(request.request_id, grpc.StatusCode.FAILED_PRECONDITION, details, self._service)
             return
-        target.take_hand_on(request, self)
+        target.take_handoff(request, self)
 
-    def take_hand_on(self, request: common_pb2.PreprocessedRequest, origin: RequestMultiplexer) -> None:
+    def take_handoff(self, request: common_pb2.PreprocessedRequest, origin: RequestMultiplexer) -> None:
         """Serve ``request``, handed on from the stream ``origin``, as if submitted here; ``origin``
         is told if this stream ends before the request does."""
         if self._submit(request):

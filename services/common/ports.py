@@ -83,3 +83,21 @@ def pid_listening_on(port: int) -> int:
                 if target.startswith("socket:[") and target[8:-1] in inodes:
                     return int(entry.name)
     raise LookupError(f"no process listens on port {port}")
+
+
+def process_tree(*roots: int) -> set[int]:
+    """``roots`` and every process below them, as they are now (one pass over ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # it exited
+            children.setdefault(parent, []).append(int(entry))
+    found, unseen = set(), list(roots)
+    while unseen:
+        pid = unseen.pop()
+        found.add(pid)
+        unseen.extend(children.get(pid, ()))
+    return found

@@ -1,5 +1,5 @@
 """What a frontend streaming straight from a worker tells the router that routed the request
-(``--token-path direct``, docs/decisions/0023): the first token, and the end of each try.
+(docs/decisions/0023): the first token, and the end of each try.
 
 A msgpack list of report maps per message (the reports of a few milliseconds, batched), in the
 ``reports`` field of the frontend's next ``RouteMany`` message to the replica that routed them.
@@ -27,15 +27,21 @@ class RequestReport:
     outcome: str = ""
     output_tokens: int = 0
     failed_worker_id: int = 0
+    # FIRST_TOKEN of a split request only: the decode worker's KvSource (kvmesh.common.disagg), where
+    # the prompt's KV came from, for the router's prefill counts
+    kv_source: bytes = b""
 
     def as_map(self) -> dict[str, object]:
-        return {
+        raw: dict[str, object] = {
             "kind": self.kind,
             "request_id": self.request_id,
             "outcome": self.outcome,
             "output_tokens": self.output_tokens,
             "failed_worker_id": self.failed_worker_id,
         }
+        if self.kv_source:
+            raw["kv_source"] = self.kv_source
+        return raw
 
     @classmethod
     def from_map(cls, raw: dict) -> RequestReport:
@@ -47,9 +53,12 @@ class RequestReport:
                 outcome=str(raw.get("outcome", "")),
                 output_tokens=int(raw.get("output_tokens", 0)),
                 failed_worker_id=int(raw.get("failed_worker_id", 0)),
+                kv_source=raw.get("kv_source", b""),
             )
         except Exception as exc:
             raise ValueError(f"not a request report: {exc}") from exc
+        if not isinstance(report.kv_source, bytes):
+            raise ValueError(f"not a request report: kv_source is {type(report.kv_source).__name__}")
         if report.kind not in KINDS or not report.request_id:
             raise ValueError(f"not a request report: kind {report.kind!r}, request_id {report.request_id!r}")
         return report
@@ -57,12 +66,13 @@ class RequestReport:
 
 def without_superseded(reports: list[RequestReport]) -> list[RequestReport]:
     """``reports`` less each first-token report whose request's end is among them: the end frees the
-    request, which leaves nothing for marking its prefill done to change. At low load a short
-    answer's two reports nearly always leave together, with the client's next request."""
+    request, which leaves nothing for marking its prefill done to change (one that carries a
+    ``kv_source`` stays: the router counts it). At low load a short answer's two reports nearly
+    always leave together, with the client's next request."""
     ended = {r.request_id for r in reports if r.kind == END}
     if not ended:
         return reports
-    return [r for r in reports if r.kind != FIRST_TOKEN or r.request_id not in ended]
+    return [r for r in reports if r.kind != FIRST_TOKEN or r.kv_source or r.request_id not in ended]
 
 
 def encode_reports(reports: list[RequestReport]) -> bytes:

@@ -1,5 +1,6 @@
-"""One ``GenerateMany`` stream per peer, shared by every request sent there: a router's to each
-worker, a frontend's to each router replica.
+"""One ``Worker.GenerateMany`` stream per worker, shared by every request sent there: a router's
+(which carries its handoffs) and a caller's (a frontend's, where the requests handed on to it are
+served).
 
 A request's outputs come out of :meth:`StreamSession.generate` exactly as they would from its own
 ``Generate`` call: in order, then the end; a refusal or a failure raises the
@@ -20,7 +21,7 @@ from kvmesh.common.backlog import Backlog
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.grpc_errors import call_error, error_of_end
 from kvmesh.common.outbox import MessageOutbox
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
 from kvmesh.common.runtime import cancel_and_wait
 
 FINISH_REASON_UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
@@ -34,14 +35,10 @@ def open_worker_stream(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
     return worker_pb2_grpc.WorkerStub(channel).GenerateMany()
 
 
-def open_router_stream(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
-    return router_pb2_grpc.RouterStub(channel).GenerateMany()
-
-
 Inbox = Backlog[common_pb2.StreamItem | BaseException]
 
 
-class HandOnExpectation:
+class HandoffExpectation:
     """A request that a router may hand on to a worker for this frontend (docs/decisions/0030).
     :attr:`decided` resolves with the session that the request's first item came in on, unless
     the caller decides first (the router answered): whichever comes first wins."""
@@ -54,15 +51,15 @@ class HandOnExpectation:
         self.decided: asyncio.Future[StreamSession | None] = asyncio.get_running_loop().create_future()
 
 
-class HandOnTable:
+class HandoffTable:
     """The requests this frontend expects to be handed on, shared by its sessions to the workers:
     a session that reads an item for a request it was not given claims it here."""
 
     def __init__(self) -> None:
-        self._expected: dict[str, HandOnExpectation] = {}
+        self._expected: dict[str, HandoffExpectation] = {}
 
-    def expect(self, request_id: str) -> HandOnExpectation:
-        expectation = self._expected[request_id] = HandOnExpectation(request_id)
+    def expect(self, request_id: str) -> HandoffExpectation:
+        expectation = self._expected[request_id] = HandoffExpectation(request_id)
         return expectation
 
     def forget(self, request_id: str) -> None:
@@ -84,16 +81,16 @@ class StreamSession:
     once (finished, refused, failed or cancelled); a request the consumer stops reading is cancelled
     at the peer; once broken, the session takes no new request (:attr:`broken`).
 
-    Hand-ons (docs/decisions/0030): a frontend's session ``attach``es its stream and claims, from
+    Handoffs (docs/decisions/0030): a frontend's session ``attach``es its stream and claims, from
     ``expected``, the requests that routers hand on to it; an output for a request that no one here
-    waits for is cancelled at the peer. A router's session sends hand-ons (:meth:`hand_on`) and
+    waits for is cancelled at the peer. A router's session sends handoffs (:meth:`handoff`) and
     hears back only of those that failed."""
 
     def __init__(
         self,
         call: grpc.aio.StreamStreamCall,
         address: str,
-        expected: HandOnTable | None = None,
+        expected: HandoffTable | None = None,
         attach_as: str | None = None,
     ) -> None:
         self.address = address
@@ -146,7 +143,7 @@ class StreamSession:
             self._break(exc)
 
     def _unexpected(self, item: common_pb2.StreamItem) -> Inbox | None:
-        """Where an item for a request not submitted on this session goes: a hand-on's failure to
+        """Where an item for a request not submitted on this session goes: a handoff's failure to
         the router that sent it, a handed-on request's first item to the frontend's expectation
         (the request is this session's from then on); None to drop it. The end item of a finished
         request comes this way too, and is dropped."""
@@ -238,24 +235,24 @@ class StreamSession:
         if self.broken is None:
             self._commands.add().cancel = request_id
 
-    def hand_on(
+    def handoff(
         self, request: common_pb2.PreprocessedRequest, frontend_id: str
     ) -> asyncio.Future[common_pb2.RequestEnd]:
         """Send ``request`` to the peer, to be served on the stream ``frontend_id`` attached there.
-        The future resolves with the end item the peer sends back if the hand-on fails (refused:
+        The future resolves with the end item the peer sends back if the handoff fails (refused:
         no such stream; cut short: that stream ended first), or fails with this session's break;
         :meth:`settle` it once the request is known to run (its first token was reported)."""
         if self.broken is not None:
             raise self.broken
         failed: asyncio.Future[common_pb2.RequestEnd] = asyncio.get_running_loop().create_future()
         self._handed_on[request.request_id] = failed
-        hand_on = self._commands.add().hand_on
-        hand_on.frontend_id = frontend_id
-        hand_on.request.CopyFrom(request)
+        handoff = self._commands.add().handoff
+        handoff.frontend_id = frontend_id
+        handoff.request.CopyFrom(request)
         return failed
 
     def settle(self, request_id: str) -> None:
-        """The hand-on of ``request_id`` runs, or no longer matters: stop watching for its failure."""
+        """The handoff of ``request_id`` runs, or no longer matters: stop watching for its failure."""
         self._handed_on.pop(request_id, None)
 
     async def close(self) -> None:
@@ -272,10 +269,10 @@ class StreamSessions:
         self,
         channels: ChannelPool,
         open_stream: OpenStream,
-        expected: HandOnTable | None = None,
+        expected: HandoffTable | None = None,
         attach_as: str | None = None,
     ) -> None:
-        """``expected`` and ``attach_as``: a frontend's sessions that take hand-ons (each stream is
+        """``expected`` and ``attach_as``: a frontend's sessions that take handoffs (each stream is
         attached as ``attach_as`` and claims requests from ``expected``)."""
         self._channels = channels
         self._open_stream = open_stream
@@ -299,7 +296,7 @@ class StreamSessions:
         return session if session is not None and session.broken is None else None
 
     def cancel_everywhere(self, request_id: str) -> None:
-        """Cancel ``request_id`` on every open session: a hand-on whose worker is not known may be
+        """Cancel ``request_id`` on every open session: a handoff whose worker is not known may be
         running on any of them (a peer that does not hold it ignores the cancel)."""
         for session in self._sessions.values():
             session.abandon(request_id)  # a broken one sends nothing

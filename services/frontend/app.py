@@ -118,7 +118,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        routers = len(frontend.routers.addresses())
+        routers = len(frontend.path.routers.addresses())
         status = 200 if routers > 0 else 503
         return JSONResponse(
             {"status": "healthy" if status == 200 else "no router", "routers": routers}, status_code=status

@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from kvmesh.common.config import CommonConfig, ConfigError, option
 from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
 
-TOKEN_PATHS = ("router", "direct")
-
 
 @dataclass
 class FrontendConfig(CommonConfig):
@@ -29,26 +27,6 @@ class FrontendConfig(CommonConfig):
     max_concurrent_requests: int = option(
         0, "requests in flight at once; one more is a 503 with Retry-After (0: no limit)"
     )
-    router_streams: str = option(
-        "multiplexed",
-        "how requests reach a router: multiplexed (one Router.GenerateMany stream per router replica, every "
-        "ready output in one message) or per-request (a Router.Generate stream each; for routers that predate "
-        "GenerateMany)",
-    )
-    token_path: str = option(
-        "direct",
-        "how answers reach the frontend: direct (the router only chooses the worker, Router.Route; the frontend "
-        "streams from the worker itself and reports the first token and the end to that router) or "
-        "router (the router relays the worker's stream). Requests split into prefill and decode go through the "
-        "router either way; migration, refusals and usage behave the same (docs/decisions/0023)",
-        choices=TOKEN_PATHS,
-    )
-    hand_on: bool = option(
-        True,
-        "with --token-path direct: the router sends each request on to the worker it chose, to be served on this "
-        "frontend's stream there, and answers only if that fails; one message fewer per request and one hop "
-        "fewer before the first token (docs/decisions/0030)",
-    )
 
     def validate(self) -> None:
         if not 0 <= self.http_port < 65536:
@@ -59,9 +37,5 @@ class FrontendConfig(CommonConfig):
             raise ConfigError("--load-report-secs must be positive")
         if self.max_request_body_bytes < 0:
             raise ConfigError("--max-request-body-bytes must be >= 0")
-        if self.router_streams not in ("multiplexed", "per-request"):
-            raise ConfigError(f"--router-streams must be multiplexed or per-request, not {self.router_streams!r}")
-        if self.token_path not in TOKEN_PATHS:
-            raise ConfigError(f"--token-path must be one of {', '.join(TOKEN_PATHS)}, not {self.token_path!r}")
         if self.max_concurrent_requests < 0:
             raise ConfigError("--max-concurrent-requests must be >= 0")

@@ -1,5 +1,5 @@
-"""The frontend's core: turns an OpenAI request into a router call and the router's token stream
-into text pieces, with usage accounting and router failover."""
+"""The frontend's core: turns an OpenAI request into a request on the mesh
+(:class:`~kvmesh.common.request_path.RequestPath`) and its outputs into text pieces."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvmesh.common.finish_reasons import finish_name
-from kvmesh.common.grpc_errors import is_transport_failure
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
-from kvmesh.common.requests import continue_request
-from kvmesh.frontend.direct_path import DirectTokenPath
+from kvmesh.common.request_path import RequestPath
+from kvmesh.common.router_client import NoRouterError
 from kvmesh.frontend.errors import (
     BadRequestError,
     ModelNotFoundError,
@@ -26,7 +25,6 @@ from kvmesh.frontend.errors import (
 )
 from kvmesh.frontend.load_window import LoadWindow
 from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from kvmesh.frontend.router_client import NoRouterError, RouterClient
 from kvmesh.frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
 
 log = structlog.get_logger(__name__)
@@ -41,8 +39,6 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, type[OpenAIError]] = {
 
 
 WORKER_ID_HEADER = "x-kvmesh-worker-id"
-# Router replicas one request may fail over to after the first.
-ROUTER_FAILOVER_LIMIT = 3
 
 
 @dataclass(frozen=True)
@@ -102,20 +98,11 @@ class FrontendMetrics:
 
 
 class Frontend:
-    """Turns OpenAI requests into router calls and router streams into OpenAI responses."""
+    """Turns OpenAI requests into requests on the mesh and their outputs into OpenAI responses."""
 
-    def __init__(
-        self,
-        model: ServedModel,
-        routers: RouterClient,
-        default_max_tokens: int = 64,
-        direct: DirectTokenPath | None = None,
-    ) -> None:
-        """``direct``: stream answers straight from the workers (``--token-path direct``); without
-        it the router replicas relay them."""
+    def __init__(self, model: ServedModel, path: RequestPath, default_max_tokens: int = 64) -> None:
         self.model = model
-        self.routers = routers
-        self.direct = direct
+        self.path = path
         self.default_max_tokens = default_max_tokens
         self.metrics = FrontendMetrics()
         self.load = LoadWindow(f"frontend-{uuid.uuid4().hex[:8]}")
@@ -176,59 +163,33 @@ class Frontend:
         through every hop; the first still comes at once, for time to first token and the router's
         load picture (docs/decisions/0026).
 
-        A router replica that dies (transport failure, not a deliberate refusal) is replaced by
-        another one, which continues from the tokens already streamed: the client sees one answer.
+        Migration and router failover happen below, in the request path: the client sees one answer.
         """
         request.whole_answer = whole
         detokenizer = IncrementalDetokenizer(self.model.tokenizer)
         matcher = StopStringMatcher(stop)
-        max_tokens = request.stop.max_tokens
-        generated: list[int] = []
-        failed: set[str] = set()
-        for attempt in range(ROUTER_FAILOVER_LIMIT + 1):
-            try:
-                address = self.routers.pick(frozenset(failed))
-            except NoRouterError as exc:
-                raise ServiceUnavailableError(str(exc)) from exc
-            sent = request if attempt == 0 else continue_request(request, generated, max_tokens, f"r{attempt}")
-            try:
-                # closing the stream when we stop early cancels the request: that frees its worker
-                if self.direct is not None:
-                    stream = self.direct.generate(sent, address)
-                else:
-                    stream = self.routers.generate(sent, address)
-                async with contextlib.aclosing(stream) as outputs:
-                    async for output in outputs:
-                        generated.extend(output.token_ids)
-                        usage.completion_tokens = len(generated)
+        try:
+            # closing the stream when we stop early cancels the request: that frees its worker
+            async with contextlib.aclosing(self.path.generate(request)) as outputs:
+                async for output in outputs:
+                    usage.completion_tokens = output.usage.completion_tokens
+                    usage.cached_tokens = output.usage.cached_prompt_tokens
+                    if output.worker_id:
                         usage.worker_id = output.worker_id
-                        if attempt == 0 and output.usage.cached_prompt_tokens:
-                            usage.cached_tokens = output.usage.cached_prompt_tokens
-                        text, stopped = matcher.feed(detokenizer.add(output.token_ids))
-                        if stopped:
-                            yield Piece(text, "stop")
-                            return
-                        if output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                            yield Piece(text + matcher.flush(), finish_name(output.finish_reason, "stop"))
-                            return
-                        if text:
-                            yield Piece(text)
-            except grpc.aio.AioRpcError as exc:
-                if not is_transport_failure(exc):
-                    raise _map_grpc_error(exc) from exc
-                failed.add(address)
-                log.warning(
-                    "router replica failed; continuing on another",
-                    router=address,
-                    tokens_so_far=len(generated),
-                    code=exc.code().name,
-                )
-                if generated and len(generated) >= max_tokens:
-                    yield Piece(matcher.flush(), "length")
-                    return
-                continue
-            raise UpstreamError("the router stream ended without a finish reason")
-        raise ServiceUnavailableError(f"router replicas failed {ROUTER_FAILOVER_LIMIT + 1} times for this request")
+                    text, stopped = matcher.feed(detokenizer.add(output.token_ids))
+                    if stopped:
+                        yield Piece(text, "stop")
+                        return
+                    if output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                        yield Piece(text + matcher.flush(), finish_name(output.finish_reason, "stop"))
+                        return
+                    if text:
+                        yield Piece(text)
+        except NoRouterError as exc:
+            raise ServiceUnavailableError(str(exc)) from exc
+        except grpc.aio.AioRpcError as exc:
+            raise _map_grpc_error(exc) from exc
+        raise UpstreamError("the answer ended without a finish reason")
 
 
 def _map_grpc_error(exc: grpc.aio.AioRpcError) -> OpenAIError:

@@ -13,14 +13,14 @@ import structlog
 import uvicorn
 
 from kvmesh.common.heap import freeze_startup_heap
+from kvmesh.common.request_path import RequestPath
+from kvmesh.common.router_client import RouterClient
 from kvmesh.common.service import ServiceStack, service_main
 from kvmesh.frontend.admission import read_api_keys
 from kvmesh.frontend.app import create_app
 from kvmesh.frontend.config import FrontendConfig
-from kvmesh.frontend.direct_path import DirectTokenPath
 from kvmesh.frontend.gateway import Frontend, ServedModel
 from kvmesh.frontend.load_window import publish_load_forever
-from kvmesh.frontend.router_client import RouterClient
 from kvmesh.frontend.tokenizer import ModelTokenizer
 
 log = structlog.get_logger(__name__)
@@ -30,16 +30,14 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
     model = ServedModel(config.model_name, ModelTokenizer(Path(config.model_path)), int(time.time()))
     async with ServiceStack() as stack:
         nc = await stack.nats(config, "kvmesh-frontend")
-        routers = RouterClient(fixed_address=config.router_address, multiplexed=config.router_streams == "multiplexed")
+        routers = RouterClient(fixed_address=config.router_address)
         stack.push_async_callback(routers.close)
         if not config.router_address:
             await stack.start(routers.watch(nc.jetstream(), config.namespace))
-        direct = None
-        if config.token_path == "direct":
-            direct = DirectTokenPath(routers, hand_on=config.hand_on)
-            stack.push_async_callback(direct.close)
-            await stack.start(direct.watch(nc.jetstream(), config.namespace))
-        frontend = Frontend(model, routers, default_max_tokens=config.default_max_tokens, direct=direct)
+        path = RequestPath(routers)
+        stack.push_async_callback(path.close)
+        await stack.start(path.watch(nc.jetstream(), config.namespace))
+        frontend = Frontend(model, path, default_max_tokens=config.default_max_tokens)
         stack.task(publish_load_forever(nc, config.namespace, frontend.load, config.load_report_secs), "publish-load")
         sock = listening_socket(config.http_host, config.http_port)
         stack.callback(sock.close)
@@ -62,8 +60,6 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
             model=config.model_name,
             api_keys=len(api_keys),
             max_concurrent_requests=config.max_concurrent_requests or None,
-            token_path=config.token_path,
-            hand_on=config.hand_on,
         )
         freeze_startup_heap()
         stopped = asyncio.create_task(stop.wait())

@@ -145,12 +145,6 @@ class RouterOptions(RoutingOptions):
     enforce_disagg: bool = option(
         False, "every request must prefill on a prefill worker: no prefill pool or a failed prefill is an error"
     )
-    worker_streams: str = option(
-        "multiplexed",
-        "how requests reach a worker: multiplexed (one Worker.GenerateMany stream per worker, every ready output "
-        "of an engine step in one message) or per-request (a Worker.Generate stream each; for workers that "
-        "predate GenerateMany)",
-    )
 
     def validate(self) -> None:
         super().validate()
@@ -158,8 +152,6 @@ class RouterOptions(RoutingOptions):
             raise ConfigError("--router-ttl-secs and --router-max-tree-size must be positive")
         if self.request_timeout_secs <= 0 or self.indexer_timeout_ms <= 0:
             raise ConfigError("--request-timeout-secs and --indexer-timeout-ms must be positive")
-        if self.worker_streams not in ("multiplexed", "per-request"):
-            raise ConfigError(f"--worker-streams must be multiplexed or per-request, not {self.worker_streams!r}")
         if self.migration_limit < 0 or self.worker_avoid_secs < 0:
             raise ConfigError("--migration-limit and --worker-avoid-secs must be >= 0")
 

@@ -71,14 +71,14 @@ class RouterMetrics:
             ["backend"],
             registry=self.registry,
         )
-        self.hand_ons = Counter(
-            "kvmesh_router_hand_ons",
-            "requests sent on to their worker for a frontend (sent), and hand-ons that failed: refused by the "
+        self.handoffs = Counter(
+            "kvmesh_router_handoffs",
+            "requests sent on to their worker for a frontend (sent), and handoffs that failed: refused by the "
             "worker (the frontend submitted it itself) or lost (it moved on); docs/decisions/0030",
             ["result"],
             registry=self.registry,
         )
-        self.hand_ons_sent = self.hand_ons.labels("sent")  # once per request: the child looked up once
+        self.handoffs_sent = self.handoffs.labels("sent")  # once per request: the child looked up once
         self.registry.register(_LoadCollector(pictures, peers))
 
     def migrated(self) -> None:
@@ -91,5 +91,5 @@ class RouterMetrics:
         self.requests.labels(outcome).inc()
         self.outcomes.record(outcome)
 
-    def hand_on_failed(self, lost: bool) -> None:
-        self.hand_ons.labels("lost" if lost else "refused").inc()
+    def handoff_failed(self, lost: bool) -> None:
+        self.handoffs.labels("lost" if lost else "refused").inc()

@@ -1,6 +1,5 @@
-"""The router's side of ``--token-path direct`` (docs/decisions/0023): the reports of frontends that
-stream requests straight from the workers this replica chose for them, which arrive on their
-``RouteMany`` streams."""
+"""The reports of the callers (frontends) that stream requests straight from the workers this replica
+chose for them, which arrive on their ``RouteMany`` streams (docs/decisions/0023)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ MIGRATED = "migrated"  # an END whose try broke and moved on: the request itself
 
 
 class ReportListener:
-    """Applies each report as the relay would have: the first token marks the prefill done; the end
+    """Applies each report to the load picture: the first token marks the prefill done; the end
     frees the request, avoids a worker whose stream broke and counts the outcome (or the migration).
     Guarantees: a report for a request this replica does not hold (already freed, expired, freed
     with its departed worker, or never routed here) changes no load, so a repeated or late report

@@ -79,7 +79,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         metrics = RouterMetrics(router.loads.pictures, lambda: len(router.sync.peers()) if router.sync else 0)
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
-        servicer = RouterServicer(router, channels, metrics, sessions)
+        servicer = RouterServicer(router, channels, sessions, metrics)
+        stack.callback(servicer.disaggregation.close)
         registration = await stack.grpc_service(
             js,
             config,

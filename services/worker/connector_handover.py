@@ -56,6 +56,7 @@ class ConnectorHandover:
             blocks=held_blocks(params),
             backend=self.backend,
             engine_params=msgpack.packb(params),
+            cached_tokens=last.cached_tokens,
         )
 
     def prefill_failed(self, order: PrefillOrder, reason: str) -> None:
@@ -75,6 +76,5 @@ class ConnectorHandover:
         queue = self.engine.submit(spec, kv_transfer_params=params)
         self.transfers += 1
         log.info("KV pull handed to vLLM", blocks=blocks, prefill_worker=order.worker_id)
-        return queue, KvSource(
-            "remote", backend=self.backend, bytes=blocks * self.engine.kv_bytes_per_block, blocks=blocks
-        )
+        size = blocks * self.engine.kv_bytes_per_block
+        return queue, KvSource("remote", self.backend, size, blocks, cached_tokens=order.cached_tokens)

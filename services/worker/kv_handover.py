@@ -85,7 +85,7 @@ class KvHandover:
         """The prefill is done: hold its transferable blocks for the room, say where they are."""
         count = transferable_blocks(len(spec.prompt), self.engine.block_size)
         slots = self.engine.held_slots(spec.request_id, count)
-        self.transfer.server.ready(order.room, spec.request_id, slots)
+        self.transfer.server.ready(order.room, spec.request_id, slots, last.cached_tokens)
         return KvReady(
             room=order.room,
             host=self.transfer.host,
@@ -93,6 +93,7 @@ class KvHandover:
             worker_id=self.worker_id,
             blocks=count,
             backend=self.transfer.backend,
+            cached_tokens=last.cached_tokens,
         )
 
     def prefill_failed(self, order: PrefillOrder, reason: str) -> None:
@@ -144,7 +145,14 @@ class KvHandover:
                 ms=round(result.seconds * 1000, 3),
                 cached_blocks=plan.first_block,
             )
-            return queue, KvSource("remote", backend=result.backend, bytes=result.bytes, blocks=plan.num_blocks)
+            source = KvSource(
+                "remote",
+                backend=result.backend,
+                bytes=result.bytes,
+                blocks=plan.num_blocks,
+                cached_tokens=result.prefill_cached_tokens,
+            )
+            return queue, source
         if not order.allow_local:
             raise StatusError(
                 grpc.StatusCode.UNAVAILABLE, f"remote prefill failed and local prefill is not allowed: {error}"

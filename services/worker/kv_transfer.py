@@ -117,6 +117,7 @@ class _Room:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     request_id: str | None = None
     slots: list[int] | None = None
+    cached_tokens: int = 0
     error: str | None = None
     expires: asyncio.TimerHandle | None = None
     waiting: int = 0  # pulls that arrived before the prefill finished
@@ -171,10 +172,11 @@ class KvTransferServer:
         entry = self._rooms.get(room)
         return entry.waiting if entry is not None else 0
 
-    def ready(self, room: int, request_id: str, slots: list[int]) -> None:
-        """The prefill for ``room`` finished; its blocks are held in ``slots`` until released."""
+    def ready(self, room: int, request_id: str, slots: list[int], cached_tokens: int = 0) -> None:
+        """The prefill for ``room`` finished; its blocks are held in ``slots`` until released.
+        ``cached_tokens``: prompt tokens the prefill found cached, passed on to the decode worker."""
         entry = self._room(room)
-        entry.request_id, entry.slots = request_id, slots
+        entry.request_id, entry.slots, entry.cached_tokens = request_id, slots, cached_tokens
         entry.expires = asyncio.get_running_loop().call_later(self.hold_timeout_s, self._expire, room)
         entry.ready.set()
 
@@ -227,9 +229,11 @@ class KvTransferServer:
                 return
             slots = entry.slots[first : first + count]
             if self.nixl is not None and ask.backend == "nixl":
-                answer = PullGranted("nixl", slots, self.nixl.name, self.nixl.metadata, self.kv.address)
+                answer = PullGranted(
+                    "nixl", slots, self.nixl.name, self.nixl.metadata, self.kv.address, entry.cached_tokens
+                )
             else:
-                answer = PullGranted("tcp", slots)
+                answer = PullGranted("tcp", slots, cached_tokens=entry.cached_tokens)
             # counted from here: a pull waiting at the rendezvous is not moving bytes yet
             moving = True
             self.stats.in_flight += 1
@@ -267,6 +271,7 @@ class PullResult:
     backend: str
     bytes: int
     seconds: float
+    prefill_cached_tokens: int = 0  # prompt tokens the prefill worker had cached
 
 
 class KvTransferClient:
@@ -349,7 +354,7 @@ class KvTransferClient:
         self.stats.count(self.stats.bytes_received, backend, size)
         seconds = time.perf_counter() - started
         self.stats.count(self.stats.pull_seconds, backend, seconds)
-        return PullResult(backend, size, seconds)
+        return PullResult(backend, size, seconds, answer.cached_tokens)
 
     def _receive_blocks(self, sock: socket.socket, slots: list[int], deadline: float) -> None:
         sock.setblocking(True)

@@ -47,7 +47,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
         self.metrics = metrics
         self.handover = handover
-        # each frontend's attached GenerateMany stream, where routers' hand-ons for it are served
+        # each frontend's attached GenerateMany stream, where routers' handoffs for it are served
         self.attachments = Attachments()
 
     async def Generate(
@@ -116,6 +116,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 starts_answer = completion == 0 and bool(tokens)
                 completion += len(tokens)
                 message = self._output(spec, output, completion, tokens)
+                if source is not None and source.source == "remote":
+                    # the prompt was computed on the prefill worker: its cache hit is the client's
+                    message.usage.cached_prompt_tokens = source.cached_tokens
                 if source is not None and starts_answer:
                     message.disaggregated_params = disagg.encode(source)
                 if output.finish_reason is None:

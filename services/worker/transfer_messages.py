@@ -68,6 +68,8 @@ class PullGranted:
     agent: str = ""
     metadata: bytes = b""
     address: int = 0
+    # prompt tokens the prefill worker found in its own cache: the usage the client is shown
+    cached_tokens: int = 0
 
     def to_frame(self) -> dict[str, Any]:
         return {"ok": True, **asdict(self)}

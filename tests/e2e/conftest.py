@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from bench.serving_cpu import descendants as process_tree
+from kvmesh.common.ports import process_tree
 from kvmesh.frontend.gateway import WORKER_ID_HEADER
 from kvmesh.up import MeshProcess
 from tests.support import wait_until
@@ -41,11 +41,10 @@ def start_mesh(*extra: str) -> Iterator[MeshProcess]:
     wait_until(lambda: not any(_alive(pid) for pid in children), timeout=10, what="no orphan processes")
 
 
-@pytest.fixture(scope="module", params=["direct", "router"])
-def kv_mesh(request) -> Iterator[MeshProcess]:
-    """A KV-routing mesh; its tests run with answers streamed from the workers (``--token-path
-    direct``) and relayed by the router (``router``)."""
-    yield from start_mesh("--router-mode", "kv", "--token-path", request.param)
+@pytest.fixture(scope="module")
+def kv_mesh() -> Iterator[MeshProcess]:
+    """A KV-routing mesh."""
+    yield from start_mesh("--router-mode", "kv")
 
 
 @pytest.fixture(scope="module")

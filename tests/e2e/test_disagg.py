@@ -18,7 +18,7 @@ import pytest
 
 from kvmesh.common import disagg
 from kvmesh.common.discovery import InstanceRecord
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.frontend.gateway import WORKER_ID_HEADER
 from kvmesh.up import MeshProcess
 from kvmesh.worker.nixl_agent import nixl_available
@@ -149,7 +149,7 @@ def test_enforce_disagg_without_prefill_workers_is_a_clear_error(enforcing_mesh_
 
 
 def generate_status(address: str, stub_class, request: common_pb2.PreprocessedRequest) -> grpc.StatusCode:
-    """The status a streaming Generate call ends with."""
+    """The status a streaming Generate call (a worker's) ends with."""
 
     async def call() -> grpc.StatusCode:
         async with grpc.aio.insecure_channel(address) as channel:
@@ -174,10 +174,21 @@ def test_the_router_refuses_disaggregated_params_from_its_caller(bootstrap_mesh)
     back and answer; the router refuses them before, since only it may set them."""
     router = instances(bootstrap_mesh, "router")[0]
     params = disagg.encode(disagg.DecodeOrder(room=1, host="127.0.0.1", port=1, worker_id=0))
-    request = common_pb2.PreprocessedRequest(model=MODEL, token_ids=[1, 2, 3], disaggregated_params=params)
-    assert generate_status(router.address, router_pb2_grpc.RouterStub, request) == grpc.StatusCode.INVALID_ARGUMENT
+    request = common_pb2.PreprocessedRequest(
+        request_id="own-params", model=MODEL, token_ids=[1, 2, 3], disaggregated_params=params
+    )
+
+    async def route_status() -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            try:
+                await router_pb2_grpc.RouterStub(channel).Route(router_pb2.RouteRequest(request=request))
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+        return grpc.StatusCode.OK
+
+    assert asyncio.run(route_status()) == grpc.StatusCode.INVALID_ARGUMENT
     request.ClearField("disaggregated_params")
-    assert generate_status(router.address, router_pb2_grpc.RouterStub, request) == grpc.StatusCode.OK
+    assert asyncio.run(route_status()) == grpc.StatusCode.OK
 
 
 # ---- a prefill worker killed while it serves a KV transfer ------------------------------------

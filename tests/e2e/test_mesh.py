@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 from kvmesh.common.request_reports import END, RequestReport, encode_reports
 from tests.e2e.conftest import chat
 from tests.support import discovered, wait_until_async
@@ -90,33 +90,29 @@ def test_same_long_prompt_lands_on_the_same_worker_and_reuses_its_cache(kv_mesh)
     assert second.usage.prompt_tokens_details.cached_tokens >= 8 * BLOCK
 
 
-def hand_ons(mesh) -> dict[str, float]:
-    """The router's kvmesh_router_hand_ons_total samples by result."""
+def handoffs(mesh) -> dict[str, float]:
+    """The router's kvmesh_router_handoffs_total samples by result."""
     address = discovered(mesh.nats_url, "router")[0].extra["metrics"]
     counts = dict.fromkeys(("sent", "refused", "lost"), 0.0)
     for line in httpx.get(f"http://{address}/metrics", timeout=10).text.splitlines():
-        match = re.match(r'kvmesh_router_hand_ons_total\{result="(\w+)"\} (\S+)', line)
+        match = re.match(r'kvmesh_router_handoffs_total\{result="(\w+)"\} (\S+)', line)
         if match:
             counts[match.group(1)] = float(match.group(2))
     return counts
 
 
-def test_the_router_hands_requests_on_to_their_workers_on_the_direct_path(kv_mesh, request):
-    """With --hand-on (the default) the router sends each request on to its worker; only the first
-    to a worker the frontend has no stream to yet is refused there, and the frontend submits that
-    one itself. The relay path hands nothing on."""
-    before = hand_ons(kv_mesh)
+def test_the_router_hands_requests_on_to_their_workers(kv_mesh):
+    """The router sends each request on to its worker; only the first to a worker the frontend has
+    no stream to yet is refused there, and the frontend submits that one itself."""
+    before = handoffs(kv_mesh)
     for i in range(4):  # two workers: one of them gets a second request, after its stream is attached
-        answer, _ = chat(kv_mesh, f"hand-on {i}: " + LONG_PROMPT, max_tokens=3)
+        answer, _ = chat(kv_mesh, f"handoff {i}: " + LONG_PROMPT, max_tokens=3)
         assert answer.usage.completion_tokens == 3
-    after = hand_ons(kv_mesh)
+    after = handoffs(kv_mesh)
     sent, refused = after["sent"] - before["sent"], after["refused"] - before["refused"]
-    if request.node.callspec.params["kv_mesh"] == "router":
-        assert sent == refused == 0
-    else:
-        # each try is sent on (the very first to a router goes the usual way: its migration limit is
-        # not known yet); at most one per worker is refused, so at least one ran as handed on
-        assert 3 <= sent <= 4 and refused <= 2 and sent - refused >= 1
+    # each try is sent on (the very first to a router goes the usual way: its migration limit is
+    # not known yet); at most one per worker is refused, so at least one ran as handed on
+    assert 3 <= sent <= 4 and refused <= 2 and sent - refused >= 1
     assert after["lost"] == before["lost"]
 
 
@@ -141,27 +137,40 @@ def test_openai_errors(kv_mesh):
     assert "kvmesh_frontend_requests" in httpx.get(f"{kv_mesh.base_url}/metrics", timeout=10).text
 
 
-def test_router_grpc_api_with_generated_stubs(kv_mesh):
+def test_the_request_path_over_grpc_with_generated_stubs(kv_mesh):
+    """What an external gRPC client does: Router.Route, Worker.Generate on the worker it names, and the
+    end reported on a RouteMany stream; a bad request is refused with INVALID_ARGUMENT."""
+
     async def call() -> list[common_pb2.GenerateOutput]:
-        nc = await nats.connect(kv_mesh.nats_url)
-        watcher = DiscoveryWatcher(nc.jetstream(), "default", "router")
-        await watcher.start()
-        address = watcher.instances()[0].address
-        await watcher.stop()
-        await nc.close()
-        async with grpc.aio.insecure_channel(address) as channel:
-            request = common_pb2.PreprocessedRequest(model=MODEL, token_ids=list(range(60)))
+        async with first_router(kv_mesh.nats_url) as (router, worker_addresses):
+            before = await active_requests(router)
+            request = common_pb2.PreprocessedRequest(request_id="stubs", model=MODEL, token_ids=list(range(60)))
             request.stop.max_tokens = 5
-            outputs = [o async for o in router_pb2_grpc.RouterStub(channel).Generate(request)]
-            empty = common_pb2.PreprocessedRequest(model=MODEL)
+            query = router_pb2.RouteRequest()
+            query.request.CopyFrom(request)
+            route = await router.Route(query)
+            assert route.worker_address in worker_addresses
+            request.disaggregated_params = route.disaggregated_params
+            async with grpc.aio.insecure_channel(route.worker_address) as channel:
+                outputs = [o async for o in worker_pb2_grpc.WorkerStub(channel).Generate(request)]
+            reports = router.RouteMany()
+            ended = encode_reports([RequestReport(END, "stubs", "completed", len(outputs))])
+            await reports.write(router_pb2.RouteQueries(reports=ended))
+            await wait_until_async(lambda: _equals(active_requests(router), before), what="the end applied")
+            reports.cancel()
+            empty = router_pb2.RouteRequest(request=common_pb2.PreprocessedRequest(request_id="empty", model=MODEL))
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                [o async for o in router_pb2_grpc.RouterStub(channel).Generate(empty)]
+                await router.Route(empty)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             return outputs
 
     outputs = asyncio.run(call())
     assert sum(len(o.token_ids) for o in outputs) == 5
     assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+async def _equals(pending, expected) -> bool:
+    return (await pending) == expected
 
 
 @contextlib.asynccontextmanager
@@ -186,7 +195,7 @@ async def active_requests(router: router_pb2_grpc.RouterStub) -> int:
 
 
 def test_route_many_answers_each_query_as_route_would(kv_mesh):
-    """``Router.RouteMany`` (the stream the frontend's direct path routes over): a message's
+    """``Router.RouteMany`` (the stream the request path routes over): a message's
     queries each get Route's answer or refusal, by query id, and the stream goes on after a refusal."""
 
     def query(query_id: int, request_id: str, tokens: list[int]) -> router_pb2.RouteQuery:
@@ -221,7 +230,7 @@ def test_route_many_answers_each_query_as_route_would(kv_mesh):
             while (message := await asyncio.wait_for(stream.read(), timeout=30)) is not grpc.aio.EOF:
                 last += [a.query_id for a in message.answers]
             assert last == [5]
-            # the ends are reported on a stream too, as the frontend's direct path does
+            # the ends are reported on a stream too, as the request path does
             ends = [RequestReport(END, r, "completed", 1) for r in ("many-a", "many-b")]
             reports = router.RouteMany()
             await reports.write(router_pb2.RouteQueries(reports=encode_reports(ends)))
@@ -245,7 +254,7 @@ def test_route_counts_a_request_until_its_end_is_reported(kv_mesh):
                 request=common_pb2.PreprocessedRequest(request_id="routed-e2e", model=MODEL, token_ids=[7] * 40)
             )
             route = await router.Route(query)
-            assert not route.relay and route.worker_address in worker_addresses
+            assert route.worker_address in worker_addresses and not route.disaggregated_params
             assert route.migration_limit == 3 and not route.forced
             assert await active_requests(router) == before + 1
             with pytest.raises(grpc.aio.AioRpcError) as twice:

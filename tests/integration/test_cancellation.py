@@ -1,4 +1,5 @@
-"""A client that walks away mid-stream frees the request everywhere: router → worker → engine."""
+"""A client that walks away mid-stream frees the request everywhere: its worker's engine, and the
+router's load picture."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import grpc
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from kvmesh.client import RouterApi
 from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server
@@ -39,23 +41,27 @@ async def test_cancelling_a_stream_frees_the_workers_blocks(nats_url: str, nc: N
                 return await worker_stub.GetStatus(worker_pb2.WorkerStatusRequest())
 
             await wait_until_async(lambda: routers.instances(), what="router up")
-            request = common_pb2.PreprocessedRequest(request_id="long", token_ids=list(range(200)))
-            request.stop.max_tokens = 100_000 // 2  # far more than we will read (real-time speed)
-            call = router_stub.Generate(request)
+            api = RouterApi(routers.instances()[0].address)
+            # far more tokens than we will read (real-time speed)
+            answer = api.generate(list(range(200)), max_tokens=100_000 // 2, request_id="long")
             received = 0
-            async for output in call:
-                received += len(output.token_ids)
+            async for chunk in answer:
+                received += len(chunk.token_ids)
                 if received >= 2:
                     break
             status = await worker_status()
             assert status.running_requests == 1 and status.active_blocks > 0
-            call.cancel()
+            router_status = await router_stub.GetStatus(router_pb2.RouterStatusRequest())
+            assert router_status.active_requests == 1
+            await answer.aclose()
 
             async def freed() -> bool:
                 status = await worker_status()
-                return status.running_requests == 0 and status.active_blocks == 0
+                router_status = await router_stub.GetStatus(router_pb2.RouterStatusRequest())
+                return status.running_requests == 0 and status.active_blocks == 0 and not router_status.active_requests
 
             await wait_until_async(freed, what="the cancelled request's blocks are freed")
             assert (await worker_status()).cached_blocks >= 200 // 16  # computed blocks stay cached
+            await api.close()
     await workers.stop()
     await routers.stop()

@@ -25,18 +25,15 @@ pytestmark = pytest.mark.integration
 NAMESPACE = "walkaway"
 
 
-@pytest.mark.parametrize("token_path", ["router", "direct"])
 @pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
-async def test_a_request_whose_client_left_is_cancelled_on_the_worker(
-    nats_url: str, nc: NatsClient, token_path: str, streaming: bool
-):
+async def test_a_request_whose_client_left_is_cancelled_on_the_worker(nats_url: str, nc: NatsClient, streaming: bool):
     port = free_port()
     common = ["--nats-url", nats_url, "--namespace", NAMESPACE]
     workers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "worker")
     routers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "router")
     await workers.start()
     await routers.start()
-    frontend_args = [*common, "--http-port", str(port), "--token-path", token_path]
+    frontend_args = [*common, "--http-port", str(port)]
     body = {"model": "kvmesh-tiny", "prompt": "a long answer, please", "max_tokens": 50_000}
     async with (
         running(worker_server.serve, service_config(WorkerConfig, [*common, "--speedup-ratio", "1"])),

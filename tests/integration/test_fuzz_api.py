@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
+from kvmesh.common.request_reports import END, RequestReport, encode_reports
 from kvmesh.common.tiny_model import MODEL_NAME
 from kvmesh.frontend import server as frontend_server
 from kvmesh.frontend.config import FrontendConfig
@@ -246,6 +247,8 @@ async def test_fuzzed_http_and_grpc_requests_never_break_the_mesh(nats_url: str,
                 one()
 
         def fuzz_grpc() -> None:
+            # the gRPC surface of the request path: Router.Route, then Worker.Generate on the worker it
+            # names (with the parameters of a split request), and the end reported on RouteMany
             with grpc.insecure_channel(router_address) as channel:
                 stub = router_pb2_grpc.RouterStub(channel)
 
@@ -254,16 +257,26 @@ async def test_fuzzed_http_and_grpc_requests_never_break_the_mesh(nats_url: str,
                 def one(request: common_pb2.PreprocessedRequest) -> None:
                     # the mock engine has no context limit: keep every request it accepts short
                     request.stop.max_tokens = min(request.stop.max_tokens, 40)
+                    query = router_pb2.RouteRequest()
+                    query.request.CopyFrom(request)
                     try:
-                        outputs = list(stub.Generate(request, timeout=30))
+                        route = stub.Route(query, timeout=30)
+                        sent = common_pb2.PreprocessedRequest()
+                        sent.CopyFrom(request)
+                        sent.disaggregated_params = route.disaggregated_params
+                        with grpc.insecure_channel(route.worker_address) as worker_channel:
+                            outputs = list(worker_pb2_grpc.WorkerStub(worker_channel).Generate(sent, timeout=30))
                     except grpc.RpcError as exc:
                         grpc_outcomes[exc.code().name] += 1
                         # no worker serves a model of that name: nothing is wrong with the mesh
                         unserved_model = request.model not in ("", MODEL_NAME)
-                        if unserved_model and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        if unserved_model and exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
                             return
                         assert exc.code() in REQUEST_STATUSES, f"{exc.code().name}: {exc.details()}"
                         return
+                    finally:
+                        ended = RequestReport(END, request.request_id, "completed")
+                        list(stub.RouteMany(iter([router_pb2.RouteQueries(reports=encode_reports([ended]))])))
                     grpc_outcomes["OK"] += 1
                     assert outputs and outputs[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                     assert not math.isnan(sum(len(o.token_ids) for o in outputs))

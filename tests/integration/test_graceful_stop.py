@@ -49,9 +49,9 @@ def processes(*started: subprocess.Popen[bytes]) -> Iterator[list[subprocess.Pop
                 process.kill()
 
 
-def frontend(nats_url: str, token_path: str = "router") -> tuple[subprocess.Popen[bytes], str]:
+def frontend(nats_url: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    web = service_process("frontend", nats_url, NAMESPACE, "--http-port", str(port), "--token-path", token_path)
+    web = service_process("frontend", nats_url, NAMESPACE, "--http-port", str(port))
     return web, f"http://127.0.0.1:{port}/v1"
 
 
@@ -76,12 +76,12 @@ async def load_and_stop(api: str, victim: subprocess.Popen[bytes]) -> list[Strea
     return results
 
 
-def stop_a_worker_under_load(nats_url: str, drain_secs: int, token_path: str = "router") -> float:
+def stop_a_worker_under_load(nats_url: str, drain_secs: int) -> float:
     """SIGTERM one of two workers (given ``drain_secs`` to drain) under load; every answer must be
-    whole. Returns the router's migrations (made by the frontend and reported, with ``direct``)."""
+    whole. Returns the router's migrations (made by the frontend and reported to it)."""
     worker_args = ("--speedup-ratio", "1", "--lease-ttl", "30")
     victim = service_process("worker", nats_url, NAMESPACE, *worker_args, "--drain-timeout-secs", str(drain_secs))
-    web, api = frontend(nats_url, token_path)
+    web, api = frontend(nats_url)
     with processes(
         service_process("router", nats_url, NAMESPACE),
         service_process("worker", nats_url, NAMESPACE, *worker_args),
@@ -95,10 +95,9 @@ def stop_a_worker_under_load(nats_url: str, drain_secs: int, token_path: str = "
         return router_migrations(nats_url)
 
 
-@pytest.mark.parametrize("token_path", ["router", "direct"])
-def test_a_worker_stopped_under_load_loses_no_request(nats_url: str, token_path: str):
+def test_a_worker_stopped_under_load_loses_no_request(nats_url: str):
     # the drain cut streams, and they moved
-    assert stop_a_worker_under_load(nats_url, drain_secs=1, token_path=token_path) > 0
+    assert stop_a_worker_under_load(nats_url, drain_secs=1) > 0
 
 
 def test_a_router_replica_stopped_under_load_loses_no_request(nats_url: str):
@@ -125,9 +124,8 @@ def router_migrations(nats_url: str) -> float:
     return float(match.group(1))
 
 
-@pytest.mark.parametrize("token_path", ["router", "direct"])
-def test_a_worker_given_time_to_drain_finishes_its_own_streams(nats_url: str, token_path: str):
+def test_a_worker_given_time_to_drain_finishes_its_own_streams(nats_url: str):
     # --drain-timeout-secs longer than the streams: the stopping worker takes no new request but
-    # finishes every one it has, so none has to move (the short drain cuts and migrates them)
-    # with ``direct`` the frontend holds the worker's stream: it must close it once the worker left
-    assert stop_a_worker_under_load(nats_url, drain_secs=60, token_path=token_path) == 0
+    # finishes every one it has, so none has to move (the short drain cuts and migrates them); the
+    # frontend holds the worker's stream: it must close it once the worker left
+    assert stop_a_worker_under_load(nats_url, drain_secs=60) == 0

@@ -14,7 +14,8 @@ import grpc
 import openai
 import pytest
 
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
+from kvmesh.common.request_reports import END, RequestReport, encode_reports
 from kvmesh.up import MeshProcess
 from tests.certificates import make_certificates
 from tests.support import discovered
@@ -43,14 +44,21 @@ def test_the_request_path_over_tls(tmp_path: Path):
         (router,) = discovered(mesh.nats_url, "router")
         request = common_pb2.PreprocessedRequest(request_id="tls", token_ids=list(range(40)))
         request.stop.max_tokens = 3
+        query = router_pb2.RouteRequest()
+        query.request.CopyFrom(request)
         with grpc.insecure_channel(router.address) as plain:
             with pytest.raises(grpc.RpcError) as refused:
-                list(router_pb2_grpc.RouterStub(plain).Generate(request, timeout=10))
+                router_pb2_grpc.RouterStub(plain).Route(query, timeout=10)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         trusted = grpc.ssl_channel_credentials(root_certificates=files["ca"].read_bytes())
         with grpc.secure_channel(router.address, trusted) as secure:
             stub = router_pb2_grpc.RouterStub(secure)
-            assert sum(len(o.token_ids) for o in stub.Generate(request, timeout=10)) == 3
+            route = stub.Route(query, timeout=10)
+            with grpc.secure_channel(route.worker_address, trusted) as to_worker:
+                outputs = worker_pb2_grpc.WorkerStub(to_worker).Generate(request, timeout=10)
+                assert sum(len(o.token_ids) for o in outputs) == 3
+            ended = encode_reports([RequestReport(END, "tls", "completed", 3)])
+            list(stub.RouteMany(iter([router_pb2.RouteQueries(reports=ended)]), timeout=10))
             assert stub.GetStatus(router_pb2.RouterStatusRequest(), timeout=10).mode
 
         inspect = [sys.executable, "-m", "kvmesh", "inspect", "router", "--nats-url", mesh.nats_url, "--json"]

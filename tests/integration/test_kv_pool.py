@@ -15,10 +15,11 @@ import httpx
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from kvmesh.client import RouterApi
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.hashing import local_block_hashes, sequence_hashes
 from kvmesh.common.ports import pid_listening_on
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc, router_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.router import server as router_server
@@ -119,18 +120,16 @@ async def _equals(pending, expected) -> bool:
 async def test_a_stream_whose_worker_is_killed_resumes_from_the_pool(nats_url: str, nc: NatsClient, pool_dir: Path):
     async with pool_mesh(nc, nats_url, pool_dir) as (router, _indexer, processes, workers):
         by_pid = dict(zip([p.pid for p in processes], processes, strict=True))
-        request = common_pb2.PreprocessedRequest(request_id="long", token_ids=PROMPT)
-        request.stop.max_tokens = 200
         received, first_worker = 0, None
-        async with grpc.aio.insecure_channel(router) as channel:
-            async for output in router_pb2_grpc.RouterStub(channel).Generate(request):
-                received += len(output.token_ids)
+        async with RouterApi(router) as api:
+            async for chunk in api.generate(PROMPT, max_tokens=200, request_id="long"):
+                received += len(chunk.token_ids)
                 if first_worker is None:
-                    first_worker = output.worker_id
+                    first_worker = chunk.worker_id
                     record = next(r for r in workers.instances() if r.instance_id == first_worker)
                     victim = next(p for pid, p in by_pid.items() if _listens(pid, record.address))
                     victim.send_signal(signal.SIGKILL)
-                last = output
+                last = chunk
         assert received == 200 and last.worker_id != first_worker
         survivor = next(r for r in workers.instances() if r.instance_id == last.worker_id)
         assert pool_counters(survivor)["imported"] >= 40  # the prompt came from the dead worker's segment

@@ -13,7 +13,7 @@ import pytest
 
 from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.nats_server import EmbeddedNatsServer
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.router import server as router_server
@@ -21,7 +21,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
 from tests.index_truth import converged, view
-from tests.support import running, service_config, wait_until_async
+from tests.support import router_generate, running, service_config, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "outage"
@@ -31,11 +31,9 @@ MAX_TOKENS = 2500  # at real-time speed, longer than the outage
 
 
 async def generate(router_address: str, request_id: str, prompt: list[int], max_tokens: int) -> int:
-    request = common_pb2.PreprocessedRequest(request_id=request_id, token_ids=prompt)
-    request.stop.max_tokens = max_tokens
-    request.stop.ignore_eos = True
-    async with grpc.aio.insecure_channel(router_address) as channel:
-        outputs = [o async for o in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=120)]
+    outputs = await asyncio.wait_for(
+        router_generate(router_address, request_id, prompt, max_tokens, ignore_eos=True), timeout=120
+    )
     assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     return sum(len(o.token_ids) for o in outputs)
 

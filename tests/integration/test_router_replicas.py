@@ -15,12 +15,12 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.client import RouterApi
 from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
-from tests.support import running, service_config, service_process, wait_until_async
+from tests.support import router_generate, running, service_config, service_process, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "routers"
@@ -41,10 +41,7 @@ async def watch(nc: NatsClient, component: str) -> DiscoveryWatcher:
 
 
 async def stream(address: str, request_id: str, prompt: list[int], max_tokens: int) -> list[common_pb2.GenerateOutput]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        request = common_pb2.PreprocessedRequest(request_id=request_id, token_ids=prompt)
-        request.stop.max_tokens = max_tokens
-        return [o async for o in router_pb2_grpc.RouterStub(channel).Generate(request)]
+    return await router_generate(address, request_id, prompt, max_tokens)
 
 
 def loads_of(loads) -> dict[int, tuple[int, int]]:
@@ -151,14 +148,10 @@ async def test_requests_survive_a_worker_killed_mid_stream(nats_url: str, nc: Na
             received: dict[str, int] = {}
 
             async def one(i: int) -> list[common_pb2.GenerateOutput]:
-                outputs = []
-                async with grpc.aio.insecure_channel(address) as channel:
-                    request = common_pb2.PreprocessedRequest(request_id=f"m{i}", token_ids=[i % 7] * 80)
-                    request.stop.max_tokens = 120
-                    async for output in router_pb2_grpc.RouterStub(channel).Generate(request):
-                        outputs.append(output)
-                        received[request.request_id] = received.get(request.request_id, 0) + len(output.token_ids)
-                return outputs
+                def count(output: common_pb2.GenerateOutput) -> None:
+                    received[f"m{i}"] = received.get(f"m{i}", 0) + len(output.token_ids)
+
+                return await router_generate(address, f"m{i}", [i % 7] * 80, 120, on_output=count)
 
             tasks = [asyncio.create_task(one(i)) for i in range(20)]
             await wait_until_async(

@@ -19,7 +19,6 @@ from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.grpc_errors import error_origin, is_transport_failure
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.common.stream_sessions import StreamSessions, open_worker_stream
-from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from tests.support import router_generate, running, service_config, service_process, wait_until_async
@@ -226,34 +225,6 @@ async def test_a_killed_worker_fails_every_request_on_its_stream_as_a_transport_
         finally:
             await sessions.close()
             await channels.close()
-
-
-@pytest.mark.parametrize("streams", ["multiplexed", "per-request"])
-async def test_a_router_serves_through_either_kind_of_worker_stream(nc: NatsClient, nats_url: str, streams: str):
-    routers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "router")
-    await routers.start()
-    config = service_config(
-        RouterConfig, ["--nats-url", nats_url, "--namespace", NAMESPACE, "--worker-streams", streams]
-    )
-    try:
-        async with one_worker(nc, nats_url, "--speedup-ratio", "50"), running(router_server.serve, config):
-            await wait_until_async(lambda: len(routers.instances()) == 1, what="router registered")
-            address = routers.instances()[0].address
-            answers = await asyncio.gather(
-                *(router_generate(address, f"{streams}-{i}", list(range(i, i + 50)), 12) for i in range(6))
-            )
-            assert all(sum(len(o.token_ids) for o in outputs) == 12 for outputs in answers)
-            assert all(outputs[-1].usage.completion_tokens == 12 for outputs in answers)
-    finally:
-        await routers.stop()
-
-
-def test_an_unknown_stream_kind_is_a_clear_error(capsys):
-    with pytest.raises(SystemExit):
-        service_config(RouterConfig, ["--worker-streams", "pigeons"])
-    with pytest.raises(SystemExit):
-        service_config(FrontendConfig, ["--router-streams", "pigeons"])
-    assert "must be multiplexed or per-request, not 'pigeons'" in capsys.readouterr().err
 
 
 async def test_a_request_id_already_in_flight_is_refused_and_the_first_finishes(nc: NatsClient, nats_url: str):

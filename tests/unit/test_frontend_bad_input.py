@@ -7,10 +7,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from kvmesh.common.request_path import RequestPath
+from kvmesh.common.router_client import RouterClient
 from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
 from kvmesh.frontend.app import create_app
 from kvmesh.frontend.gateway import Frontend, ServedModel
-from kvmesh.frontend.router_client import RouterClient
 from kvmesh.frontend.tokenizer import ModelTokenizer
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
@@ -20,7 +21,9 @@ COMPLETION = {"model": MODEL_NAME, "prompt": "hi"}
 @pytest.fixture
 async def http():
     tokenizer = ModelTokenizer(MODEL_DIR)
-    app = create_app(Frontend(ServedModel(MODEL_NAME, tokenizer, 0), RouterClient(fixed_address="127.0.0.1:1")))
+    app = create_app(
+        Frontend(ServedModel(MODEL_NAME, tokenizer, 0), RequestPath(RouterClient(fixed_address="127.0.0.1:1")))
+    )
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://frontend") as client:
         yield client
 

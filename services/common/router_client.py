@@ -1,10 +1,10 @@
-"""How the frontend reaches the routers: discovered replicas (or one fixed address), used in turn."""
+"""How a caller of the mesh (the frontend, ``kvmesh.client``) reaches the routers: discovered replicas
+(or one fixed address), used in turn, each over one ``RouteMany`` stream."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
 
 import grpc
 from nats.js import JetStreamContext
@@ -12,11 +12,9 @@ from nats.js import JetStreamContext
 from kvmesh.common.channels import ChannelPool
 from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.grpc_errors import call_error, error_of_end
-from kvmesh.common.grpc_streams import messages
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from kvmesh.common.query_streams import QueryKind, QueryStreamBroken, QueryStreams
 from kvmesh.common.request_reports import RequestReport, encode_reports, without_superseded
-from kvmesh.common.stream_sessions import StreamSessions, open_router_stream
 
 
 class NoRouterError(RuntimeError):
@@ -58,24 +56,20 @@ ROUTE_QUERIES: QueryKind[router_pb2.RouteRequest, router_pb2.RouteResponse] = Qu
 
 
 class RouterClient:
-    """Streams a request's answer from a router replica, spreading requests over the replicas.
+    """Routes requests at the router replicas, spreading them over the replicas in turn.
 
-    Holds one channel per live replica, and over it one ``Router.GenerateMany`` stream that all
-    requests to that replica share (``multiplexed``; else a ``Router.Generate`` call each) and,
-    once :meth:`route` is used, one ``Router.RouteMany`` stream: :meth:`router_left` (the
-    watcher's removal callback) drops a departed replica's."""
+    Holds one channel per live replica and over it one ``Router.RouteMany`` stream, which carries
+    the queries and the reports: :meth:`router_left` (the watcher's removal callback) drops a
+    departed replica's."""
 
-    def __init__(
-        self, watcher: DiscoveryWatcher | None = None, fixed_address: str | None = None, multiplexed: bool = True
-    ) -> None:
+    def __init__(self, watcher: DiscoveryWatcher | None = None, fixed_address: str | None = None) -> None:
         """One fixed router address, a watcher, or neither yet (then call :meth:`watch`)."""
         self._watcher = watcher
         self._fixed = fixed_address
         self._channels = ChannelPool()
-        self._sessions = StreamSessions(self._channels, open_router_stream) if multiplexed else None
         self._routes = QueryStreams(ROUTE_QUERIES, self._channels)
         self._counter = itertools.count()
-        # each replica's --migration-limit, from its last answer (a hand-on needs it before any)
+        # each replica's --migration-limit, from its last answer (a handoff needs it before any)
         self.migration_limits: dict[str, int] = {}
 
     def watch(self, js: JetStreamContext, namespace: str) -> DiscoveryWatcher:
@@ -99,15 +93,6 @@ class RouterClient:
             raise NoRouterError("no router is available" if not addresses else "every router replica failed")
         return usable[next(self._counter) % len(usable)]
 
-    def generate(
-        self, request: common_pb2.PreprocessedRequest, address: str
-    ) -> AsyncIterator[common_pb2.GenerateOutput]:
-        """The request's outputs from the router at ``address``; raises ``grpc.aio.AioRpcError`` as
-        ``Router.Generate`` would. Closing it early cancels the request (which frees its worker)."""
-        if self._sessions is not None:
-            return self._sessions.generate(address, request)
-        return messages(router_pb2_grpc.RouterStub(self._channels.get(address)).Generate(request))
-
     async def route(self, address: str, query: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
         """``Router.Route`` at ``address``, over that replica's ``RouteMany`` stream; raises
         ``grpc.aio.AioRpcError`` as the call would: its refusals as they are, a broken stream as
@@ -120,13 +105,11 @@ class RouterClient:
         return response
 
     def note_route(self, address: str, response: router_pb2.RouteResponse) -> None:
-        """Learn the replica's ``--migration-limit`` from a route answer that chose a worker (a
-        ``relay`` answer carries none)."""
-        if not response.relay:
-            self.migration_limits[address] = response.migration_limit
+        """Learn the replica's ``--migration-limit`` from a route answer."""
+        self.migration_limits[address] = response.migration_limit
 
     def ask_route(self, address: str, query: router_pb2.RouteRequest) -> asyncio.Future[router_pb2.RouteResponse]:
-        """:meth:`route`'s answer as a future, for a query that may never be answered (a hand-on,
+        """:meth:`route`'s answer as a future, for a query that may never be answered (a handoff,
         docs/decisions/0030): cancel it once the answer no longer matters. It fails with
         :class:`~kvmesh.common.query_streams.QueryStreamBroken` when the stream breaks first
         (:func:`route_failure` turns that into the call's UNAVAILABLE)."""
@@ -147,13 +130,9 @@ class RouterClient:
         return self._channels.addresses()
 
     async def router_left(self, record: InstanceRecord) -> None:
-        if self._sessions is not None:
-            self._sessions.drop(record.address)
         self._routes.forget(record.address)
         await self._channels.drop(record.address)
 
     async def close(self) -> None:
-        if self._sessions is not None:
-            await self._sessions.close()
         await self._routes.close()
         await self._channels.close()

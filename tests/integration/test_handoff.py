@@ -1,6 +1,6 @@
-"""Hand-ons (docs/decisions/0030) against a real worker process over real gRPC: the worker serves a
+"""Handoffs (docs/decisions/0030) against a real worker process over real gRPC: the worker serves a
 request a router hands on to the stream a frontend attached, and tells the router only of a
-hand-on that failed; the frontend's direct path, driven by a scripted router peer that hands on
+handoff that failed; the frontend's direct path, driven by a scripted router peer that hands on
 through a real router-side session, claims handed-on requests, submits a refused one itself,
 cancels and moves on a lost one, and stops what it no longer waits for at the worker."""
 
@@ -14,13 +14,12 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.channels import ChannelPool
-from kvmesh.common.grpc_errors import is_transport_failure
 from kvmesh.common.grpc_server import GrpcService, start_grpc_server
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.common.request_path import RequestPath
 from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport, decode_reports
+from kvmesh.common.router_client import NoRouterError, RouterClient
 from kvmesh.common.stream_sessions import StreamSessions, open_worker_stream
-from kvmesh.frontend.direct_path import DirectTokenPath
-from kvmesh.frontend.router_client import RouterClient
 from tests.integration.test_stream_sessions import one_worker, request, submit
 from tests.support import wait_until_async
 
@@ -32,8 +31,8 @@ ENDLESS = 200_000
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 
-def hand_on(frontend_id: str, sent: common_pb2.PreprocessedRequest) -> common_pb2.GenerateCommands:
-    command = common_pb2.GenerateCommand(hand_on=common_pb2.HandOn(request=sent, frontend_id=frontend_id))
+def handoff(frontend_id: str, sent: common_pb2.PreprocessedRequest) -> common_pb2.GenerateCommands:
+    command = common_pb2.GenerateCommand(handoff=common_pb2.Handoff(request=sent, frontend_id=frontend_id))
     return common_pb2.GenerateCommands(commands=[command])
 
 
@@ -56,7 +55,7 @@ async def running_requests(stub: worker_pb2_grpc.WorkerStub) -> int:
     return (await stub.GetStatus(worker_pb2.WorkerStatusRequest())).running_requests
 
 
-async def test_a_worker_serves_a_hand_on_on_the_attached_stream_and_tells_the_router_only_of_failures(
+async def test_a_worker_serves_a_handoff_on_the_attached_stream_and_tells_the_router_only_of_failures(
     nc: NatsClient, nats_url: str
 ):
     async with (
@@ -65,20 +64,20 @@ async def test_a_worker_serves_a_hand_on_on_the_attached_stream_and_tells_the_ro
     ):
         stub = worker_pb2_grpc.WorkerStub(channel)
         router = stub.GenerateMany()
-        await router.write(hand_on("front-1", request("h0", 0, 4)))
+        await router.write(handoff("front-1", request("h0", 0, 4)))
         assert await read_until_end(router, "h0") == (0, REFUSED)  # no stream from front-1 yet
 
         frontend = stub.GenerateMany()
         await frontend.write(attach("front-1"))
         await frontend.write(submit(request("s1", 0, 2)))  # answered after the attach: the stream is attached
         assert await read_until_end(frontend, "s1") == (2, 0)
-        await router.write(hand_on("front-1", request("h1", 100, 4)))
+        await router.write(handoff("front-1", request("h1", 100, 4)))
         assert await read_until_end(frontend, "h1") == (4, 0)  # served on the frontend's stream
-        await router.write(hand_on("front-2", request("h2", 200, 4)))
+        await router.write(handoff("front-2", request("h2", 200, 4)))
         assert await read_until_end(router, "h2") == (0, REFUSED)  # and nothing of h1 came before it here
 
         # the frontend's stream ends while a handed-on request runs: the router hears it was cut short
-        await router.write(hand_on("front-1", request("h3", 300, ENDLESS)))
+        await router.write(handoff("front-1", request("h3", 300, ENDLESS)))
         first = (await frontend.read()).items[0]
         assert first.request_id == "h3" and first.HasField("output")
         frontend.cancel()
@@ -92,8 +91,8 @@ async def _zero(stub: worker_pb2_grpc.WorkerStub) -> bool:
 
 
 class ScriptedRouter(router_pb2_grpc.RouterServicer):
-    """Routes every request to one real worker. A query without a hand-on is answered at once; one
-    with a hand-on is handled by ``script`` (a query's request id → what to do), by default handed
+    """Routes every request to one real worker. A query without a handoff is answered at once; one
+    with a handoff is handled by ``script`` (a query's request id → what to do), by default handed
     on through a real router-side session and never answered unless the worker says it failed."""
 
     def __init__(self, worker_address: str) -> None:
@@ -102,8 +101,8 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
         self.queries: list[router_pb2.RouteRequest] = []
         self.reports: list[RequestReport] = []
         self.script: dict[str, str] = {}
-        self.refused: list[str] = []  # hand-ons the worker refused (no stream from that frontend)
-        self.hand_on_delay = 0.0
+        self.refused: list[str] = []  # handoffs the worker refused (no stream from that frontend)
+        self.handoff_delay = 0.0
 
     def response(self, **fields) -> router_pb2.RouteResponse:
         return router_pb2.RouteResponse(worker_id=1, worker_address=self.worker_address, migration_limit=3, **fields)
@@ -117,16 +116,16 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
         async def handle(query: router_pb2.RouteQuery) -> None:
             routed = query.request
             action = self.script.get(routed.request.request_id, "hand on")
-            if not routed.hand_on_to:
+            if not routed.handoff_to:
                 action = "answer"
             if action in ("hand on", "lost", "break"):
-                await asyncio.sleep(self.hand_on_delay)
+                await asyncio.sleep(self.handoff_delay)
                 handed = routed.request
                 if action != "hand on":  # what is lost or left behind runs until it is cancelled
                     handed = common_pb2.PreprocessedRequest()
                     handed.CopyFrom(routed.request)
                     handed.stop.max_tokens = ENDLESS
-                failed = self.sessions.get(self.worker_address).hand_on(handed, routed.hand_on_to)
+                failed = self.sessions.get(self.worker_address).handoff(handed, routed.handoff_to)
                 if action == "break":
                     await answers.put("break")
                     return
@@ -136,7 +135,7 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
                         return
                     self.refused.append(routed.request.request_id)
             lost = action == "lost"
-            answer = router_pb2.RouteAnswer(query_id=query.query_id, response=self.response(hand_on_lost=lost))
+            answer = router_pb2.RouteAnswer(query_id=query.query_id, response=self.response(handoff_lost=lost))
             await answers.put(answer)
 
         async def read() -> None:
@@ -171,27 +170,27 @@ async def serve(router: ScriptedRouter) -> tuple[GrpcService, str]:
     return server, f"127.0.0.1:{server.port}"
 
 
-async def answer_of(direct: DirectTokenPath, sent: common_pb2.PreprocessedRequest, router_address: str) -> list[int]:
+async def answer_of(direct: RequestPath, sent: common_pb2.PreprocessedRequest, router_address: str) -> list[int]:
     tokens: list[int] = []
-    async for output in direct.generate(sent, router_address):
+    async for output in direct.generate(sent):
         tokens.extend(output.token_ids)
     return tokens
 
 
 @pytest.fixture
 async def handing_on(nc: NatsClient, nats_url: str):
-    """(worker stub, scripted router, its address, a hand-on direct path); the path has served one
+    """(worker stub, scripted router, its address, a handoff direct path); the path has served one
     request already, answered by the router (it learns the router's migration limit that way) and
     submitted by itself, so its stream to the worker is attached."""
     async with one_worker(nc, nats_url, "--speedup-ratio", "5") as (address, _):
         router = ScriptedRouter(address)
         server, router_address = await serve(router)
         routers = RouterClient(fixed_address=router_address)
-        direct = DirectTokenPath(routers, hand_on=True)
+        direct = RequestPath(routers)
         async with grpc.aio.insecure_channel(address) as channel:
             try:
                 assert len(await answer_of(direct, request("warm", 0, 2), router_address)) == 2
-                assert not router.queries[0].hand_on_to  # no limit known yet: routed the usual way
+                assert not router.queries[0].handoff_to  # no limit known yet: routed the usual way
                 yield worker_pb2_grpc.WorkerStub(channel), router, router_address, direct
             finally:
                 await direct.close()
@@ -203,46 +202,46 @@ async def handing_on(nc: NatsClient, nats_url: str):
 async def test_a_handed_on_request_is_claimed_from_the_frontends_own_stream(handing_on):
     _stub, router, router_address, direct = handing_on
     assert len(await answer_of(direct, request("h1", 100, 6), router_address)) == 6
-    assert router.queries[-1].hand_on_to == direct.frontend_id
+    assert router.queries[-1].handoff_to == direct.caller_id
     await wait_until_async(lambda: bool(router.ends("h1")), what="the end reported")
     kinds = [(r.kind, r.outcome) for r in router.reports if r.request_id == "h1"]
     # a first-token report that would leave with the end is dropped (decision 19)
     assert kinds in ([(FIRST_TOKEN, ""), (END, "completed")], [(END, "completed")])
-    assert direct.expected_hand_ons == 0
+    assert direct.expected_handoffs == 0
 
 
-async def test_a_lost_hand_on_is_cancelled_at_its_worker_and_moves_on(handing_on):
+async def test_a_lost_handoff_is_cancelled_at_its_worker_and_moves_on(handing_on):
     stub, router, router_address, direct = handing_on
     router.script["lost"] = "lost"  # handed on, and answered lost at once: it may be running
     assert len(await answer_of(direct, request("lost", 100, 20), router_address)) == 20
     assert [(r.outcome, r.failed_worker_id) for r in router.ends("lost")] == [("migrated", 1)]
-    assert router.queries[-1].migration == 1 and not router.queries[-1].hand_on_to
+    assert router.queries[-1].migration == 1 and not router.queries[-1].handoff_to
     await wait_until_async(lambda: _zero(stub), what="the lost try cancelled at the worker")
     assert not router.ends("lost")[0].output_tokens
 
 
-async def test_a_router_stream_that_breaks_before_the_first_output_fails_over_and_stops_the_hand_on(handing_on):
+async def test_a_router_stream_that_breaks_before_the_first_output_fails_over_and_stops_the_handoff(handing_on):
     stub, router, router_address, direct = handing_on
     router.script["b1"] = "break"
-    with pytest.raises(grpc.aio.AioRpcError) as raised:
+    # the path fails over to another router replica: here there is none left to ask
+    with pytest.raises(NoRouterError, match="every router replica failed"):
         await answer_of(direct, request("b1", 100, 20), router_address)
-    assert is_transport_failure(raised.value)  # the gateway moves to another router replica
-    assert direct.expected_hand_ons == 0
-    await wait_until_async(lambda: _zero(stub), what="the hand-on cancelled wherever it ran")
+    assert direct.expected_handoffs == 0
+    await wait_until_async(lambda: _zero(stub), what="the handoff cancelled wherever it ran")
 
 
 async def test_an_output_no_one_waits_for_is_cancelled_at_the_worker(handing_on):
     stub, router, _router_address, direct = handing_on
     session = router.sessions.get(router.worker_address)
-    failed = session.hand_on(request("stray", 100, ENDLESS), direct.frontend_id)  # this frontend never asked
+    failed = session.handoff(request("stray", 100, ENDLESS), direct.caller_id)  # this frontend never asked
     await wait_until_async(lambda: _zero(stub), what="the stray request cancelled at the worker")
     assert not failed.done()  # served on the frontend's stream, not refused
 
 
-async def test_a_client_that_leaves_before_the_first_output_stops_the_hand_on_and_frees_its_load(handing_on):
+async def test_a_client_that_leaves_before_the_first_output_stops_the_handoff_and_frees_its_load(handing_on):
     stub, router, router_address, direct = handing_on
     router.script["gone"] = "lost"  # handed on late, and then answered lost: both after the client left
-    router.hand_on_delay = 0.3
+    router.handoff_delay = 0.3
     task = asyncio.ensure_future(answer_of(direct, request("gone", 100, ENDLESS), router_address))
     await wait_until_async(lambda: any(q.request.request_id == "gone" for q in router.queries), what="routed")
     task.cancel()
@@ -250,21 +249,21 @@ async def test_a_client_that_leaves_before_the_first_output_stops_the_hand_on_an
         await task
     await wait_until_async(lambda: bool(router.ends("gone")), timeout=5, what="the end reported")
     assert [r.outcome for r in router.ends("gone")] == ["cancelled"]
-    await wait_until_async(lambda: _zero(stub), what="the late hand-on cancelled at the worker")
-    assert direct.expected_hand_ons == 0
+    await wait_until_async(lambda: _zero(stub), what="the late handoff cancelled at the worker")
+    assert direct.expected_handoffs == 0
 
 
-async def test_a_hand_on_the_worker_refuses_is_submitted_by_the_frontend_itself(handing_on):
+async def test_a_handoff_the_worker_refuses_is_submitted_by_the_frontend_itself(handing_on):
     _stub, router, router_address, _ = handing_on
     routers = RouterClient(fixed_address=router_address)
     routers.note_route(router_address, router.response())  # the limit is known, no worker stream is open
-    fresh = DirectTokenPath(routers, hand_on=True)
+    fresh = RequestPath(routers)
     try:
         assert len(await answer_of(fresh, request("r1", 100, 6), router_address)) == 6
-        assert router.queries[-1].hand_on_to == fresh.frontend_id  # asked for, refused, then submitted
+        assert router.queries[-1].handoff_to == fresh.caller_id  # asked for, refused, then submitted
         assert len(await answer_of(fresh, request("r2", 200, 6), router_address)) == 6  # now attached
-        assert router.queries[-1].hand_on_to == fresh.frontend_id
-        assert router.refused == ["r1"] and fresh.expected_hand_ons == 0
+        assert router.queries[-1].handoff_to == fresh.caller_id
+        assert router.refused == ["r1"] and fresh.expected_handoffs == 0
     finally:
         await fresh.close()
         await routers.close()

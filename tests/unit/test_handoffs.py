@@ -1,4 +1,4 @@
-"""The router's record of one frontend's hand-ons (kvmesh.router.hand_ons): a hand-on is answered
+"""The router's record of one frontend's handoffs (kvmesh.router.handoffs): a handoff is answered
 only if it fails before it is settled, as the ordinary route answer when the worker refused it and
 marked lost otherwise, and never twice."""
 
@@ -12,11 +12,11 @@ import pytest
 from kvmesh.common.backlog import Backlog
 from kvmesh.common.grpc_errors import call_error
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
-from kvmesh.router.hand_ons import HandOns
+from kvmesh.router.handoffs import Handoffs
 
 
 class FakeSession:
-    """What HandOns needs of a StreamSession: ``settle``, recorded."""
+    """What Handoffs needs of a StreamSession: ``settle``, recorded."""
 
     def __init__(self) -> None:
         self.settled: list[str] = []
@@ -29,10 +29,10 @@ def end(code: grpc.StatusCode) -> common_pb2.RequestEnd:
     return common_pb2.RequestEnd(code=code.value[0])
 
 
-async def watched(hand_ons: HandOns, request_id: str, session: FakeSession) -> asyncio.Future:
+async def watched(handoffs: Handoffs, request_id: str, session: FakeSession) -> asyncio.Future:
     failed = asyncio.get_running_loop().create_future()
     response = router_pb2.RouteResponse(worker_id=7, worker_address="w:1", migration_limit=3)
-    hand_ons.watch(request_id, session, failed, response, router_pb2.RouteAnswer(query_id=len(hand_ons) + 1))
+    handoffs.watch(request_id, session, failed, response, router_pb2.RouteAnswer(query_id=len(handoffs) + 1))
     return failed
 
 
@@ -49,47 +49,36 @@ async def answers_now(backlog: Backlog) -> list[router_pb2.RouteAnswer]:
         (call_error(grpc.StatusCode.UNAVAILABLE, "stream to the worker broke"), True),
     ],
 )
-async def test_a_failed_hand_on_is_answered_once_refused_or_lost(failure, lost):
+async def test_a_failed_handoff_is_answered_once_refused_or_lost(failure, lost):
     answers: Backlog = Backlog()
-    hand_ons = HandOns(answers)
+    handoffs = Handoffs(answers)
     session = FakeSession()
-    failed = await watched(hand_ons, "r1", session)
+    failed = await watched(handoffs, "r1", session)
     if isinstance(failure, BaseException):
         failed.set_exception(failure)
     else:
         failed.set_result(failure)
     (answer,) = await answers_now(answers)
-    assert answer.response.worker_id == 7 and answer.response.hand_on_lost is lost
-    hand_ons.settle("r1")  # a report after the answer changes nothing
-    assert await answers_now(answers) == [] and len(hand_ons) == 0
+    assert answer.response.worker_id == 7 and answer.response.handoff_lost is lost
+    handoffs.settle("r1")  # a report after the answer changes nothing
+    assert await answers_now(answers) == [] and len(handoffs) == 0
 
 
-async def test_a_settled_hand_on_is_never_answered():
+async def test_a_settled_handoff_is_never_answered():
     answers: Backlog = Backlog()
-    hand_ons = HandOns(answers)
+    handoffs = Handoffs(answers)
     session = FakeSession()
-    failed = await watched(hand_ons, "r1", session)
-    hand_ons.settle("r1")
+    failed = await watched(handoffs, "r1", session)
+    handoffs.settle("r1")
     assert failed.cancelled() and session.settled == ["r1"]
     assert await answers_now(answers) == []
 
 
-async def test_the_end_of_the_stream_settles_every_hand_on():
+async def test_the_end_of_the_stream_settles_every_handoff():
     answers: Backlog = Backlog()
-    hand_ons = HandOns(answers)
+    handoffs = Handoffs(answers)
     session = FakeSession()
-    futures = [await watched(hand_ons, f"r{i}", session) for i in range(3)]
-    hand_ons.settle_all()
+    futures = [await watched(handoffs, f"r{i}", session) for i in range(3)]
+    handoffs.settle_all()
     assert all(f.cancelled() for f in futures) and sorted(session.settled) == ["r0", "r1", "r2"]
-    assert len(hand_ons) == 0 and await answers_now(answers) == []
-
-
-def test_the_frontend_learns_a_routers_migration_limit_only_from_answers_that_chose_a_worker():
-    # a hand-on needs the limit before any answer: a relay answer (which carries none) must not
-    # turn it to 0, or a handed-on request whose worker breaks would fail instead of moving on
-    from kvmesh.frontend.router_client import RouterClient
-
-    routers = RouterClient(fixed_address="127.0.0.1:1")
-    routers.note_route("r:1", router_pb2.RouteResponse(worker_id=1, worker_address="w:1", migration_limit=3))
-    routers.note_route("r:1", router_pb2.RouteResponse(relay=True, router_id="r"))
-    assert routers.migration_limits == {"r:1": 3}
+    assert len(handoffs) == 0 and await answers_now(answers) == []
