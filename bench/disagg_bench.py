@@ -31,9 +31,9 @@ from pathlib import Path
 import httpx
 
 from bench.live_load import run_load
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.runtime import connect_nats
-from kvmesh.up import MeshProcess
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.process import connect_nats
+from kvmesh.devtools.mesh_process import MeshProcess
 from kvmesh.worker.kv_buffer import KvBuffer
 from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer
 from kvmesh.worker.nixl_agent import NixlAgent, nixl_available

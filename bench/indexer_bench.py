@@ -22,15 +22,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvmesh.common import names
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.hashing import sequence_hashes
-from kvmesh.common.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, encode_batch
-from kvmesh.common.nats_server import EmbeddedNatsServer
-from kvmesh.common.prefix_index import PrefixIndex
+from kvmesh.common.core.prefix_index import PrefixIndex
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
-from kvmesh.common.runtime import connect_nats
-from kvmesh.common.streams import ensure_kv_events_stream
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
+from kvmesh.common.runtime.nats_server import EmbeddedNatsServer
+from kvmesh.common.runtime.process import connect_nats
+from kvmesh.common.wire import names
+from kvmesh.common.wire.hashing import sequence_hashes
+from kvmesh.common.wire.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, encode_batch
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.indexer.consumer import EventStreamConsumer
 

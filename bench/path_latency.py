@@ -21,11 +21,11 @@ import grpc
 import httpx
 import nats
 
-from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.core.tiny_model import MODEL_DIR, MODEL_NAME
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
-from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.devtools.mesh_process import MeshProcess
 from kvmesh.frontend.tokenizer import ModelTokenizer
-from kvmesh.up import MeshProcess
 
 MAX_TOKENS = 4
 

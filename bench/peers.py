@@ -45,8 +45,8 @@ from pathlib import Path
 
 from bench.processes import start_in_session, stop_sessions
 from bench.serving_cpu import command_lines, cpu_seconds
-from kvmesh.common.ports import free_port, process_tree
-from kvmesh.up import MeshProcess
+from kvmesh.common.runtime.ports import free_port, process_tree
+from kvmesh.devtools.mesh_process import MeshProcess
 
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
 LOADGEN = PEERS / "loadgen.py"

@@ -21,8 +21,8 @@ import statistics
 import time
 
 from kvmesh.client import RouterApi
-from kvmesh.common.ports import pid_listening_on
-from kvmesh.up import MeshProcess
+from kvmesh.common.runtime.ports import pid_listening_on
+from kvmesh.devtools.mesh_process import MeshProcess
 from tests.support import discovered
 
 KILL_AFTER_TOKENS = 5

@@ -10,7 +10,7 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
-from kvmesh.common.child_process import ending_with_parent
+from kvmesh.common.runtime.child_process import ending_with_parent
 
 
 def start_in_session(argv: Sequence[str], **popen: Any) -> subprocess.Popen[bytes]:

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 from kvmesh.client import RouterApi
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.hashing import local_block_hashes, sequence_hashes
-from kvmesh.common.nats_server import EmbeddedNatsServer
-from kvmesh.common.runtime import connect_nats
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.nats_server import EmbeddedNatsServer
+from kvmesh.common.runtime.process import connect_nats
+from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
 from kvmesh.router.policy import RoutingPolicy
 from kvmesh.router.scheduler import make_cost_model
 

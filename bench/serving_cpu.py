@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench.stream_load import add_load_arguments
-from kvmesh.common.ports import process_tree
+from kvmesh.common.runtime.ports import process_tree
 
 LOADGEN = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "loadgen.py"
 SERVICES = ("kvmesh.frontend", "kvmesh.router", "kvmesh.indexer", "kvmesh.worker", "nats-server")

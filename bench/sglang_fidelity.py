@@ -38,7 +38,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.processes import start_in_session, stop_sessions
-from kvmesh.common.hashing import token_bytes
+from kvmesh.common.wire.hashing import token_bytes
 from kvmesh.router.cache_aware import MISS_POLICIES, CacheAwareOptions, CacheAwareSelector
 
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"

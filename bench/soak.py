@@ -21,7 +21,7 @@ from pathlib import Path
 
 import openai
 
-from kvmesh.up import MeshProcess
+from kvmesh.devtools.mesh_process import MeshProcess
 
 SERVICES = ("frontend", "router", "indexer", "worker", "nats-server")
 

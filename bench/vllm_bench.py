@@ -23,7 +23,7 @@ import re
 import httpx
 
 from bench.live_load import run_load
-from kvmesh.up import MeshProcess
+from kvmesh.devtools.mesh_process import MeshProcess
 from tests.support import discovered
 
 ENGINE_ARGS = ["--block-size", "32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.5", "--enforce-eager"]

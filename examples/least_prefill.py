@@ -14,7 +14,7 @@ import argparse
 import asyncio
 
 from kvmesh.client import RouterApi
-from kvmesh.common.tiny_model import MODEL_DIR
+from kvmesh.common.core.tiny_model import MODEL_DIR
 from kvmesh.frontend.tokenizer import ModelTokenizer
 
 

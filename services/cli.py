@@ -6,7 +6,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from kvmesh.common.grpc_io import choose_grpc_io
+from kvmesh.common.rpc.grpc_io import choose_grpc_io
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kvmesh.up", "start a whole mesh on this machine (NATS, indexer, router, workers, frontend)"),
@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("kvmesh.profiler.cli", "measure an engine's prefill and decode times into a profile for the planner"),
     "planner": ("kvmesh.planner.cli", "the SLA planner: `kvmesh planner history` prints its recent decisions"),
     "bench": ("kvmesh.loadgen.cli", "load an OpenAI-compatible endpoint and report latency, throughput, cache hits"),
-    "gen-protos": ("kvmesh.common.protogen", "regenerate the Python gRPC code from protos/"),
+    "gen-protos": ("kvmesh.devtools.protogen", "regenerate the Python gRPC code from protos/"),
     "build-tiny-model": (
         "kvmesh.worker.tiny_llama",
         "build the random-weight kvmesh-tiny Llama for `kvmesh worker --engine vllm --model DIR`",

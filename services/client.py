@@ -7,7 +7,7 @@
 
 ``best_worker`` and ``potential_loads`` ask without routing anything (like Dynamo's KvPushRouter);
 ``generate`` / ``complete`` serve a request on the one request path (the router plans it and hands
-it on; the answer streams from the worker, :mod:`kvmesh.common.request_path`), optionally forced to
+it on; the answer streams from the worker, :mod:`kvmesh.common.calling.request_path`), optionally forced to
 one worker. Errors arrive as :class:`RouterApiError` with the gRPC status code.
 """
 
@@ -21,15 +21,15 @@ from types import TracebackType
 
 import grpc
 
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.finish_reasons import finish_name
-from kvmesh.common.grpc_server import channel_to
+from kvmesh.common.calling.request_path import RequestPath
+from kvmesh.common.calling.router_client import RouterClient
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from kvmesh.common.request_path import RequestPath
-from kvmesh.common.router_client import RouterClient
-from kvmesh.common.run_file import default_namespace, resolve_nats_url
-from kvmesh.common.runtime import connect_nats
-from kvmesh.common.status_error import StatusError
+from kvmesh.common.rpc.grpc_server import channel_to
+from kvmesh.common.rpc.status_error import StatusError
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.process import connect_nats
+from kvmesh.common.runtime.run_file import default_namespace, resolve_nats_url
+from kvmesh.common.wire.finish_reasons import finish_name
 
 
 class RouterApiError(StatusError):

@@ -14,9 +14,7 @@ from typing import Any
 import grpc
 import nats.js.errors
 
-from kvmesh.common import names
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.grpc_server import channel_to
+from kvmesh.common.core.timing import from_constants
 from kvmesh.common.proto.kvmesh.v1 import (
     indexer_pb2,
     indexer_pb2_grpc,
@@ -25,10 +23,12 @@ from kvmesh.common.proto.kvmesh.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from kvmesh.common.run_file import default_namespace, resolve_nats_url
-from kvmesh.common.runtime import NATS_CONNECT_TIMEOUT_ENV, connect_nats
-from kvmesh.common.structured_logging import configure_logging
-from kvmesh.common.timing import from_constants
+from kvmesh.common.rpc.grpc_server import channel_to
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.process import NATS_CONNECT_TIMEOUT_ENV, connect_nats
+from kvmesh.common.runtime.run_file import default_namespace, resolve_nats_url
+from kvmesh.common.runtime.structured_logging import configure_logging
+from kvmesh.common.wire import names
 
 
 async def _instances(nats_url: str, namespace: str, component: str):

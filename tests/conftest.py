@@ -11,8 +11,8 @@ import nats
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.nats_server import EmbeddedNatsServer
-from kvmesh.common.ports import free_port
+from kvmesh.common.runtime.nats_server import EmbeddedNatsServer
+from kvmesh.common.runtime.ports import free_port
 from tests import leaks
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import grpc
 
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.hashing import block_set_digest
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.wire.hashing import block_set_digest
 
 __all__ = ["as_truth", "converged", "truth", "view"]
 

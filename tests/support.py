@@ -18,11 +18,11 @@ from typing import Any, TypeVar
 import nats
 import openai
 
-from kvmesh.common.config import parse_config
-from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
-from kvmesh.common.ports import free_port
+from kvmesh.common.core.tiny_model import MODEL_DIR
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
-from kvmesh.common.tiny_model import MODEL_DIR
+from kvmesh.common.runtime.config import parse_config
+from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
+from kvmesh.common.runtime.ports import free_port
 
 __all__ = [
     "StreamedAnswer",
@@ -229,8 +229,8 @@ async def router_generate(
     """Every output of one request served on the request path through the router at
     ``router_address`` (``worker_id``: send it there; ``on_output``: told of each output as it
     comes; ``stop``: more ``StopConditions`` fields). Raises ``grpc.aio.AioRpcError`` as the path does."""
-    from kvmesh.common.request_path import RequestPath
-    from kvmesh.common.router_client import RouterClient
+    from kvmesh.common.calling.request_path import RequestPath
+    from kvmesh.common.calling.router_client import RouterClient
 
     request = common_pb2.PreprocessedRequest(request_id=request_id, token_ids=prompt)
     request.stop.max_tokens = max_tokens

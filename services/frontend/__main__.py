@@ -1,4 +1,4 @@
-from kvmesh.common.grpc_io import choose_grpc_io
+from kvmesh.common.rpc.grpc_io import choose_grpc_io
 
 choose_grpc_io()  # before the service imports gRPC, as the kvmesh command does (docs/decisions/0025)
 

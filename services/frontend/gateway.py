@@ -1,5 +1,5 @@
 """The frontend's core: turns an OpenAI request into a request on the mesh
-(:class:`~kvmesh.common.request_path.RequestPath`) and its outputs into text pieces."""
+(:class:`~kvmesh.common.calling.request_path.RequestPath`) and its outputs into text pieces."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvmesh.common.finish_reasons import finish_name
+from kvmesh.common.calling.request_path import RequestPath
+from kvmesh.common.calling.router_client import NoRouterError
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
-from kvmesh.common.request_path import RequestPath
-from kvmesh.common.router_client import NoRouterError
+from kvmesh.common.wire.finish_reasons import finish_name
 from kvmesh.frontend.errors import (
     BadRequestError,
     ModelNotFoundError,

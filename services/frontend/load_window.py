@@ -10,8 +10,8 @@ from collections.abc import Callable
 import structlog
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common import names
-from kvmesh.common.load_report import LoadReport, RequestSample
+from kvmesh.common.wire import names
+from kvmesh.common.wire.frontend_load import LoadReport, RequestSample
 
 log = structlog.get_logger(__name__)
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from kvmesh.common.heap import freeze_startup_heap
-from kvmesh.common.request_path import RequestPath
-from kvmesh.common.router_client import RouterClient
-from kvmesh.common.service import ServiceStack, service_main
+from kvmesh.common.calling.request_path import RequestPath
+from kvmesh.common.calling.router_client import RouterClient
+from kvmesh.common.runtime.heap import freeze_startup_heap
+from kvmesh.common.runtime.service import ServiceStack, service_main
 from kvmesh.frontend.admission import read_api_keys
 from kvmesh.frontend.app import create_app
 from kvmesh.frontend.config import FrontendConfig

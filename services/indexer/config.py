@@ -4,17 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.common.config import GrpcEndpointConfig, option
+from kvmesh.common.runtime.config import GrpcEndpointConfig, option
 
 
 @dataclass
-class IndexerConfig(GrpcEndpointConfig):
+class SnapshotOptions:
+    """When an indexer replica snapshots, declared once: ``kvmesh indexer`` and ``kvmesh up`` take it."""
+
+    router_snapshot_threshold: int = option(
+        1_000_000, "take a snapshot and purge once the event stream holds more messages than this"
+    )
+
+
+@dataclass
+class IndexerConfig(GrpcEndpointConfig, SnapshotOptions):
     kv_events_max_age: float = option(
         3600.0, "seconds the KV event stream keeps a message, if this process creates the stream"
     )
     replica_id: str = option("0", "stable replica name; its durable consumer is `indexer-<replica-id>`")
     router_reset_states: bool = option(False, "start clean: ignore the snapshot, drop this replica's durable consumer")
-    router_snapshot_threshold: int = option(
-        1_000_000, "take a snapshot and purge once the event stream holds more messages than this"
-    )
     snapshot_check_interval: float = option(5.0, "seconds between checks of the stream size")

@@ -30,10 +30,10 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from kvmesh.common import names
-from kvmesh.common.kv_events import EventDecodeError, decode_batch
-from kvmesh.common.prefix_index import PrefixIndex
-from kvmesh.common.runtime import cancel_and_wait
+from kvmesh.common.core.prefix_index import PrefixIndex
+from kvmesh.common.rpc.tasks import cancel_and_wait
+from kvmesh.common.wire import names
+from kvmesh.common.wire.kv_events import EventDecodeError, decode_batch
 from kvmesh.indexer.standing_pull import StandingPull
 
 log = structlog.get_logger(__name__)

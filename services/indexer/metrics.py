@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvmesh.common.prefix_index import PrefixIndex
+from kvmesh.common.core.prefix_index import PrefixIndex
 
 
 class IndexerState:

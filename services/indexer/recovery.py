@@ -13,11 +13,11 @@ import asyncio
 import grpc
 import structlog
 
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.grpc_server import channel_to
-from kvmesh.common.prefix_index import DumpedBlock, PrefixIndex, WorkerKey
+from kvmesh.common.core.prefix_index import DumpedBlock, PrefixIndex, WorkerKey
 from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from kvmesh.common.runtime import cancel_and_wait
+from kvmesh.common.rpc.grpc_server import channel_to
+from kvmesh.common.rpc.tasks import cancel_and_wait
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
 
 log = structlog.get_logger(__name__)
 

@@ -16,16 +16,16 @@ import structlog
 from nats.js import JetStreamContext
 from prometheus_client import Histogram
 
-from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
-from kvmesh.common.grpc_errors import refuse
-from kvmesh.common.hashing import block_set_digest, sequence_hashes
-from kvmesh.common.heap import freeze_startup_heap
-from kvmesh.common.kv_events import POOL_DP_RANK
-from kvmesh.common.metrics import MetricsEndpoint
-from kvmesh.common.prefix_index import PrefixIndex
+from kvmesh.common.core.prefix_index import PrefixIndex
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
-from kvmesh.common.service import ServiceStack, service_main
-from kvmesh.common.streams import ensure_kv_events_stream
+from kvmesh.common.rpc.grpc_errors import refuse
+from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
+from kvmesh.common.runtime.heap import freeze_startup_heap
+from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
+from kvmesh.common.runtime.metrics import MetricsEndpoint
+from kvmesh.common.runtime.service import ServiceStack, service_main
+from kvmesh.common.wire.hashing import block_set_digest, sequence_hashes
+from kvmesh.common.wire.kv_events import POOL_DP_RANK
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.indexer.consumer import EventStreamConsumer

@@ -30,9 +30,9 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
 
-from kvmesh.common import names
-from kvmesh.common.kv_events import DEVICE_TIER
-from kvmesh.common.prefix_index import UNKNOWN_PARENT, PrefixIndex
+from kvmesh.common.core.prefix_index import UNKNOWN_PARENT, PrefixIndex
+from kvmesh.common.wire import names
+from kvmesh.common.wire.kv_events import DEVICE_TIER
 from kvmesh.indexer.metrics import IndexerState
 
 log = structlog.get_logger(__name__)

@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import Header
 
-from kvmesh.common.runtime import cancel_and_wait
+from kvmesh.common.rpc.tasks import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import openai
 
-from kvmesh.common.run_file import default_namespace, read_run_record
-from kvmesh.common.structured_logging import configure_logging
-from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
+from kvmesh.common.core.tiny_model import MODEL_DIR, MODEL_NAME
+from kvmesh.common.runtime.run_file import default_namespace, read_run_record
+from kvmesh.common.runtime.structured_logging import configure_logging
 from kvmesh.frontend.tokenizer import ModelTokenizer
 from kvmesh.loadgen.report import build_report, compare, write_outputs
 from kvmesh.loadgen.runner import LoadRunner

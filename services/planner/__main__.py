@@ -1,6 +1,6 @@
 """``python -m kvmesh.planner`` runs the planner service (``kvmesh planner run``)."""
 
-from kvmesh.common.grpc_io import choose_grpc_io
+from kvmesh.common.rpc.grpc_io import choose_grpc_io
 
 choose_grpc_io()  # before the planner imports gRPC, as the kvmesh command does (docs/decisions/0025)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvmesh.common.engine_profile import EngineProfile
+from kvmesh.common.core.engine_profile import EngineProfile
 from kvmesh.planner.load import LoadForecast
 
 MAX_UTILISATION = 0.95  # beyond this the queue model says "unbounded": never plan for it

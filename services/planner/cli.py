@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from kvmesh.common.run_file import default_namespace, read_run_record
+from kvmesh.common.runtime.run_file import default_namespace, read_run_record
 from kvmesh.planner.state import PlannerState, StoredStep
 
 DEFAULT_STATE_DB = Path("kvmesh-planner.sqlite")
@@ -55,7 +55,7 @@ async def read_history(path: Path, limit: int) -> list[StoredStep]:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["run"]:
-        from kvmesh.common.service import service_main
+        from kvmesh.common.runtime.service import service_main
         from kvmesh.planner.service import PlannerConfig, serve
 
         service_main(

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common import names
+from kvmesh.common.wire import names
 from kvmesh.planner.planner import POOLS, PoolSizes
 
 CONNECTORS = ("local", "compose", "no-operation")

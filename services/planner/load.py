@@ -6,9 +6,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.common.load_report import RequestSample
-from kvmesh.common.stats import percentile
-from kvmesh.common.worker_load import WorkerLoad
+from kvmesh.common.core.stats import percentile
+from kvmesh.common.wire.frontend_load import RequestSample
+from kvmesh.common.wire.worker_load import WorkerLoad
 
 
 @dataclass(frozen=True)

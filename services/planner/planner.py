@@ -21,8 +21,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from kvmesh.common.config import ConfigError, option
-from kvmesh.common.engine_profile import EngineProfile
+from kvmesh.common.core.engine_profile import EngineProfile
+from kvmesh.common.runtime.config import ConfigError, option
 from kvmesh.planner import capacity
 from kvmesh.planner.load import IntervalObservation, LoadForecast
 from kvmesh.planner.predictors import PREDICTORS, Predictor, make_predictor

@@ -20,14 +20,14 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from kvmesh.common import names
-from kvmesh.common.config import CommonConfig, ConfigError, option
-from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
-from kvmesh.common.engine_profile import EngineProfile, ProfileError
-from kvmesh.common.load_report import LoadReport, LoadReportError
-from kvmesh.common.run_file import resolve_nats_url
-from kvmesh.common.service import ServiceStack
-from kvmesh.common.worker_load import RouterLoadReport, WorkerLoad, WorkerLoadError, merge_router_reports
+from kvmesh.common.core.engine_profile import EngineProfile, ProfileError
+from kvmesh.common.runtime.config import CommonConfig, ConfigError, option
+from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
+from kvmesh.common.runtime.run_file import resolve_nats_url
+from kvmesh.common.runtime.service import ServiceStack
+from kvmesh.common.wire import names
+from kvmesh.common.wire.frontend_load import LoadReport, LoadReportError
+from kvmesh.common.wire.worker_load import RouterLoadReport, WorkerLoad, WorkerLoadError, merge_router_reports
 from kvmesh.planner.connectors import CONNECTORS, ConnectorError, make_connector
 from kvmesh.planner.load import observe_interval
 from kvmesh.planner.planner import POOLS, Decision, Planner, PlannerOptions, PoolSizes

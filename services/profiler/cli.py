@@ -8,9 +8,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvmesh.common.engine_profile import EngineProfile, ProfileError
-from kvmesh.common.structured_logging import configure_logging
-from kvmesh.common.timing import TimingModel
+from kvmesh.common.core.engine_profile import EngineProfile, ProfileError
+from kvmesh.common.core.timing import TimingModel
+from kvmesh.common.runtime.structured_logging import configure_logging
 from kvmesh.profiler.live import profile_worker
 from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.worker.mock_engine import EngineConfig

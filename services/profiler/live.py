@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import grpc
 
-from kvmesh.common.engine_profile import DecodePoint, EngineProfile, PrefillPoint
-from kvmesh.common.grpc_server import channel_to
+from kvmesh.common.core.engine_profile import DecodePoint, EngineProfile, PrefillPoint
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.common.rpc.grpc_server import channel_to
 
 PREFILL_TOKENS = (128, 512, 1024, 2048, 4096, 8192)
 CONCURRENCY = (1, 4, 16)

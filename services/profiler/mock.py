@@ -6,8 +6,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from kvmesh.common.engine_profile import DecodePoint, EngineProfile, PrefillPoint
-from kvmesh.common.timing import TimingModel
+from kvmesh.common.core.engine_profile import DecodePoint, EngineProfile, PrefillPoint
+from kvmesh.common.core.timing import TimingModel
 from kvmesh.worker.engine import EngineRequestSpec
 from kvmesh.worker.mock_engine import EngineConfig, MockEngine
 

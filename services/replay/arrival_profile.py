@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvmesh.common.config import ConfigError
+from kvmesh.common.runtime.config import ConfigError
 
 PROFILES = ("sine", "step")
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvmesh.common.config import build_parser, option, parse_config
-from kvmesh.common.engine_profile import EngineProfile, ProfileError
-from kvmesh.common.structured_logging import configure_logging
+from kvmesh.common.core.engine_profile import EngineProfile, ProfileError
+from kvmesh.common.runtime.config import build_parser, option, parse_config
+from kvmesh.common.runtime.structured_logging import configure_logging
 from kvmesh.planner.planner import Planner
 from kvmesh.planner.state import PlannerState
 from kvmesh.profiler.mock import profile_mock_engine

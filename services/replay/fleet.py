@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.common.worker_load import WorkerLoad
+from kvmesh.common.wire.worker_load import WorkerLoad
 from kvmesh.planner.load import IntervalObservation, observe_interval
 from kvmesh.planner.planner import POOLS
 

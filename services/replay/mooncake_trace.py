@@ -14,7 +14,7 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.common.hashing import local_block_hashes
+from kvmesh.common.wire.hashing import local_block_hashes
 
 
 class TraceError(ValueError):

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.common.stats import percentile
+from kvmesh.common.core.stats import percentile
 from kvmesh.planner.load import met_targets
 
 if TYPE_CHECKING:  # the simulator imports the planner, which this module imports too

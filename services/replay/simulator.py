@@ -25,13 +25,13 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from kvmesh.common.config import ConfigError, option
-from kvmesh.common.hashing import sequence_hashes, token_bytes
-from kvmesh.common.kv_events import KvEvent, KvEventBatch
-from kvmesh.common.load_report import RequestSample
-from kvmesh.common.prefix_index import PrefixIndex
-from kvmesh.common.timing import TimingModel, scaled
-from kvmesh.common.timing_fit import TimingFit
+from kvmesh.common.core.prefix_index import PrefixIndex
+from kvmesh.common.core.timing import TimingModel, scaled
+from kvmesh.common.core.timing_fit import TimingFit
+from kvmesh.common.runtime.config import ConfigError, option
+from kvmesh.common.wire.frontend_load import RequestSample
+from kvmesh.common.wire.hashing import sequence_hashes, token_bytes
+from kvmesh.common.wire.kv_events import KvEvent, KvEventBatch
 from kvmesh.planner.load import IntervalObservation
 from kvmesh.planner.planner import POOLS, Decision, Planner, PlannerOptions, PoolSizes
 from kvmesh.replay.arrival_profile import parse_arrival_profile

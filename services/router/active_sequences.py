@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.common.hashing import blocks_needed
-from kvmesh.common.worker_key import WorkerKey
-from kvmesh.common.worker_load import WorkerLoad
+from kvmesh.common.wire.hashing import blocks_needed
+from kvmesh.common.wire.worker_key import WorkerKey
+from kvmesh.common.wire.worker_load import WorkerLoad
 
 
 @dataclass(slots=True)

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-from kvmesh.common.kv_events import BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, StoredBlock
-from kvmesh.common.prefix_index import PrefixIndex
-from kvmesh.common.worker_key import WorkerKey
+from kvmesh.common.core.prefix_index import PrefixIndex
+from kvmesh.common.wire.kv_events import BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, StoredBlock
+from kvmesh.common.wire.worker_key import WorkerKey
 
 
 class ApproximateIndex:

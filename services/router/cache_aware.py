@@ -29,7 +29,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.common.worker_key import WorkerKey
+from kvmesh.common.wire.worker_key import WorkerKey
 
 TOKEN_BYTES = 4  # the tree's byte strings hold token ids as little-endian uint32 (hashing.token_bytes)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.common.config import ConfigError, GrpcEndpointConfig, option
+from kvmesh.common.runtime.config import ConfigError, GrpcEndpointConfig, option
 from kvmesh.router.cache_aware import MISS_POLICIES, CacheAwareOptions
 from kvmesh.router.policy import POLICY_MODES
 from kvmesh.router.scheduler import COST_MODELS

@@ -5,7 +5,7 @@ When the router splits a request it sends the prefill half to the prefill worker
 request; the answer streams from the decode worker to the frontend. The router holds each
 prefill job until the frontend reports the request's end, and learns where the decode worker got
 the prompt's KV from the frontend's first-token report (the decode worker's
-:class:`~kvmesh.common.disagg.KvSource`).
+:class:`~kvmesh.common.wire.disagg.KvSource`).
 
 Two ways to meet, chosen by the prefill worker's engine, not by a user: the *bootstrap* path (the
 mock engine: the decode half carries the rendezvous at once and pulls the KV when the prefill has
@@ -21,10 +21,10 @@ import asyncio
 import grpc
 import structlog
 
-from kvmesh.common import disagg
-from kvmesh.common.channels import ChannelPool
-from kvmesh.common.disagg import DecodeOrder, DisaggParamsError, KvSource
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
+from kvmesh.common.rpc.channels import ChannelPool
+from kvmesh.common.wire import disagg
+from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvSource
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_job import PrefillJob, RemotePrefill, bootstrap_order, decode_request, prefill_request
 from kvmesh.router.routing import Router, RoutingError

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import grpc
 
-from kvmesh.common.backlog import Backlog
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
-from kvmesh.common.stream_sessions import StreamSession
+from kvmesh.common.rpc.backlog import Backlog
+from kvmesh.common.rpc.stream_sessions import StreamSession
 
 REFUSED = grpc.StatusCode.FAILED_PRECONDITION.value[0]  # the worker's refusal of a handoff
 

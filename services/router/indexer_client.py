@@ -1,6 +1,6 @@
 """The router's side of the indexer's queries: ask one replica, fail over to the next.
 
-Queries go over one ``FindMatchesMany`` stream per replica (:mod:`kvmesh.common.query_streams`)
+Queries go over one ``FindMatchesMany`` stream per replica (:mod:`kvmesh.common.rpc.query_streams`)
 rather than a unary call each (docs/decisions/0024).
 """
 
@@ -13,11 +13,11 @@ from typing import NamedTuple
 
 import structlog
 
-from kvmesh.common.channels import ChannelPool
-from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc
-from kvmesh.common.query_streams import QueryKind, QueryStreamBroken, QueryStreams
-from kvmesh.common.worker_key import WorkerKey
+from kvmesh.common.rpc.channels import ChannelPool
+from kvmesh.common.rpc.query_streams import QueryKind, QueryStreamBroken, QueryStreams
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.wire.worker_key import WorkerKey
 
 log = structlog.get_logger(__name__)
 

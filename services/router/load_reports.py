@@ -8,9 +8,9 @@ import time
 import structlog
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common import names
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.worker_load import RouterLoadReport, WorkerLoad
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.wire import names
+from kvmesh.common.wire.worker_load import RouterLoadReport, WorkerLoad
 from kvmesh.router.load_tracker import LoadTracker
 
 log = structlog.get_logger(__name__)

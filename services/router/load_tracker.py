@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvmesh.common.worker_key import WorkerKey
-from kvmesh.common.worker_load import WorkerLoad
+from kvmesh.common.wire.worker_key import WorkerKey
+from kvmesh.common.wire.worker_load import WorkerLoad
 from kvmesh.router.active_sequences import ActiveSequences
 from kvmesh.router.sync_messages import ADD, FREE, PREFILL_DONE, SyncMessage
 

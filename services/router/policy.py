@@ -16,7 +16,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvmesh.common.worker_key import WorkerKey
+from kvmesh.common.wire.worker_key import WorkerKey
 from kvmesh.router.active_sequences import ActiveSequences
 from kvmesh.router.cache_aware import CacheAwareOptions, CacheAwareSelector
 from kvmesh.router.scheduler import (
@@ -114,7 +114,7 @@ class RoutingPolicy:
     ) -> Decision:
         """Pick a worker (per-request weight / temperature override the defaults when given).
 
-        Cache-aware mode needs ``tokens`` (:func:`~kvmesh.common.hashing.token_bytes` of the
+        Cache-aware mode needs ``tokens`` (:func:`~kvmesh.common.wire.hashing.token_bytes` of the
         prompt) and ``now`` (seconds); ``commit=False`` keeps it from recording the choice.
         ``moe_hosted``: per worker, the share of the request's MoE experts its cached blocks were
         computed with; in kv mode it waives that share × ``moe_score_weight`` of the worker's cost."""

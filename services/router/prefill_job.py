@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from kvmesh.common import disagg
-from kvmesh.common.disagg import DecodeOrder, DisaggParamsError, KvReady, PrefillOrder
-from kvmesh.common.discovery import InstanceRecord
-from kvmesh.common.grpc_errors import is_transport_failure
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
+from kvmesh.common.rpc.grpc_errors import is_transport_failure
+from kvmesh.common.runtime.discovery import InstanceRecord
+from kvmesh.common.wire import disagg
+from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvReady, PrefillOrder
 
 log = structlog.get_logger(__name__)
 

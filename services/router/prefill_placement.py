@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvmesh.common.worker_key import WorkerKey
+from kvmesh.common.wire.worker_key import WorkerKey
 from kvmesh.router.policy import RoutingPolicy
 
 

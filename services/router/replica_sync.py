@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import structlog
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common import names
-from kvmesh.common.runtime import cancel_and_wait
+from kvmesh.common.rpc.tasks import cancel_and_wait
+from kvmesh.common.wire import names
 from kvmesh.router.sync_messages import ADD, FREE, HEARTBEAT, PREFILL_DONE, SyncMessage
 
 log = structlog.get_logger(__name__)

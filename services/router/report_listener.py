@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import structlog
 
-from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport, decode_reports
+from kvmesh.common.wire.request_reports import END, FIRST_TOKEN, RequestReport, decode_reports
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.routing import Router
 
@@ -27,7 +27,7 @@ class ReportListener:
         self.applied = 0
 
     def apply_message(self, payload: bytes) -> list[RequestReport]:
-        """The reports of one ``RouteMany`` message (:mod:`kvmesh.common.request_reports`); returns
+        """The reports of one ``RouteMany`` message (:mod:`kvmesh.common.wire.request_reports`); returns
         them (none when the message is malformed: it is ignored whole)."""
         try:
             reports = decode_reports(payload)

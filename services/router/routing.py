@@ -18,11 +18,11 @@ from functools import cached_property
 import grpc
 import structlog
 
-from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord
-from kvmesh.common.hashing import local_block_hashes, sequence_hashes, token_bytes
+from kvmesh.common.core.timing import from_constants
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
-from kvmesh.common.status_error import StatusError
-from kvmesh.common.timing import from_constants
+from kvmesh.common.rpc.status_error import StatusError
+from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
+from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes, token_bytes
 from kvmesh.router.approximate_index import ApproximateIndex
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.eligibility import (
@@ -429,9 +429,6 @@ class Router:
         self.loads.first_token(request_id)
         if self.sync is not None:
             self.sync.prefill_completed(request_id)
-
-    def track_output(self, request_id: str, tokens: int) -> None:
-        self.loads.output(request_id, tokens)
 
     def track_free(self, request_id: str) -> None:
         self.loads.free(request_id)

@@ -28,8 +28,8 @@ from typing import Protocol
 
 import numpy as np
 
-from kvmesh.common.timing import TimingModel
-from kvmesh.common.worker_key import WorkerKey
+from kvmesh.common.core.timing import TimingModel
+from kvmesh.common.wire.worker_key import WorkerKey
 
 # From this many candidates the ttft cost is computed with numpy (measured: slower below, where the
 # arrays cost more than the loop they replace).
@@ -202,7 +202,7 @@ def ttft_costs(
 
 class PerWorkerTtftCost:
     """:class:`PredictedTtftCost` with each worker's own timing model where one is known (fitted from
-    the steps it ran, see :mod:`kvmesh.common.timing_fit`), the shared prior elsewhere — so workers
+    the steps it ran, see :mod:`kvmesh.common.core.timing_fit`), the shared prior elsewhere — so workers
     of different speeds get different costs."""
 
     name = "ttft"

@@ -10,13 +10,13 @@ from collections.abc import Sequence
 
 import structlog
 
-from kvmesh.common.channels import ChannelPool
-from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
-from kvmesh.common.heap import freeze_startup_heap
-from kvmesh.common.metrics import MetricsEndpoint
 from kvmesh.common.proto.kvmesh.v1 import router_pb2, router_pb2_grpc
-from kvmesh.common.service import ServiceStack, service_main
-from kvmesh.common.stream_sessions import StreamSessions, open_worker_stream
+from kvmesh.common.rpc.channels import ChannelPool
+from kvmesh.common.rpc.stream_sessions import StreamSessions, open_worker_stream
+from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
+from kvmesh.common.runtime.heap import freeze_startup_heap
+from kvmesh.common.runtime.metrics import MetricsEndpoint
+from kvmesh.common.runtime.service import ServiceStack, service_main
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.indexer_client import IndexerClient
 from kvmesh.router.load_reports import publish_worker_loads_forever

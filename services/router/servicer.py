@@ -5,7 +5,7 @@ the router plans it (a worker, or a prefill worker and a decode worker, :mod:`di
 counts it in the load picture and hands it on to the (decode) worker, to be served on the stream
 that frontend attached there (docs/decisions/0030). The answer streams from the worker to the
 frontend, which reports the first token and the end of each try on the same ``RouteMany`` stream
-and moves a request whose worker broke (migration lives in :mod:`kvmesh.common.request_path`).
+and moves a request whose worker broke (migration lives in :mod:`kvmesh.common.calling.request_path`).
 ``Route`` is the same decision for one request, for tools and external gRPC clients.
 """
 
@@ -17,14 +17,14 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from kvmesh.common.backlog import Backlog
-from kvmesh.common.channels import ChannelPool
-from kvmesh.common.grpc_errors import refuse
-from kvmesh.common.multiplexed import RequestContext, ending_of
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from kvmesh.common.request_reports import END, FIRST_TOKEN
-from kvmesh.common.runtime import cancel_and_wait
-from kvmesh.common.stream_sessions import StreamSessions
+from kvmesh.common.rpc.backlog import Backlog
+from kvmesh.common.rpc.channels import ChannelPool
+from kvmesh.common.rpc.grpc_errors import refuse
+from kvmesh.common.rpc.multiplexed import RequestContext, ending_of
+from kvmesh.common.rpc.stream_sessions import StreamSessions
+from kvmesh.common.rpc.tasks import cancel_and_wait
+from kvmesh.common.wire.request_reports import END, FIRST_TOKEN
 from kvmesh.router.disaggregation import Disaggregation
 from kvmesh.router.handoffs import Handoffs
 from kvmesh.router.metrics import RouterMetrics

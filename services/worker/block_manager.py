@@ -27,7 +27,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventData, MoePlacement, StoredBlock
+from kvmesh.common.wire.kv_events import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    EventData,
+    MoePlacement,
+    StoredBlock,
+)
 
 
 class OutOfBlocksError(RuntimeError):

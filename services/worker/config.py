@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.common.config import ConfigError, GrpcEndpointConfig, option
-from kvmesh.common.kv_events import parse_moe_placements
+from kvmesh.common.runtime.config import ConfigError, GrpcEndpointConfig, option
+from kvmesh.common.wire.kv_events import parse_moe_placements
 
 DEFAULT_MODEL_NAME = "kvmesh-tiny"
 # The mock engine's shape where a flag is not given (vLLM picks its own).
@@ -13,27 +13,16 @@ MOCK_DEFAULTS = {"block_size": 16, "num_gpu_blocks": 16384, "max_num_seqs": 256,
 
 
 @dataclass
-class WorkerConfig(GrpcEndpointConfig):
-    kv_events_flush_ms: float = option(
-        5.0,
-        "KV events wait up to this long for the next ones before they are published, so that one stream "
-        "message carries several engine steps' events (0: publish each step's at once)",
-    )
-    kv_events_max_age: float = option(
-        3600.0, "seconds the KV event stream keeps a message, if this process creates the stream"
-    )
+class EngineOptions:
+    """The engine options every worker of a mesh shares, declared once: ``kvmesh worker`` takes them,
+    and so does ``kvmesh up``, which hands them to each worker it starts."""
+
     engine: str = option(
         "mock",
         "inference engine: the simulated mock, or vLLM in-process (vLLM's own engine arguments such as --model, "
         "--max-model-len or --gpu-memory-utilization follow the worker's flags and go to vLLM)",
         choices=("mock", "vllm"),
     )
-    role: str = option(
-        "aggregated",
-        "worker role, part of its registration; routers never send whole requests to prefill workers",
-        choices=("aggregated", "prefill", "decode"),
-    )
-    model_name: str = option(DEFAULT_MODEL_NAME, "model name served (what clients put in `model`)")
     block_size: int | None = option(
         None, f"tokens per KV block (default: {MOCK_DEFAULTS['block_size']} for the mock, vLLM's own)"
     )
@@ -42,13 +31,38 @@ class WorkerConfig(GrpcEndpointConfig):
         f"KV blocks in the cache (default: {MOCK_DEFAULTS['num_gpu_blocks']} for the mock; vLLM sizes its own)",
         flag="--num-gpu-blocks-override",
     )
+    speedup_ratio: float = option(1.0, "divide simulated step times by this (>1 runs faster than real)")
+    num_layers: int = option(2, "model shape for the KV buffer: layers")
+    kv_transfer_backend: str = option(
+        "auto",
+        "how KV moves between prefill and decode workers: NIXL (UCX, DRAM; needs the nixl extra), "
+        "built-in TCP, or auto (NIXL when installed, for prefill and decode roles)",
+        choices=("auto", "nixl", "tcp"),
+    )
+
+
+@dataclass
+class WorkerConfig(GrpcEndpointConfig, EngineOptions):
+    kv_events_flush_ms: float = option(
+        5.0,
+        "KV events wait up to this long for the next ones before they are published, so that one stream "
+        "message carries several engine steps' events (0: publish each step's at once)",
+    )
+    kv_events_max_age: float = option(
+        3600.0, "seconds the KV event stream keeps a message, if this process creates the stream"
+    )
+    role: str = option(
+        "aggregated",
+        "worker role, part of its registration; routers never send whole requests to prefill workers",
+        choices=("aggregated", "prefill", "decode"),
+    )
+    model_name: str = option(DEFAULT_MODEL_NAME, "model name served (what clients put in `model`)")
     max_num_seqs: int | None = option(
         None, f"most sequences running at once (default: {MOCK_DEFAULTS['max_num_seqs']})"
     )
     max_num_batched_tokens: int | None = option(
         None, f"token budget of one engine step, chunked prefill (default: {MOCK_DEFAULTS['max_num_batched_tokens']})"
     )
-    speedup_ratio: float = option(1.0, "divide simulated step times by this (>1 runs faster than real)")
     kv_pool: str = option(
         "",
         "mock engine: a host KV pool directory (e.g. /dev/shm/kvmesh-pool): this worker writes every block it "
@@ -60,16 +74,9 @@ class WorkerConfig(GrpcEndpointConfig):
         "mock engine, as a mixture-of-experts model: the experts this worker hosts, layer:expert[:group] comma-"
         "separated (e.g. 0:3,1:7); its KV events tag every cached block with them",
     )
-    num_layers: int = option(2, "model shape for the KV buffer: layers")
     num_kv_heads: int = option(2, "model shape for the KV buffer: KV heads")
     head_dim: int = option(32, "model shape for the KV buffer: head dimension")
     kv_dtype_bytes: int = option(2, "model shape for the KV buffer: bytes per element")
-    kv_transfer_backend: str = option(
-        "auto",
-        "how KV moves between prefill and decode workers: NIXL (UCX, DRAM; needs the nixl extra), "
-        "built-in TCP, or auto (NIXL when installed, for prefill and decode roles)",
-        choices=("auto", "nixl", "tcp"),
-    )
     kv_transfer_port: int = option(0, "port of the KV transfer server (0: a free port, advertised in discovery)")
     kv_transfer_timeout_secs: float = option(
         30.0, "decode side: longest wait for a prefill's KV (rendezvous plus transfer) before prefilling locally"

@@ -16,8 +16,8 @@ import grpc
 import msgpack
 import structlog
 
-from kvmesh.common.disagg import DecodeOrder, KvReady, KvSource, PrefillOrder
-from kvmesh.common.status_error import StatusError
+from kvmesh.common.rpc.status_error import StatusError
+from kvmesh.common.wire.disagg import DecodeOrder, KvReady, KvSource, PrefillOrder
 from kvmesh.worker.engine import EngineRequestSpec, TokenOutput, TokenQueue
 from kvmesh.worker.vllm_engine import VllmEngine
 

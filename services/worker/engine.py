@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from kvmesh.common.finish_reasons import FinishReason
-from kvmesh.common.hashing import token_array
+from kvmesh.common.core.timing import TimingModel
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
-from kvmesh.common.requests import DEFAULT_MAX_TOKENS
-from kvmesh.common.timing import TimingModel
+from kvmesh.common.wire.finish_reasons import FinishReason
+from kvmesh.common.wire.hashing import token_array
+from kvmesh.common.wire.requests import DEFAULT_MAX_TOKENS
 
 
 class EngineRequestError(ValueError):

@@ -10,9 +10,9 @@ from typing import Any
 
 import structlog
 
-from kvmesh.common.runtime import cancel_and_wait
-from kvmesh.common.timing import TimingModel, real_time
-from kvmesh.common.timing_fit import TimingFit
+from kvmesh.common.core.timing import TimingModel, real_time
+from kvmesh.common.core.timing_fit import TimingFit
+from kvmesh.common.rpc.tasks import cancel_and_wait
 from kvmesh.worker.engine import (
     CachedBlock,
     Engine,

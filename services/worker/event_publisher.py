@@ -10,9 +10,9 @@ from collections.abc import Iterable
 import structlog
 from nats.js import JetStreamContext
 
-from kvmesh.common import names
-from kvmesh.common.kv_events import DEVICE_TIER, EventData, KvEvent, KvEventBatch, encode_batch
-from kvmesh.common.runtime import cancel_and_wait
+from kvmesh.common.rpc.tasks import cancel_and_wait
+from kvmesh.common.wire import names
+from kvmesh.common.wire.kv_events import DEVICE_TIER, EventData, KvEvent, KvEventBatch, encode_batch
 
 log = structlog.get_logger(__name__)
 

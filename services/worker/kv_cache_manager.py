@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvmesh.common.hashing import blocks_needed, hash_block_tokens, local_block_hashes, lora_seed, sequence_hashes
-from kvmesh.common.kv_events import EventData, MoePlacement
+from kvmesh.common.wire.hashing import blocks_needed, hash_block_tokens, local_block_hashes, lora_seed, sequence_hashes
+from kvmesh.common.wire.kv_events import EventData, MoePlacement
 from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.engine import EngineRequestError, TransferPlan, transferable_blocks
 from kvmesh.worker.kv_buffer import KvBuffer

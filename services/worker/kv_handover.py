@@ -15,8 +15,8 @@ from typing import Any, Protocol
 import grpc
 import structlog
 
-from kvmesh.common.disagg import DecodeOrder, KvReady, KvSource, PrefillOrder
-from kvmesh.common.status_error import StatusError
+from kvmesh.common.rpc.status_error import StatusError
+from kvmesh.common.wire.disagg import DecodeOrder, KvReady, KvSource, PrefillOrder
 from kvmesh.worker.engine import Engine, EngineRequestSpec, TokenOutput, TokenQueue, transferable_blocks
 from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, TransferError, TransferStats
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvmesh.common.timing import as_constants
+from kvmesh.common.core.timing import as_constants
 from kvmesh.worker.engine import Engine
 from kvmesh.worker.event_publisher import KvEventPublisher
 from kvmesh.worker.kv_transfer import KvTransferServer, TransferStats

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from kvmesh.common.finish_reasons import FinishReason
-from kvmesh.common.hashing import blocks_needed, hash_block_tokens
-from kvmesh.common.kv_events import EventData, MoePlacement
-from kvmesh.common.timing import TimingModel
+from kvmesh.common.core.timing import TimingModel
+from kvmesh.common.wire.finish_reasons import FinishReason
+from kvmesh.common.wire.hashing import blocks_needed, hash_block_tokens
+from kvmesh.common.wire.kv_events import EventData, MoePlacement
 from kvmesh.worker.block_manager import BlockManager, KvBlock
 from kvmesh.worker.engine import (
     EngineRequestError,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.common.kv_events import IN_TRANSIT_TIER, BlocksRemoved, BlocksStored, EventData, StoredBlock
+from kvmesh.common.wire.kv_events import IN_TRANSIT_TIER, BlocksRemoved, BlocksStored, EventData, StoredBlock
 from kvmesh.worker.engine import CachedBlock
 from kvmesh.worker.event_publisher import KvEventPublisher
 from kvmesh.worker.kv_cache_manager import KvCacheManager

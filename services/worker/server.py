@@ -10,15 +10,15 @@ from pathlib import Path
 
 import structlog
 
-from kvmesh.common.config import advertised_host
-from kvmesh.common.discovery import Registration, new_instance_id
-from kvmesh.common.heap import freeze_startup_heap
-from kvmesh.common.kv_events import POOL_DP_RANK, POOLED_TIER, parse_moe_placements
-from kvmesh.common.metrics import MetricsEndpoint
+from kvmesh.common.core.timing import TimingModel, as_constants
 from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from kvmesh.common.service import ServiceStack, service_main
-from kvmesh.common.streams import ensure_kv_events_stream
-from kvmesh.common.timing import TimingModel, as_constants
+from kvmesh.common.runtime.config import advertised_host
+from kvmesh.common.runtime.discovery import Registration, new_instance_id
+from kvmesh.common.runtime.heap import freeze_startup_heap
+from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
+from kvmesh.common.runtime.metrics import MetricsEndpoint
+from kvmesh.common.runtime.service import ServiceStack, service_main
+from kvmesh.common.wire.kv_events import POOL_DP_RANK, POOLED_TIER, parse_moe_placements
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.connector_handover import ConnectorHandover
 from kvmesh.worker.engine import Engine

@@ -1,8 +1,8 @@
 """``kvmesh.v1.Worker`` over gRPC, in front of any :class:`Engine`.
 
-A request may carry ``disaggregated_params`` (:mod:`kvmesh.common.disagg`): a
-:class:`~kvmesh.common.disagg.PrefillOrder` makes this worker prefill and then hold the prompt's KV
-for a decode worker; a :class:`~kvmesh.common.disagg.DecodeOrder` makes it pull the prompt's KV from
+A request may carry ``disaggregated_params`` (:mod:`kvmesh.common.wire.disagg`): a
+:class:`~kvmesh.common.wire.disagg.PrefillOrder` makes this worker prefill and then hold the prompt's KV
+for a decode worker; a :class:`~kvmesh.common.wire.disagg.DecodeOrder` makes it pull the prompt's KV from
 a prefill worker before decoding (see :mod:`~kvmesh.worker.kv_handover`).
 """
 
@@ -14,14 +14,14 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from kvmesh.common import disagg
-from kvmesh.common.disagg import DecodeOrder, DisaggParamsError, KvSource, PrefillOrder
-from kvmesh.common.finish_reasons import to_proto
-from kvmesh.common.grpc_errors import refuse
-from kvmesh.common.kv_events import POOL_DP_RANK
-from kvmesh.common.multiplexed import Attachments, RequestMultiplexer
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from kvmesh.common.status_error import StatusError
+from kvmesh.common.rpc.grpc_errors import refuse
+from kvmesh.common.rpc.multiplexed import Attachments, RequestMultiplexer
+from kvmesh.common.rpc.status_error import StatusError
+from kvmesh.common.wire import disagg
+from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvSource, PrefillOrder
+from kvmesh.common.wire.finish_reasons import to_proto
+from kvmesh.common.wire.kv_events import POOL_DP_RANK
 from kvmesh.worker.engine import (
     Engine,
     EngineFailure,

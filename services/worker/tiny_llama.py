@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvmesh.common.tiny_model import MODEL_DIR, SPECIAL_TOKENS, build_tokenizer
+from kvmesh.common.core.tiny_model import MODEL_DIR, SPECIAL_TOKENS, build_tokenizer
 
 SEED = 0
 # Wider than Hugging Face's default initialisation (0.02), whose near-flat logits make greedy decoding

@@ -24,11 +24,11 @@ from typing import Any
 
 import structlog
 
-from kvmesh.common.finish_reasons import FinishReason
-from kvmesh.common.kv_events import EventData
-from kvmesh.common.ports import free_port
-from kvmesh.common.timing import TimingModel
-from kvmesh.common.timing_fit import TimingFit
+from kvmesh.common.core.timing import TimingModel
+from kvmesh.common.core.timing_fit import TimingFit
+from kvmesh.common.runtime.ports import free_port
+from kvmesh.common.wire.finish_reasons import FinishReason
+from kvmesh.common.wire.kv_events import EventData
 from kvmesh.worker import tiny_llama
 from kvmesh.worker.engine import (
     CachedBlock,

@@ -23,8 +23,8 @@ from typing import Any
 import msgpack
 import structlog
 
-from kvmesh.common.hashing import hash_block_tokens, lora_seed, next_sequence_hash
-from kvmesh.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventData, StoredBlock
+from kvmesh.common.wire.hashing import hash_block_tokens, lora_seed, next_sequence_hash
+from kvmesh.common.wire.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventData, StoredBlock
 from kvmesh.worker.engine import CachedBlock
 
 log = structlog.get_logger(__name__)

@@ -8,9 +8,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvmesh.common.ports import process_tree
+from kvmesh.common.runtime.ports import process_tree
+from kvmesh.devtools.mesh_process import MeshProcess
 from kvmesh.frontend.gateway import WORKER_ID_HEADER
-from kvmesh.up import MeshProcess
 from tests.support import wait_until
 
 

@@ -16,10 +16,10 @@ import nats
 import openai
 import pytest
 
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.run_file import read_run_record
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.run_file import read_run_record
+from kvmesh.devtools.mesh_process import MeshProcess
 from kvmesh.inspector import inspect_routers
-from kvmesh.up import MeshProcess
 from tests.e2e.conftest import start_mesh
 from tests.support import wait_until
 

@@ -13,9 +13,9 @@ import nats
 import openai
 import pytest
 
-from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
-from kvmesh.common.request_reports import END, RequestReport, encode_reports
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.wire.request_reports import END, RequestReport, encode_reports
 from tests.e2e.conftest import chat
 from tests.support import discovered, wait_until_async
 

@@ -12,8 +12,8 @@ import signal
 import nats
 import pytest
 
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.up import MeshProcess
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.devtools.mesh_process import MeshProcess
 from tests.index_truth import converged
 from tests.support import stream_chat, streams_interrupted_by, wait_until, wait_until_async
 

@@ -15,7 +15,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from kvmesh.up import MeshProcess
+from kvmesh.devtools.mesh_process import MeshProcess
 from tests.support import small_context_model
 
 pytestmark = pytest.mark.e2e

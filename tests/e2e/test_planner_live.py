@@ -13,9 +13,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvmesh.common.run_file import read_run_record
+from kvmesh.common.runtime.run_file import read_run_record
+from kvmesh.devtools.mesh_process import MeshProcess
 from kvmesh.planner.state import PlannerState
-from kvmesh.up import MeshProcess
 from tests.e2e.conftest import start_mesh
 from tests.support import assert_every_stream_whole, discovered, stream_chat, wait_until
 

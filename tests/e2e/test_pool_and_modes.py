@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from kvmesh.up import MeshProcess
+from kvmesh.devtools.mesh_process import MeshProcess
 from tests.e2e.conftest import chat, start_mesh
 
 pytestmark = pytest.mark.e2e

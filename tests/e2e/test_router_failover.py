@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.up import MeshProcess
+from kvmesh.devtools.mesh_process import MeshProcess
 from tests.e2e.conftest import descendants, start_mesh
 from tests.support import assert_every_stream_whole, streams_interrupted_by, wait_until
 

@@ -8,8 +8,8 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.client import RouterApi
-from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.proto.kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server

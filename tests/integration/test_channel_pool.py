@@ -8,8 +8,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.common.channels import ChannelPool
-from kvmesh.common.grpc_server import start_grpc_server
+from kvmesh.common.rpc.channels import ChannelPool
+from kvmesh.common.rpc.grpc_server import start_grpc_server
 from tests.support import wait_until_async
 
 pytestmark = pytest.mark.integration

@@ -12,8 +12,8 @@ import sys
 import grpc
 import pytest
 
-from kvmesh.common.child_process import ending_with_parent
-from kvmesh.common.ports import free_port
+from kvmesh.common.runtime.child_process import ending_with_parent
+from kvmesh.common.runtime.ports import free_port
 from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
@@ -37,7 +37,7 @@ def command_of(pid: int) -> str:
 def test_a_child_gets_sigterm_when_its_parent_is_killed():
     parent_code = (
         "import subprocess, sys, time\n"
-        "from kvmesh.common.child_process import ending_with_parent\n"
+        "from kvmesh.common.runtime.child_process import ending_with_parent\n"
         "child = subprocess.Popen(ending_with_parent(['sleep', '120']), start_new_session=True)\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(120)\n"

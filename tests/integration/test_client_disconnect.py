@@ -11,8 +11,8 @@ import httpx
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.proto.kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.frontend import server as frontend_server
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router import server as router_server

@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from kvmesh.common.channels import ChannelPool
-from kvmesh.common.grpc_errors import error_origin, is_transport_failure
-from kvmesh.common.grpc_server import channel_to, start_grpc_server
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from kvmesh.common.stream_sessions import StreamSessions, open_worker_stream
+from kvmesh.common.rpc.channels import ChannelPool
+from kvmesh.common.rpc.grpc_errors import error_origin, is_transport_failure
+from kvmesh.common.rpc.grpc_server import channel_to, start_grpc_server
+from kvmesh.common.rpc.stream_sessions import StreamSessions, open_worker_stream
 from kvmesh.worker.engine import (
     CachedBlock,
     Engine,

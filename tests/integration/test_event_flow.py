@@ -8,11 +8,11 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from kvmesh.common import names
-from kvmesh.common.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, decode_batch, encode_batch
-from kvmesh.common.prefix_index import PrefixIndex
-from kvmesh.common.runtime import cancel_and_wait
-from kvmesh.common.streams import ensure_kv_events_stream
+from kvmesh.common.core.prefix_index import PrefixIndex
+from kvmesh.common.rpc.tasks import cancel_and_wait
+from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
+from kvmesh.common.wire import names
+from kvmesh.common.wire.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, decode_batch, encode_batch
 from kvmesh.indexer import consumer as consumer_module
 from kvmesh.indexer.consumer import EventStreamConsumer
 from kvmesh.worker.event_publisher import KvEventPublisher
@@ -68,7 +68,7 @@ async def test_events_flow_from_worker_to_indexer(nc: NatsClient):
 
 
 def _local(tokens: list[int]) -> list[int]:
-    from kvmesh.common.hashing import local_block_hashes
+    from kvmesh.common.wire.hashing import local_block_hashes
 
     return local_block_hashes(tokens, 16)
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from kvmesh.common.config import parse_config
+from kvmesh.common.runtime.config import parse_config
 from kvmesh.frontend import server as frontend_server
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router import server as router_server

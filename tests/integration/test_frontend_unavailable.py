@@ -50,7 +50,7 @@ async def test_no_worker_is_503_and_no_router_is_503(nats_url: str):
 
 
 async def test_busy_workers_are_a_quick_503_with_an_openai_error(nats_url: str):
-    from kvmesh.common.discovery import DiscoveryWatcher
+    from kvmesh.common.runtime.discovery import DiscoveryWatcher
     from kvmesh.worker import server as worker_server
     from kvmesh.worker.config import WorkerConfig
 

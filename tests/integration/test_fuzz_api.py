@@ -28,10 +28,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.discovery import DiscoveryWatcher
+from kvmesh.common.core.tiny_model import MODEL_NAME
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
-from kvmesh.common.request_reports import END, RequestReport, encode_reports
-from kvmesh.common.tiny_model import MODEL_NAME
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.wire.request_reports import END, RequestReport, encode_reports
 from kvmesh.frontend import server as frontend_server
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.router import server as router_server

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvmesh.common.ports import free_port
+from kvmesh.common.runtime.ports import free_port
 from tests.support import (
     StreamedAnswer,
     api_answers,

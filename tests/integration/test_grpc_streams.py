@@ -1,4 +1,4 @@
-"""``kvmesh.common.grpc_streams.messages`` over a real grpc.aio server: every message, errors as
+"""``kvmesh.common.rpc.grpc_streams.messages`` over a real grpc.aio server: every message, errors as
 errors, and a reader that stops or is cancelled cancels the call (the server sees it) with no read
 left behind."""
 
@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from kvmesh.common.grpc_streams import messages
+from kvmesh.common.rpc.grpc_streams import messages
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
-from kvmesh.common.request_reports import END, RequestReport, encode_reports
-from kvmesh.up import MeshProcess
+from kvmesh.common.wire.request_reports import END, RequestReport, encode_reports
+from kvmesh.devtools.mesh_process import MeshProcess
 from tests.certificates import make_certificates
 from tests.support import discovered
 

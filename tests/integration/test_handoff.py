@@ -13,13 +13,13 @@ import grpc
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.channels import ChannelPool
-from kvmesh.common.grpc_server import GrpcService, start_grpc_server
+from kvmesh.common.calling.request_path import RequestPath
+from kvmesh.common.calling.router_client import NoRouterError, RouterClient
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from kvmesh.common.request_path import RequestPath
-from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport, decode_reports
-from kvmesh.common.router_client import NoRouterError, RouterClient
-from kvmesh.common.stream_sessions import StreamSessions, open_worker_stream
+from kvmesh.common.rpc.channels import ChannelPool
+from kvmesh.common.rpc.grpc_server import GrpcService, start_grpc_server
+from kvmesh.common.rpc.stream_sessions import StreamSessions, open_worker_stream
+from kvmesh.common.wire.request_reports import END, FIRST_TOKEN, RequestReport, decode_reports
 from tests.integration.test_stream_sessions import one_worker, request, submit
 from tests.support import wait_until_async
 

@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from kvmesh.common.channels import ChannelPool
-from kvmesh.common.discovery import InstanceRecord
-from kvmesh.common.grpc_server import GrpcService, start_grpc_server
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh.common.rpc.channels import ChannelPool
+from kvmesh.common.rpc.grpc_server import GrpcService, start_grpc_server
+from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.router.indexer_client import IndexerClient
 from tests.support import wait_until_async
 

@@ -16,15 +16,15 @@ import grpc
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common import names
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.hashing import block_set_digest
-from kvmesh.common.kv_events import POOL_DP_RANK
 from kvmesh.common.proto.kvmesh.v1 import (
     common_pb2,
     worker_pb2,
     worker_pb2_grpc,
 )
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.wire import names
+from kvmesh.common.wire.hashing import block_set_digest
+from kvmesh.common.wire.kv_events import POOL_DP_RANK
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.indexer.config import IndexerConfig

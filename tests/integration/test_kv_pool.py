@@ -16,10 +16,10 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.client import RouterApi
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.hashing import local_block_hashes, sequence_hashes
-from kvmesh.common.ports import pid_listening_on
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.ports import pid_listening_on
+from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.router import server as router_server

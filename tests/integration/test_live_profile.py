@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kvmesh.common.timing import TimingModel
+from kvmesh.common.core.timing import TimingModel
 from kvmesh.profiler.live import LiveProfiler
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common import names
+from kvmesh.common.wire import names
 from kvmesh.planner.connectors import ConnectorError, LocalSupervisor
 from kvmesh.planner.planner import PoolSizes
 from kvmesh.worker_pool import WorkerPool, WorkerPools

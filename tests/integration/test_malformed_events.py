@@ -11,10 +11,10 @@ import msgpack
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common import names
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.grpc_server import channel_to
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
+from kvmesh.common.rpc.grpc_server import channel_to
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.wire import names
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.worker import server as worker_server

@@ -10,9 +10,9 @@ import grpc
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.hashing import local_block_hashes, sequence_hashes
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc, router_pb2, router_pb2_grpc
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.router import server as router_server

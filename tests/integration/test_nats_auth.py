@@ -13,10 +13,10 @@ import nats
 import openai
 import pytest
 
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.nats_auth import NatsCredentials
-from kvmesh.common.nats_server import EmbeddedNatsServer
-from kvmesh.up import MeshProcess
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.nats_auth import NatsCredentials
+from kvmesh.common.runtime.nats_server import EmbeddedNatsServer
+from kvmesh.devtools.mesh_process import MeshProcess
 from tests.certificates import make_certificates
 from tests.nats_jwt import operator_setup
 from tests.support import wait_until_async

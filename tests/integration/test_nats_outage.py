@@ -11,9 +11,9 @@ import grpc
 import nats
 import pytest
 
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.nats_server import EmbeddedNatsServer
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.nats_server import EmbeddedNatsServer
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.router import server as router_server

@@ -11,9 +11,9 @@ import subprocess
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common import names
-from kvmesh.common.load_report import LoadReport, RequestSample
-from kvmesh.common.worker_load import RouterLoadReport, WorkerLoad
+from kvmesh.common.wire import names
+from kvmesh.common.wire.frontend_load import LoadReport, RequestSample
+from kvmesh.common.wire.worker_load import RouterLoadReport, WorkerLoad
 from kvmesh.planner.state import PlannerState
 from kvmesh.profiler.mock import profile_mock_engine
 from tests.support import service_process, wait_until_async

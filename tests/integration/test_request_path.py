@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from kvmesh.common.calling.request_path import RequestPath
 from kvmesh.common.proto.kvmesh.v1 import router_pb2
-from kvmesh.common.request_path import RequestPath
-from kvmesh.common.request_reports import END
+from kvmesh.common.wire.request_reports import END
 from tests.integration.test_stream_sessions import one_worker, request
 
 pytestmark = pytest.mark.integration

@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from kvmesh.common.grpc_server import GrpcService, start_grpc_server
+from kvmesh.common.calling.router_client import RouterClient
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from kvmesh.common.request_reports import END, FIRST_TOKEN, RequestReport, decode_reports
-from kvmesh.common.router_client import RouterClient
+from kvmesh.common.rpc.grpc_server import GrpcService, start_grpc_server
+from kvmesh.common.wire.request_reports import END, FIRST_TOKEN, RequestReport, decode_reports
 from tests.support import wait_until_async
 
 pytestmark = pytest.mark.integration

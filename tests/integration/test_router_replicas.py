@@ -14,8 +14,8 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.client import RouterApi
-from kvmesh.common.discovery import DiscoveryWatcher
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server

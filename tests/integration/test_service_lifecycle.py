@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from kvmesh.common.service import ServiceStack
+from kvmesh.common.runtime.service import ServiceStack
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server

@@ -10,9 +10,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.discovery import DiscoveryWatcher, InstanceRecord, Registration, instances_bucket
-from kvmesh.common.hashing import local_block_hashes
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc, worker_pb2_grpc
+from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord, Registration, instances_bucket
+from kvmesh.common.wire.hashing import local_block_hashes
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.worker import server as worker_server
@@ -195,7 +195,7 @@ async def test_a_worker_advertises_the_step_times_it_measured(nats_url: str, nc:
     """The mock worker times its own steps, fits the step-time model and, once it has measured steps,
     puts it into its discovery record, where routers read it. (The fit itself is tested in
     test_timing_fit; here: nothing is advertised before a step, real-time constants after.)"""
-    from kvmesh.common.timing import TimingModel, from_constants
+    from kvmesh.common.core.timing import TimingModel, from_constants
 
     argv = ["--nats-url", nats_url, "--namespace", NAMESPACE, "--speedup-ratio", "10", "--timing-advertise-secs", "0.2"]
     workers = await watcher_for(nc, "worker")

@@ -14,11 +14,11 @@ import grpc
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.channels import ChannelPool
-from kvmesh.common.discovery import DiscoveryWatcher
-from kvmesh.common.grpc_errors import error_origin, is_transport_failure
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from kvmesh.common.stream_sessions import StreamSessions, open_worker_stream
+from kvmesh.common.rpc.channels import ChannelPool
+from kvmesh.common.rpc.grpc_errors import error_origin, is_transport_failure
+from kvmesh.common.rpc.stream_sessions import StreamSessions, open_worker_stream
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from tests.support import router_generate, running, service_config, service_process, wait_until_async

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from kvmesh.common.finish_reasons import FinishReason
-from kvmesh.common.grpc_server import channel_to
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
+from kvmesh.common.rpc.grpc_server import channel_to
+from kvmesh.common.wire.finish_reasons import FinishReason
 from kvmesh.worker.engine import EngineFailure, EngineRequestSpec, TokenOutput, TokenQueue
 from tests.integration.test_engine_failure import FailingEngine, worker_serving
 from tests.support import wait_until_async

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from kvmesh.common.tiny_model import MODEL_DIR
+from kvmesh.common.core.tiny_model import MODEL_DIR
 from kvmesh.frontend.tokenizer import ModelTokenizer
 from kvmesh.loadgen.workload import (
     TracePromptBuilder,

@@ -1,6 +1,6 @@
 import pytest
 
-from kvmesh.common.config import ConfigError
+from kvmesh.common.runtime.config import ConfigError
 from kvmesh.replay.arrival_profile import parse_arrival_profile
 
 

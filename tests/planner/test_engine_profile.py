@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from kvmesh.common.engine_profile import EngineProfile, ProfileError
-from kvmesh.common.timing import TimingModel
+from kvmesh.common.core.engine_profile import EngineProfile, ProfileError
+from kvmesh.common.core.timing import TimingModel
 from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.worker.mock_engine import EngineConfig
 

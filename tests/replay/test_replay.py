@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.common.timing import TimingModel
+from kvmesh.common.core.timing import TimingModel
 from kvmesh.replay import cli
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceError, TraceRequest, read_trace
 from kvmesh.replay.report import percentile, summarise

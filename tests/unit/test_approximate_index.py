@@ -1,6 +1,6 @@
 import pytest
 
-from kvmesh.common.hashing import sequence_hashes
+from kvmesh.common.wire.hashing import sequence_hashes
 from kvmesh.router.approximate_index import ApproximateIndex
 
 W1, W2 = (1, 0), (2, 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvmesh.common.backlog import Backlog
+from kvmesh.common.rpc.backlog import Backlog
 
 
 async def test_take_returns_everything_added_since_the_last_take_in_order():

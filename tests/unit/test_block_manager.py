@@ -1,6 +1,6 @@
 import pytest
 
-from kvmesh.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
+from kvmesh.common.wire.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
 from kvmesh.worker.block_manager import BlockManager, OutOfBlocksError
 
 

@@ -4,8 +4,10 @@ whose events must leave the index holding exactly what its segment dump says."""
 
 from __future__ import annotations
 
-from kvmesh.common.hashing import local_block_hashes, sequence_hashes
-from kvmesh.common.kv_events import (
+from kvmesh.common.core.prefix_index import EVICTED_METADATA_LIMIT, DumpedBlock, PrefixIndex
+from kvmesh.common.core.timing import TimingModel
+from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
+from kvmesh.common.wire.kv_events import (
     DEVICE_TIER,
     EVICTED_TIER,
     IN_TRANSIT_TIER,
@@ -19,8 +21,6 @@ from kvmesh.common.kv_events import (
     KvEventBatch,
     StoredBlock,
 )
-from kvmesh.common.prefix_index import EVICTED_METADATA_LIMIT, DumpedBlock, PrefixIndex
-from kvmesh.common.timing import TimingModel
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.worker.engine import EngineRequestSpec
 from kvmesh.worker.kv_buffer import KvBuffer, KvLayout

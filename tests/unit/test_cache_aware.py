@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvmesh.common.hashing import token_bytes
+from kvmesh.common.wire.hashing import token_bytes
 from kvmesh.router.cache_aware import (
     CacheAwareOptions,
     CacheAwareSelector,

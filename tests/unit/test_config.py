@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvmesh.common.config import CommonConfig, ConfigError, advertised_host, option, parse_config
+from kvmesh.common.runtime.config import CommonConfig, ConfigError, advertised_host, option, parse_config
 
 
 @dataclass
@@ -53,9 +53,9 @@ def test_help_names_the_environment_variable(capsys):
 
 def test_router_options_are_declared_once_and_handed_on_unchanged():
     """`kvmesh up` takes every router option and passes it to its routers as flags."""
-    from kvmesh.common.config import options_argv
+    from kvmesh.common.runtime.config import options_argv
     from kvmesh.router.config import RouterConfig, RouterOptions
-    from kvmesh.up import UpConfig
+    from kvmesh.up.config import UpConfig
 
     flags = ["--router-mode", "round-robin", "--no-kv-events", "--kv-overlap-score-weight", "0.25"]
     flags += ["--active-decode-blocks-threshold", "7", "--enforce-disagg", "--no-track-active-blocks"]
@@ -71,7 +71,7 @@ def test_router_options_are_declared_once_and_handed_on_unchanged():
 def test_every_command_validates_the_routing_options_alike(capsys):
     from kvmesh.replay import cli
     from kvmesh.router.config import RouterConfig
-    from kvmesh.up import UpConfig
+    from kvmesh.up.config import UpConfig
 
     for cls in (RouterConfig, UpConfig):
         with pytest.raises(SystemExit):
@@ -121,9 +121,9 @@ def test_the_mock_keeps_its_shape_defaults_while_vllm_gets_none():
 
 
 def test_the_start_up_log_never_shows_an_api_key():
-    from kvmesh.common.config import describe
+    from kvmesh.common.runtime.config import describe
     from kvmesh.frontend.config import FrontendConfig
-    from kvmesh.up import UpConfig
+    from kvmesh.up.config import UpConfig
 
     for config_class in (FrontendConfig, UpConfig):
         config = parse_config(config_class, ["--api-key", "s3cret"], prog="x", description="", environ={})
@@ -147,7 +147,7 @@ def test_the_advertised_host_is_the_option_else_the_bind_host_and_auto_resolves_
     ],
 )
 def test_kvmesh_up_refuses_planner_pools_it_cannot_keep(flags, message, capsys):
-    from kvmesh.up import UpConfig
+    from kvmesh.up.config import UpConfig
 
     with pytest.raises(SystemExit):
         parse_config(UpConfig, ["--workers", "1", *flags], prog="up", description="", environ={})
@@ -168,7 +168,7 @@ def test_a_disaggregated_compose_planner_needs_two_services(tmp_path, capsys):
 
 
 def test_the_kv_pool_is_the_mock_engines(capsys):
-    from kvmesh.up import UpConfig
+    from kvmesh.up.config import UpConfig
     from kvmesh.worker.config import WorkerConfig
 
     with pytest.raises(SystemExit):

@@ -7,9 +7,9 @@ import random
 import grpc
 import pytest
 
-from kvmesh.common.channels import ChannelPool
-from kvmesh.common.discovery import InstanceRecord
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
+from kvmesh.common.rpc.channels import ChannelPool
+from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.indexer_client import IndexerClient
 from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
@@ -92,7 +92,7 @@ async def test_prefill_pool_without_capacity_falls_back_or_refuses_when_enforced
 
 
 async def test_the_router_adopts_each_workers_advertised_timing_and_forgets_a_departed_one():
-    from kvmesh.common.timing import TimingModel, as_constants, from_constants, scaled
+    from kvmesh.common.core.timing import TimingModel, as_constants, from_constants, scaled
 
     mesh = router({1: "aggregated", 2: "aggregated"})
     slow = as_constants(scaled(TimingModel(), 2.0))
@@ -106,7 +106,7 @@ async def test_the_router_adopts_each_workers_advertised_timing_and_forgets_a_de
 
 
 async def test_a_prefill_workers_advertised_timing_is_adopted_when_prefills_are_placed():
-    from kvmesh.common.timing import TimingModel, as_constants, from_constants, scaled
+    from kvmesh.common.core.timing import TimingModel, as_constants, from_constants, scaled
 
     mesh = router({1: "decode", 3: "prefill"})
     slow = as_constants(scaled(TimingModel(), 3.0))

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvmesh.cli import COMMANDS
-from kvmesh.common.config import flag_name
-from kvmesh.up import UpConfig
+from kvmesh.common.runtime.config import flag_name
+from kvmesh.up.config import UpConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ROOT / "services"
@@ -58,9 +58,8 @@ def test_every_module_named_exists(doc: Path):
             for n in range(len(parts), 0, -1)
         )
         assert found, f"{doc.name} names kvmesh.{name}"
-    for folder, module in re.findall(
-        r"`((?:common|router|worker|indexer|frontend|planner|replay|profiler|loadgen)/)(\w+\.py)`", text
-    ):
+    folders = "common|router|worker|indexer|frontend|planner|replay|profiler|loadgen|devtools"
+    for folder, module in re.findall(rf"`((?:{folders})/(?:\w+/)*)(\w+\.py)`", text):
         assert (SERVICES / folder / module).is_file(), f"{doc.name} names {folder}{module}"
     for path in re.findall(r"`((?:services|tests|bench|scripts|protos|examples|observability)/[\w./-]+)`", text):
         assert (ROOT / path.rstrip("/")).exists(), f"{doc.name} names {path}"

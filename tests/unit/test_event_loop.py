@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import uvloop
 
-from kvmesh.common.runtime import event_loop_kind, run_until_signalled
+from kvmesh.common.runtime.process import event_loop_kind, run_until_signalled
 
 
 def loop_of_a_service() -> type:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvmesh.common.request_path import RequestPath
-from kvmesh.common.router_client import RouterClient
-from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
+from kvmesh.common.calling.request_path import RequestPath
+from kvmesh.common.calling.router_client import RouterClient
+from kvmesh.common.core.tiny_model import MODEL_DIR, MODEL_NAME
 from kvmesh.frontend.app import create_app
 from kvmesh.frontend.gateway import Frontend, ServedModel
 from kvmesh.frontend.tokenizer import ModelTokenizer

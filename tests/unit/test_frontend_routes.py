@@ -7,11 +7,11 @@ import grpc
 import httpx
 import pytest
 
-from kvmesh.common.discovery import InstanceRecord
+from kvmesh.common.calling.request_path import RequestPath
+from kvmesh.common.calling.router_client import RouterClient, route_request
+from kvmesh.common.core.tiny_model import MODEL_DIR, MODEL_NAME
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
-from kvmesh.common.request_path import RequestPath
-from kvmesh.common.router_client import RouterClient, route_request
-from kvmesh.common.tiny_model import MODEL_DIR, MODEL_NAME
+from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.frontend.app import create_app
 from kvmesh.frontend.gateway import Frontend, ServedModel
 from kvmesh.frontend.tokenizer import ModelTokenizer

@@ -1,6 +1,6 @@
 import pytest
 
-from kvmesh.common.tiny_model import MODEL_DIR
+from kvmesh.common.core.tiny_model import MODEL_DIR
 from kvmesh.frontend.app import parse_body
 from kvmesh.frontend.errors import BadRequestError
 from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvmesh.common import protogen, tiny_model
+from kvmesh.common.core import tiny_model
+from kvmesh.devtools import protogen
 from tests.containers.docker_engine import compose_command
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvmesh.common.grpc_io import GRPC_EXPERIMENTS_ENV, IO_ENV, IOMGR_EXPERIMENTS, choose_grpc_io
+from kvmesh.common.rpc.grpc_io import GRPC_EXPERIMENTS_ENV, IO_ENV, IOMGR_EXPERIMENTS, choose_grpc_io
 
 
 def test_iomgr_is_the_default():

@@ -9,7 +9,7 @@ import asyncio
 
 import grpc
 
-from kvmesh.common.grpc_streams import messages
+from kvmesh.common.rpc.grpc_streams import messages
 
 
 class SlowToCancelCall:

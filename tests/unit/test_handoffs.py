@@ -9,9 +9,9 @@ import asyncio
 import grpc
 import pytest
 
-from kvmesh.common.backlog import Backlog
-from kvmesh.common.grpc_errors import call_error
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
+from kvmesh.common.rpc.backlog import Backlog
+from kvmesh.common.rpc.grpc_errors import call_error
 from kvmesh.router.handoffs import Handoffs
 
 

@@ -5,7 +5,7 @@ import struct
 import pytest
 import xxhash
 
-from kvmesh.common.hashing import (
+from kvmesh.common.wire.hashing import (
     blocks_needed,
     hash_block_tokens,
     local_block_hashes,

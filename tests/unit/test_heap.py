@@ -7,8 +7,8 @@ import weakref
 
 import pytest
 
-from kvmesh.common import heap
-from kvmesh.common.heap import freeze_startup_heap
+from kvmesh.common.runtime import heap
+from kvmesh.common.runtime.heap import freeze_startup_heap
 
 
 @pytest.fixture

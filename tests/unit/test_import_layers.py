@@ -96,3 +96,26 @@ def test_no_module_shadows_the_standard_library(folder: Path):
     hid the standard library's ``inspect`` and crashed the script with a circular import."""
     shadows = sorted(p.stem for p in folder.glob("*.py") if p.stem in sys.stdlib_module_names)
     assert shadows == []
+
+
+# kvmesh.common's layers, bottom first: a layer imports only itself and the layers before it
+COMMON_LAYERS = ("proto", "wire", "core", "rpc", "runtime", "calling")
+
+
+def common_layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["kvmesh", "common"] or len(parts) < 3 or parts[2] not in COMMON_LAYERS:
+        return None
+    return COMMON_LAYERS.index(parts[2])
+
+
+def test_common_layers_import_only_the_layers_below_them():
+    offenders = [
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if (layer := common_layer(module)) is not None
+        for target in targets
+        if (common_layer(target) or 0) > layer
+    ]
+    assert any(common_layer(m) == COMMON_LAYERS.index("calling") for m in GRAPH)  # the layers were found
+    assert offenders == []

@@ -1,7 +1,7 @@
 import msgpack
 import pytest
 
-from kvmesh.common.kv_events import (
+from kvmesh.common.wire.kv_events import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
@@ -12,7 +12,7 @@ from kvmesh.common.kv_events import (
     decode_batch,
     encode_batch,
 )
-from kvmesh.common.names import kv_event_msg_id, kv_events_subject
+from kvmesh.common.wire.names import kv_event_msg_id, kv_events_subject
 
 
 def sample_batch() -> KvEventBatch:

@@ -8,7 +8,7 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.common.kv_events import EventDecodeError, KvEventBatch, decode_batch
+from kvmesh.common.wire.kv_events import EventDecodeError, KvEventBatch, decode_batch
 
 EXAMPLES = 400
 

@@ -3,7 +3,7 @@ import math
 import msgpack
 import pytest
 
-from kvmesh.common.load_report import LoadReport, LoadReportError
+from kvmesh.common.wire.frontend_load import LoadReport, LoadReportError
 from kvmesh.frontend.load_window import LoadWindow
 
 

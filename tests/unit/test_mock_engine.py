@@ -1,7 +1,7 @@
 import pytest
 
-from kvmesh.common.kv_events import BlocksRemoved, BlocksStored
-from kvmesh.common.timing import TimingModel
+from kvmesh.common.core.timing import TimingModel
+from kvmesh.common.wire.kv_events import BlocksRemoved, BlocksStored
 from kvmesh.worker.mock_engine import EngineConfig, EngineRequestError, EngineRequestSpec, FinishReason, MockEngine
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kvmesh.common.hashing import sequence_hashes
-from kvmesh.common.kv_events import (
+from kvmesh.common.core.prefix_index import PrefixIndex
+from kvmesh.common.wire.hashing import sequence_hashes
+from kvmesh.common.wire.kv_events import (
     BlocksRemoved,
     BlocksStored,
     EventDecodeError,
@@ -18,7 +19,6 @@ from kvmesh.common.kv_events import (
     encode_batch,
     parse_moe_placements,
 )
-from kvmesh.common.prefix_index import PrefixIndex
 from kvmesh.indexer import snapshot
 from kvmesh.worker.block_manager import BlockManager
 

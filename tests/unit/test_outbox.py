@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvmesh.common.outbox import MessageOutbox
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
+from kvmesh.common.rpc.outbox import MessageOutbox
 
 TURNS = 20  # event-loop turns a waiting taker gets to show it was (wrongly) woken
 

@@ -5,7 +5,7 @@ until the next gap makes the indexer ask for a dump)."""
 
 from __future__ import annotations
 
-from kvmesh.common.kv_events import BlocksRemoved, BlocksStored
+from kvmesh.common.wire.kv_events import BlocksRemoved, BlocksStored
 from kvmesh.worker.kv_buffer import KvBuffer
 from kvmesh.worker.kv_cache_manager import KvCacheManager
 

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from kvmesh.common import ports
+from kvmesh.common.runtime import ports
 
 
 def test_a_free_port_is_free_and_below_the_ephemeral_range():

@@ -1,5 +1,6 @@
-from kvmesh.common.hashing import local_block_hashes, sequence_hashes
-from kvmesh.common.kv_events import (
+from kvmesh.common.core.prefix_index import PrefixIndex
+from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
+from kvmesh.common.wire.kv_events import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
@@ -7,7 +8,6 @@ from kvmesh.common.kv_events import (
     KvEventBatch,
     StoredBlock,
 )
-from kvmesh.common.prefix_index import PrefixIndex
 
 BLOCK = 4
 
@@ -112,7 +112,7 @@ def test_a_block_shared_by_two_workers_survives_one_removal():
 
 
 def _dump(tokens: list[int]) -> list:
-    from kvmesh.common.prefix_index import DumpedBlock
+    from kvmesh.common.core.prefix_index import DumpedBlock
 
     local = local_block_hashes(tokens, BLOCK)
     seq = sequence_hashes(local)

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.common.hashing import next_sequence_hash
-from kvmesh.common.kv_events import (
+from kvmesh.common.core.prefix_index import DumpedBlock, PrefixIndex
+from kvmesh.common.wire.hashing import next_sequence_hash
+from kvmesh.common.wire.kv_events import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
@@ -18,7 +19,6 @@ from kvmesh.common.kv_events import (
     KvEventBatch,
     StoredBlock,
 )
-from kvmesh.common.prefix_index import DumpedBlock, PrefixIndex
 from kvmesh.indexer import snapshot as snapshots
 
 WORKERS = (1, 2, 3)

@@ -10,7 +10,7 @@ import random
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-from kvmesh.common.tiny_model import MODEL_DIR
+from kvmesh.common.core.tiny_model import MODEL_DIR
 from kvmesh.frontend.prompt_pieces import PieceCachedEncoder, pieces_are_independent
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kvmesh.common.request_reports import (
+from kvmesh.common.wire.request_reports import (
     END,
     FIRST_TOKEN,
     RequestReport,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvmesh.common.run_file import (
+from kvmesh.common.runtime.run_file import (
     DEFAULT_NATS_URL,
     RunRecord,
     read_run_record,

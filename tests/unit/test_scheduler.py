@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from kvmesh.common.timing import TimingModel
+from kvmesh.common.core.timing import TimingModel
 from kvmesh.router.active_sequences import ActiveSequences
 from kvmesh.router.scheduler import (
     BlockCost,
@@ -184,7 +184,7 @@ def test_active_prefix_counts_exactly_what_a_scan_counts():
 def test_the_column_wise_ttft_cost_is_the_timing_models_formula_in_both_paths():
     import random as random_module
 
-    from kvmesh.common.timing import TimingModel
+    from kvmesh.common.core.timing import TimingModel
     from kvmesh.router.scheduler import VECTORISE_FROM, PredictedTtftCost
 
     timing = TimingModel()
@@ -206,7 +206,7 @@ def test_the_column_wise_ttft_cost_is_the_timing_models_formula_in_both_paths():
 
 
 def test_per_worker_costs_use_each_workers_own_model_and_the_prior_for_the_rest():
-    from kvmesh.common.timing import TimingModel, scaled
+    from kvmesh.common.core.timing import TimingModel, scaled
     from kvmesh.router.scheduler import Candidate, PerWorkerTtftCost, PredictedTtftCost
 
     cost = PerWorkerTtftCost(16, 8192, 16384 * 16, TimingModel())

@@ -3,7 +3,7 @@ outputs up to its last one, and stops in front of a failure so the tokens before
 
 from __future__ import annotations
 
-from kvmesh.common.finish_reasons import FinishReason
+from kvmesh.common.wire.finish_reasons import FinishReason
 from kvmesh.worker.engine import EngineFailure, TokenOutput, TokenQueue, take_ready
 
 

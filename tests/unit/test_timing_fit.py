@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from kvmesh.common.timing import TimingModel, scaled
-from kvmesh.common.timing_fit import TimingFit, _features
+from kvmesh.common.core.timing import TimingModel, scaled
+from kvmesh.common.core.timing_fit import TimingFit, _features
 from kvmesh.router.scheduler import Candidate, make_cost_model
 
 CAPACITY = 16384 * 64

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kvmesh.common.finish_reasons import FinishReason
+from kvmesh.common.wire.finish_reasons import FinishReason
 from kvmesh.worker.engine import EngineFailure, TokenOutput, TokenQueue
 
 TURNS = 20  # event-loop turns a waiting reader gets to show it was (wrongly) woken

@@ -9,9 +9,9 @@ import itertools
 import msgpack
 import pytest
 
-from kvmesh.common.hashing import local_block_hashes, sequence_hashes
-from kvmesh.common.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
-from kvmesh.common.ports import free_port
+from kvmesh.common.runtime.ports import free_port
+from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
+from kvmesh.common.wire.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
 from kvmesh.worker.vllm_events import VllmEventRelay, VllmEventTranslator, decode_batch
 from tests.support import wait_until_async
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kvmesh.common import disagg
-from kvmesh.common.disagg import DecodeOrder, DisaggParamsError, KvReady, KvSource, PrefillOrder
+from kvmesh.common.wire import disagg
+from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvReady, KvSource, PrefillOrder
 from kvmesh.worker.transfer_messages import (
     PullDone,
     PullGranted,

@@ -9,7 +9,7 @@ import dataclasses
 import msgpack
 import pytest
 
-from kvmesh.common.worker_load import RouterLoadReport, WorkerLoad, WorkerLoadError, merge_router_reports
+from kvmesh.common.wire.worker_load import RouterLoadReport, WorkerLoad, WorkerLoadError, merge_router_reports
 from kvmesh.planner.load import observe_interval
 from kvmesh.planner.planner import Planner, PoolSizes
 from kvmesh.planner.state import PlannerState

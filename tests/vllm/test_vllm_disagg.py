@@ -17,10 +17,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvmesh.common.calling.request_path import RequestPath
+from kvmesh.common.calling.router_client import RouterClient
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
-from kvmesh.common.request_path import RequestPath
-from kvmesh.common.router_client import RouterClient
-from kvmesh.up import MeshProcess
+from kvmesh.devtools.mesh_process import MeshProcess
 from tests.support import discovered, wait_until
 
 pytestmark = [
@@ -49,7 +49,7 @@ MAX_TOKENS = 16
 
 
 def greedy_tokens(mesh: MeshProcess) -> list[list[int]]:
-    """Each prompt's greedy answer, served on the request path (``kvmesh.common.request_path``)."""
+    """Each prompt's greedy answer, served on the request path (``kvmesh.common.calling.request_path``)."""
     (router,) = discovered(mesh.nats_url, "router")
 
     async def answer_all() -> list[list[int]]:

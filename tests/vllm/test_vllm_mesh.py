@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 
-from kvmesh.common.hashing import block_set_digest
-from kvmesh.common.ports import pid_listening_on
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.common.runtime.ports import pid_listening_on
+from kvmesh.common.wire.hashing import block_set_digest
+from kvmesh.devtools.mesh_process import MeshProcess
 from kvmesh.frontend.gateway import WORKER_ID_HEADER
-from kvmesh.up import MeshProcess
 from tests.support import discovered, wait_until
 
 pytestmark = [
@@ -164,7 +164,7 @@ def test_the_index_holds_exactly_what_vllm_holds_after_evictions(client: openai.
 
 
 def test_workers_advertise_step_times_fitted_from_vllms_own_steps(vllm_mesh: MeshProcess, client: openai.OpenAI):
-    from kvmesh.common.timing import TimingModel, from_constants
+    from kvmesh.common.core.timing import TimingModel, from_constants
 
     for record in discovered(vllm_mesh.nats_url, "worker"):  # every worker runs steps
         client.completions.create(

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvmesh.common.finish_reasons import FinishReason
+from kvmesh.common.wire.finish_reasons import FinishReason
 from kvmesh.worker.engine import EngineFailure, EngineRequestSpec, TokenOutput
 
 pytestmark = [

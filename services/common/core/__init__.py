@@ -1,0 +1,8 @@
+"""Sans-I/O logic more than one service runs (plain classes, time passed in).
+
+- ``prefix_index`` — the global prefix index (indexer replicas, approximate mode, the replay).
+- ``timing``, ``timing_fit`` — the engine step-time model and its fit from measured steps.
+- ``engine_profile`` — a measured engine profile for the planner.
+- ``stats`` — small statistics shared by the replay's report and the planner.
+- ``tiny_model`` — where the bundled ``kvmesh-tiny`` tokenizer lives.
+"""

@@ -1,0 +1,652 @@
+"""The global prefix index of cached KV blocks (sans-I/O).
+
+The radix tree of cached prefixes is stored flat (docs/decisions/0001): a node is named by its
+*sequence hash* (DESIGN §2), which identifies a block together with its whole prefix, so "the child
+of node P with local hash L" is the node ``next_sequence_hash(P, L)``. Each node maps to a bitmask of
+the workers holding it (one bit per (worker_id, dp_rank)), so walking a query down the tree is one
+dictionary lookup and one integer AND per block.
+
+Engines name their blocks with their own opaque ids; the index keeps, per worker, a map from the
+engine's id to our sequence hash, used to resolve a stored event's parent and to apply removals. Our
+matching never depends on the engine's hashing.
+
+Guarantees:
+
+- applying an event twice is a no-op: events at or below a worker's last applied ``event_id`` are
+  skipped (redelivery, publisher retries, replays);
+- a store whose parent the index does not know is dropped and counted, never guessed; a removal of
+  an unknown block is counted and ignored;
+- a gap in a worker's ``event_id`` sequence (including a first event that is not event 0) puts the
+  worker in recovery: its events from the gap on are held back, the worker is listed in
+  :attr:`PrefixIndex.gaps_pending`, and :meth:`PrefixIndex.replace_worker` with the worker's own
+  dump rebuilds it exactly and then applies the held-back events newer than the dump;
+- a removed worker holds nothing and its late events are ignored;
+- block tiers (DESIGN §7): a store of tier ``in_transit`` (a copy into a pool in flight) only
+  announces its blocks, which match nothing until a store of their resident tier settles them; a
+  removal of tier ``in_transit`` abandons them; a removal of tier ``pooled`` keeps the block's
+  metadata as ``evicted`` (at most :data:`EVICTED_METADATA_LIMIT` per worker, oldest dropped
+  first). :meth:`PrefixIndex.tier_of` tells a block's state.
+"""
+
+from __future__ import annotations
+
+import struct
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate, repeat
+from operator import and_, neg
+
+import xxhash
+
+from kvmesh.common.wire.hashing import HASH_SEED, sequence_hashes
+from kvmesh.common.wire.kv_events import (
+    DEVICE_TIER,
+    EVICTED_TIER,
+    IN_TRANSIT_TIER,
+    POOLED_TIER,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KvEvent,
+    KvEventBatch,
+    MoePlacement,
+    StoredBlock,
+)
+from kvmesh.common.wire.worker_key import WorkerKey
+
+_pack_pair = struct.Struct("<QQ").pack
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+UNKNOWN_PARENT = -1  # a held block whose parent's sequence hash is not known (sequence hashes are >= 0)
+# Metadata of blocks a pool evicted, kept per worker: enough to tell what the pool recently lost
+# without letting a long-lived pool grow the index without bound.
+EVICTED_METADATA_LIMIT = 65536
+
+
+@dataclass
+class _WorkerBlocks:
+    """One worker's blocks: engine block id -> sequence hash, plus duplicate copies per hash.
+
+    ``parent_of`` / ``child_count`` / ``orphans`` track prefix closure: a block is an *orphan* when its
+    parent is not held by the same worker (its parent was evicted first). With no orphan, holding a
+    block implies holding its whole prefix, which lets queries bisect instead of scanning.
+    """
+
+    bit: int
+    by_engine_id: dict[int, int] = field(default_factory=dict)
+    # Engines that keep two blocks with the same content (vLLM does not de-duplicate) hold a hash
+    # more than once; only the extra copies are counted, so the common case costs nothing.
+    extra_copies: dict[int, int] = field(default_factory=dict)
+    parent_of: dict[int, int | None] = field(default_factory=dict)
+    child_count: dict[int, int] = field(default_factory=dict)
+    orphans: int = 0
+    last_event_id: int = -1
+    # MoE metadata of held blocks that carry any (sequence hash -> placements), and how many held
+    # blocks were computed with each (layer, expert): what the worker hosts. Empty for dense models.
+    moe: dict[int, tuple[MoePlacement, ...]] = field(default_factory=dict)
+    experts: Counter[tuple[int, int]] = field(default_factory=Counter)
+    # Block tiers beyond the resident one (the tier of the events that store blocks here): copies in
+    # flight (engine id -> sequence hash; not matched) and evicted blocks' metadata (the same,
+    # oldest first). Both empty unless the worker publishes those tiers.
+    tier: str = DEVICE_TIER
+    in_transit: dict[int, int] = field(default_factory=dict)
+    evicted: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def unique_blocks(self) -> int:
+        return len(self.parent_of)
+
+
+@dataclass
+class ApplyStats:
+    events_applied: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    duplicates_skipped: int = 0
+    unknown_parent: int = 0
+    unknown_removals: int = 0
+    gaps: int = 0
+    recoveries: int = 0
+
+
+@dataclass(frozen=True)
+class DumpedBlock:
+    """One cached block of a worker's own state dump (gap recovery).
+
+    ``sequence_hash``, when the worker gives it, places the block directly; without it the block is
+    placed under its parent, and a block whose parent is not in the dump cannot be placed.
+    """
+
+    block_hash: int
+    tokens_hash: int
+    parent_hash: int | None
+    sequence_hash: int | None = None
+
+
+class PrefixIndex:
+    """Which worker holds which prefix. See the module docstring for the guarantees."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, int] = {}
+        self._workers: dict[WorkerKey, _WorkerBlocks] = {}
+        self._key_of_bit: dict[int, WorkerKey] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 0
+        self._removed_workers: set[int] = set()
+        self._tree_sizes: dict[WorkerKey, int] = {}
+        self._unclosed = 0  # bits of workers with at least one orphan block
+        self.gaps_pending: set[WorkerKey] = set()
+        self._held_back: dict[WorkerKey, list[KvEvent]] = {}
+        self.stats = ApplyStats()
+
+    # ---- workers -------------------------------------------------------------------------
+    def _worker(self, key: WorkerKey) -> _WorkerBlocks:
+        worker = self._workers.get(key)
+        if worker is None:
+            if self._free_bits:
+                bit = self._free_bits.pop()
+            else:
+                bit = 1 << self._next_bit
+                self._next_bit += 1
+            worker = self._workers[key] = _WorkerBlocks(bit)
+            self._key_of_bit[bit] = key
+            self._tree_sizes[key] = 0
+        return worker
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget every block of a worker (all its dp ranks) and ignore its late events."""
+        self._removed_workers.add(worker_id)
+        for key in [k for k in self._workers if k[0] == worker_id]:
+            worker = self._workers.pop(key)
+            self._clear(worker)
+            del self._key_of_bit[worker.bit]
+            del self._tree_sizes[key]
+            self._free_bits.append(worker.bit)
+            self.gaps_pending.discard(key)
+            self._held_back.pop(key, None)
+
+    def is_removed(self, worker_id: int) -> bool:
+        return worker_id in self._removed_workers
+
+    def removed_workers(self) -> list[int]:
+        return sorted(self._removed_workers)
+
+    @property
+    def recovering(self) -> list[WorkerKey]:
+        """Workers whose events are held back until their dump arrives."""
+        return sorted(self._held_back)
+
+    # ---- events --------------------------------------------------------------------------
+    def apply_batch(self, batch: KvEventBatch) -> None:
+        if batch.worker_id in self._removed_workers:
+            return  # late events of a worker that has left must not resurrect its blocks
+        key = (batch.worker_id, batch.dp_rank)
+        worker = self._worker(key)
+        self._apply_events(key, worker, batch.events)
+        self._tree_sizes[key] = worker.unique_blocks
+
+    def _apply_events(self, key: WorkerKey, worker: _WorkerBlocks, events: Sequence[KvEvent]) -> None:
+        held = self._held_back.get(key)
+        if held is not None:
+            held.extend(events)  # in recovery: wait for the worker's dump
+            return
+        for position, event in enumerate(events):
+            if event.event_id <= worker.last_event_id:
+                self.stats.duplicates_skipped += 1
+                continue
+            if event.event_id != worker.last_event_id + 1:
+                # Events were lost: stop here and hold back the rest until the worker's dump arrives.
+                self.stats.gaps += 1
+                self.gaps_pending.add(key)
+                self._held_back[key] = list(events[position:])
+                return
+            worker.last_event_id = event.event_id
+            data = event.data
+            tier = event.tier
+            if tier == IN_TRANSIT_TIER:
+                self._track_transit(worker, data)
+            elif isinstance(data, BlocksStored):
+                worker.tier = tier
+                if worker.in_transit or worker.evicted:
+                    self._settle(worker, data.blocks)
+                self._store(worker, data.parent_hash, data.blocks)
+            elif isinstance(data, BlocksRemoved):
+                if tier == POOLED_TIER:
+                    self._keep_evicted(worker, data.block_hashes)
+                self._remove(worker, data.block_hashes)
+            elif isinstance(data, AllBlocksCleared):
+                self._clear(worker)
+            self.stats.events_applied += 1
+
+    def in_recovery(self, key: WorkerKey) -> bool:
+        return key in self._held_back
+
+    # ---- block tiers ---------------------------------------------------------------------
+    def _track_transit(self, worker: _WorkerBlocks, data: BlocksStored | BlocksRemoved | AllBlocksCleared) -> None:
+        """Apply an ``in_transit`` event: announce blocks (their parent held or in flight) or abandon them."""
+        transit = worker.in_transit
+        if isinstance(data, BlocksStored):
+            parent: int | None = None
+            if data.parent_hash is not None:
+                parent = worker.by_engine_id.get(data.parent_hash, transit.get(data.parent_hash))
+                if parent is None:
+                    self.stats.unknown_parent += 1
+                    return
+            for block in data.blocks:
+                seq = block.tokens_hash if parent is None else _xxh3(_pack_pair(parent, block.tokens_hash), HASH_SEED)
+                transit[block.block_hash] = seq
+                worker.evicted.pop(block.block_hash, None)
+                parent = seq
+        elif isinstance(data, BlocksRemoved):
+            for engine_id in data.block_hashes:
+                if transit.pop(engine_id, None) is None:
+                    self.stats.unknown_removals += 1
+        else:
+            transit.clear()
+
+    def _settle(self, worker: _WorkerBlocks, blocks: Sequence[StoredBlock]) -> None:
+        """Blocks now resident leave the in-flight and evicted states."""
+        for block in blocks:
+            worker.in_transit.pop(block.block_hash, None)
+            worker.evicted.pop(block.block_hash, None)
+
+    def _keep_evicted(self, worker: _WorkerBlocks, engine_ids: Iterable[int]) -> None:
+        evicted = worker.evicted
+        for engine_id in engine_ids:
+            seq = worker.by_engine_id.get(engine_id)
+            if seq is not None:
+                evicted.pop(engine_id, None)  # re-evicted: it becomes the newest
+                evicted[engine_id] = seq
+        while len(evicted) > EVICTED_METADATA_LIMIT:
+            del evicted[next(iter(evicted))]
+
+    def tier_of(self, key: WorkerKey, engine_id: int) -> str | None:
+        """The state of one of a worker's blocks: its resident tier (``device``, or ``pooled`` for
+        a pool segment), ``in_transit``, ``evicted``, or None when the index knows nothing of it."""
+        worker = self._workers.get(key)
+        if worker is None:
+            return None
+        if engine_id in worker.by_engine_id:
+            return worker.tier
+        if engine_id in worker.in_transit:
+            return IN_TRANSIT_TIER
+        if engine_id in worker.evicted:
+            return EVICTED_TIER
+        return None
+
+    def tier_of_worker(self, key: WorkerKey) -> str:
+        """The tier of the blocks a worker holds resident (``device`` until it stores any other)."""
+        worker = self._workers.get(key)
+        return DEVICE_TIER if worker is None else worker.tier
+
+    def tier_counts(self, key: WorkerKey) -> tuple[int, int]:
+        """(blocks in transit, evicted blocks whose metadata is kept) of one worker."""
+        worker = self._workers.get(key)
+        return (0, 0) if worker is None else (len(worker.in_transit), len(worker.evicted))
+
+    def export_tiers(self, key: WorkerKey) -> tuple[str, dict[int, int], dict[int, int]]:
+        """(resident tier, blocks in transit, evicted metadata) of one worker, for snapshots."""
+        worker = self._workers[key]
+        return worker.tier, dict(worker.in_transit), dict(worker.evicted)
+
+    def import_tiers(
+        self, key: WorkerKey, tier: str, in_transit: Mapping[int, int], evicted: Mapping[int, int]
+    ) -> None:
+        """Restore a worker's tiers after :meth:`import_worker`."""
+        worker = self._workers.get(key)
+        if worker is None:
+            return
+        worker.tier = tier
+        worker.in_transit = dict(in_transit)
+        worker.evicted = dict(evicted)
+
+    def _store(self, worker: _WorkerBlocks, parent_hash: int | None, blocks: Sequence[StoredBlock]) -> None:
+        by_engine_id = worker.by_engine_id
+        if parent_hash is None:
+            parent: int | None = None
+        else:
+            parent = by_engine_id.get(parent_hash)
+            if parent is None:
+                self.stats.unknown_parent += 1
+                return
+        holders = self._holders
+        get = holders.get
+        bit = worker.bit
+        parent_of = worker.parent_of
+        child_count = worker.child_count
+        parent_held = parent is None or bool(get(parent, 0) & bit)
+        for block in blocks:
+            block_hash = block.block_hash
+            tokens_hash = block.tokens_hash
+            # next_sequence_hash, inlined: this loop is the indexer's hot path
+            seq = tokens_hash if parent is None else _xxh3(_pack_pair(parent, tokens_hash), HASH_SEED)
+            known = len(by_engine_id)
+            previous = by_engine_id.setdefault(block_hash, seq)  # one lookup for the common new block
+            if len(by_engine_id) > known or previous != seq:
+                if len(by_engine_id) == known:  # the engine id was re-used for other content
+                    self._drop(worker, previous)
+                    by_engine_id[block_hash] = seq
+                    parent_held = parent is None or bool(get(parent, 0) & bit)
+                mask = get(seq, 0)
+                if mask & bit:
+                    worker.extra_copies[seq] = worker.extra_copies.get(seq, 0) + 1
+                else:
+                    # _hold, inlined for the common case
+                    holders[seq] = mask | bit
+                    parent_of[seq] = parent
+                    orphans = worker.orphans
+                    # held children of a block not held are orphans, so with none there is none to adopt
+                    delta = -child_count.get(seq, 0) if orphans else 0
+                    if parent is not None:
+                        # (a parent held moments ago may already have children: held orphans it adopted)
+                        child_count[parent] = child_count.get(parent, 0) + 1
+                        if not parent_held:
+                            delta += 1
+                    if delta:
+                        self._set_orphans(worker, orphans + delta)
+            if block.moe:
+                self._tag(worker, seq, block.moe)
+            parent = seq
+            parent_held = True
+        self.stats.blocks_stored += len(blocks)
+
+    def _tag(self, worker: _WorkerBlocks, seq: int, placements: tuple[MoePlacement, ...]) -> None:
+        """Record the MoE placement a held block was computed with (replacing an earlier one)."""
+        self._untag(worker, seq)
+        worker.moe[seq] = placements
+        worker.experts.update({(layer, expert) for layer, expert, _ in placements})
+
+    def _untag(self, worker: _WorkerBlocks, seq: int) -> None:
+        placements = worker.moe.pop(seq, None)
+        if placements:
+            worker.experts.subtract({(layer, expert) for layer, expert, _ in placements})
+            worker.experts = +worker.experts  # drop experts no block uses any more
+
+    def _hold(self, worker: _WorkerBlocks, seq: int, parent: int | None) -> None:
+        """One more copy of ``seq`` on this worker (``parent``: its parent's sequence hash)."""
+        mask = self._holders.get(seq, 0)
+        bit = worker.bit
+        if mask & bit:
+            worker.extra_copies[seq] = worker.extra_copies.get(seq, 0) + 1
+            return
+        self._holders[seq] = mask | bit
+        worker.parent_of[seq] = parent
+        orphans = worker.orphans - worker.child_count.get(seq, 0)  # its children are orphans no more
+        if parent is not None:
+            worker.child_count[parent] = worker.child_count.get(parent, 0) + 1
+            if parent == UNKNOWN_PARENT or not self._holders.get(parent, 0) & bit:
+                orphans += 1
+        self._set_orphans(worker, orphans)
+
+    def _unhold(self, worker: _WorkerBlocks, seq: int) -> None:
+        """The last copy of ``seq`` leaves this worker."""
+        bit = worker.bit
+        mask = self._holders[seq] & ~bit
+        if mask:
+            self._holders[seq] = mask
+        else:
+            del self._holders[seq]
+        parent = worker.parent_of.pop(seq)
+        if worker.moe:
+            self._untag(worker, seq)
+        orphans = worker.orphans + worker.child_count.get(seq, 0)  # its children become orphans
+        if parent is not None:
+            count = worker.child_count[parent] - 1
+            if count:
+                worker.child_count[parent] = count
+            else:
+                del worker.child_count[parent]
+            if parent == UNKNOWN_PARENT or not self._holders.get(parent, 0) & bit:
+                orphans -= 1
+        self._set_orphans(worker, orphans)
+
+    def _set_orphans(self, worker: _WorkerBlocks, orphans: int) -> None:
+        worker.orphans = orphans
+        if orphans:
+            self._unclosed |= worker.bit
+        else:
+            self._unclosed &= ~worker.bit
+
+    def _remove(self, worker: _WorkerBlocks, engine_ids: Iterable[int]) -> None:
+        by_engine_id = worker.by_engine_id
+        for engine_id in engine_ids:
+            seq = by_engine_id.pop(engine_id, None)
+            if seq is None:
+                self.stats.unknown_removals += 1
+                continue
+            self._drop(worker, seq)
+            self.stats.blocks_removed += 1
+
+    def _drop(self, worker: _WorkerBlocks, seq: int) -> None:
+        extra = worker.extra_copies.get(seq)
+        if extra:
+            if extra == 1:
+                del worker.extra_copies[seq]
+            else:
+                worker.extra_copies[seq] = extra - 1
+            return
+        self._unhold(worker, seq)
+
+    def _clear(self, worker: _WorkerBlocks) -> None:
+        holders = self._holders
+        keep = ~worker.bit
+        for seq in worker.parent_of:
+            mask = holders[seq] & keep
+            if mask:
+                holders[seq] = mask
+            else:
+                del holders[seq]
+        worker.by_engine_id.clear()
+        worker.extra_copies.clear()
+        worker.parent_of.clear()
+        worker.child_count.clear()
+        worker.moe.clear()
+        worker.experts.clear()
+        worker.in_transit.clear()
+        worker.evicted.clear()
+        self._set_orphans(worker, 0)
+
+    # ---- whole-worker state (gap recovery, snapshots) -------------------------------------
+    def export_worker(self, key: WorkerKey) -> tuple[int, dict[int, int], dict[int, int | None]]:
+        """(last applied event id, engine id -> sequence hash, sequence hash -> parent's) of one
+        worker, for snapshots."""
+        worker = self._workers[key]
+        return worker.last_event_id, dict(worker.by_engine_id), dict(worker.parent_of)
+
+    def export_moe(self, key: WorkerKey) -> dict[int, tuple[MoePlacement, ...]]:
+        """A worker's MoE metadata (sequence hash -> placements), for snapshots."""
+        return dict(self._workers[key].moe)
+
+    def import_moe(self, key: WorkerKey, moe: Mapping[int, tuple[MoePlacement, ...]]) -> None:
+        """Restore a worker's MoE metadata after :meth:`import_worker` (blocks it does not hold are skipped)."""
+        worker = self._workers.get(key)
+        if worker is None:
+            return
+        for seq, placements in moe.items():
+            if seq in worker.parent_of and placements:
+                self._tag(worker, seq, tuple(placements))
+
+    def moe_alignment(
+        self, seq_hashes: Sequence[int], matched: Mapping[WorkerKey, int], experts: set[tuple[int, int]]
+    ) -> dict[WorkerKey, tuple[int, int]]:
+        """Per worker with MoE metadata: (blocks of its matched prefix computed with one of ``experts``,
+        how many of ``experts`` (layer, expert) its held blocks were computed with). Workers with
+        neither are left out, so a dense fleet answers an empty map."""
+        alignment = {}
+        for key, worker in self._workers.items():
+            if not worker.experts:
+                continue
+            hosted = sum(1 for expert in experts if worker.experts.get(expert))
+            tags = worker.moe
+            aligned = sum(
+                1
+                for seq in seq_hashes[: matched.get(key, 0)]
+                if any((layer, expert) in experts for layer, expert, _ in tags.get(seq, ()))
+            )
+            if hosted or aligned:
+                alignment[key] = (aligned, hosted)
+        return alignment
+
+    def import_worker(
+        self,
+        key: WorkerKey,
+        last_event_id: int,
+        by_engine_id: Mapping[int, int],
+        parent_of: Mapping[int, int | None],
+    ) -> None:
+        """Load one worker's exported state (replacing whatever the index held for it).
+
+        Bulk path for snapshot restores: the per-worker maps are built whole (set and Counter work
+        in C) rather than block by block.
+        """
+        worker = self._worker(key)
+        self._clear(worker)
+        worker.by_engine_id = dict(by_engine_id)
+        copies = Counter(worker.by_engine_id.values())
+        worker.extra_copies = {seq: count - 1 for seq, count in copies.items() if count > 1}
+        holders = self._holders
+        bit = worker.bit
+        for seq in copies:
+            holders[seq] = holders.get(seq, 0) | bit
+        worker.parent_of = {seq: parent_of.get(seq, UNKNOWN_PARENT) for seq in copies}
+        parents = [p for p in worker.parent_of.values() if p is not None]
+        worker.child_count = dict(Counter(parents))
+        held = worker.parent_of
+        self._set_orphans(worker, sum(1 for p in parents if p not in held))
+        worker.last_event_id = last_event_id
+        self._tree_sizes[key] = worker.unique_blocks
+
+    def _load(
+        self, worker: _WorkerBlocks, by_engine_id: Mapping[int, int], parent_of: Mapping[int, int | None]
+    ) -> None:
+        for engine_id, seq in by_engine_id.items():
+            previous = worker.by_engine_id.get(engine_id)
+            if previous is not None:
+                self._drop(worker, previous)
+            worker.by_engine_id[engine_id] = seq
+            self._hold(worker, seq, parent_of.get(seq, UNKNOWN_PARENT))
+
+    def replace_worker(self, key: WorkerKey, last_event_id: int, blocks: Sequence[DumpedBlock]) -> None:
+        """Make the index hold exactly ``blocks`` for this worker as of ``last_event_id`` (its own
+        dump), then apply the events held back since the gap that are newer than the dump.
+
+        Blocks may come in any order; each is placed once its parent is placed.
+        """
+        if key[0] in self._removed_workers:
+            return
+        worker = self._worker(key)
+        self._clear(worker)
+        placed = {b.block_hash: b.sequence_hash for b in blocks if b.sequence_hash is not None}
+        if placed:
+            parents: dict[int, int | None] = {}
+            for b in blocks:
+                if b.sequence_hash is not None:
+                    parent = None if b.parent_hash is None else placed.get(b.parent_hash, UNKNOWN_PARENT)
+                    parents[b.sequence_hash] = parent
+            self._load(worker, placed, parents)
+        pending = [b for b in blocks if b.sequence_hash is None]
+        while pending:
+            waiting = []
+            for block in pending:
+                if block.parent_hash is not None and block.parent_hash not in worker.by_engine_id:
+                    waiting.append(block)
+                    continue
+                self._store(worker, block.parent_hash, [StoredBlock(block.block_hash, block.tokens_hash, 0)])
+            if len(waiting) == len(pending):
+                self.stats.unknown_parent += len(waiting)  # orphans without a sequence hash: dropped
+                break
+            pending = waiting
+        worker.last_event_id = last_event_id
+        self.gaps_pending.discard(key)
+        self.stats.recoveries += 1
+        held = self._held_back.pop(key, [])
+        self._apply_events(key, worker, held)
+        self._tree_sizes[key] = worker.unique_blocks
+
+    # ---- queries -------------------------------------------------------------------------
+    def find_matches_by_sequence(self, seq_hashes: Sequence[int]) -> dict[WorkerKey, int]:
+        """Leading blocks of the query each worker holds (workers with none are left out)."""
+        n = len(seq_hashes)
+        if n == 0:
+            return {}
+        get = self._holders.get
+        first = get(seq_hashes[0], 0)
+        if not first:
+            return {}
+        if first & self._unclosed:
+            return self._scan(seq_hashes)
+        # Every candidate holds whole prefixes, so the holders of position i are nested in those of
+        # i - 1: a worker's depth is where its bit disappears, found by bisection (a handful of
+        # lookups instead of one per block).
+        matched: dict[WorkerKey, int] = {}
+        key_of_bit = self._key_of_bit
+        last = get(seq_hashes[-1], 0) & first
+        pending = [(0, first, n - 1, last)]
+        while pending:
+            low, low_mask, high, high_mask = pending.pop()
+            if low_mask == high_mask:
+                continue
+            if high - low == 1:
+                dropped = low_mask & ~high_mask
+                while dropped:
+                    bit = dropped & -dropped
+                    matched[key_of_bit[bit]] = high
+                    dropped ^= bit
+                continue
+            middle = (low + high) // 2
+            middle_mask = get(seq_hashes[middle], 0) & low_mask
+            pending.append((low, low_mask, middle, middle_mask))
+            pending.append((middle, middle_mask, high, high_mask))
+        while last:
+            bit = last & -last
+            matched[key_of_bit[bit]] = n
+            last ^= bit
+        return matched
+
+    def _scan(self, seq_hashes: Sequence[int]) -> dict[WorkerKey, int]:
+        """Exact for any holdings: the running AND of holder masks along the query (in C loops) only
+        loses bits; each worker's depth is where its bit disappears, found by bisection on it."""
+        n = len(seq_hashes)
+        still_held = list(accumulate(map(self._holders.get, seq_hashes, repeat(0, n)), and_))
+        matched: dict[WorkerKey, int] = {}
+        key_of_bit = self._key_of_bit
+        start = 0
+        while start < n:
+            mask = still_held[start]
+            if not mask:
+                break
+            end = bisect_right(still_held, -mask, lo=start, key=neg)  # first position holding fewer
+            dropped = mask & ~(still_held[end] if end < n else 0)
+            while dropped:
+                low = dropped & -dropped
+                matched[key_of_bit[low]] = end
+                dropped ^= low
+            start = end
+        return matched
+
+    def find_matches(self, local_hashes: Sequence[int]) -> dict[WorkerKey, int]:
+        return self.find_matches_by_sequence(sequence_hashes(local_hashes))
+
+    def tree_sizes(self) -> Mapping[WorkerKey, int]:
+        """Blocks each known worker holds (a live view; do not mutate)."""
+        return self._tree_sizes
+
+    def worker_blocks(self, key: WorkerKey) -> set[int]:
+        """Sequence hashes a worker holds (for convergence checks)."""
+        worker = self._workers.get(key)
+        return set(worker.by_engine_id.values()) if worker else set()
+
+    def workers(self) -> list[WorkerKey]:
+        return list(self._workers)
+
+    def last_event_id(self, key: WorkerKey) -> int:
+        worker = self._workers.get(key)
+        return worker.last_event_id if worker else -1
+
+    @property
+    def num_blocks(self) -> int:
+        """(worker, block) pairs indexed."""
+        return sum(self._tree_sizes.values())

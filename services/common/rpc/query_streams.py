@@ -1,0 +1,214 @@
+"""Request/answer calls over one long-lived stream per peer instead of a unary call each.
+
+In grpc.aio a unary call costs its caller about five times the CPU of a stream message
+(``python -m bench.grpc_costs``), so the calls a service makes for every request (the router's
+indexer queries, the frontend's ``Route``) ride a bidirectional stream: each query carries an id,
+each answer echoes it, and queries asked while a write is in flight go together in the next
+message. Why and what it saves: docs/decisions/0024.
+
+The stream's messages follow one shape, whatever the query: the caller sends a message with
+``repeated ... queries``, each ``{query_id, request}``; the peer answers with ``repeated ...
+answers``, each ``{query_id, response}`` or, for a query it will not answer, a refusal that
+:attr:`QueryKind.response_of` turns into the exception the unary call would have raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+from kvmesh.common.rpc.channels import ChannelPool
+from kvmesh.common.rpc.outbox import MessageOutbox
+from kvmesh.common.rpc.tasks import cancel_and_wait
+
+RequestT = TypeVar("RequestT")
+ResponseT = TypeVar("ResponseT")
+
+
+class QueryStreamBroken(ConnectionError):
+    """The stream a query was asked on ended before its answer came."""
+
+
+@dataclass(frozen=True)
+class QueryKind(Generic[RequestT, ResponseT]):
+    """One kind of query stream: how to open it and how its messages are made and read."""
+
+    open: Callable[[grpc.aio.Channel], grpc.aio.StreamStreamCall]
+    queries: Callable[[], Any]  # the caller's message type, whose ``queries`` are {query_id, request}
+    response_of: Callable[[Any], ResponseT]  # an answer's response, or raise its refusal
+    # for a stream that also carries notes (messages that need no answer): puts them in a message
+    attach_notes: Callable[[Any, list[Any]], None] | None = None
+
+
+# A note waits this long for a query to ride with before it is sent alone: the peer learns it that
+# much later, which is small beside a request's life, and one message carries many notes.
+NOTES_WINDOW_S = 0.002
+
+
+class QueryStream(Generic[RequestT, ResponseT]):
+    """One stream of queries to one peer. Guarantees: every query asked gets its answer, its
+    refusal, or :class:`QueryStreamBroken` once the stream ends (at once, not at its deadline);
+    once broken it takes no new query (:attr:`broken`). One writer (grpc.aio allows one write in
+    flight per call) sends everything asked meanwhile as one message."""
+
+    def __init__(self, kind: QueryKind[RequestT, ResponseT], channel: grpc.aio.Channel, address: str) -> None:
+        self.address = address
+        self._kind = kind
+        self._call = kind.open(channel)
+        self._last_id = 0
+        self._waiting: dict[int, asyncio.Future[ResponseT]] = {}
+        self._unsent: MessageOutbox[Any] = MessageOutbox(kind.queries, "queries")
+        self._notes: list[Any] = []
+        self._notes_due: asyncio.TimerHandle | None = None
+        self._closing = False
+        self.broken: QueryStreamBroken | None = None
+        self._tasks = [
+            asyncio.create_task(self._write_all(), name=f"queries-write-{address}"),
+            asyncio.create_task(self._read_all(), name=f"queries-read-{address}"),
+        ]
+
+    def ask(self, request: RequestT) -> asyncio.Future[ResponseT]:
+        """The answer's future. Cancelling it (a deadline, a caller that left) only means the
+        answer is dropped when it comes."""
+        if self.broken is not None:
+            raise self.broken
+        self._last_id += 1
+        query_id = self._last_id
+        answer: asyncio.Future[ResponseT] = asyncio.get_running_loop().create_future()
+        self._waiting[query_id] = answer
+        answer.add_done_callback(lambda done: self._forget_cancelled(query_id, done))
+        query = self._unsent.add()
+        query.query_id = query_id
+        query.request.CopyFrom(request)  # in place: see MessageOutbox
+        return answer
+
+    def tell(self, note: Any) -> None:
+        """Send ``note`` with the next message: with the next query, or alone once
+        :data:`NOTES_WINDOW_S` has passed. Notes are sent in the order told; on a broken stream
+        they are dropped (the peer is gone, or lost what it was told anyway)."""
+        if self.broken is not None:
+            return
+        self._notes.append(note)
+        if self._notes_due is None:
+            self._notes_due = asyncio.get_running_loop().call_later(NOTES_WINDOW_S, self._unsent.wake)
+
+    def _forget_cancelled(self, query_id: int, answer: asyncio.Future[ResponseT]) -> None:
+        # a peer that never answers must not make the waiting table grow with every query given up
+        if answer.cancelled():
+            self._waiting.pop(query_id, None)
+
+    async def _write_all(self) -> None:
+        try:
+            while not (self._closing and not self._notes):
+                message = await self._unsent.take()
+                notes, self._notes = self._notes, []
+                if self._notes_due is not None:
+                    self._notes_due.cancel()
+                    self._notes_due = None
+                if not message.queries and not notes:
+                    continue  # the window's notes already rode with a query
+                if notes and self._kind.attach_notes is not None:
+                    self._kind.attach_notes(message, notes)
+                await self._call.write(message)
+        except Exception as exc:  # the call ended (AioRpcError, or InvalidStateError once cancelled)
+            self._break(exc)
+
+    async def _read_all(self) -> None:
+        try:
+            while True:
+                message = await self._call.read()
+                if message is grpc.aio.EOF:
+                    self._break(None)
+                    return
+                for answer in message.answers:
+                    waiting = self._waiting.pop(answer.query_id, None)
+                    if waiting is None or waiting.done():
+                        continue  # its asker gave up
+                    try:
+                        waiting.set_result(self._kind.response_of(answer))
+                    except Exception as refusal:
+                        waiting.set_exception(refusal)
+        except grpc.aio.AioRpcError as exc:
+            self._break(exc)
+
+    def _break(self, cause: BaseException | None) -> None:
+        if self.broken is not None:
+            return
+        if isinstance(cause, grpc.aio.AioRpcError):
+            cause_text = f"{cause.code().name}: {cause.details()}"
+        else:
+            cause_text = str(cause or "closed by the peer")
+        self.broken = QueryStreamBroken(f"the query stream to {self.address} ended ({cause_text})")
+        for waiting in self._waiting.values():
+            if not waiting.done():
+                waiting.set_exception(self.broken)
+        self._waiting.clear()
+
+    async def close(self, notes_grace_s: float = 1.0) -> None:
+        """End the stream; notes not yet sent get up to ``notes_grace_s`` to go first (cancelling
+        a write in flight would cut the call, so the writer finishes its own)."""
+        if self._notes and self.broken is None:
+            self._closing = True
+            self._unsent.wake()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._tasks[0]), notes_grace_s)
+        if self._notes_due is not None:
+            self._notes_due.cancel()
+        self._call.cancel()
+        await cancel_and_wait(*self._tasks)
+        self._break(None)
+
+
+class QueryStreams(Generic[RequestT, ResponseT]):
+    """Query streams by peer address over the owner's channels: opened on first use, replaced
+    once broken, closed by :meth:`forget` when the peer leaves."""
+
+    def __init__(self, kind: QueryKind[RequestT, ResponseT], channels: ChannelPool) -> None:
+        self._kind = kind
+        self._channels = channels
+        self._streams: dict[str, QueryStream[RequestT, ResponseT]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def ask(self, address: str, request: RequestT) -> asyncio.Future[ResponseT]:
+        """:meth:`QueryStream.ask` on ``address``'s stream; raises :class:`QueryStreamBroken` when
+        that stream broke (the next ask opens a new one)."""
+        return self._stream_to(address).ask(request)
+
+    def tell(self, address: str, note: Any) -> None:
+        """:meth:`QueryStream.tell` on ``address``'s stream. Notes concern what was asked there, so
+        without a stream that is still open (it broke, or the peer left) the note is dropped rather
+        than a stream opened for it, which for a departed peer would reconnect forever."""
+        stream = self._streams.get(address)
+        if stream is not None:
+            stream.tell(note)
+
+    def _stream_to(self, address: str) -> QueryStream[RequestT, ResponseT]:
+        stream = self._streams.get(address)
+        if stream is None or stream.broken is not None:
+            if stream is not None:
+                self._close_later(stream)
+            stream = self._streams[address] = QueryStream(self._kind, self._channels.get(address), address)
+        return stream
+
+    def forget(self, address: str) -> None:
+        """The peer left: close its stream (queries waiting on it fail over at once)."""
+        stream = self._streams.pop(address, None)
+        if stream is not None:
+            self._close_later(stream)
+
+    def _close_later(self, stream: QueryStream[RequestT, ResponseT]) -> None:
+        task = asyncio.create_task(stream.close(), name=f"close-queries-{stream.address}")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        streams = list(self._streams.values())
+        self._streams.clear()
+        await cancel_and_wait(*self._closing)
+        for stream in streams:
+            await stream.close()

@@ -1,0 +1,302 @@
+"""Service discovery on the NATS KV bucket ``KVMESH_INSTANCES`` (DESIGN §6).
+
+Every worker, router and indexer writes one msgpack record under
+``<namespace>.<component>.<instance_id>`` and rewrites it every third of its lease. Watchers drop an
+instance when its key is deleted (graceful shutdown) *or* when it has not been refreshed within its
+lease: a crashed process simply stops refreshing, and every watcher forgets it within one lease.
+Expiry is judged by the watcher from the record's server timestamp, so it does not depend on the
+server's own key expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC
+from typing import Any
+
+import msgpack
+import nats.js.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+from kvmesh.common.rpc.tasks import cancel_and_wait
+from kvmesh.common.wire import names
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_LEASE_TTL = 6.0
+# Keys outlive a lease on the server only as a safety net; watchers expire them from the lease.
+BUCKET_MAX_AGE = 60.0
+
+
+def new_instance_id() -> int:
+    """A random 63-bit instance id: a restarted process is a new instance and starts clean."""
+    return secrets.randbits(63)
+
+
+@dataclass(frozen=True)
+class InstanceRecord:
+    """What one instance tells the mesh about itself."""
+
+    component: str
+    instance_id: int
+    address: str
+    namespace: str = names.DEFAULT_NAMESPACE
+    role: str = ""
+    model: str = ""
+    block_size: int = 0
+    capacity_blocks: int = 0
+    lease_ttl: float = DEFAULT_LEASE_TTL
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return names.instance_key(self.namespace, self.component, self.instance_id)
+
+    def encode(self) -> bytes:
+        return msgpack.packb(asdict(self))
+
+    @classmethod
+    def decode(cls, payload: bytes) -> InstanceRecord:
+        raw = msgpack.unpackb(payload)
+        known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        return cls(**known)
+
+
+async def instances_bucket(js: JetStreamContext) -> KeyValue:
+    """Open the discovery bucket, creating it on first use (safe when several processes race)."""
+    for _ in range(5):
+        try:
+            return await js.key_value(names.INSTANCES_BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            pass
+        try:
+            return await js.create_key_value(
+                KeyValueConfig(bucket=names.INSTANCES_BUCKET, history=1, ttl=BUCKET_MAX_AGE)
+            )
+        except nats.js.errors.BadRequestError:
+            await asyncio.sleep(0.05)  # another process created it with us; open theirs
+    return await js.key_value(names.INSTANCES_BUCKET)
+
+
+# Longest start() waits for records the server listed but has not delivered yet.
+INITIAL_KEYS_TIMEOUT_S = 5.0
+
+# Longest a deregistration step may hold up a shutdown.
+STOP_TIMEOUT_S = 2.0
+
+
+class Registration:
+    """Keeps one instance's record alive in the discovery bucket until :meth:`stop`."""
+
+    def __init__(self, js: JetStreamContext, record: InstanceRecord) -> None:
+        self._js = js
+        self.record = record
+        self._kv: KeyValue | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._kv = await instances_bucket(self._js)
+        await self._kv.put(self.record.key, self.record.encode())
+        self._task = asyncio.create_task(self._refresh_forever(), name=f"lease-{self.record.key}")
+        log.info("registered", key=self.record.key, address=self.record.address)
+
+    async def update(self, record: InstanceRecord) -> None:
+        """Publish a changed record now; if NATS is unreachable, the next lease refresh (which writes
+        the current record) publishes it instead, so a NATS outage never fails the caller."""
+        self.record = record
+        if self._kv is not None:
+            try:
+                await self._kv.put(record.key, record.encode())
+            except Exception as exc:  # an outage: the refresh loop retries with this record
+                log.warning("record update deferred to the next lease refresh", key=record.key, error=str(exc))
+
+    async def _refresh_forever(self) -> None:
+        assert self._kv is not None
+        period = self.record.lease_ttl / 3
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self._kv.put(self.record.key, self.record.encode())
+            except Exception as exc:  # NATS hiccup: try again next period; the lease has slack
+                log.warning("lease refresh failed", key=self.record.key, error=str(exc))
+
+    async def stop(self) -> None:
+        # Deleting tells watchers at once; if NATS is slow, the lease expiring does the same later,
+        # so shutdown never waits long for it. asyncio.wait (not wait_for) bounds each step even
+        # when a NATS call does not give way to cancellation at once: a refresh or delete stuck in
+        # a JetStream request held shutdown for 15 s that way.
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task}, timeout=STOP_TIMEOUT_S)
+        if self._kv is None:
+            return
+        delete = asyncio.ensure_future(self._kv.delete(self.record.key))
+        done, _ = await asyncio.wait({delete}, timeout=STOP_TIMEOUT_S)
+        error = "timed out" if not done else (str(delete.exception()) if delete.exception() else None)
+        if not done:
+            delete.cancel()
+        if error is not None:
+            log.warning("could not deregister; the lease will expire", key=self.record.key, error=error)
+            return
+        log.info("deregistered", key=self.record.key)
+
+
+InstanceCallback = Callable[[InstanceRecord], Awaitable[None] | None]
+
+
+class DiscoveryWatcher:
+    """Live view of one component's instances in a namespace.
+
+    Guarantees: :meth:`instances` holds every instance whose record was written or refreshed within
+    its lease; ``on_removed`` is called exactly once for an instance that leaves (deleted or
+    expired), ``on_added`` once when an instance is first seen.
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        namespace: str,
+        component: str,
+        on_added: InstanceCallback | None = None,
+        on_removed: InstanceCallback | None = None,
+    ) -> None:
+        self._js = js
+        self._prefix = names.instance_key_prefix(namespace, component)
+        self._on_added = on_added
+        self._on_removed = on_removed
+        self._records: dict[int, InstanceRecord] = {}
+        self._expires_at: dict[int, float] = {}
+        self._changed = asyncio.Condition()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._watcher: Any = None
+        # Every key the watch has delivered, in any state; kept only until start() returns.
+        self._handled_keys: set[str] | None = set()
+
+    def instances(self) -> list[InstanceRecord]:
+        return list(self._records.values())
+
+    def get(self, instance_id: int) -> InstanceRecord | None:
+        return self._records.get(instance_id)
+
+    async def start(self) -> None:
+        """Start watching; returns once every key present before the call has been handled, so
+        :meth:`instances` is complete from the first read."""
+        kv = await instances_bucket(self._js)
+        present = await self._present_keys()
+        self._watcher = await kv.watch(self._prefix + "*")
+        initial_done = asyncio.Event()
+        self._tasks = [
+            asyncio.create_task(self._consume(initial_done), name=f"watch-{self._prefix}"),
+            asyncio.create_task(self._expire_forever(), name=f"expire-{self._prefix}"),
+        ]
+        await initial_done.wait()
+        # nats-py's "no more pending" marker is decided from the consumer's pending count, which the
+        # server may lower before the message reaches us: under load a watcher could report "done"
+        # with no instances at all (seen in CI). The stream's own list of keys closes that gap.
+        try:
+            await self._wait_for_keys(present, timeout=INITIAL_KEYS_TIMEOUT_S)
+        except TimeoutError:  # a key purged between the two reads never arrives: nothing is lost
+            log.warning("some instance records did not arrive", missing=sorted(present - (self._handled_keys or set())))
+        self._handled_keys = None
+
+    async def _present_keys(self) -> set[str]:
+        subject = f"$KV.{names.INSTANCES_BUCKET}.{self._prefix}*"
+        info = await self._js.stream_info(f"KV_{names.INSTANCES_BUCKET}", subjects_filter=subject)
+        prefix_len = len(f"$KV.{names.INSTANCES_BUCKET}.")
+        return {s[prefix_len:] for s in (info.state.subjects or {})}
+
+    async def _wait_for_keys(self, keys: set[str], timeout: float) -> None:
+        async with asyncio.timeout(timeout), self._changed:
+            await self._changed.wait_for(lambda: keys <= (self._handled_keys or set()))
+
+    async def stop(self) -> None:
+        await cancel_and_wait(*self._tasks)
+        if self._watcher is not None:
+            with contextlib.suppress(Exception):
+                await self._watcher.stop()
+
+    async def wait_for(self, predicate: Callable[[list[InstanceRecord]], bool], timeout: float) -> None:
+        """Wait until ``predicate(instances)`` holds; raises ``TimeoutError`` after ``timeout`` s."""
+        async with asyncio.timeout(timeout), self._changed:
+            await self._changed.wait_for(lambda: predicate(self.instances()))
+
+    async def _consume(self, initial_done: asyncio.Event) -> None:
+        async for entry in self._watcher:
+            if entry is None:  # the watcher has delivered every existing key
+                initial_done.set()
+                continue
+            if self._handled_keys is not None:
+                self._handled_keys.add(entry.key)
+                async with self._changed:
+                    self._changed.notify_all()  # start() waits on _handled_keys
+            instance_id = _instance_id_from_key(entry.key)
+            if instance_id is None:
+                continue
+            if entry.operation in (KV_DEL, KV_PURGE):
+                await self._remove(instance_id, reason="deleted")
+            else:
+                try:
+                    record = InstanceRecord.decode(entry.value)
+                except Exception as exc:
+                    log.warning("ignoring malformed instance record", key=entry.key, error=str(exc))
+                    continue
+                written_at = entry.created.replace(tzinfo=UTC).timestamp() if entry.created else time.time()
+                await self._upsert(record, written_at)
+            if not initial_done.is_set() and entry.delta == 0:
+                initial_done.set()
+
+    async def _upsert(self, record: InstanceRecord, written_at: float) -> None:
+        expires_at = written_at + record.lease_ttl
+        if expires_at <= time.time():
+            return  # a stale record of an instance that died before we started watching
+        is_new = record.instance_id not in self._records
+        self._records[record.instance_id] = record
+        self._expires_at[record.instance_id] = expires_at
+        if is_new:
+            log.info("instance joined", key=record.key, address=record.address)
+            await _call(self._on_added, record)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _remove(self, instance_id: int, reason: str) -> None:
+        record = self._records.pop(instance_id, None)
+        self._expires_at.pop(instance_id, None)
+        if record is None:
+            return
+        log.info("instance left", key=record.key, reason=reason)
+        await _call(self._on_removed, record)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _expire_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.time()
+            for instance_id in [i for i, t in self._expires_at.items() if t <= now]:
+                await self._remove(instance_id, reason="lease expired")
+
+
+def _instance_id_from_key(key: str) -> int | None:
+    try:
+        return int(key.rsplit(".", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+async def _call(callback: InstanceCallback | None, record: InstanceRecord) -> None:
+    if callback is None:
+        return
+    try:
+        result = callback(record)
+        if asyncio.iscoroutine(result):
+            await result
+    except Exception as exc:  # a failing listener must not stop the watch loop
+        log.error("discovery callback failed", key=record.key, error=f"{type(exc).__name__}: {exc}")

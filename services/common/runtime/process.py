@@ -1,0 +1,126 @@
+"""Running a service process: asyncio loop, clean shutdown on SIGINT / SIGTERM, NATS connection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import signal
+import ssl
+from collections.abc import Awaitable, Callable
+
+import structlog
+from nats.aio.client import Client as NatsClient
+
+from kvmesh.common.runtime.nats_auth import NatsCredentials
+
+log = structlog.get_logger(__name__)
+
+
+DEFAULT_NATS_CONNECT_TIMEOUT = 5.0
+NATS_CONNECT_TIMEOUT_ENV = "KVMESH_NATS_CONNECT_TIMEOUT"
+
+
+def nats_connect_timeout_default() -> float:
+    """``$KVMESH_NATS_CONNECT_TIMEOUT`` where set (seconds), else 5."""
+    raw = os.environ.get(NATS_CONNECT_TIMEOUT_ENV)
+    try:
+        return float(raw) if raw else DEFAULT_NATS_CONNECT_TIMEOUT
+    except ValueError:
+        raise SystemExit(f"{NATS_CONNECT_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+
+
+async def connect_nats(
+    url: str, name: str, first_connect_timeout: float | None = None, credentials: NatsCredentials | None = None
+) -> NatsClient:
+    """Connect, giving up after ``first_connect_timeout`` seconds (default
+    :func:`nats_connect_timeout_default`) with one line that names the URL: a service or tool started
+    with no NATS there fails instead of retrying forever. Once connected, reconnects are unlimited
+    (a NATS restart must not take the mesh down). ``credentials``: default from the environment
+    (``KVMESH_NATS_USER`` ...)."""
+    timeout = nats_connect_timeout_default() if first_connect_timeout is None else first_connect_timeout
+    credentials = NatsCredentials.from_environment() if credentials is None else credentials
+    try:
+        credentials.validate()
+        auth = credentials.connect_options()
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        raise SystemExit(f"{name}: NATS credentials: {exc}") from exc
+    connected = False
+    last_error: list[Exception] = []
+    nc = NatsClient()
+
+    async def on_disconnect() -> None:
+        if nc.is_closed or nc.is_draining:
+            return  # we are closing it ourselves
+        log.warning("NATS disconnected", url=url)
+
+    async def on_reconnect() -> None:
+        log.info("NATS reconnected", url=url)
+
+    async def on_error(error: Exception) -> None:
+        if not connected:  # while first connecting, the one line at the end says it
+            last_error.append(error)
+            return
+        # nats-py would print a traceback per failed reconnect attempt; one line says enough
+        if not nc.is_closed:
+            log.warning("NATS error", url=url, error=f"{type(error).__name__}: {error}")
+
+    connect = nc.connect(
+        url,
+        name=name,
+        connect_timeout=max(0.1, min(2.0, timeout)),
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        error_cb=on_error,
+        **auth,
+    )
+    try:
+        await asyncio.wait_for(connect, timeout)
+    except Exception as exc:  # a timeout, or an error nats-py gave up on
+        with contextlib.suppress(Exception):
+            await nc.close()
+        # A refused login is the error that explains the others: after it the server just drops the
+        # connection, and the last attempt may have seen only that ("connection reset").
+        refused = [e for e in last_error if "authoriz" in str(e).lower()]
+        cause = refused[0] if refused else last_error[-1] if last_error else exc
+        reason = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+        hint = (
+            "check the credentials (--nats-user / --nats-password, --nats-token or --nats-creds, or KVMESH_NATS_*)"
+            if refused
+            else "is a NATS server running there? (`kvmesh up` starts one; --nats-url or KVMESH_NATS_URL names another)"
+        )
+        raise SystemExit(f"{name}: cannot connect to NATS at {url} within {timeout:g} s ({reason}); {hint}") from exc
+    connected = True
+    return nc
+
+
+def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run ``serve(stop_event)``; SIGINT / SIGTERM set the event and ``serve`` shuts down cleanly."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(stop)
+
+    if event_loop_kind() == "uvloop":
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+
+
+def event_loop_kind() -> str:
+    """The event loop services run on: uvloop where it is installed (its wake-ups and callbacks cost
+    less: docs/decisions/0020), unless ``KVMESH_EVENT_LOOP=asyncio`` asks for the standard one."""
+    wanted = os.environ.get("KVMESH_EVENT_LOOP", "uvloop")
+    if wanted not in ("uvloop", "asyncio"):
+        raise SystemExit(f"KVMESH_EVENT_LOOP must be uvloop or asyncio, not {wanted!r}")
+    if wanted == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        return "asyncio"
+    return wanted

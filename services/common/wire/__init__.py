@@ -1,0 +1,13 @@
+"""Wire types: what crosses a process boundary, each with its one codec. Imports nothing else of kvmesh.
+
+- ``hashing`` — block and sequence hashes (DESIGN §2), golden vectors in the tests.
+- ``kv_events`` — the KV event batch a worker publishes (DESIGN §3).
+- ``disagg`` — what rides in ``disaggregated_params``: prefill order, KV ready, decode order, KV source.
+- ``request_reports`` — a caller's first-token and end reports to the router on ``RouteMany``.
+- ``requests`` — facts about a preprocessed request (a continued try, the usage of a whole answer).
+- ``finish_reasons`` — finish reasons between the protos and OpenAI's names.
+- ``names`` — every NATS subject, stream and bucket name.
+- ``worker_key`` — how every service names one engine instance, ``(worker_id, dp_rank)``.
+- ``frontend_load`` — what a frontend served, published for the planner.
+- ``worker_load`` — each worker's load as a router predicts it, published for the planner.
+"""

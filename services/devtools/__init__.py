@@ -1,0 +1,1 @@
+"""Developer tools, not services: ``protogen`` regenerates the gRPC code (``kvmesh gen-protos``)."""

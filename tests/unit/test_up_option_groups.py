@@ -1,0 +1,69 @@
+"""``kvmesh up`` declares no service option of its own: it takes each service's option group and hands
+it on, so a service started by ``kvmesh up`` parses exactly the values ``kvmesh up`` was given."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvmesh.common.runtime.config import GrpcEndpointConfig
+from kvmesh.frontend.config import FrontendConfig, HttpApiOptions
+from kvmesh.indexer.config import IndexerConfig, SnapshotOptions
+from kvmesh.planner.planner import PlannerOptions
+from kvmesh.router.config import RouterConfig, RouterOptions
+from kvmesh.up.config import UpConfig
+from kvmesh.up.processes import plan_services
+from kvmesh.worker.config import EngineOptions, WorkerConfig
+from tests.support import service_config
+
+ARGV = [
+    "--workers",
+    "1",
+    "--http-port",
+    "18123",
+    "--max-concurrent-requests",
+    "7",
+    "--api-key",
+    "sekrit",
+    "--speedup-ratio",
+    "3.5",
+    "--block-size",
+    "32",
+    "--kv-transfer-backend",
+    "tcp",
+    "--router-snapshot-threshold",
+    "1234",
+    "--migration-limit",
+    "5",
+]
+GROUPS = {"frontend": (FrontendConfig, HttpApiOptions), "router": (RouterConfig, RouterOptions)}
+GROUPS |= {"indexer": (IndexerConfig, SnapshotOptions), "worker": (WorkerConfig, EngineOptions)}
+
+
+def test_each_service_parses_the_values_kvmesh_up_was_given():
+    up = service_config(UpConfig, ARGV)
+    by_kind = {process.name.split("-")[0]: process for process in plan_services(up, "nats://127.0.0.1:4222")}
+    assert set(by_kind) == set(GROUPS)
+    for kind, (config_class, group) in GROUPS.items():
+        process = by_kind[kind]
+        argv = process.argv[process.argv.index("-m") + 2 :]
+        parsed = service_config(config_class, argv)
+        for field in dataclasses.fields(group):
+            if field.metadata.get("secret"):
+                continue  # through the environment, never the command line
+            assert getattr(parsed, field.name) == getattr(up, field.name), f"{kind}: {field.name}"
+    frontend = by_kind["frontend"]
+    assert "sekrit" not in " ".join(frontend.argv) and frontend.env["KVMESH_API_KEY"] == "sekrit"
+
+
+def test_kvmesh_up_redeclares_no_option_of_a_service():
+    groups = (HttpApiOptions, SnapshotOptions, EngineOptions, RouterOptions, PlannerOptions)
+    for group in groups:  # each group's fields are UpConfig's through the group, as the group declares them
+        for f in dataclasses.fields(group):
+            assert UpConfig.__dataclass_fields__[f.name].metadata is f.metadata
+    shared = {f.name for f in dataclasses.fields(GrpcEndpointConfig)}
+    grouped = {f.name for group in groups for f in dataclasses.fields(group)}
+    own = set(UpConfig.__dataclass_fields__) - grouped - shared
+    services = {f.name for c in (FrontendConfig, WorkerConfig, IndexerConfig) for f in dataclasses.fields(c)} - shared
+    # the two that mean something else in kvmesh up: one shared pool for all mock workers (a worker's
+    # --kv-pool names its segment's folder), and vLLM's arguments for every worker
+    assert own & services == {"kv_pool", "engine_args"}
