@@ -18,7 +18,7 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvmesh.frontend.admission import ApiKeyGuard, BodySizeLimit, ConcurrencyLimit
-from kvmesh.frontend.completion_lane import CompletionLane
+from kvmesh.frontend.completion_routes import CompletionRoutes
 from kvmesh.frontend.errors import BadRequestError, OpenAIError
 from kvmesh.frontend.gateway import Frontend
 from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
@@ -99,7 +99,7 @@ def create_app(
     one more is a 503 with Retry-After (0: no limit, for either).
 
     Every request is counted, then checked for its key, then against the limits; the completion
-    routes are then called straight (:class:`CompletionLane`), everything else through FastAPI."""
+    routes are then called straight (:class:`CompletionRoutes`), everything else through FastAPI."""
     app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None)
     metrics = frontend.metrics
 
@@ -165,7 +165,7 @@ def create_app(
         return await respond(frontend, body, token_ids, chat=False, http_request=request)
 
     app.openapi = lambda: _openapi_with_bodies(app, frontend.model.name)  # type: ignore[method-assign]
-    served: ASGIApp = CompletionLane(app, COMPLETION_PATHS)
+    served: ASGIApp = CompletionRoutes(app, COMPLETION_PATHS)
     served = BodySizeLimit(served, limit=max_body_bytes)
     served = ConcurrencyLimit(served, limit=max_concurrent_requests)
     served = ApiKeyGuard(served, keys=api_keys)

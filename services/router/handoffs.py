@@ -24,7 +24,7 @@ from collections.abc import Callable
 import grpc
 
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
-from kvmesh.common.rpc.backlog import Backlog
+from kvmesh.common.rpc.batch_queue import BatchQueue
 from kvmesh.common.rpc.stream_sessions import StreamSession
 
 REFUSED = grpc.StatusCode.FAILED_PRECONDITION.value[0]  # the worker's refusal of a handoff
@@ -35,7 +35,7 @@ class Handoffs:
     and only if it failed before it was settled."""
 
     def __init__(
-        self, answers: Backlog[router_pb2.RouteAnswer | None], on_failed: Callable[[bool], None] | None = None
+        self, answers: BatchQueue[router_pb2.RouteAnswer | None], on_failed: Callable[[bool], None] | None = None
     ) -> None:
         """``on_failed``: told of each failed handoff, whether it was lost (else refused)."""
         self._answers = answers

@@ -18,7 +18,7 @@ import grpc
 import structlog
 
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from kvmesh.common.rpc.backlog import Backlog
+from kvmesh.common.rpc.batch_queue import BatchQueue
 from kvmesh.common.rpc.channels import ChannelPool
 from kvmesh.common.rpc.grpc_errors import refuse
 from kvmesh.common.rpc.multiplexed import RequestContext, ending_of
@@ -125,7 +125,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ready. A refusal answers its query only; the stream goes on (docs/decisions/0024), and ends
         once the caller has closed its side and every query is answered. The caller's reports on
         the requests it routed here ride on the same stream (:mod:`kvmesh.router.report_listener`)."""
-        answers: Backlog[router_pb2.RouteAnswer | None] = Backlog()  # None: the caller is done
+        answers: BatchQueue[router_pb2.RouteAnswer | None] = BatchQueue()  # None: the caller is done
         running: set[asyncio.Task[None]] = set()
         handoffs = Handoffs(answers, self.metrics.handoff_failed)  # handed on, not yet known to run
 

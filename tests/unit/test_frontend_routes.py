@@ -35,7 +35,7 @@ async def test_request_metrics_are_labelled_by_route_not_by_raw_path():
 
 
 async def test_completion_requests_are_counted_under_their_route():
-    """The completion routes are called past FastAPI's router (CompletionLane); they keep their label."""
+    """The completion routes are called past FastAPI's router (CompletionRoutes); they keep their label."""
     app = create_app(frontend(RouterClient(fixed_address="127.0.0.1:1")))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://frontend") as client:
         for path in ("/v1/chat/completions", "/v1/completions"):

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
-from kvmesh.common.rpc.backlog import Backlog
+from kvmesh.common.rpc.batch_queue import BatchQueue
 from kvmesh.common.rpc.grpc_errors import call_error
 from kvmesh.router.handoffs import Handoffs
 
@@ -36,9 +36,9 @@ async def watched(handoffs: Handoffs, request_id: str, session: FakeSession) -> 
     return failed
 
 
-async def answers_now(backlog: Backlog) -> list[router_pb2.RouteAnswer]:
+async def answers_now(queue: BatchQueue) -> list[router_pb2.RouteAnswer]:
     await asyncio.sleep(0)  # the futures' callbacks run on the next turn of the loop
-    return await asyncio.wait_for(backlog.take(), 1) if backlog._items else []
+    return await asyncio.wait_for(queue.take(), 1) if queue._items else []
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ async def answers_now(backlog: Backlog) -> list[router_pb2.RouteAnswer]:
     ],
 )
 async def test_a_failed_handoff_is_answered_once_refused_or_lost(failure, lost):
-    answers: Backlog = Backlog()
+    answers: BatchQueue = BatchQueue()
     handoffs = Handoffs(answers)
     session = FakeSession()
     failed = await watched(handoffs, "r1", session)
@@ -65,7 +65,7 @@ async def test_a_failed_handoff_is_answered_once_refused_or_lost(failure, lost):
 
 
 async def test_a_settled_handoff_is_never_answered():
-    answers: Backlog = Backlog()
+    answers: BatchQueue = BatchQueue()
     handoffs = Handoffs(answers)
     session = FakeSession()
     failed = await watched(handoffs, "r1", session)
@@ -75,7 +75,7 @@ async def test_a_settled_handoff_is_never_answered():
 
 
 async def test_the_end_of_the_stream_settles_every_handoff():
-    answers: Backlog = Backlog()
+    answers: BatchQueue = BatchQueue()
     handoffs = Handoffs(answers)
     session = FakeSession()
     futures = [await watched(handoffs, f"r{i}", session) for i in range(3)]

@@ -51,7 +51,7 @@ ROUTE_QUERIES: QueryKind[router_pb2.RouteRequest, router_pb2.RouteResponse] = Qu
     open=lambda channel: router_pb2_grpc.RouterStub(channel).RouteMany(),
     queries=router_pb2.RouteQueries,
     response_of=_route_response,
-    attach_notes=_attach_reports,
+    attach_reports=_attach_reports,
 )
 
 

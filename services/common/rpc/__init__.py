@@ -8,6 +8,6 @@
 - ``query_streams`` — request/answer calls over one stream per peer (``RouteMany``, ``FindMatchesMany``).
 - ``stream_sessions`` — a caller's ``Worker.GenerateMany`` stream per worker, handoffs claimed from it.
 - ``multiplexed`` — the worker's side of ``GenerateMany`` (many requests, attached callers, handoffs).
-- ``outbox``, ``backlog``, ``tasks`` — the next message built in place; a queue taken whole;
+- ``message_builder``, ``batch_queue``, ``tasks`` — the next message built in place; a queue taken whole;
   background tasks cancelled and awaited.
 """

@@ -2,7 +2,7 @@
 
 Each submitted request runs exactly as its own ``Generate`` stream would (the same code, given a
 context whose ``abort`` ends the request instead of the call); its outputs and its end go to one
-outbox, and the stream sends whatever the outbox holds as one ``GenerateBatch``. While a message is
+send queue, and the stream sends whatever that queue holds as one ``GenerateBatch``. While a message is
 being written the next engine step's outputs gather, so under load one message carries one step of
 every request on the stream (docs/decisions/0021).
 """
@@ -88,7 +88,7 @@ class RequestMultiplexer:
         """``generate_one``: the service's own ``Generate``; ``service``: who refuses a bad submit."""
         self._generate_one = generate_one
         self._service = service
-        self._outbox: asyncio.Queue[common_pb2.StreamItem | None] = asyncio.Queue()  # None: the end
+        self._to_send: asyncio.Queue[common_pb2.StreamItem | None] = asyncio.Queue()  # None: the end
         self._running: dict[str, asyncio.Task[None]] = {}
         self._attachments = attachments
         self._attached_as: str | None = None
@@ -101,7 +101,7 @@ class RequestMultiplexer:
     ) -> AsyncIterator[common_pb2.GenerateBatch]:
         reader = asyncio.create_task(self._read(commands))
         try:
-            while (first := await self._outbox.get()) is not None:
+            while (first := await self._to_send.get()) is not None:
                 batch, last = self._next_batch(first)
                 yield batch
                 if last:
@@ -116,15 +116,15 @@ class RequestMultiplexer:
                 origin.end(request_id, grpc.StatusCode.UNAVAILABLE, "the frontend's stream here ended first", "")
 
     def _next_batch(self, first: common_pb2.StreamItem) -> tuple[common_pb2.GenerateBatch, bool]:
-        """``first`` and everything else the outbox holds, a request's consecutive outputs merged
+        """``first`` and everything else the send queue holds, a request's consecutive outputs merged
         into one (as ``Generate`` sends every ready token of a request in one message), so the
         router relays one message per request per batch, not one per token; and whether the
         stream ends after it."""
         items = [first]
         open_outputs = {first.request_id: first.output} if first.HasField("output") else {}
-        outbox = self._outbox
-        while not outbox.empty():
-            item = outbox.get_nowait()
+        to_send = self._to_send
+        while not to_send.empty():
+            item = to_send.get_nowait()
             if item is None:
                 return common_pb2.GenerateBatch(items=items), True
             request_id = item.request_id
@@ -160,14 +160,14 @@ class RequestMultiplexer:
             return  # the call is over: nothing more to send
         # the caller closed its side: its requests run to their ends, then the stream ends
         await asyncio.gather(*self._running.values(), return_exceptions=True)
-        self._outbox.put_nowait(None)
+        self._to_send.put_nowait(None)
 
     def end(self, request_id: str, code: grpc.StatusCode, details: str, origin: str) -> None:
         """End ``request_id`` on this stream with ``code`` (``origin``: who refused it; empty for a
         failure), unless the stream has ended."""
         if not self.closed:
             end = common_pb2.RequestEnd(code=code.value[0], details=details, origin=origin)
-            self._outbox.put_nowait(common_pb2.StreamItem(request_id=request_id, end=end))
+            self._to_send.put_nowait(common_pb2.StreamItem(request_id=request_id, end=end))
 
     def _submit(self, request: common_pb2.PreprocessedRequest) -> bool:
         request_id = request.request_id
@@ -202,7 +202,7 @@ class RequestMultiplexer:
 
     async def _run(self, request: common_pb2.PreprocessedRequest) -> None:
         request_id = request.request_id
-        put = self._outbox.put_nowait
+        put = self._to_send.put_nowait
         end = common_pb2.RequestEnd()
         try:
             async with contextlib.aclosing(self._generate_one(request, RequestContext())) as outputs:

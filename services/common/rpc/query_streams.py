@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from kvmesh.common.rpc.channels import ChannelPool
-from kvmesh.common.rpc.outbox import MessageOutbox
+from kvmesh.common.rpc.message_builder import MessageBuilder
 from kvmesh.common.rpc.tasks import cancel_and_wait
 
 RequestT = TypeVar("RequestT")
@@ -41,13 +41,13 @@ class QueryKind(Generic[RequestT, ResponseT]):
     open: Callable[[grpc.aio.Channel], grpc.aio.StreamStreamCall]
     queries: Callable[[], Any]  # the caller's message type, whose ``queries`` are {query_id, request}
     response_of: Callable[[Any], ResponseT]  # an answer's response, or raise its refusal
-    # for a stream that also carries notes (messages that need no answer): puts them in a message
-    attach_notes: Callable[[Any, list[Any]], None] | None = None
+    # for a stream that also carries reports (messages that need no answer): puts them in a message
+    attach_reports: Callable[[Any, list[Any]], None] | None = None
 
 
-# A note waits this long for a query to ride with before it is sent alone: the peer learns it that
-# much later, which is small beside a request's life, and one message carries many notes.
-NOTES_WINDOW_S = 0.002
+# A report waits this long for a query to ride with before it is sent alone: the peer learns it that
+# much later, which is small beside a request's life, and one message carries many reports.
+REPORTS_WINDOW_S = 0.002
 
 
 class QueryStream(Generic[RequestT, ResponseT]):
@@ -62,9 +62,9 @@ class QueryStream(Generic[RequestT, ResponseT]):
         self._call = kind.open(channel)
         self._last_id = 0
         self._waiting: dict[int, asyncio.Future[ResponseT]] = {}
-        self._unsent: MessageOutbox[Any] = MessageOutbox(kind.queries, "queries")
-        self._notes: list[Any] = []
-        self._notes_due: asyncio.TimerHandle | None = None
+        self._unsent: MessageBuilder[Any] = MessageBuilder(kind.queries, "queries")
+        self._reports: list[Any] = []
+        self._reports_due: asyncio.TimerHandle | None = None
         self._closing = False
         self.broken: QueryStreamBroken | None = None
         self._tasks = [
@@ -84,18 +84,18 @@ class QueryStream(Generic[RequestT, ResponseT]):
         answer.add_done_callback(lambda done: self._forget_cancelled(query_id, done))
         query = self._unsent.add()
         query.query_id = query_id
-        query.request.CopyFrom(request)  # in place: see MessageOutbox
+        query.request.CopyFrom(request)  # in place: see MessageBuilder
         return answer
 
-    def tell(self, note: Any) -> None:
-        """Send ``note`` with the next message: with the next query, or alone once
-        :data:`NOTES_WINDOW_S` has passed. Notes are sent in the order told; on a broken stream
+    def tell(self, report: Any) -> None:
+        """Send ``report`` with the next message: with the next query, or alone once
+        :data:`REPORTS_WINDOW_S` has passed. Reports are sent in the order told; on a broken stream
         they are dropped (the peer is gone, or lost what it was told anyway)."""
         if self.broken is not None:
             return
-        self._notes.append(note)
-        if self._notes_due is None:
-            self._notes_due = asyncio.get_running_loop().call_later(NOTES_WINDOW_S, self._unsent.wake)
+        self._reports.append(report)
+        if self._reports_due is None:
+            self._reports_due = asyncio.get_running_loop().call_later(REPORTS_WINDOW_S, self._unsent.wake)
 
     def _forget_cancelled(self, query_id: int, answer: asyncio.Future[ResponseT]) -> None:
         # a peer that never answers must not make the waiting table grow with every query given up
@@ -104,16 +104,16 @@ class QueryStream(Generic[RequestT, ResponseT]):
 
     async def _write_all(self) -> None:
         try:
-            while not (self._closing and not self._notes):
+            while not (self._closing and not self._reports):
                 message = await self._unsent.take()
-                notes, self._notes = self._notes, []
-                if self._notes_due is not None:
-                    self._notes_due.cancel()
-                    self._notes_due = None
-                if not message.queries and not notes:
-                    continue  # the window's notes already rode with a query
-                if notes and self._kind.attach_notes is not None:
-                    self._kind.attach_notes(message, notes)
+                reports, self._reports = self._reports, []
+                if self._reports_due is not None:
+                    self._reports_due.cancel()
+                    self._reports_due = None
+                if not message.queries and not reports:
+                    continue  # the window's reports already rode with a query
+                if reports and self._kind.attach_reports is not None:
+                    self._kind.attach_reports(message, reports)
                 await self._call.write(message)
         except Exception as exc:  # the call ended (AioRpcError, or InvalidStateError once cancelled)
             self._break(exc)
@@ -149,16 +149,16 @@ class QueryStream(Generic[RequestT, ResponseT]):
                 waiting.set_exception(self.broken)
         self._waiting.clear()
 
-    async def close(self, notes_grace_s: float = 1.0) -> None:
-        """End the stream; notes not yet sent get up to ``notes_grace_s`` to go first (cancelling
+    async def close(self, reports_grace_s: float = 1.0) -> None:
+        """End the stream; reports not yet sent get up to ``reports_grace_s`` to go first (cancelling
         a write in flight would cut the call, so the writer finishes its own)."""
-        if self._notes and self.broken is None:
+        if self._reports and self.broken is None:
             self._closing = True
             self._unsent.wake()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._tasks[0]), notes_grace_s)
-        if self._notes_due is not None:
-            self._notes_due.cancel()
+                await asyncio.wait_for(asyncio.shield(self._tasks[0]), reports_grace_s)
+        if self._reports_due is not None:
+            self._reports_due.cancel()
         self._call.cancel()
         await cancel_and_wait(*self._tasks)
         self._break(None)
@@ -179,13 +179,13 @@ class QueryStreams(Generic[RequestT, ResponseT]):
         that stream broke (the next ask opens a new one)."""
         return self._stream_to(address).ask(request)
 
-    def tell(self, address: str, note: Any) -> None:
-        """:meth:`QueryStream.tell` on ``address``'s stream. Notes concern what was asked there, so
-        without a stream that is still open (it broke, or the peer left) the note is dropped rather
+    def tell(self, address: str, report: Any) -> None:
+        """:meth:`QueryStream.tell` on ``address``'s stream. Reports concern what was asked there, so
+        without a stream that is still open (it broke, or the peer left) the report is dropped rather
         than a stream opened for it, which for a departed peer would reconnect forever."""
         stream = self._streams.get(address)
         if stream is not None:
-            stream.tell(note)
+            stream.tell(report)
 
     def _stream_to(self, address: str) -> QueryStream[RequestT, ResponseT]:
         stream = self._streams.get(address)

@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
-from kvmesh.common.rpc.backlog import Backlog
+from kvmesh.common.rpc.batch_queue import BatchQueue
 from kvmesh.common.rpc.channels import ChannelPool
 from kvmesh.common.rpc.grpc_errors import call_error, error_of_end
-from kvmesh.common.rpc.outbox import MessageOutbox
+from kvmesh.common.rpc.message_builder import MessageBuilder
 from kvmesh.common.rpc.tasks import cancel_and_wait
 
 FINISH_REASON_UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
@@ -35,7 +35,7 @@ def open_worker_stream(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
     return worker_pb2_grpc.WorkerStub(channel).GenerateMany()
 
 
-Inbox = Backlog[common_pb2.StreamItem | BaseException]
+Inbox = BatchQueue[common_pb2.StreamItem | BaseException]
 
 
 class HandoffExpectation:
@@ -47,7 +47,7 @@ class HandoffExpectation:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.inbox: Inbox = Backlog()
+        self.inbox: Inbox = BatchQueue()
         self.decided: asyncio.Future[StreamSession | None] = asyncio.get_running_loop().create_future()
 
 
@@ -96,7 +96,7 @@ class StreamSession:
         self.address = address
         self._call = call
         # every command ready goes in one message: one write for requests submitted together
-        self._commands: MessageOutbox[common_pb2.GenerateCommands] = MessageOutbox(
+        self._commands: MessageBuilder[common_pb2.GenerateCommands] = MessageBuilder(
             common_pb2.GenerateCommands, "commands"
         )
         if attach_as:
@@ -197,7 +197,7 @@ class StreamSession:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already on this stream")
             # the request's items, handed over by the session's reader (all that came, per wake-up)
-            inbox = self._requests[request_id] = Backlog()
+            inbox = self._requests[request_id] = BatchQueue()
             self.idle.clear()
             self._commands.add().submit.CopyFrom(request)
         ended = False

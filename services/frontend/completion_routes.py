@@ -18,16 +18,16 @@ from starlette.types import Receive, Scope, Send
 
 from kvmesh.frontend.errors import OpenAIError
 
-__all__ = ["CompletionLane"]
+__all__ = ["CompletionRoutes"]
 
 
-class CompletionLane:
+class CompletionRoutes:
     """Serves ``POST`` on the given paths by calling the endpoint FastAPI registered for it directly.
 
     Guarantees, the same answers as through FastAPI: the endpoint gets a Starlette ``Request`` and
     its response is sent as FastAPI would send it; an :class:`OpenAIError` becomes its JSON body and
     status (as the app's handler makes it); any other exception propagates, to the middlewares
-    around this lane and to the server, which answers 500 and logs it. ``scope["route"]`` is set to
+    around these routes and to the server, which answers 500 and logs it. ``scope["route"]`` is set to
     the route, so request metrics keep their route label. Every other request goes to ``app``.
     """
 

@@ -10,7 +10,7 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
-class Backlog(Generic[T]):
+class BatchQueue(Generic[T]):
     """Guarantees: :meth:`take` returns every item added since the last take, in order, and at least
     one (it waits for it). One consumer only. Why not an ``asyncio.Queue``: its per-call loop checks
     and waiter lists profiled at 7% of a frontend's CPU (decision 19); one consumer needs a list and

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from kvmesh.common.rpc.backlog import Backlog
+from kvmesh.common.rpc.batch_queue import BatchQueue
 
 M = TypeVar("M")
 
 
-class MessageOutbox(Generic[M]):
+class MessageBuilder(Generic[M]):
     """The next message of one stream's writer: :meth:`add` appends an item to its repeated field
     ``field`` and returns it, to be filled in place; :meth:`take` waits until the message holds an
     item (or :meth:`wake` was called) and returns it, leaving a new empty one for what comes next.
@@ -29,7 +29,7 @@ class MessageOutbox(Generic[M]):
         self._new = new
         self._field = field
         self._message = new()
-        self._wakes: Backlog[None] = Backlog()  # one entry per message with something to send
+        self._wakes: BatchQueue[None] = BatchQueue()  # one entry per message with something to send
         self._woken = False
 
     def add(self) -> Any:
@@ -40,7 +40,7 @@ class MessageOutbox(Generic[M]):
 
     def wake(self) -> None:
         """Let :meth:`take` return the next message even if no item is added (a message that
-        carries something else, as a query stream's notes)."""
+        carries something else, as a query stream's reports)."""
         if not self._woken:
             self._woken = True
             self._wakes.add(None)
