@@ -181,9 +181,10 @@ def serving_part(args: argparse.Namespace) -> None:
 def replay_part(args: argparse.Namespace) -> None:
     """``kvmesh replay``'s engine and router in virtual time: no CPU contention, Dynamo's timing model,
     a modelled model (128 KiB of KV per token) over a 25 GB/s link."""
+    from kvmesh.replay.config import ReplayConfig
     from kvmesh.replay.mooncake_trace import read_trace
     from kvmesh.replay.report import summarise
-    from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
+    from kvmesh.replay.simulator import ReplaySimulator
 
     trace = read_trace(args.trace)
     setups = [("3 aggregated", 3, 0), ("1 prefill + 2 decode", 2, 1), ("6 aggregated", 6, 0), ("2P + 4D", 4, 2)]

@@ -25,9 +25,10 @@ from pathlib import Path
 from kvmesh.planner.planner import Planner
 from kvmesh.planner.predictors import PREDICTORS
 from kvmesh.profiler.mock import profile_mock_engine
+from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import read_trace
 from kvmesh.replay.report import sla_attainment
-from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
+from kvmesh.replay.simulator import ReplaySimulator
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 

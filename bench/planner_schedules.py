@@ -29,9 +29,10 @@ from bench.planner_bench import TRACE
 from kvmesh.planner.load import IntervalObservation
 from kvmesh.planner.planner import Decision, Planner, PoolSizes
 from kvmesh.profiler.mock import profile_mock_engine
+from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import read_trace
 from kvmesh.replay.report import sla_attainment
-from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
+from kvmesh.replay.simulator import ReplaySimulator
 
 PROFILE, SPEEDUP, INTERVAL_S, PERIOD_S, AMPLITUDE = "sine:period=500,amplitude=0.7", 2.0, 15.0, 500.0, 0.7
 

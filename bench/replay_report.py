@@ -17,9 +17,10 @@ import json
 import time
 from pathlib import Path
 
+from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import TraceRequest, read_trace
 from kvmesh.replay.report import summarise
-from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
+from kvmesh.replay.simulator import ReplaySimulator
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 # (prefix reuse, TTFT mean, p50, p99) reported by Dynamo 1.6.1's run_trace_replay on the same runs.

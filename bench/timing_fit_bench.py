@@ -20,9 +20,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import read_trace
 from kvmesh.replay.report import summarise
-from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
+from kvmesh.replay.simulator import ReplaySimulator
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 

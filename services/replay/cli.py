@@ -18,9 +18,10 @@ from kvmesh.common.runtime.structured_logging import configure_logging
 from kvmesh.planner.planner import Planner
 from kvmesh.planner.state import PlannerState
 from kvmesh.profiler.mock import profile_mock_engine
+from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import TraceError, read_trace
 from kvmesh.replay.report import plot_timeline, sla_attainment, summarise, write_csv
-from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
+from kvmesh.replay.simulator import ReplaySimulator
 
 DESCRIPTION = (
     "Replay a request trace (Mooncake JSONL: timestamp ms, input_length, output_length, hash_ids) "

@@ -12,7 +12,7 @@ from kvmesh.common.core.stats import percentile
 from kvmesh.planner.load import met_targets
 
 if TYPE_CHECKING:  # the simulator imports the planner, which this module imports too
-    from kvmesh.replay.simulator import RequestRecord
+    from kvmesh.replay.config import RequestRecord
 
 __all__ = ["percentile", "plot_timeline", "sla_attainment", "summarise", "write_csv"]
 

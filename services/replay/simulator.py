@@ -23,129 +23,24 @@ import heapq
 import itertools
 import math
 import random
-from dataclasses import dataclass, field
 
 from kvmesh.common.core.prefix_index import PrefixIndex
 from kvmesh.common.core.timing import TimingModel, scaled
 from kvmesh.common.core.timing_fit import TimingFit
-from kvmesh.common.runtime.config import ConfigError, option
-from kvmesh.common.wire.frontend_load import RequestSample
 from kvmesh.common.wire.hashing import sequence_hashes, token_bytes
 from kvmesh.common.wire.kv_events import KvEvent, KvEventBatch
 from kvmesh.planner.load import IntervalObservation
-from kvmesh.planner.planner import POOLS, Decision, Planner, PlannerOptions, PoolSizes
+from kvmesh.planner.planner import POOLS, Decision, Planner, PoolSizes
 from kvmesh.replay.arrival_profile import parse_arrival_profile
+from kvmesh.replay.config import ReplayConfig, RequestRecord
 from kvmesh.replay.fleet import IntervalRecorder, VirtualFleet
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
-from kvmesh.router.config import RoutingOptions
 from kvmesh.router.load_tracker import LoadTracker
-from kvmesh.router.policy import POLICY_MODES, RoutingPolicy
+from kvmesh.router.policy import RoutingPolicy
 from kvmesh.router.prefill_placement import place_prefill
 from kvmesh.router.scheduler import PerWorkerTtftCost, make_cost_model
 from kvmesh.worker.engine import EngineRequestSpec
 from kvmesh.worker.mock_engine import EngineConfig, MockEngine, StepResult
-
-# the modes a replay can simulate (``direct`` needs a caller that names the worker)
-REPLAY_MODES = POLICY_MODES
-
-
-@dataclass
-class ReplayConfig(RoutingOptions, PlannerOptions):
-    """The simulated fleet and trace handling; the routing options are the router's own, the SLA
-    targets and scaling options the planner's."""
-
-    workers: int = option(8, "simulated workers (decode workers when --prefill-workers is set)")
-    block_size: int = option(64, "tokens per KV block")
-    num_blocks: int = option(16384, "KV blocks per worker", flag="--num-gpu-blocks-override")
-    max_num_seqs: int = option(256, "running sequences per worker")
-    max_num_batched_tokens: int = option(8192, "token budget of one engine step")
-    arrival_speedup_ratio: float = option(1.0, "divide trace timestamps by this (higher = heavier load)")
-    trace_block_size: int = option(512, "tokens each trace hash id stands for")
-    seed: int = option(0, "seed of tie-breaking and sampling")
-    prefill_workers: int = option(
-        0, "prefill workers besides --workers (which then decode); 0: every worker is aggregated"
-    )
-    # KV bytes per token of the modelled model (Llama-3-8B in bf16: 32 layers × 8 KV heads × 128 × 2 × 2)
-    kv_bytes_per_token: int = option(131072, "KV bytes per token of the modelled model (transfer size)")
-    # KV transfer bandwidth, GB/s (25: a 200 Gb/s RDMA link)
-    kv_transfer_gbps: float = option(25.0, "KV transfer bandwidth, GB/s")
-    slow_workers: int = option(
-        0, "the first N workers' engines are --slow-worker-factor times slower (heterogeneous fleet)"
-    )
-    slow_worker_factor: float = option(2.0, "how much slower the slow workers' steps are")
-    router_timing: str = option(
-        "exact",
-        "what the router's ttft cost knows of each worker's step times: exact (its true model), prior (the "
-        "nominal model scaled by --router-prefill-scale / --router-decode-scale, for every worker), or learned "
-        "(fitted from the steps each worker runs, starting from that prior)",
-        choices=("exact", "prior", "learned"),
-    )
-    router_prefill_scale: float = option(1.0, "the prior's prefill times are the nominal ones times this")
-    router_decode_scale: float = option(1.0, "the prior's decode times are the nominal ones times this")
-    timing_refit_steps: int = option(50, "with --learn-timing: steps between refits of a worker's model")
-    arrival_profile: str = option(
-        "",
-        "reshape the arrival rate over time: sine:period=S,amplitude=A[,phase=S] or step:at=S,factor=F (seconds)",
-    )
-    planner: bool = option(
-        False,
-        "scale the fleet with the planner (virtual connector): --workers (and --prefill-workers, whose prefill and "
-        "decode pools it then sizes apart) are the starting sizes",
-    )
-
-    def validate(self) -> None:
-        RoutingOptions.validate(self)
-        PlannerOptions.validate(self)
-        parse_arrival_profile(self.arrival_profile)
-        if self.router_mode not in REPLAY_MODES:
-            raise ConfigError(f"--router-mode must be one of {', '.join(REPLAY_MODES)} in a replay")
-        for name in ("workers", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be positive")
-        if self.trace_block_size <= 0 or self.arrival_speedup_ratio <= 0:
-            raise ConfigError("--trace-block-size and --arrival-speedup-ratio must be positive")
-        if self.prefill_workers < 0:
-            raise ConfigError("--prefill-workers must be >= 0")
-        if self.kv_bytes_per_token <= 0 or self.kv_transfer_gbps <= 0:
-            raise ConfigError("--kv-bytes-per-token and --kv-transfer-gbps must be positive")
-        if min(self.router_prefill_scale, self.router_decode_scale, self.slow_worker_factor) <= 0:
-            raise ConfigError("--router-prefill-scale, --router-decode-scale and --slow-worker-factor must be positive")
-        if self.timing_refit_steps <= 0 or not 0 <= self.slow_workers <= self.workers:
-            raise ConfigError("--timing-refit-steps must be positive and --slow-workers at most --workers")
-
-
-@dataclass
-class RequestRecord:
-    """What happened to one trace request, in simulated milliseconds."""
-
-    index: int
-    arrival_ms: float
-    input_length: int
-    output_length: int
-    worker: int = -1
-    cached_tokens: int = 0
-    first_token_ms: float = math.nan
-    last_token_ms: float = math.nan
-    tokens: int = 0
-    inter_token_ms: list[float] = field(default_factory=list)
-    # with prefill workers: where the KV came from ("remote", or the local reason)
-    kv_source: str = ""
-
-    @property
-    def ttft_ms(self) -> float:
-        return self.first_token_ms - self.arrival_ms
-
-    @property
-    def e2e_ms(self) -> float:
-        return self.last_token_ms - self.arrival_ms
-
-    @property
-    def tpot_ms(self) -> float:
-        return (self.last_token_ms - self.first_token_ms) / (self.tokens - 1) if self.tokens > 1 else math.nan
-
-    def sample(self) -> RequestSample:
-        """This request as a frontend would report it to the planner."""
-        return RequestSample(self.input_length, self.tokens, self.cached_tokens, self.ttft_ms, self.tpot_ms)
 
 
 class ReplaySimulator:

@@ -9,9 +9,10 @@ import pytest
 
 from kvmesh.common.core.timing import TimingModel
 from kvmesh.replay import cli
+from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceError, TraceRequest, read_trace
 from kvmesh.replay.report import percentile, summarise
-from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
+from kvmesh.replay.simulator import ReplaySimulator
 
 SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 TIMING = TimingModel()

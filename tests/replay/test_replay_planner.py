@@ -10,8 +10,9 @@ import pytest
 from kvmesh.planner.planner import Planner
 from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.replay import cli
+from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import read_trace
-from kvmesh.replay.simulator import ReplayConfig, ReplaySimulator
+from kvmesh.replay.simulator import ReplaySimulator
 
 SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 pytestmark = pytest.mark.skipif(not SHARED_TRACE.is_file(), reason="the shared trace is not beside the checkout")
