@@ -32,11 +32,16 @@ def held_blocks(params: dict[str, Any]) -> int:
 
 class ConnectorHandover:
     """Guarantees: a decode request never pulls without parameters; with none (or unreadable ones)
-    it prefills locally when the router allowed it and is refused otherwise."""
+    it prefills locally when the router allowed it and is refused otherwise. A pull that has not
+    brought the first token within ``pull_timeout_s`` is aborted in the engine and the request
+    prefills locally (or is refused under ``--enforce-disagg``): vLLM's NIXL connector now and then
+    completes the handshake and never moves the KV (the prefill side lets the blocks go after its
+    lease), and the request would otherwise wait for ever."""
 
-    def __init__(self, worker_id: int, engine: VllmEngine) -> None:
+    def __init__(self, worker_id: int, engine: VllmEngine, pull_timeout_s: float = 30.0) -> None:
         self.worker_id = worker_id
         self.engine = engine
+        self.pull_timeout_s = pull_timeout_s
         self.transfers = 0
 
     @property
@@ -76,5 +81,12 @@ class ConnectorHandover:
         queue = self.engine.submit(spec, kv_transfer_params=params)
         self.transfers += 1
         log.info("KV pull handed to vLLM", blocks=blocks, prefill_worker=order.worker_id)
+        if not await queue.wait_for_item(self.pull_timeout_s):
+            self.engine.abort(spec.request_id)
+            log.warning("KV pull brought nothing in time", seconds=self.pull_timeout_s, prefill_worker=order.worker_id)
+            if not order.allow_local:
+                details = f"the KV pull from worker {order.worker_id} brought nothing in {self.pull_timeout_s} s"
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, details)
+            return self.engine.submit(spec), KvSource.local("transfer_failed")
         size = blocks * self.engine.kv_bytes_per_block
         return queue, KvSource("remote", self.backend, size, blocks, cached_tokens=order.cached_tokens)

@@ -151,6 +151,19 @@ class TokenQueue:
             raise asyncio.QueueEmpty
         return self._items.popleft()
 
+    async def wait_for_item(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until an item is queued, without taking it; whether one is."""
+        if self._items:
+            return True
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except TimeoutError:
+            return False
+        finally:
+            self._waiter = None
+        return True
+
     def empty(self) -> bool:
         return not self._items
 

@@ -110,7 +110,7 @@ async def serve(
             )
             engine: Engine = await stack.start(vllm)
             if connector_host is not None:
-                handover = ConnectorHandover(worker_id, vllm)
+                handover = ConnectorHandover(worker_id, vllm, config.kv_transfer_timeout_secs)
                 extra["kv_transfer_backend"] = handover.backend
         else:
             shape = kv_layout(config).block_bytes(config.mock_shape("block_size"))

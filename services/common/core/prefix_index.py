@@ -34,16 +34,21 @@ import struct
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import and_, neg
 
 import xxhash
 
+from kvmesh.common.core.worker_blocks import (
+    EVICTED_METADATA_LIMIT,
+    UNKNOWN_PARENT,
+    ApplyStats,
+    WorkerBlocks,
+)
 from kvmesh.common.wire.hashing import HASH_SEED, sequence_hashes
 from kvmesh.common.wire.kv_events import (
     DEVICE_TIER,
-    EVICTED_TIER,
     IN_TRANSIT_TIER,
     POOLED_TIER,
     AllBlocksCleared,
@@ -56,60 +61,10 @@ from kvmesh.common.wire.kv_events import (
 )
 from kvmesh.common.wire.worker_key import WorkerKey
 
+__all__ = ["EVICTED_METADATA_LIMIT", "UNKNOWN_PARENT", "ApplyStats", "DumpedBlock", "PrefixIndex", "WorkerKey"]
+
 _pack_pair = struct.Struct("<QQ").pack
 _xxh3 = xxhash.xxh3_64_intdigest
-
-
-UNKNOWN_PARENT = -1  # a held block whose parent's sequence hash is not known (sequence hashes are >= 0)
-# Metadata of blocks a pool evicted, kept per worker: enough to tell what the pool recently lost
-# without letting a long-lived pool grow the index without bound.
-EVICTED_METADATA_LIMIT = 65536
-
-
-@dataclass
-class _WorkerBlocks:
-    """One worker's blocks: engine block id -> sequence hash, plus duplicate copies per hash.
-
-    ``parent_of`` / ``child_count`` / ``orphans`` track prefix closure: a block is an *orphan* when its
-    parent is not held by the same worker (its parent was evicted first). With no orphan, holding a
-    block implies holding its whole prefix, which lets queries bisect instead of scanning.
-    """
-
-    bit: int
-    by_engine_id: dict[int, int] = field(default_factory=dict)
-    # Engines that keep two blocks with the same content (vLLM does not de-duplicate) hold a hash
-    # more than once; only the extra copies are counted, so the common case costs nothing.
-    extra_copies: dict[int, int] = field(default_factory=dict)
-    parent_of: dict[int, int | None] = field(default_factory=dict)
-    child_count: dict[int, int] = field(default_factory=dict)
-    orphans: int = 0
-    last_event_id: int = -1
-    # MoE metadata of held blocks that carry any (sequence hash -> placements), and how many held
-    # blocks were computed with each (layer, expert): what the worker hosts. Empty for dense models.
-    moe: dict[int, tuple[MoePlacement, ...]] = field(default_factory=dict)
-    experts: Counter[tuple[int, int]] = field(default_factory=Counter)
-    # Block tiers beyond the resident one (the tier of the events that store blocks here): copies in
-    # flight (engine id -> sequence hash; not matched) and evicted blocks' metadata (the same,
-    # oldest first). Both empty unless the worker publishes those tiers.
-    tier: str = DEVICE_TIER
-    in_transit: dict[int, int] = field(default_factory=dict)
-    evicted: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def unique_blocks(self) -> int:
-        return len(self.parent_of)
-
-
-@dataclass
-class ApplyStats:
-    events_applied: int = 0
-    blocks_stored: int = 0
-    blocks_removed: int = 0
-    duplicates_skipped: int = 0
-    unknown_parent: int = 0
-    unknown_removals: int = 0
-    gaps: int = 0
-    recoveries: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,7 +86,7 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._holders: dict[int, int] = {}
-        self._workers: dict[WorkerKey, _WorkerBlocks] = {}
+        self._workers: dict[WorkerKey, WorkerBlocks] = {}
         self._key_of_bit: dict[int, WorkerKey] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
@@ -143,7 +98,7 @@ class PrefixIndex:
         self.stats = ApplyStats()
 
     # ---- workers -------------------------------------------------------------------------
-    def _worker(self, key: WorkerKey) -> _WorkerBlocks:
+    def _worker(self, key: WorkerKey) -> WorkerBlocks:
         worker = self._workers.get(key)
         if worker is None:
             if self._free_bits:
@@ -151,7 +106,7 @@ class PrefixIndex:
             else:
                 bit = 1 << self._next_bit
                 self._next_bit += 1
-            worker = self._workers[key] = _WorkerBlocks(bit)
+            worker = self._workers[key] = WorkerBlocks(bit)
             self._key_of_bit[bit] = key
             self._tree_sizes[key] = 0
         return worker
@@ -188,7 +143,7 @@ class PrefixIndex:
         self._apply_events(key, worker, batch.events)
         self._tree_sizes[key] = worker.unique_blocks
 
-    def _apply_events(self, key: WorkerKey, worker: _WorkerBlocks, events: Sequence[KvEvent]) -> None:
+    def _apply_events(self, key: WorkerKey, worker: WorkerBlocks, events: Sequence[KvEvent]) -> None:
         held = self._held_back.get(key)
         if held is not None:
             held.extend(events)  # in recovery: wait for the worker's dump
@@ -207,15 +162,15 @@ class PrefixIndex:
             data = event.data
             tier = event.tier
             if tier == IN_TRANSIT_TIER:
-                self._track_transit(worker, data)
+                worker.track_transit(data, self.stats)
             elif isinstance(data, BlocksStored):
                 worker.tier = tier
                 if worker.in_transit or worker.evicted:
-                    self._settle(worker, data.blocks)
+                    worker.settle(data.blocks)
                 self._store(worker, data.parent_hash, data.blocks)
             elif isinstance(data, BlocksRemoved):
                 if tier == POOLED_TIER:
-                    self._keep_evicted(worker, data.block_hashes)
+                    worker.keep_evicted(data.block_hashes)
                 self._remove(worker, data.block_hashes)
             elif isinstance(data, AllBlocksCleared):
                 self._clear(worker)
@@ -224,58 +179,12 @@ class PrefixIndex:
     def in_recovery(self, key: WorkerKey) -> bool:
         return key in self._held_back
 
-    # ---- block tiers ---------------------------------------------------------------------
-    def _track_transit(self, worker: _WorkerBlocks, data: BlocksStored | BlocksRemoved | AllBlocksCleared) -> None:
-        """Apply an ``in_transit`` event: announce blocks (their parent held or in flight) or abandon them."""
-        transit = worker.in_transit
-        if isinstance(data, BlocksStored):
-            parent: int | None = None
-            if data.parent_hash is not None:
-                parent = worker.by_engine_id.get(data.parent_hash, transit.get(data.parent_hash))
-                if parent is None:
-                    self.stats.unknown_parent += 1
-                    return
-            for block in data.blocks:
-                seq = block.tokens_hash if parent is None else _xxh3(_pack_pair(parent, block.tokens_hash), HASH_SEED)
-                transit[block.block_hash] = seq
-                worker.evicted.pop(block.block_hash, None)
-                parent = seq
-        elif isinstance(data, BlocksRemoved):
-            for engine_id in data.block_hashes:
-                if transit.pop(engine_id, None) is None:
-                    self.stats.unknown_removals += 1
-        else:
-            transit.clear()
-
-    def _settle(self, worker: _WorkerBlocks, blocks: Sequence[StoredBlock]) -> None:
-        """Blocks now resident leave the in-flight and evicted states."""
-        for block in blocks:
-            worker.in_transit.pop(block.block_hash, None)
-            worker.evicted.pop(block.block_hash, None)
-
-    def _keep_evicted(self, worker: _WorkerBlocks, engine_ids: Iterable[int]) -> None:
-        evicted = worker.evicted
-        for engine_id in engine_ids:
-            seq = worker.by_engine_id.get(engine_id)
-            if seq is not None:
-                evicted.pop(engine_id, None)  # re-evicted: it becomes the newest
-                evicted[engine_id] = seq
-        while len(evicted) > EVICTED_METADATA_LIMIT:
-            del evicted[next(iter(evicted))]
-
+    # ---- block tiers (the worker's own bookkeeping, WorkerBlocks) ------------------------
     def tier_of(self, key: WorkerKey, engine_id: int) -> str | None:
         """The state of one of a worker's blocks: its resident tier (``device``, or ``pooled`` for
         a pool segment), ``in_transit``, ``evicted``, or None when the index knows nothing of it."""
         worker = self._workers.get(key)
-        if worker is None:
-            return None
-        if engine_id in worker.by_engine_id:
-            return worker.tier
-        if engine_id in worker.in_transit:
-            return IN_TRANSIT_TIER
-        if engine_id in worker.evicted:
-            return EVICTED_TIER
-        return None
+        return None if worker is None else worker.tier_of(engine_id)
 
     def tier_of_worker(self, key: WorkerKey) -> str:
         """The tier of the blocks a worker holds resident (``device`` until it stores any other)."""
@@ -297,13 +206,10 @@ class PrefixIndex:
     ) -> None:
         """Restore a worker's tiers after :meth:`import_worker`."""
         worker = self._workers.get(key)
-        if worker is None:
-            return
-        worker.tier = tier
-        worker.in_transit = dict(in_transit)
-        worker.evicted = dict(evicted)
+        if worker is not None:
+            worker.import_tiers(tier, in_transit, evicted)
 
-    def _store(self, worker: _WorkerBlocks, parent_hash: int | None, blocks: Sequence[StoredBlock]) -> None:
+    def _store(self, worker: WorkerBlocks, parent_hash: int | None, blocks: Sequence[StoredBlock]) -> None:
         by_engine_id = worker.by_engine_id
         if parent_hash is None:
             parent: int | None = None
@@ -348,24 +254,12 @@ class PrefixIndex:
                     if delta:
                         self._set_orphans(worker, orphans + delta)
             if block.moe:
-                self._tag(worker, seq, block.moe)
+                worker.tag(seq, block.moe)
             parent = seq
             parent_held = True
         self.stats.blocks_stored += len(blocks)
 
-    def _tag(self, worker: _WorkerBlocks, seq: int, placements: tuple[MoePlacement, ...]) -> None:
-        """Record the MoE placement a held block was computed with (replacing an earlier one)."""
-        self._untag(worker, seq)
-        worker.moe[seq] = placements
-        worker.experts.update({(layer, expert) for layer, expert, _ in placements})
-
-    def _untag(self, worker: _WorkerBlocks, seq: int) -> None:
-        placements = worker.moe.pop(seq, None)
-        if placements:
-            worker.experts.subtract({(layer, expert) for layer, expert, _ in placements})
-            worker.experts = +worker.experts  # drop experts no block uses any more
-
-    def _hold(self, worker: _WorkerBlocks, seq: int, parent: int | None) -> None:
+    def _hold(self, worker: WorkerBlocks, seq: int, parent: int | None) -> None:
         """One more copy of ``seq`` on this worker (``parent``: its parent's sequence hash)."""
         mask = self._holders.get(seq, 0)
         bit = worker.bit
@@ -381,7 +275,7 @@ class PrefixIndex:
                 orphans += 1
         self._set_orphans(worker, orphans)
 
-    def _unhold(self, worker: _WorkerBlocks, seq: int) -> None:
+    def _unhold(self, worker: WorkerBlocks, seq: int) -> None:
         """The last copy of ``seq`` leaves this worker."""
         bit = worker.bit
         mask = self._holders[seq] & ~bit
@@ -391,7 +285,7 @@ class PrefixIndex:
             del self._holders[seq]
         parent = worker.parent_of.pop(seq)
         if worker.moe:
-            self._untag(worker, seq)
+            worker.untag(seq)
         orphans = worker.orphans + worker.child_count.get(seq, 0)  # its children become orphans
         if parent is not None:
             count = worker.child_count[parent] - 1
@@ -403,14 +297,14 @@ class PrefixIndex:
                 orphans -= 1
         self._set_orphans(worker, orphans)
 
-    def _set_orphans(self, worker: _WorkerBlocks, orphans: int) -> None:
+    def _set_orphans(self, worker: WorkerBlocks, orphans: int) -> None:
         worker.orphans = orphans
         if orphans:
             self._unclosed |= worker.bit
         else:
             self._unclosed &= ~worker.bit
 
-    def _remove(self, worker: _WorkerBlocks, engine_ids: Iterable[int]) -> None:
+    def _remove(self, worker: WorkerBlocks, engine_ids: Iterable[int]) -> None:
         by_engine_id = worker.by_engine_id
         for engine_id in engine_ids:
             seq = by_engine_id.pop(engine_id, None)
@@ -420,7 +314,7 @@ class PrefixIndex:
             self._drop(worker, seq)
             self.stats.blocks_removed += 1
 
-    def _drop(self, worker: _WorkerBlocks, seq: int) -> None:
+    def _drop(self, worker: WorkerBlocks, seq: int) -> None:
         extra = worker.extra_copies.get(seq)
         if extra:
             if extra == 1:
@@ -430,7 +324,7 @@ class PrefixIndex:
             return
         self._unhold(worker, seq)
 
-    def _clear(self, worker: _WorkerBlocks) -> None:
+    def _clear(self, worker: WorkerBlocks) -> None:
         holders = self._holders
         keep = ~worker.bit
         for seq in worker.parent_of:
@@ -443,10 +337,7 @@ class PrefixIndex:
         worker.extra_copies.clear()
         worker.parent_of.clear()
         worker.child_count.clear()
-        worker.moe.clear()
-        worker.experts.clear()
-        worker.in_transit.clear()
-        worker.evicted.clear()
+        worker.clear_metadata()
         self._set_orphans(worker, 0)
 
     # ---- whole-worker state (gap recovery, snapshots) -------------------------------------
@@ -467,7 +358,7 @@ class PrefixIndex:
             return
         for seq, placements in moe.items():
             if seq in worker.parent_of and placements:
-                self._tag(worker, seq, tuple(placements))
+                worker.tag(seq, tuple(placements))
 
     def moe_alignment(
         self, seq_hashes: Sequence[int], matched: Mapping[WorkerKey, int], experts: set[tuple[int, int]]
@@ -477,17 +368,10 @@ class PrefixIndex:
         neither are left out, so a dense fleet answers an empty map."""
         alignment = {}
         for key, worker in self._workers.items():
-            if not worker.experts:
-                continue
-            hosted = sum(1 for expert in experts if worker.experts.get(expert))
-            tags = worker.moe
-            aligned = sum(
-                1
-                for seq in seq_hashes[: matched.get(key, 0)]
-                if any((layer, expert) in experts for layer, expert, _ in tags.get(seq, ()))
-            )
-            if hosted or aligned:
-                alignment[key] = (aligned, hosted)
+            if worker.experts:
+                aligned, hosted = worker.moe_alignment(seq_hashes[: matched.get(key, 0)], experts)
+                if hosted or aligned:
+                    alignment[key] = (aligned, hosted)
         return alignment
 
     def import_worker(
@@ -519,9 +403,7 @@ class PrefixIndex:
         worker.last_event_id = last_event_id
         self._tree_sizes[key] = worker.unique_blocks
 
-    def _load(
-        self, worker: _WorkerBlocks, by_engine_id: Mapping[int, int], parent_of: Mapping[int, int | None]
-    ) -> None:
+    def _load(self, worker: WorkerBlocks, by_engine_id: Mapping[int, int], parent_of: Mapping[int, int | None]) -> None:
         for engine_id, seq in by_engine_id.items():
             previous = worker.by_engine_id.get(engine_id)
             if previous is not None:
