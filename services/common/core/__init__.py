@@ -1,6 +1,8 @@
 """Sans-I/O logic more than one service runs (plain classes, time passed in).
 
-- ``prefix_index`` — the global prefix index (indexer replicas, approximate mode, the replay).
+- ``prefix_index`` — the global prefix index (indexer replicas, approximate mode, the replay), with
+  ``worker_blocks`` (one worker's own bookkeeping) and ``worker_state`` (a worker's whole state moved
+  in and out: snapshots, gap recovery).
 - ``timing``, ``timing_fit`` — the engine step-time model and its fit from measured steps.
 - ``engine_profile`` — a measured engine profile for the planner.
 - ``stats`` — small statistics shared by the replay's report and the planner.

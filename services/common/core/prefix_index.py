@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import struct
 from bisect import bisect_right
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import and_, neg
 
@@ -46,6 +44,7 @@ from kvmesh.common.core.worker_blocks import (
     ApplyStats,
     WorkerBlocks,
 )
+from kvmesh.common.core.worker_state import DumpedBlock, WorkerStateTransfer
 from kvmesh.common.wire.hashing import HASH_SEED, sequence_hashes
 from kvmesh.common.wire.kv_events import (
     DEVICE_TIER,
@@ -56,7 +55,6 @@ from kvmesh.common.wire.kv_events import (
     BlocksStored,
     KvEvent,
     KvEventBatch,
-    MoePlacement,
     StoredBlock,
 )
 from kvmesh.common.wire.worker_key import WorkerKey
@@ -67,21 +65,7 @@ _pack_pair = struct.Struct("<QQ").pack
 _xxh3 = xxhash.xxh3_64_intdigest
 
 
-@dataclass(frozen=True)
-class DumpedBlock:
-    """One cached block of a worker's own state dump (gap recovery).
-
-    ``sequence_hash``, when the worker gives it, places the block directly; without it the block is
-    placed under its parent, and a block whose parent is not in the dump cannot be placed.
-    """
-
-    block_hash: int
-    tokens_hash: int
-    parent_hash: int | None
-    sequence_hash: int | None = None
-
-
-class PrefixIndex:
+class PrefixIndex(WorkerStateTransfer):
     """Which worker holds which prefix. See the module docstring for the guarantees."""
 
     def __init__(self) -> None:
@@ -340,26 +324,6 @@ class PrefixIndex:
         worker.clear_metadata()
         self._set_orphans(worker, 0)
 
-    # ---- whole-worker state (gap recovery, snapshots) -------------------------------------
-    def export_worker(self, key: WorkerKey) -> tuple[int, dict[int, int], dict[int, int | None]]:
-        """(last applied event id, engine id -> sequence hash, sequence hash -> parent's) of one
-        worker, for snapshots."""
-        worker = self._workers[key]
-        return worker.last_event_id, dict(worker.by_engine_id), dict(worker.parent_of)
-
-    def export_moe(self, key: WorkerKey) -> dict[int, tuple[MoePlacement, ...]]:
-        """A worker's MoE metadata (sequence hash -> placements), for snapshots."""
-        return dict(self._workers[key].moe)
-
-    def import_moe(self, key: WorkerKey, moe: Mapping[int, tuple[MoePlacement, ...]]) -> None:
-        """Restore a worker's MoE metadata after :meth:`import_worker` (blocks it does not hold are skipped)."""
-        worker = self._workers.get(key)
-        if worker is None:
-            return
-        for seq, placements in moe.items():
-            if seq in worker.parent_of and placements:
-                worker.tag(seq, tuple(placements))
-
     def moe_alignment(
         self, seq_hashes: Sequence[int], matched: Mapping[WorkerKey, int], experts: set[tuple[int, int]]
     ) -> dict[WorkerKey, tuple[int, int]]:
@@ -373,80 +337,6 @@ class PrefixIndex:
                 if hosted or aligned:
                     alignment[key] = (aligned, hosted)
         return alignment
-
-    def import_worker(
-        self,
-        key: WorkerKey,
-        last_event_id: int,
-        by_engine_id: Mapping[int, int],
-        parent_of: Mapping[int, int | None],
-    ) -> None:
-        """Load one worker's exported state (replacing whatever the index held for it).
-
-        Bulk path for snapshot restores: the per-worker maps are built whole (set and Counter work
-        in C) rather than block by block.
-        """
-        worker = self._worker(key)
-        self._clear(worker)
-        worker.by_engine_id = dict(by_engine_id)
-        copies = Counter(worker.by_engine_id.values())
-        worker.extra_copies = {seq: count - 1 for seq, count in copies.items() if count > 1}
-        holders = self._holders
-        bit = worker.bit
-        for seq in copies:
-            holders[seq] = holders.get(seq, 0) | bit
-        worker.parent_of = {seq: parent_of.get(seq, UNKNOWN_PARENT) for seq in copies}
-        parents = [p for p in worker.parent_of.values() if p is not None]
-        worker.child_count = dict(Counter(parents))
-        held = worker.parent_of
-        self._set_orphans(worker, sum(1 for p in parents if p not in held))
-        worker.last_event_id = last_event_id
-        self._tree_sizes[key] = worker.unique_blocks
-
-    def _load(self, worker: WorkerBlocks, by_engine_id: Mapping[int, int], parent_of: Mapping[int, int | None]) -> None:
-        for engine_id, seq in by_engine_id.items():
-            previous = worker.by_engine_id.get(engine_id)
-            if previous is not None:
-                self._drop(worker, previous)
-            worker.by_engine_id[engine_id] = seq
-            self._hold(worker, seq, parent_of.get(seq, UNKNOWN_PARENT))
-
-    def replace_worker(self, key: WorkerKey, last_event_id: int, blocks: Sequence[DumpedBlock]) -> None:
-        """Make the index hold exactly ``blocks`` for this worker as of ``last_event_id`` (its own
-        dump), then apply the events held back since the gap that are newer than the dump.
-
-        Blocks may come in any order; each is placed once its parent is placed.
-        """
-        if key[0] in self._removed_workers:
-            return
-        worker = self._worker(key)
-        self._clear(worker)
-        placed = {b.block_hash: b.sequence_hash for b in blocks if b.sequence_hash is not None}
-        if placed:
-            parents: dict[int, int | None] = {}
-            for b in blocks:
-                if b.sequence_hash is not None:
-                    parent = None if b.parent_hash is None else placed.get(b.parent_hash, UNKNOWN_PARENT)
-                    parents[b.sequence_hash] = parent
-            self._load(worker, placed, parents)
-        pending = [b for b in blocks if b.sequence_hash is None]
-        while pending:
-            waiting = []
-            for block in pending:
-                if block.parent_hash is not None and block.parent_hash not in worker.by_engine_id:
-                    waiting.append(block)
-                    continue
-                self._store(worker, block.parent_hash, [StoredBlock(block.block_hash, block.tokens_hash, 0)])
-            if len(waiting) == len(pending):
-                self.stats.unknown_parent += len(waiting)  # orphans without a sequence hash: dropped
-                break
-            pending = waiting
-        worker.last_event_id = last_event_id
-        self.gaps_pending.discard(key)
-        self.stats.recoveries += 1
-        held = self._held_back.pop(key, [])
-        self._apply_events(key, worker, held)
-        self._tree_sizes[key] = worker.unique_blocks
 
     # ---- queries -------------------------------------------------------------------------
     def find_matches_by_sequence(self, seq_hashes: Sequence[int]) -> dict[WorkerKey, int]:
