@@ -136,12 +136,6 @@ class RouterOptions(RoutingOptions):
     router_replica_sync: bool = option(False, "share routing decisions with the other router replicas over NATS")
     migration_limit: int = option(3, "times a request whose worker fails mid-stream moves to another worker")
     worker_avoid_secs: float = option(5.0, "seconds a worker that failed a stream is not chosen")
-    disagg_mode: str = option(
-        "bootstrap",
-        "prefill/decode orchestration when prefill workers are registered: bootstrap (decode starts at once and "
-        "meets the prefill at a rendezvous) or sync (wait for the prefill's result, then send the decode)",
-        choices=("bootstrap", "sync"),
-    )
     enforce_disagg: bool = option(
         False, "every request must prefill on a prefill worker: no prefill pool or a failed prefill is an error"
     )

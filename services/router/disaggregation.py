@@ -7,11 +7,11 @@ prefill job until the frontend reports the request's end, and learns where the d
 the prompt's KV from the frontend's first-token report (the decode worker's
 :class:`~kvmesh.common.wire.disagg.KvSource`).
 
-Two ways to meet, chosen by the prefill worker's engine, not by a user: the *bootstrap* path (the
-mock engine: the decode half carries the rendezvous at once and pulls the KV when the prefill has
-run) and the *sync* path (an engine with its own KV connector, vLLM: the router waits for the
-prefill's answer and passes its KV parameters on). ``--disagg-mode sync`` makes every pair take
-the second, for comparison.
+Two ways to meet, chosen by the prefill worker's engine, which advertises it (``kv_handoff`` in
+discovery): the *bootstrap* path (the mock engine: the decode half carries the rendezvous at once
+and pulls the KV when the prefill has run) and the *sync* path (an engine with its own KV
+connector, vLLM: the router waits for the prefill's answer and passes its KV parameters on). A
+mock worker started with ``--kv-handoff sync`` behaves as such an engine does.
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ class Disaggregation:
         job.task.add_done_callback(lambda _task: self._prefill_ended(request.request_id, job))
         self._jobs[request.request_id] = job
         allow_local = not config.enforce_disagg
-        # an engine with its own KV connector (vLLM) hands out its KV's whereabouts only once the
-        # prefill has run: those pairs always take the sync path
-        if config.disagg_mode == "bootstrap" and record.extra.get("engine", "mock") == "mock":
+        # the prefill worker's engine says how it meets its decode workers: an engine with its own KV
+        # connector (vLLM) hands out its KV's whereabouts only once the prefill has run (sync)
+        engine_default = "bootstrap" if record.extra.get("engine", "mock") == "mock" else "sync"
+        if record.extra.get("kv_handoff", engine_default) == "bootstrap":
             return decode_request(request, bootstrap_order(record, room, allow_local))
         result = await job.result()
         if result is None:

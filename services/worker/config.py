@@ -17,6 +17,15 @@ class EngineOptions:
     """The engine options every worker of a mesh shares, declared once: ``kvmesh worker`` takes them,
     and so does ``kvmesh up``, which hands them to each worker it starts."""
 
+    kv_handoff: str | None = option(
+        None,
+        "how this engine's prefills meet their decode workers, which the router follows: bootstrap (the decode "
+        "half leaves at once and pulls the KV from a rendezvous) or sync (the router waits for the prefill's "
+        "answer and passes its KV parameters on). Default: the engine's own (mock: bootstrap; vLLM, whose KV "
+        "connector hands out its parameters only once the prefill ran: sync, the only one it can do)",
+        choices=("bootstrap", "sync"),
+    )
+
     engine: str = option(
         "mock",
         "inference engine: the simulated mock, or vLLM in-process (vLLM's own engine arguments such as --model, "
@@ -92,7 +101,13 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
         None, "with --engine vllm: the arguments the worker does not know itself, handed to vLLM", passthrough=True
     )
 
+    def resolved_kv_handoff(self) -> str:
+        """The way this worker's prefills meet their decode workers (advertised in discovery)."""
+        return self.kv_handoff or ("bootstrap" if self.engine == "mock" else "sync")
+
     def validate(self) -> None:
+        if self.engine == "vllm" and self.kv_handoff == "bootstrap":
+            raise ConfigError("--kv-handoff bootstrap is the mock engine's; vLLM's KV connector needs sync")
         for name, flag in (
             ("block_size", "--block-size"),
             ("num_gpu_blocks", "--num-gpu-blocks-override"),

@@ -97,7 +97,7 @@ async def serve(
         flush = config.kv_events_flush_ms / 1000
         publisher = await stack.start(publisher_class(js, config.namespace, worker_id, flush_interval_s=flush))
         handover: Handover | None = None
-        extra: dict[str, object] = {"engine": config.engine}
+        extra: dict[str, object] = {"engine": config.engine, "kv_handoff": config.resolved_kv_handoff()}
         if config.engine == "vllm":
             # prefill and decode workers move KV with vLLM's NIXL connector; aggregated ones need none
             connector_host = None if config.role == "aggregated" else advertised_host(config)

@@ -43,7 +43,7 @@ def bootstrap_mesh() -> Iterator[MeshProcess]:
 
 @pytest.fixture(scope="module")
 def sync_mesh() -> Iterator[MeshProcess]:
-    yield from start_mesh("--prefill-workers", "1", "--workers", "2", "--disagg-mode", "sync")
+    yield from start_mesh("--prefill-workers", "1", "--workers", "2", "--kv-handoff", "sync")
 
 
 def client(mesh: MeshProcess) -> openai.OpenAI:
