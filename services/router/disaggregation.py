@@ -24,7 +24,7 @@ import structlog
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
 from kvmesh.common.rpc.channels import ChannelPool
 from kvmesh.common.wire import disagg
-from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvSource
+from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvSource, default_kv_handoff
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_job import PrefillJob, RemotePrefill, bootstrap_order, decode_request, prefill_request
 from kvmesh.router.routing import Router, RoutingError
@@ -48,9 +48,6 @@ class Disaggregation:
         self._metrics = metrics
         self._jobs: dict[str, PrefillJob] = {}
 
-    def __len__(self) -> int:
-        return len(self._jobs)
-
     async def start(
         self, request: common_pb2.PreprocessedRequest, plan: RemotePrefill
     ) -> common_pb2.PreprocessedRequest:
@@ -71,10 +68,10 @@ class Disaggregation:
         job.task.add_done_callback(lambda _task: self._prefill_ended(request.request_id, job))
         self._jobs[request.request_id] = job
         allow_local = not config.enforce_disagg
-        # the prefill worker's engine says how it meets its decode workers: an engine with its own KV
-        # connector (vLLM) hands out its KV's whereabouts only once the prefill has run (sync)
-        engine_default = "bootstrap" if record.extra.get("engine", "mock") == "mock" else "sync"
-        if record.extra.get("kv_handoff", engine_default) == "bootstrap":
+        # the prefill worker says how its engine meets decode workers (a worker that does not say:
+        # its engine's own way)
+        handoff = record.extra.get("kv_handoff") or default_kv_handoff(str(record.extra.get("engine", "mock")))
+        if handoff == "bootstrap":
             return decode_request(request, bootstrap_order(record, room, allow_local))
         result = await job.result()
         if result is None:

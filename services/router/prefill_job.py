@@ -16,9 +16,11 @@ import structlog
 
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
 from kvmesh.common.rpc.grpc_errors import is_transport_failure
+from kvmesh.common.rpc.grpc_streams import messages
 from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.common.wire import disagg
 from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvReady, PrefillOrder
+from kvmesh.common.wire.requests import with_disaggregated_params
 
 log = structlog.get_logger(__name__)
 
@@ -64,10 +66,7 @@ def prefill_request(request: common_pb2.PreprocessedRequest, room: int) -> commo
 
 def decode_request(request: common_pb2.PreprocessedRequest, order: DecodeOrder) -> common_pb2.PreprocessedRequest:
     """The decode half: the original request (its own ``max_tokens``) with the KV's whereabouts."""
-    decode = common_pb2.PreprocessedRequest()
-    decode.CopyFrom(request)
-    decode.disaggregated_params = disagg.encode(order)
-    return decode
+    return with_disaggregated_params(request, disagg.encode(order))
 
 
 def bootstrap_order(prefill: InstanceRecord, room: int, allow_local: bool) -> DecodeOrder:
@@ -101,11 +100,13 @@ class PrefillJob:
 
     async def _run(self) -> PrefillResult | None:
         try:
-            async for output in self._stub.Generate(self.request):
-                if output.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
-                    continue
-                ready = disagg.decode_as(output.disaggregated_params, KvReady)
-                return PrefillResult(output.usage.cached_prompt_tokens, ready)
+            # a job cancelled mid-read (its request ended first) cancels the call and frees the read
+            async with contextlib.aclosing(messages(self._stub.Generate(self.request))) as outputs:
+                async for output in outputs:
+                    if output.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+                        continue
+                    ready = disagg.decode_as(output.disaggregated_params, KvReady)
+                    return PrefillResult(output.usage.cached_prompt_tokens, ready)
             self.error = "the prefill worker ended without an answer"
         except grpc.aio.AioRpcError as exc:
             self.transport_failed = is_transport_failure(exc)

@@ -25,6 +25,7 @@ from kvmesh.common.rpc.multiplexed import RequestContext, ending_of
 from kvmesh.common.rpc.stream_sessions import StreamSessions
 from kvmesh.common.rpc.tasks import cancel_and_wait
 from kvmesh.common.wire.request_reports import END, FIRST_TOKEN
+from kvmesh.common.wire.requests import with_disaggregated_params
 from kvmesh.router.disaggregation import Disaggregation
 from kvmesh.router.handoffs import Handoffs
 from kvmesh.router.metrics import RouterMetrics
@@ -189,9 +190,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         session = self.sessions.get(response.worker_address)
         request = query.request
         if response.disaggregated_params:
-            request = common_pb2.PreprocessedRequest()
-            request.CopyFrom(query.request)
-            request.disaggregated_params = response.disaggregated_params
+            request = with_disaggregated_params(request, response.disaggregated_params)
         try:
             failed = session.handoff(request, query.handoff_to)
         except grpc.aio.AioRpcError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.common.runtime.config import ConfigError, GrpcEndpointConfig, option
+from kvmesh.common.wire.disagg import default_kv_handoff
 from kvmesh.common.wire.kv_events import parse_moe_placements
 
 DEFAULT_MODEL_NAME = "kvmesh-tiny"
@@ -103,7 +104,7 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
 
     def resolved_kv_handoff(self) -> str:
         """The way this worker's prefills meet their decode workers (advertised in discovery)."""
-        return self.kv_handoff or ("bootstrap" if self.engine == "mock" else "sync")
+        return self.kv_handoff or default_kv_handoff(self.engine)
 
     def validate(self) -> None:
         if self.engine == "vllm" and self.kv_handoff == "bootstrap":

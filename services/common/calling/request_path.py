@@ -24,7 +24,7 @@ from kvmesh.common.rpc.grpc_errors import call_error, is_transport_failure
 from kvmesh.common.rpc.stream_sessions import HandoffTable, Inbox, StreamSession, StreamSessions, open_worker_stream
 from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.wire.request_reports import END, FIRST_TOKEN, RequestReport
-from kvmesh.common.wire.requests import DEFAULT_MAX_TOKENS, AnswerUsage, continue_request
+from kvmesh.common.wire.requests import DEFAULT_MAX_TOKENS, AnswerUsage, continue_request, with_disaggregated_params
 
 log = structlog.get_logger(__name__)
 
@@ -58,7 +58,6 @@ class RequestPath:
 
     def __init__(self, routers: RouterClient) -> None:
         self.routers = routers
-        self._routers = routers
         self._channels = ChannelPool()
         self._handoffs = HandoffTable()
         self.caller_id = uuid.uuid4().hex
@@ -74,7 +73,7 @@ class RequestPath:
         migration = 0
         tries = 0
         while True:
-            router_address = self._routers.pick(frozenset(failed_routers))
+            router_address = self.routers.pick(frozenset(failed_routers))
             sent = request if not tries else continue_request(request, usage.generated, max_tokens, f"t{tries}")
             tries += 1
             try:
@@ -96,11 +95,11 @@ class RequestPath:
                 if len(failed_routers) > ROUTER_FAILOVER_LIMIT:
                     details = f"router replicas failed {ROUTER_FAILOVER_LIMIT + 1} times for this request"
                     raise call_error(grpc.StatusCode.UNAVAILABLE, details, origin="frontend") from None
+                if usage.generated and len(usage.generated) >= max_tokens:
+                    yield usage.closing_output(0)  # the answer was whole before the router broke
+                    return
             except _Migrate:
-                migration += 1
-            if usage.generated and len(usage.generated) >= max_tokens:
-                yield usage.closing_output(0)
-                return
+                migration += 1  # _try ended a try that was already whole itself
 
     async def _try(
         self,
@@ -124,7 +123,7 @@ class RequestPath:
                 raise RouterFailedOver(exc.details() or exc.code().name) from exc
             raise
         if route.disaggregated_params:
-            sent = _with_params(sent, route.disaggregated_params)
+            sent = with_disaggregated_params(sent, route.disaggregated_params)
         # the end to report unless it ends otherwise (None: already reported)
         end: RequestReport | None = RequestReport(END, sent.request_id, outcome="cancelled")
         failed_worker: int | None = None  # set when the stream broke: the request may move on
@@ -145,14 +144,14 @@ class RequestPath:
                         route.worker_id = output.worker_id  # a claimed handoff learns it here
                         kv_source = output.disaggregated_params
                         report = RequestReport(FIRST_TOKEN, sent.request_id, kv_source=kv_source)
-                        self._routers.report(router_address, report)
+                        self.routers.report(router_address, report)
                         output.ClearField("disaggregated_params")
                     finished = output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                     output = usage.account(output)
                     if finished:
                         # told before the client has its answer: its next request, on the same
                         # stream to the router, then finds this one's load freed
-                        self._routers.report(
+                        self.routers.report(
                             router_address, RequestReport(END, sent.request_id, "completed", len(usage.generated))
                         )
                         end = None
@@ -174,13 +173,13 @@ class RequestPath:
             )
         finally:
             if failed_worker is None and end is not None:  # refused, or closed by the client
-                self._routers.report(router_address, end)
+                self.routers.report(router_address, end)
         # the stream broke or ended unfinished
         gives_up = route.forced or migration >= route.migration_limit
         done = len(usage.generated) >= max_tokens
         outcome = "unavailable" if gives_up else "completed" if done else "migrated"
         ended = RequestReport(END, sent.request_id, outcome, len(usage.generated), failed_worker)
-        self._routers.report(router_address, ended)
+        self.routers.report(router_address, ended)
         if gives_up:
             how = "forced worker" if route.forced else f"{migration} migrations"
             details = f"worker {route.worker_id} failed after {len(usage.generated)} tokens ({how})"
@@ -194,10 +193,9 @@ class RequestPath:
         """A first try, not forced to a worker (the frontend must know that before any answer),
         to a router whose migration limit is known (its answers carry it)."""
         return (
-            self._handoffs is not None
-            and not migration
+            not migration
             and not request.routing.HasField("worker_id")
-            and router_address in self._routers.migration_limits
+            and router_address in self.routers.migration_limits
         )
 
     async def _handoff(
@@ -211,7 +209,7 @@ class RequestPath:
         expectation = self._handoffs.expect(request_id)
         query = route_request(sent, handoff_to=self.caller_id)
         try:
-            answer = self._routers.ask_route(router_address, query)
+            answer = self.routers.ask_route(router_address, query)
         except BaseException:
             self._handoffs.forget(request_id)
             raise
@@ -225,7 +223,7 @@ class RequestPath:
             raise
         if session is not None:
             answer.cancel()  # an answer now could only say the handoff was lost after it ran
-            limit = self._routers.migration_limits[router_address]
+            limit = self.routers.migration_limits[router_address]
             route = router_pb2.RouteResponse(worker_address=session.address, migration_limit=limit)
             return route, (session, expectation.inbox)
         self._handoffs.forget(request_id)
@@ -237,7 +235,7 @@ class RequestPath:
                 self._sessions.cancel_everywhere(request_id)
             raise failure
         route = answer.result()
-        self._routers.note_route(router_address, route)
+        self.routers.note_route(router_address, route)
         return route, None
 
     def _abandon(
@@ -254,7 +252,7 @@ class RequestPath:
         if session is not None:
             answer.cancel()
             session.abandon(request_id)
-            self._routers.report(router_address, RequestReport(END, request_id, outcome="cancelled"))
+            self.routers.report(router_address, RequestReport(END, request_id, outcome="cancelled"))
             return
         if not answer.cancelled() and answer.exception() is None and answer.result().handoff_lost:
             self._sessions.cancel_everywhere(request_id)
@@ -265,12 +263,12 @@ class RequestPath:
         reported ended, so it leaves no load behind."""
         if answer.cancelled() or answer.exception() is not None:
             return
-        self._routers.report(router_address, RequestReport(END, request_id, outcome="cancelled"))
+        self.routers.report(router_address, RequestReport(END, request_id, outcome="cancelled"))
 
     async def _route(self, router_address: str, query: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
         """``Router.Route``. If the client goes away while the router answers, the request may be
         counted all the same: it is then reported ended at once, so it leaves no load behind."""
-        call = asyncio.ensure_future(self._routers.route(router_address, query))
+        call = asyncio.ensure_future(self.routers.route(router_address, query))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -315,11 +313,3 @@ async def _lost_handoff(
 
 class _Migrate(Exception):
     """A try's worker broke (or ended its stream unfinished): the request moves to another."""
-
-
-def _with_params(request: common_pb2.PreprocessedRequest, params: bytes) -> common_pb2.PreprocessedRequest:
-    """``request`` as the router split it: the decode half, carrying where its prompt's KV waits."""
-    decode = common_pb2.PreprocessedRequest()
-    decode.CopyFrom(request)
-    decode.disaggregated_params = params
-    return decode

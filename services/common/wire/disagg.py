@@ -133,6 +133,13 @@ def decode_as(data: bytes, expected: type[M]) -> M:
     return message
 
 
+def default_kv_handoff(engine: str) -> str:
+    """How an engine's prefills meet their decode workers unless it is told otherwise: the mock
+    engine's decode half pulls from a rendezvous at once (``bootstrap``); an engine with its own KV
+    connector (vLLM) hands out its KV's whereabouts only once the prefill has run (``sync``)."""
+    return "bootstrap" if engine == "mock" else "sync"
+
+
 def new_room() -> int:
     """A random 64-bit rendezvous id (SGLang's bootstrap room)."""
     return secrets.randbits(63)

@@ -11,6 +11,15 @@ from kvmesh.common.proto.kvmesh.v1 import common_pb2
 DEFAULT_MAX_TOKENS = 16
 
 
+def with_disaggregated_params(request: common_pb2.PreprocessedRequest, params: bytes) -> common_pb2.PreprocessedRequest:
+    """A copy of ``request`` carrying ``params`` in its ``disaggregated_params`` (the decode half of a
+    split request: where its prompt's KV waits); ``request`` itself is left as it was."""
+    split = common_pb2.PreprocessedRequest()
+    split.CopyFrom(request)
+    split.disaggregated_params = params
+    return split
+
+
 def continue_request(
     request: common_pb2.PreprocessedRequest, generated: Sequence[int], max_tokens: int, suffix: str
 ) -> common_pb2.PreprocessedRequest:
