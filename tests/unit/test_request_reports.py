@@ -25,6 +25,7 @@ def test_reports_round_trip_in_one_message():
         RequestReport(FIRST_TOKEN, "a"),
         RequestReport(END, "a", "completed", 12),
         RequestReport(END, "b:m1", MIGRATED, 3, failed_worker_id=2**63 + 5),
+        RequestReport(FIRST_TOKEN, "c", kv_source=b"\x81\xa4kind\xa9kv_source"),
     ]
     assert decode_reports(encode_reports(reports)) == reports
 
@@ -37,6 +38,7 @@ def test_reports_round_trip_in_one_message():
         msgpack.packb([{"kind": "free", "request_id": "a"}]),  # an unknown kind
         msgpack.packb([{"kind": "end", "request_id": ""}]),  # no request
         msgpack.packb([{"kind": "end"}]),
+        msgpack.packb([{"kind": "first_token", "request_id": "a", "kv_source": 5}]),  # not bytes
     ],
 )
 def test_a_malformed_message_is_refused_whole(payload):
@@ -115,3 +117,10 @@ def test_a_first_token_report_travelling_with_its_requests_end_is_left_out():
     assert [r in router.loads for r in ("a", "b") for router in (whole[0], short[0])] == [False, False, True, True]
     assert prefill_tokens(whole[0], 1) == prefill_tokens(short[0], 1) == 0
     assert whole[1].outcomes.totals() == short[1].outcomes.totals() == {"completed": 2}
+
+
+def test_a_first_token_report_with_a_kv_source_stays_beside_its_end():
+    # the router counts where a split request's KV came from from the first-token report alone
+    with_source = RequestReport(FIRST_TOKEN, "a", kv_source=b"source")
+    ended = RequestReport(END, "a", "completed", 2)
+    assert without_superseded([with_source, ended]) == [with_source, ended]
