@@ -1,5 +1,6 @@
-"""``kvmesh inspect indexer|worker|router``: what each indexer replica, worker or router replica holds
-or sees, found through discovery (on the NATS server of the running ``kvmesh up`` by default)."""
+"""``kvmesh inspect indexer|worker|router|jetstream``: what each indexer replica, worker or router replica
+holds or sees, found through discovery (on the NATS server of the running ``kvmesh up`` by default), or
+how the JetStream state kvmesh keeps is replicated."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import grpc
@@ -25,6 +27,7 @@ from kvmesh.common.proto.kvmesh.v1 import (
 )
 from kvmesh.common.rpc.grpc_server import channel_to
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.jetstream_state import cluster_size, kvmesh_streams
 from kvmesh.common.runtime.process import NATS_CONNECT_TIMEOUT_ENV, connect_nats
 from kvmesh.common.runtime.run_file import default_namespace, resolve_nats_url
 from kvmesh.common.runtime.structured_logging import configure_logging
@@ -247,10 +250,41 @@ def render_workers(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+async def inspect_jetstream(nats_url: str, namespace: str, timeout: float) -> list[dict[str, Any]]:
+    """Each stream kvmesh keeps (its own, and those behind its buckets): replicas, leader, each
+    follower's lag. Shared by every namespace on the server, so ``namespace`` does not narrow it."""
+    nc = await connect_nats(nats_url, name="kvmesh-inspect")
+    try:
+        states = await asyncio.wait_for(kvmesh_streams(nc.jetstream()), timeout)
+        size = cluster_size(nc)
+    finally:
+        await nc.close()
+    return [{**asdict(state), "current_replicas": state.current_replicas, "cluster_size": size} for state in states]
+
+
+def render_jetstream(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "kvmesh has no JetStream state on this server yet"
+    lines = [f"NATS cluster of {rows[0]['cluster_size']} server(s)"]
+    for row in rows:
+        health = "" if row["current_replicas"] >= row["replicas"] else "  (UNDER-REPLICATED)"
+        lines.append(
+            f"{row['stream']}: {row['replicas']} replica(s), {row['current_replicas']} current, leader "
+            f"{row['leader'] or '-'}, {row['messages']} message(s), last sequence {row['last_sequence']}{health}"
+        )
+        for peer in row["peers"]:
+            state = "offline" if peer["offline"] else "current" if peer["current"] else "catching up"
+            lines.append(
+                f"    follower {peer['name']}: {state}, lag {peer['lag']}, last seen {peer['active_s']:.1f} s ago"
+            )
+    return "\n".join(lines)
+
+
 INSPECTORS = {
     "indexer": (inspect_indexers, render_indexers),
     "worker": (inspect_workers, render_workers),
     "router": (inspect_routers, render_routers),
+    "jetstream": (inspect_jetstream, render_jetstream),
 }
 
 
@@ -258,8 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="kvmesh inspect",
         description=(
-            "Show what indexer replicas or workers hold, or what each router replica sees (its mode, predicted "
-            "load per worker, recent outcomes); instances are found through NATS discovery."
+            "Show what indexer replicas or workers hold, what each router replica sees (its mode, predicted "
+            "load per worker, recent outcomes), found through NATS discovery; or (jetstream) each JetStream "
+            "stream and bucket kvmesh keeps: its replicas, leader and each follower's lag."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -267,8 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--nats-url",
         default=None,
-        help="NATS server URL (default: $KVMESH_NATS_URL, else that of the running `kvmesh up` of the namespace, "
-        "else nats://127.0.0.1:4222)",
+        help="NATS server URL, or several comma-separated (default: $KVMESH_NATS_URL, else that of the running "
+        "`kvmesh up` of the namespace, else nats://127.0.0.1:4222)",
     )
     parser.add_argument("--namespace", default=default_namespace(), help="mesh namespace [env KVMESH_NAMESPACE]")
     parser.add_argument(

@@ -11,6 +11,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from kvmesh.common.runtime.nats_cluster import EmbeddedNatsCluster
 from kvmesh.common.runtime.nats_server import EmbeddedNatsServer
 from kvmesh.common.runtime.ports import free_port
 from tests import leaks
@@ -62,6 +63,16 @@ async def nats_url() -> AsyncIterator[str]:
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture
+async def nats_cluster() -> AsyncIterator[EmbeddedNatsCluster]:
+    """A three-node NATS cluster with JetStream on loopback (its ``url`` lists every node)."""
+    cluster = await EmbeddedNatsCluster(3).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh.common.rpc.grpc_errors import refuse
 from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
 from kvmesh.common.runtime.heap import freeze_startup_heap
+from kvmesh.common.runtime.jetstream_metrics import JetStreamCollector
 from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
 from kvmesh.common.runtime.metrics import MetricsEndpoint
 from kvmesh.common.runtime.service import ServiceStack, service_main
@@ -202,6 +203,8 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
         index = PrefixIndex()
         state = IndexerState()
         registry, query_latency = build_registry(index, state)
+        jetstream = JetStreamCollector()
+        registry.register(jetstream)
 
         def worker_left(record: InstanceRecord) -> None:
             index.remove_worker(record.instance_id)
@@ -232,6 +235,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
             config.snapshot_check_interval,
         )
         stack.task(snapshotter.run_forever(), "snapshotter")
+        stack.task(jetstream.poll_forever(js), "jetstream-states")
         stack.task(reconcile_forever(index, workers, grace_s=2 * config.lease_ttl), "reconcile")
         metrics = MetricsEndpoint(config, registry)
         stack.push_async_callback(metrics.close)

@@ -31,6 +31,7 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
 
 from kvmesh.common.core.prefix_index import UNKNOWN_PARENT, PrefixIndex
+from kvmesh.common.runtime.jetstream_state import ensure_key_value, ensure_object_store
 from kvmesh.common.wire import names
 from kvmesh.common.wire.kv_events import DEVICE_TIER
 from kvmesh.indexer.metrics import IndexerState
@@ -41,7 +42,6 @@ SNAPSHOT_FORMAT = 2
 # How a block's parent is stored: none (a root), the entry before it, unknown, or listed apart.
 _NO_PARENT, _PREVIOUS, _UNKNOWN, _EXPLICIT = 0, 1, 2, 3
 _NOT_PREVIOUS = re.compile(rb"[\x00\x02\x03]")
-LOCKS_BUCKET = "KVMESH_LOCKS"
 LOCK_LEASE_S = 30.0
 
 
@@ -233,15 +233,9 @@ def snapshot_key(namespace: str) -> str:
 
 
 async def _object_store(js: JetStreamContext):
-    try:
-        return await js.object_store(names.INDEX_SNAPSHOTS_BUCKET)
-    except nats.js.errors.BucketNotFoundError:
-        try:
-            return await js.create_object_store(
-                names.INDEX_SNAPSHOTS_BUCKET, config=ObjectStoreConfig(storage=StorageType.FILE)
-            )
-        except nats.js.errors.BadRequestError:
-            return await js.object_store(names.INDEX_SNAPSHOTS_BUCKET)
+    return await ensure_object_store(
+        js, ObjectStoreConfig(bucket=names.INDEX_SNAPSHOTS_BUCKET, storage=StorageType.FILE)
+    )
 
 
 # A read of the snapshot object gives up after this long and starts again. nats-py's object get waits
@@ -280,13 +274,7 @@ async def upload(js: JetStreamContext, namespace: str, snapshot: Snapshot) -> in
 
 
 async def _locks(js: JetStreamContext):
-    try:
-        return await js.key_value(LOCKS_BUCKET)
-    except nats.js.errors.BucketNotFoundError:
-        try:
-            return await js.create_key_value(KeyValueConfig(bucket=LOCKS_BUCKET, history=1, ttl=LOCK_LEASE_S))
-        except nats.js.errors.BadRequestError:
-            return await js.key_value(LOCKS_BUCKET)
+    return await ensure_key_value(js, KeyValueConfig(bucket=names.LOCKS_BUCKET, history=1, ttl=LOCK_LEASE_S))
 
 
 class SnapshotLock:

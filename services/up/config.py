@@ -20,7 +20,14 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions, EngineOptions, HttpA
     worker, ``HttpApiOptions`` to the frontend, ``SnapshotOptions`` to the indexers, and with
     ``--planner`` the ``PlannerOptions`` to the planner."""
 
-    nats_url: str | None = option(None, "use this NATS server instead of starting an embedded one")
+    nats_url: str | None = option(
+        None, "use this NATS server (or cluster: several URLs, comma-separated) instead of starting an embedded one"
+    )
+    nats_cluster: int = option(
+        1,
+        "NATS servers to start when no --nats-url is given: 1, or 3 or more for an embedded cluster on loopback with "
+        "every stream and bucket replicated three times (it survives the loss of one server; a dead one is restarted)",
+    )
     workers: int = option(2, "number of workers (decode workers when --prefill-workers is set)")
     prefill_workers: int = option(
         0, "number of prefill-role mock workers; with any, the other workers run as decode workers (disaggregation)"
@@ -60,6 +67,13 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions, EngineOptions, HttpA
             raise ConfigError(f"unrecognized arguments: {unknown} (engine arguments need --engine vllm)")
         if self.workers < 1:
             raise ConfigError("--workers must be at least 1")
+        if self.nats_cluster < 1 or self.nats_cluster == 2 or self.nats_cluster > 7:
+            raise ConfigError(
+                "--nats-cluster must be 1 (one server) or 3 to 7: JetStream needs a majority of servers up, so a "
+                "cluster of 2 survives no loss"
+            )
+        if self.nats_cluster > 1 and self.nats_url is not None:
+            raise ConfigError("--nats-cluster starts NATS servers; --nats-url uses servers already running: pick one")
         if self.indexers < 1:
             raise ConfigError("--indexers must be at least 1")
         if self.routers < 1:

@@ -18,6 +18,7 @@ from kvmesh.common.runtime.config import (
     options_argv,
     secret_env,
 )
+from kvmesh.common.runtime.process import PARENT_PID_ENV
 from kvmesh.frontend.config import HttpApiOptions
 from kvmesh.indexer.config import SnapshotOptions
 from kvmesh.router.config import RouterOptions
@@ -35,7 +36,8 @@ class ServiceProcess:
         which every user of the machine can read)."""
         self.name = name
         self.argv = [sys.executable, "-m", module, *args]
-        self.env = {**os.environ, **env} if env else None
+        # Every service watches that we live (see stop_when_orphaned): none outlives `kvmesh up`.
+        self.env = {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:

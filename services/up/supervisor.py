@@ -19,8 +19,10 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.common.rpc.grpc_tls import GrpcTls
 from kvmesh.common.runtime.config import describe, parse_config
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.jetstream_state import configure_replicas
 from kvmesh.common.runtime.nats_auth import NatsCredentials
-from kvmesh.common.runtime.nats_server import EmbeddedNatsServer, NatsServerError
+from kvmesh.common.runtime.nats_cluster import EmbeddedNatsCluster
+from kvmesh.common.runtime.nats_server import NatsServerError
 from kvmesh.common.runtime.process import connect_nats
 from kvmesh.common.runtime.run_file import RunRecord, remove_run_record, write_run_record
 from kvmesh.common.runtime.structured_logging import configure_logging
@@ -102,7 +104,7 @@ async def run(config: UpConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    nats_server: EmbeddedNatsServer | None = None
+    nats: EmbeddedNatsCluster | None = None
     nats_url = config.nats_url
     # The services inherit our environment: NATS credentials and the gRPC TLS files reach them there,
     # off their command lines.
@@ -110,9 +112,15 @@ async def run(config: UpConfig) -> int:
     grpc_tls_setting = GrpcTls(cert=config.grpc_tls_cert, key=config.grpc_tls_key, ca=config.grpc_tls_ca)
     os.environ.update(grpc_tls_setting.environment())
     if nats_url is None:
-        nats_server = await EmbeddedNatsServer().start()
-        nats_url = nats_server.url
-        log.info("embedded NATS server started", url=nats_url, store=nats_server.store_dir, pid=nats_server.pid)
+        nats = await EmbeddedNatsCluster(config.nats_cluster).start()
+        nats_url = nats.url
+        log.info(
+            "embedded NATS started",
+            url=nats_url,
+            servers=len(nats.nodes),
+            store=nats.store_dir,
+            pids=[node.pid for node in nats.nodes],
+        )
     if config.kv_pool:
         kv_pool_directory(config).mkdir(parents=True, exist_ok=True)
     services = plan_services(config, nats_url)
@@ -160,22 +168,23 @@ async def run(config: UpConfig) -> int:
                 log.warning("a service exited; restarting it", service=service.name, code=code)
                 service.kill_leftovers()
                 service.start()
-            if nats_server is not None and nats_server.exited():
-                # On the same port and store: JetStream recovers from disk, the services reconnect
-                # (their reconnects are unlimited) and the workers' publishers resend what failed.
+            for node in nats.exited() if nats is not None else []:
+                # On the same port and store: JetStream recovers from disk (and, in a cluster, catches
+                # up from the other replicas); the services reconnect (their reconnects are unlimited)
+                # and the workers' publishers resend what failed.
                 now = time.monotonic()
                 restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
                 if len(restarts) >= MAX_RESTARTS:
-                    log.error("the NATS server keeps exiting; stopping the mesh")
+                    log.error("the NATS server keeps exiting; stopping the mesh", url=node.url)
                     return 1
                 restarts.append(now)
-                log.warning("the NATS server exited; restarting it on the same port and store", url=nats_url)
+                log.warning("a NATS server exited; restarting it on the same port and store", url=node.url)
                 try:
-                    await nats_server.restart()
+                    await node.restart()
                 except NatsServerError as exc:
-                    log.error("the NATS server did not restart; stopping the mesh", error=str(exc))
+                    log.error("the NATS server did not restart; stopping the mesh", url=node.url, error=str(exc))
                     return 1
-                log.info("NATS server restarted", url=nats_url, pid=nats_server.pid)
+                log.info("NATS server restarted", url=node.url, pid=node.pid)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
         log.info("stopping the mesh")
@@ -191,8 +200,8 @@ async def run(config: UpConfig) -> int:
         deadline = time.monotonic() + 10.0
         for service in [*reversed(services), *stopping]:
             service.wait_or_kill(deadline)
-        if nats_server is not None:
-            nats_server.stop()
+        if nats is not None:
+            nats.stop()
         if config.kv_pool:  # segments of killed workers outlive them until here
             shutil.rmtree(kv_pool_directory(config), ignore_errors=True)
         remove_run_record(config.namespace, os.getpid())
@@ -208,5 +217,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         description="Start a whole kvmesh on this machine: NATS, indexer, router, mock workers, frontend.",
     )
     configure_logging(config.log_level, config.log_json, service="up")
+    configure_replicas(config.jetstream_replicas)
     log.info("starting kvmesh", config=describe(config))
     sys.exit(asyncio.run(run(config)))

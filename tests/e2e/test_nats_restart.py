@@ -22,15 +22,15 @@ STREAMS = 12
 MAX_TOKENS = 600
 
 
-def nats_pid(mesh: MeshProcess) -> int:
-    started = next(line for line in mesh.output if "embedded NATS server started" in line)
-    match = re.search(r"\bpid\W+(\d+)", started)  # console (pid=1) or JSON ("pid": 1) logs
+def nats_pids(mesh: MeshProcess) -> list[int]:
+    started = next(line for line in mesh.output if "embedded NATS started" in line)
+    match = re.search(r"\bpids\W+\[([\d, ]+)\]", started)  # console (pids=[1]) or JSON ("pids": [1]) logs
     assert match is not None, started
-    return int(match.group(1))
+    return [int(pid) for pid in match.group(1).split(",")]
 
 
 async def index_converges(mesh: MeshProcess) -> None:
-    nc = await nats.connect(mesh.nats_url)
+    nc = await nats.connect(servers=mesh.nats_url.split(","))
     workers = DiscoveryWatcher(nc.jetstream(), "default", "worker")
     indexers = DiscoveryWatcher(nc.jetstream(), "default", "indexer")
     await workers.start()
@@ -48,7 +48,7 @@ async def index_converges(mesh: MeshProcess) -> None:
 def test_nats_killed_under_load_is_restarted_and_nothing_is_lost():
     mesh = MeshProcess("--workers", "2", "--speedup-ratio", "2", "--log-level", "info").start()
     try:
-        pid = nats_pid(mesh)
+        [pid] = nats_pids(mesh)
 
         async def kill_nats() -> None:
             os.kill(pid, signal.SIGKILL)

@@ -214,11 +214,20 @@ def describe(config: Any) -> dict[str, Any]:
 class CommonConfig:
     """Options every service shares."""
 
-    nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL")
+    nats_url: str = option(
+        "nats://127.0.0.1:4222",
+        "NATS server URL; several, comma-separated, for a cluster (nats://a:4222,nats://b:4222): any one that "
+        "answers will do, and the connection fails over among them",
+    )
     nats_connect_timeout: float | None = option(
         None,
         "seconds to wait for the first connection to NATS before giving up (default 5, or "
         "$KVMESH_NATS_CONNECT_TIMEOUT); reconnects after it are unlimited",
+    )
+    jetstream_replicas: int | None = option(
+        None,
+        "replicas of every JetStream stream, KV bucket and object store kvmesh creates (default: 3 on a NATS "
+        "cluster of three or more servers, else 1); an existing one with fewer is raised to it",
     )
     nats_user: str | None = option(None, "NATS user name (with --nats-password)")
     nats_password: str | None = option(None, "NATS password", secret=True)

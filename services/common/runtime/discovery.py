@@ -27,6 +27,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from kvmesh.common.rpc.tasks import cancel_and_wait
+from kvmesh.common.runtime.jetstream_state import ensure_key_value
 from kvmesh.common.wire import names
 
 log = structlog.get_logger(__name__)
@@ -71,23 +72,15 @@ class InstanceRecord:
 
 
 async def instances_bucket(js: JetStreamContext) -> KeyValue:
-    """Open the discovery bucket, creating it on first use (safe when several processes race)."""
-    for _ in range(5):
-        try:
-            return await js.key_value(names.INSTANCES_BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            pass
-        try:
-            return await js.create_key_value(
-                KeyValueConfig(bucket=names.INSTANCES_BUCKET, history=1, ttl=BUCKET_MAX_AGE)
-            )
-        except nats.js.errors.BadRequestError:
-            await asyncio.sleep(0.05)  # another process created it with us; open theirs
-    return await js.key_value(names.INSTANCES_BUCKET)
+    """Open the discovery bucket, creating it replicated on first use (safe when several processes race)."""
+    return await ensure_key_value(js, KeyValueConfig(bucket=names.INSTANCES_BUCKET, history=1, ttl=BUCKET_MAX_AGE))
 
 
 # Longest start() waits for records the server listed but has not delivered yet.
 INITIAL_KEYS_TIMEOUT_S = 5.0
+
+# Longest a watcher waits for the bucket's word on a lease that ran out.
+LEASE_CHECK_TIMEOUT_S = 2.0
 
 # Longest a deregistration step may hold up a shutdown.
 STOP_TIMEOUT_S = 2.0
@@ -179,6 +172,7 @@ class DiscoveryWatcher:
         self._watcher: Any = None
         # Every key the watch has delivered, in any state; kept only until start() returns.
         self._handled_keys: set[str] | None = set()
+        self._holding = False  # the bucket did not answer a lease check
 
     def instances(self) -> list[InstanceRecord]:
         return list(self._records.values())
@@ -281,7 +275,47 @@ class DiscoveryWatcher:
             await asyncio.sleep(0.5)
             now = time.time()
             for instance_id in [i for i, t in self._expires_at.items() if t <= now]:
-                await self._remove(instance_id, reason="lease expired")
+                if not await self._expire_unless_refreshed(instance_id):
+                    break  # the bucket does not answer: ask again next round
+
+    async def _expire_unless_refreshed(self, instance_id: int) -> bool:
+        """Drop an instance whose lease ran out only on the bucket's word. The watch may have missed
+        its refresh (after a NATS failover its consumer is made again), and a bucket that does not
+        answer (its stream electing a new leader, several seconds on a cluster) is no evidence that
+        the instance died: its instances are held until the bucket answers. False while it does not."""
+        record = self._records.get(instance_id)
+        if record is None:
+            return True
+        try:
+            written_at = await asyncio.wait_for(self._last_written(record.key), LEASE_CHECK_TIMEOUT_S)
+        except Exception as exc:  # a timeout, no responders: the bucket cannot say
+            if not self._holding:
+                log.warning(
+                    "the discovery bucket does not answer; holding instances whose lease ran out until it does",
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+            self._holding = True
+            return False
+        if self._holding:
+            log.info("the discovery bucket answers again")
+            self._holding = False
+        if written_at is not None and written_at + record.lease_ttl > time.time():
+            self._expires_at[instance_id] = written_at + record.lease_ttl  # refreshed; the watch missed it
+        else:
+            await self._remove(instance_id, reason="lease expired")
+        return True
+
+    async def _last_written(self, key: str) -> float | None:
+        """When the live record of ``key`` was last written (server time); None if it is gone."""
+        try:
+            message = await self._js.get_msg(
+                names.kv_stream(names.INSTANCES_BUCKET), subject=f"$KV.{names.INSTANCES_BUCKET}.{key}"
+            )
+        except nats.js.errors.NotFoundError:
+            return None
+        if (message.headers or {}).get("KV-Operation") in (KV_DEL, KV_PURGE) or message.time is None:
+            return None
+        return message.time.replace(tzinfo=UTC).timestamp() if message.time.tzinfo is None else message.time.timestamp()
 
 
 def _instance_id_from_key(key: str) -> int | None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import StorageType, StreamConfig
 
+from kvmesh.common.runtime.jetstream_state import ensure_stream
 from kvmesh.common.wire import names
 
 DEFAULT_MAX_AGE_S = 3600.0
@@ -24,13 +24,6 @@ def kv_events_stream_config(max_age_s: float = DEFAULT_MAX_AGE_S) -> StreamConfi
 
 
 async def ensure_kv_events_stream(js: JetStreamContext, max_age_s: float = DEFAULT_MAX_AGE_S) -> None:
-    """Create the stream if it is missing; an existing stream is left as it is."""
-    try:
-        await js.stream_info(names.KV_EVENTS_STREAM)
-        return
-    except nats.js.errors.NotFoundError:
-        pass
-    try:
-        await js.add_stream(kv_events_stream_config(max_age_s))
-    except nats.js.errors.BadRequestError:
-        await js.stream_info(names.KV_EVENTS_STREAM)  # created concurrently by another process
+    """Create the stream, replicated, if it is missing; an existing stream keeps its settings but is
+    raised to the wanted replicas (:mod:`kvmesh.common.runtime.jetstream_state`)."""
+    await ensure_stream(js, kv_events_stream_config(max_age_s))

@@ -31,6 +31,18 @@ def nats_connect_timeout_default() -> float:
         raise SystemExit(f"{NATS_CONNECT_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
 
 
+def nats_servers(url: str) -> list[str]:
+    """The servers of a ``--nats-url``: one URL, or several separated by commas (the seeds of a
+    cluster; the client learns the others from the servers and fails over among all of them)."""
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    if not servers:
+        raise SystemExit(f"no NATS server in {url!r}")
+    for server in servers:
+        if "://" not in server:
+            raise SystemExit(f"NATS server {server!r} in {url!r} is not a URL (nats://host:port, tls://host:port)")
+    return servers
+
+
 async def connect_nats(
     url: str, name: str, first_connect_timeout: float | None = None, credentials: NatsCredentials | None = None
 ) -> NatsClient:
@@ -56,7 +68,7 @@ async def connect_nats(
         log.warning("NATS disconnected", url=url)
 
     async def on_reconnect() -> None:
-        log.info("NATS reconnected", url=url)
+        log.info("NATS reconnected", url=url, server=str(nc.connected_url.netloc) if nc.connected_url else None)
 
     async def on_error(error: Exception) -> None:
         if not connected:  # while first connecting, the one line at the end says it
@@ -66,8 +78,9 @@ async def connect_nats(
         if not nc.is_closed:
             log.warning("NATS error", url=url, error=f"{type(error).__name__}: {error}")
 
+    servers = nats_servers(url)
     connect = nc.connect(
-        url,
+        servers=servers,
         name=name,
         connect_timeout=max(0.1, min(2.0, timeout)),
         max_reconnect_attempts=-1,
@@ -97,15 +110,40 @@ async def connect_nats(
     return nc
 
 
+# Set by a supervisor (``kvmesh up``) in its children's environment: the pid they must outlive not.
+PARENT_PID_ENV = "KVMESH_PARENT_PID"
+PARENT_CHECK_INTERVAL_S = 1.0
+
+
+async def stop_when_orphaned(stop: asyncio.Event, parent_pid: int) -> None:
+    """Set ``stop`` once this process's parent is no longer ``parent_pid`` (it died and the process
+    was handed to init). The kernel's parent-death signal (``ending_with_parent``) does this at once
+    where it is set; this check covers a parent that died before the signal was set, and a machine
+    without ``setpriv``, so that no service outlives ``kvmesh up``, even one killed with -9."""
+    while not stop.is_set():
+        if os.getppid() != parent_pid:
+            log.warning("the supervisor that started this service is gone; stopping", parent_pid=parent_pid)
+            stop.set()
+            return
+        await asyncio.sleep(PARENT_CHECK_INTERVAL_S)
+
+
 def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run ``serve(stop_event)``; SIGINT / SIGTERM set the event and ``serve`` shuts down cleanly."""
+    """Run ``serve(stop_event)``; SIGINT / SIGTERM set the event and ``serve`` shuts down cleanly, as
+    does the death of the supervisor named in ``$KVMESH_PARENT_PID``."""
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve(stop)
+        parent = os.environ.get(PARENT_PID_ENV, "")
+        watch = asyncio.create_task(stop_when_orphaned(stop, int(parent))) if parent.isdigit() else None
+        try:
+            await serve(stop)
+        finally:
+            if watch is not None:
+                watch.cancel()
 
     if event_loop_kind() == "uvloop":
         import uvloop

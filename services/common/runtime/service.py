@@ -21,6 +21,7 @@ from kvmesh.common.rpc.tasks import cancel_and_wait
 from kvmesh.common.runtime.config import CommonConfig, GrpcEndpointConfig, describe, parse_config
 from kvmesh.common.runtime.discovery import InstanceRecord, Registration
 from kvmesh.common.runtime.heap import own_process_heap
+from kvmesh.common.runtime.jetstream_state import configure_replicas
 from kvmesh.common.runtime.nats_auth import NatsCredentials
 from kvmesh.common.runtime.process import connect_nats, run_until_signalled
 from kvmesh.common.runtime.structured_logging import configure_logging
@@ -90,6 +91,7 @@ def service_main(
     config = parse_config(config_class, argv, prog=f"kvmesh {service}", description=description)
     configure_logging(config.log_level, config.log_json, service=service)
     configure_grpc_tls(config)
+    configure_replicas(config.jetstream_replicas)
     log.info(f"starting {service}", config=describe(config))
     own_process_heap()  # the service freezes its startup heap once ready (docs/decisions/0028)
     run_until_signalled(lambda stop: serve(config, stop))

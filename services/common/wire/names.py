@@ -5,6 +5,30 @@ from __future__ import annotations
 KV_EVENTS_STREAM = "KVMESH_KV_EVENTS"
 INSTANCES_BUCKET = "KVMESH_INSTANCES"
 INDEX_SNAPSHOTS_BUCKET = "KVMESH_INDEX_SNAPSHOTS"
+LOCKS_BUCKET = "KVMESH_LOCKS"  # the snapshot lock (one indexer replica snapshots at a time)
+PLANNER_LEASE_BUCKET = "KVMESH_PLANNER_LEASE"  # one planner acts at a time
+
+
+def kv_stream(bucket: str) -> str:
+    """The stream that holds a KV bucket (JetStream's naming)."""
+    return f"KV_{bucket}"
+
+
+def object_stream(bucket: str) -> str:
+    """The stream that holds an object store (JetStream's naming)."""
+    return f"OBJ_{bucket}"
+
+
+def jetstream_streams() -> list[str]:
+    """Every JetStream stream kvmesh keeps: its own and those that hold its buckets and object store."""
+    return [
+        KV_EVENTS_STREAM,
+        kv_stream(INSTANCES_BUCKET),
+        object_stream(INDEX_SNAPSHOTS_BUCKET),
+        kv_stream(LOCKS_BUCKET),
+        kv_stream(PLANNER_LEASE_BUCKET),
+    ]
+
 
 DEFAULT_NAMESPACE = "default"
 

@@ -1,0 +1,228 @@
+"""The JetStream state kvmesh keeps (the KV event stream, the discovery bucket, the snapshot store, the
+lease buckets), created replicated: it must outlive the loss of a NATS server (docs/decisions/0033).
+
+Every stream, KV bucket and object store kvmesh creates goes through :func:`ensure_stream`,
+:func:`ensure_key_value` or :func:`ensure_object_store`, which give it :func:`wanted_replicas`
+replicas: ``--jetstream-replicas`` / ``$KVMESH_JETSTREAM_REPLICAS`` where set, else 3 on a NATS
+cluster of three or more servers and 1 otherwise. One found with fewer replicas than wanted is
+raised to them (JetStream moves a stream to more peers while it serves); where NATS refuses, the
+service stops with :class:`ReplicationError`, whose message says how to fix it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, ObjectStoreConfig, StreamConfig, StreamInfo
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from kvmesh.common.wire import names
+
+log = structlog.get_logger(__name__)
+
+REPLICAS_ENV = "KVMESH_JETSTREAM_REPLICAS"
+# JetStream's own advice: 3 replicas survive one server lost; 5 would survive two, at twice the writes.
+CLUSTER_REPLICAS = 3
+MAX_REPLICAS = 5  # JetStream's limit
+
+
+class ReplicationError(RuntimeError):
+    """A stream kvmesh uses has fewer replicas than wanted and could not be raised to them."""
+
+
+def parse_replicas(raw: str | int | None) -> int | None:
+    """A replica count from a flag or the environment; None: decide from the cluster's size."""
+    if raw is None or raw == "" or raw == "auto":
+        return None
+    try:
+        replicas = int(raw)
+    except ValueError:
+        raise ValueError(f"JetStream replicas must be a whole number from 1 to {MAX_REPLICAS}, not {raw!r}") from None
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise ValueError(f"JetStream replicas must be from 1 to {MAX_REPLICAS}, not {replicas}")
+    return replicas
+
+
+def configure_replicas(requested: int | None) -> None:
+    """Apply ``--jetstream-replicas`` to this process and the services it starts (through the
+    environment, which they inherit); SystemExit with the reason where it is out of range."""
+    if requested is None:
+        return
+    try:
+        parse_replicas(requested)
+    except ValueError as exc:
+        raise SystemExit(f"--jetstream-replicas: {exc}") from None
+    os.environ[REPLICAS_ENV] = str(requested)
+
+
+def cluster_size(nc: NatsClient) -> int:
+    """How many servers the connected server says its cluster has (1 for a lone server): the client
+    URLs it gossips, one per server. nats-py keeps the server's INFO without a public accessor."""
+    info: dict[str, Any] = getattr(nc, "_server_info", None) or {}
+    if not info.get("cluster"):
+        return 1
+    return max(1, len(set(info.get("connect_urls") or [])))
+
+
+def wanted_replicas(nc: NatsClient) -> int:
+    """``$KVMESH_JETSTREAM_REPLICAS`` (which ``--jetstream-replicas`` sets), else 3 on a cluster of
+    three or more servers, else 1. Never more than the cluster has servers to hold them."""
+    try:
+        requested = parse_replicas(os.environ.get(REPLICAS_ENV))
+    except ValueError as exc:
+        raise ReplicationError(f"{REPLICAS_ENV}: {exc}") from None
+    if requested is not None:
+        return requested
+    return CLUSTER_REPLICAS if cluster_size(nc) >= CLUSTER_REPLICAS else 1
+
+
+def _connection(js: JetStreamContext) -> NatsClient:
+    return js._nc  # nats-py keeps the connection it was made from; it has no public accessor
+
+
+async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+    """The stream ``config.name``: created with the wanted replicas when missing (a concurrent creator
+    is fine), raised to them when it has fewer; other settings of an existing stream are kept."""
+    replicas = wanted_replicas(_connection(js))
+    try:
+        info = await js.stream_info(config.name)
+    except nats.js.errors.NotFoundError:
+        try:
+            return await js.add_stream(config, num_replicas=replicas)
+        except nats.js.errors.APIError as exc:
+            info = await _made_concurrently(js, config.name, replicas, exc)
+    return await raise_replicas(js, info, replicas)
+
+
+async def _made_concurrently(js: JetStreamContext, name: str, replicas: int, exc: Exception) -> StreamInfo:
+    """After a refused create: the stream another process made meanwhile, or :class:`ReplicationError`
+    (NATS cannot hold ``replicas`` replicas: a lone server, too few servers up)."""
+    try:
+        return await js.stream_info(name)
+    except nats.js.errors.NotFoundError:
+        raise ReplicationError(_refusal(name, 0, replicas, exc)) from exc
+
+
+async def raise_replicas(js: JetStreamContext, info: StreamInfo, replicas: int) -> StreamInfo:
+    """Raise an existing stream to ``replicas``; :class:`ReplicationError` where NATS refuses."""
+    have = info.config.num_replicas or 1
+    if have >= replicas:
+        return info
+    name = info.config.name or ""
+    log.warning("raising a stream's replicas", stream=name, replicas=have, wanted=replicas)
+    config = info.config.evolve(num_replicas=replicas)
+    try:
+        return await js.update_stream(config)
+    except (nats.js.errors.APIError, nats.errors.TimeoutError) as exc:
+        raise ReplicationError(_refusal(name, have, replicas, exc)) from exc
+
+
+def _refusal(name: str, have: int, replicas: int, exc: Exception) -> str:
+    held = f"has {have} replica(s)" if have else "cannot be created"
+    return (
+        f"JetStream stream {name} {held}, kvmesh wants {replicas}, and NATS refused ({exc}). Either give NATS "
+        f"{replicas} servers with JetStream and raise it (`nats stream edit {name} --replicas {replicas}`), "
+        f"or ask for fewer with --jetstream-replicas (or {REPLICAS_ENV})"
+    )
+
+
+async def ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+    """The KV bucket ``config.bucket``, made as :func:`ensure_stream` makes a stream."""
+    replicas = wanted_replicas(_connection(js))
+    try:
+        bucket = await js.key_value(config.bucket)
+    except nats.js.errors.BucketNotFoundError:
+        try:
+            return await js.create_key_value(config, replicas=replicas)
+        except nats.js.errors.APIError as exc:
+            await _made_concurrently(js, names.kv_stream(config.bucket), replicas, exc)
+            bucket = await js.key_value(config.bucket)
+    await raise_replicas(js, await js.stream_info(names.kv_stream(config.bucket)), replicas)
+    return bucket
+
+
+async def ensure_object_store(js: JetStreamContext, config: ObjectStoreConfig) -> ObjectStore:
+    """The object store ``config.bucket``, made as :func:`ensure_stream` makes a stream."""
+    replicas = wanted_replicas(_connection(js))
+    assert config.bucket
+    try:
+        store = await js.object_store(config.bucket)
+    except nats.js.errors.BucketNotFoundError:
+        try:
+            return await js.create_object_store(config.bucket, config=config.evolve(replicas=replicas))
+        except nats.js.errors.APIError as exc:
+            await _made_concurrently(js, names.object_stream(config.bucket), replicas, exc)
+            store = await js.object_store(config.bucket)
+    await raise_replicas(js, await js.stream_info(names.object_stream(config.bucket)), replicas)
+    return store
+
+
+@dataclass
+class PeerState:
+    """One replica of a stream as its leader sees it."""
+
+    name: str
+    current: bool
+    offline: bool
+    lag: int  # operations behind the leader
+    active_s: float  # seconds since the leader last heard from it
+
+
+@dataclass
+class StreamState:
+    """What ``kvmesh inspect jetstream`` and the metrics show of one stream."""
+
+    stream: str
+    replicas: int
+    leader: str | None
+    messages: int
+    last_sequence: int
+    peers: list[PeerState] = field(default_factory=list)
+
+    @property
+    def current_replicas(self) -> int:
+        """Replicas that hold the stream now: the leader and every current follower."""
+        return (1 if self.leader or self.replicas == 1 else 0) + sum(1 for p in self.peers if p.current)
+
+
+def stream_state(info: StreamInfo) -> StreamState:
+    cluster = info.cluster
+    peers = [
+        PeerState(
+            name=p.name,
+            current=bool(p.current),
+            offline=bool(p.offline),
+            lag=int(p.lag or 0),
+            active_s=float(p.active or 0) / 1e9,  # JetStream reports nanoseconds
+        )
+        for p in (cluster.replicas or [] if cluster else [])
+    ]
+    return StreamState(
+        stream=info.config.name or "",
+        replicas=info.config.num_replicas or 1,
+        leader=cluster.leader if cluster else None,
+        messages=info.state.messages,
+        last_sequence=info.state.last_seq,
+        peers=peers,
+    )
+
+
+async def kvmesh_streams(js: JetStreamContext) -> list[StreamState]:
+    """The state of every stream kvmesh keeps that exists now (streams of other applications on the
+    same NATS are left out)."""
+    wanted = names.jetstream_streams()
+    states = []
+    for name in wanted:
+        try:
+            states.append(stream_state(await js.stream_info(name)))
+        except nats.js.errors.NotFoundError:
+            continue
+    return states

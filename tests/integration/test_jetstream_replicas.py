@@ -1,0 +1,159 @@
+"""Replicated JetStream state on a real three-node NATS cluster: every stream and bucket kvmesh makes
+has three replicas there and one on a lone server; one found with fewer is raised; what cannot be
+had is refused with a message that says how; a client given several URLs survives a dead first one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.js.api import StreamConfig
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvmesh.common.runtime.discovery import InstanceRecord, Registration, instances_bucket
+from kvmesh.common.runtime.jetstream_metrics import JetStreamCollector
+from kvmesh.common.runtime.jetstream_state import (
+    REPLICAS_ENV,
+    ReplicationError,
+    cluster_size,
+    ensure_stream,
+    kvmesh_streams,
+    wanted_replicas,
+)
+from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
+from kvmesh.common.runtime.nats_cluster import EmbeddedNatsCluster
+from kvmesh.common.runtime.process import connect_nats, nats_servers
+from kvmesh.common.wire import names
+from kvmesh.indexer import snapshot
+from kvmesh.inspector import main as inspect_main
+from tests.support import wait_until_async
+
+
+@pytest.fixture(autouse=True)
+def _no_replica_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(REPLICAS_ENV, raising=False)
+
+
+def test_several_urls_are_parsed_and_a_bad_one_is_named():
+    assert nats_servers("nats://a:4222, nats://b:4222,") == ["nats://a:4222", "nats://b:4222"]
+    with pytest.raises(SystemExit, match=r"'b:4222' .* is not a URL"):
+        nats_servers("nats://a:4222,b:4222")
+    with pytest.raises(SystemExit, match="no NATS server"):
+        nats_servers(" , ")
+
+
+async def test_every_stream_and_bucket_is_replicated_three_times_on_a_cluster(nats_cluster: EmbeddedNatsCluster):
+    nc = await connect_nats(nats_cluster.url, name="test")
+    try:
+        assert cluster_size(nc) == 3
+        assert wanted_replicas(nc) == 3
+        js = nc.jetstream()
+        await ensure_kv_events_stream(js)
+        await instances_bucket(js)
+        lock = snapshot.SnapshotLock(js, "default", "me")
+        assert await lock.acquire()
+        await snapshot.upload(js, "default", snapshot.Snapshot(stream_sequence=1))
+        states = {state.stream: state for state in await kvmesh_streams(js)}
+        made = [s for s in names.jetstream_streams() if s != names.kv_stream(names.PLANNER_LEASE_BUCKET)]
+        assert sorted(states) == sorted(made)
+        for state in states.values():
+            assert state.replicas == 3, state
+            assert state.leader is not None
+        for state in states.values():  # followers catch up: all three replicas current
+            await wait_until_async(
+                lambda s=state.stream: _all_current(js, s), timeout=10, what=f"{state.stream} fully current"
+            )
+    finally:
+        await nc.close()
+
+
+async def _started(registration: Registration) -> bool:
+    try:
+        await registration.start()
+        return True
+    except Exception:  # timed out: no leader yet
+        return False
+
+
+async def _all_current(js, stream: str) -> bool:
+    [state] = [s for s in await kvmesh_streams(js) if s.stream == stream]
+    return state.current_replicas == 3
+
+
+async def test_a_stream_with_fewer_replicas_is_raised_and_an_impossible_count_refused(
+    nats_cluster: EmbeddedNatsCluster, monkeypatch: pytest.MonkeyPatch
+):
+    nc = await connect_nats(nats_cluster.url, name="test")
+    try:
+        js = nc.jetstream()
+        # made by an older kvmesh: one replica
+        await js.add_stream(StreamConfig(name=names.KV_EVENTS_STREAM, subjects=["kvmesh.*.kv.*"], num_replicas=1))
+        await ensure_kv_events_stream(js)
+        info = await js.stream_info(names.KV_EVENTS_STREAM)
+        assert info.config.num_replicas == 3
+        monkeypatch.setenv(REPLICAS_ENV, "5")  # more than the cluster has servers
+        with pytest.raises(ReplicationError, match=r"has 3 replica\(s\), kvmesh wants 5.*--jetstream-replicas"):
+            await ensure_kv_events_stream(js)
+        assert (await js.stream_info(names.KV_EVENTS_STREAM)).config.num_replicas == 3  # left as it was
+    finally:
+        await nc.close()
+
+
+async def test_a_lone_server_gets_one_replica_and_refuses_three(nats_url: str, monkeypatch: pytest.MonkeyPatch):
+    nc = await connect_nats(nats_url, name="test")
+    try:
+        js = nc.jetstream()
+        assert cluster_size(nc) == 1
+        await instances_bucket(js)
+        [state] = await kvmesh_streams(js)
+        assert state.replicas == 1
+        monkeypatch.setenv(REPLICAS_ENV, "3")
+        with pytest.raises(ReplicationError, match="NATS refused"):
+            await ensure_stream(js, StreamConfig(name=names.KV_EVENTS_STREAM, subjects=["kvmesh.*.kv.*"]))
+    finally:
+        await nc.close()
+
+
+async def test_a_client_given_the_cluster_connects_past_a_dead_first_server(nats_cluster: EmbeddedNatsCluster):
+    first = await connect_nats(nats_cluster.url, name="test")
+    await instances_bucket(first.jetstream())  # the mesh's state exists before a server dies
+    await first.close()
+    nats_cluster.nodes[0].kill()
+    nc = await connect_nats(nats_cluster.url, name="test", first_connect_timeout=10)
+    try:
+        assert nc.connected_url.port != nats_cluster.nodes[0].port
+        # Where the dead server led the bucket, the two left elect a new leader (seconds); then they
+        # hold the replicated state: a record can be registered.
+        registration = Registration(nc.jetstream(timeout=1), InstanceRecord("worker", 7, "127.0.0.1:1"))
+        await wait_until_async(lambda: _started(registration), timeout=30, what="a registration on two of three")
+        [state] = await kvmesh_streams(nc.jetstream())
+        assert state.replicas == 3 and state.leader in ("n2", "n3")
+        await registration.stop()
+    finally:
+        await nc.close()
+
+
+async def test_inspect_and_metrics_show_replicas_leader_and_lag(
+    nats_cluster: EmbeddedNatsCluster, capsys: pytest.CaptureFixture[str]
+):
+    nc = await connect_nats(nats_cluster.url, name="test")
+    try:
+        js = nc.jetstream()
+        await ensure_kv_events_stream(js)
+        await js.publish("kvmesh.default.kv.1", b"x")
+        collector = JetStreamCollector()
+        collector.states = await kvmesh_streams(js)
+        registry = CollectorRegistry()
+        registry.register(collector)
+        exported = generate_latest(registry).decode()
+        leader = collector.states[0].leader
+    finally:
+        await nc.close()
+    assert f'kvmesh_jetstream_replicas{{stream="{names.KV_EVENTS_STREAM}"}} 3.0' in exported
+    assert f'kvmesh_jetstream_leader{{server="{leader}",stream="{names.KV_EVENTS_STREAM}"}} 1.0' in exported
+    assert "kvmesh_jetstream_follower_lag{" in exported
+    assert await asyncio.to_thread(inspect_main, ["jetstream", "--nats-url", nats_cluster.url]) == 0
+    shown = capsys.readouterr().out
+    assert "NATS cluster of 3 server(s)" in shown
+    assert f"{names.KV_EVENTS_STREAM}: 3 replica(s)" in shown and f"leader {leader}" in shown
+    assert "follower n" in shown and "lag " in shown
