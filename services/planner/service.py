@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -22,7 +24,8 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from kvmesh.common.core.engine_profile import EngineProfile, ProfileError
 from kvmesh.common.runtime.config import CommonConfig, ConfigError, option
-from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
+from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
+from kvmesh.common.runtime.lease import Lease
 from kvmesh.common.runtime.run_file import resolve_nats_url
 from kvmesh.common.runtime.service import ServiceStack
 from kvmesh.common.wire import names
@@ -64,6 +67,11 @@ class PlannerConfig(CommonConfig, PlannerOptions):
     compose_prefill_service: str = option(
         "prefill-worker", "--connector compose --disaggregated: the service whose replicas are the prefill pool"
     )
+    planner_lease_secs: float = option(
+        15.0,
+        "one planner acts at a time: it holds a lease in NATS for this long, renewed while it runs; another planner "
+        "of the namespace stands by and takes over within two of these after the holder dies",
+    )
     metrics_host: str = option("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = option(0, "Prometheus /metrics port (0: a free port, -1: off)")
 
@@ -71,6 +79,8 @@ class PlannerConfig(CommonConfig, PlannerOptions):
         PlannerOptions.validate(self)
         if self.engine_profile is None:
             raise ConfigError("--engine-profile is required (write one with `kvmesh profile`)")
+        if self.planner_lease_secs < 1:
+            raise ConfigError("--planner-lease-secs must be at least 1")
         if (
             self.connector_name() == "compose"
             and self.disaggregated
@@ -187,13 +197,33 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
             server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=metrics.registry)
             stack.callback(server.shutdown)
             log.info("metrics", url=f"http://{config.metrics_host}:{server.server_port}/metrics")
+        owner = f"{socket.gethostname()}:{os.getpid()}:{new_instance_id()}"
+        lease = await stack.start(
+            Lease(
+                nc.jetstream(),
+                names.PLANNER_LEASE_BUCKET,
+                f"{config.namespace}.planner",
+                owner,
+                config.planner_lease_secs,
+            )
+        )
         log.info("planner ready", connector=config.connector_name(), interval_s=config.adjustment_interval)
         started = time.time()
+        acting = False
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=config.adjustment_interval)
             if stop.is_set():
                 break
+            if lease.held() != acting:
+                acting = lease.held()
+                log.info(
+                    "this planner acts now (it holds the lease)" if acting else "another planner acts; standing by"
+                )
+            if not acting:
+                reports[:], router_reports[:] = [], []  # the acting planner counts them
+                started = time.time()
+                continue
             now = time.time()
             taken, reports[:] = list(reports), []
             arrivals, samples = merge(taken)
@@ -234,6 +264,9 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
                 worker_kv_tokens={w.worker_id: round(w.kv_tokens) for w in worker_loads},
             )
             if decision.changes:
+                if not lease.held():  # lost while deciding: the planner that took over decides anew
+                    log.warning("lease lost before scaling; this decision is not applied")
+                    continue
                 try:
                     now_pools = await connector.scale(decision.target)
                     log.info("scaled", workers=pools_text(now_pools), connector=config.connector_name())

@@ -13,8 +13,8 @@ import nats
 import pytest
 
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.devtools.index_truth import converged
 from kvmesh.devtools.mesh_process import MeshProcess
-from tests.index_truth import converged
 from tests.support import stream_chat, streams_interrupted_by, wait_until, wait_until_async
 
 pytestmark = pytest.mark.e2e

@@ -25,13 +25,13 @@ from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.wire import names
 from kvmesh.common.wire.hashing import block_set_digest
 from kvmesh.common.wire.kv_events import POOL_DP_RANK
+from kvmesh.devtools.index_truth import as_truth, converged, truth, view
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.event_publisher import KvEventPublisher
-from tests.index_truth import as_truth, converged, truth, view
 from tests.support import running, service_config, service_process, wait_until_async
 
 pytestmark = pytest.mark.integration

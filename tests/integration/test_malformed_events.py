@@ -15,11 +15,11 @@ from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
 from kvmesh.common.rpc.grpc_server import channel_to
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.wire import names
+from kvmesh.devtools.index_truth import converged
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
-from tests.index_truth import converged
 from tests.support import running, service_config, wait_until_async
 
 pytestmark = pytest.mark.integration

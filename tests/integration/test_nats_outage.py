@@ -14,13 +14,13 @@ import pytest
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.nats_server import EmbeddedNatsServer
+from kvmesh.devtools.index_truth import converged, view
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
-from tests.index_truth import converged, view
 from tests.support import router_generate, running, service_config, wait_until_async
 
 pytestmark = pytest.mark.integration

@@ -12,9 +12,31 @@ from kvmesh.common.rpc import grpc_tls
 
 # Large prompts are long token lists; the 4 MiB default would cap a request at about a million tokens.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
+# Keepalive: a peer on a host that lost power or its link sends no RST; without pings a stream to it
+# waits for ever. Each side pings an idle connection every KEEPALIVE_MS and gives it up when the
+# answer takes KEEPALIVE_TIMEOUT_MS, so a call on a dead connection fails within about ten seconds
+# (and a stream moves elsewhere). The server accepts pings that often, also between calls.
+KEEPALIVE_MS = 5000
+KEEPALIVE_TIMEOUT_MS = 5000
+_MESSAGE_SIZES = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+CHANNEL_OPTIONS = [*_MESSAGE_SIZES, *_KEEPALIVE]
+SERVER_OPTIONS = [
+    *_MESSAGE_SIZES,
+    # gRPC's default lets a second server bind a port already bound: two services given one port
+    # would then share its connections silently. Refuse instead.
+    ("grpc.so_reuseport", 0),
+    *_KEEPALIVE,
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
 ]
 
 
@@ -38,7 +60,7 @@ async def start_grpc_server(
     port: int = 0,
 ) -> GrpcService:
     """Build, register and start a server on ``host:port`` (0 picks a free port)."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

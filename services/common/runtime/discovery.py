@@ -81,6 +81,9 @@ INITIAL_KEYS_TIMEOUT_S = 5.0
 
 # Longest a watcher waits for the bucket's word on a lease that ran out.
 LEASE_CHECK_TIMEOUT_S = 2.0
+# A lease refresh not answered this fast is tried again after RETRY_AFTER_FAILED_REFRESH_S.
+REFRESH_TIMEOUT_S = 1.0
+RETRY_AFTER_FAILED_REFRESH_S = 0.5
 
 # Longest a deregistration step may hold up a shutdown.
 STOP_TIMEOUT_S = 2.0
@@ -114,12 +117,19 @@ class Registration:
     async def _refresh_forever(self) -> None:
         assert self._kv is not None
         period = self.record.lease_ttl / 3
+        # A write JetStream does not answer (its stream electing a leader) is given up after a
+        # fraction of the period and tried again soon: the record must be refreshed the moment the
+        # bucket answers again, before watchers that held it through the outage drop it.
+        timeout = min(REFRESH_TIMEOUT_S, period)
+        wait = period
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(wait)
             try:
-                await self._kv.put(self.record.key, self.record.encode())
-            except Exception as exc:  # NATS hiccup: try again next period; the lease has slack
-                log.warning("lease refresh failed", key=self.record.key, error=str(exc))
+                await asyncio.wait_for(self._kv.put(self.record.key, self.record.encode()), timeout)
+                wait = period
+            except Exception as exc:  # NATS hiccup: try again soon; the lease has slack
+                log.warning("lease refresh failed", key=self.record.key, error=f"{type(exc).__name__}: {exc}")
+                wait = min(period, RETRY_AFTER_FAILED_REFRESH_S)
 
     async def stop(self) -> None:
         # Deleting tells watchers at once; if NATS is slow, the lease expiring does the same later,
@@ -173,6 +183,7 @@ class DiscoveryWatcher:
         # Every key the watch has delivered, in any state; kept only until start() returns.
         self._handled_keys: set[str] | None = set()
         self._holding = False  # the bucket did not answer a lease check
+        self._grace_until = 0.0  # after an outage of the bucket, no instance is dropped before this
 
     def instances(self) -> list[InstanceRecord]:
         return list(self._records.values())
@@ -297,10 +308,15 @@ class DiscoveryWatcher:
             self._holding = True
             return False
         if self._holding:
+            # Nobody could refresh while it did not answer: give every instance a third of its
+            # lease (its refresh period) and a second to refresh before any is dropped.
             log.info("the discovery bucket answers again")
             self._holding = False
+            self._grace_until = time.time() + record.lease_ttl / 3 + 1.0
         if written_at is not None and written_at + record.lease_ttl > time.time():
             self._expires_at[instance_id] = written_at + record.lease_ttl  # refreshed; the watch missed it
+        elif time.time() < self._grace_until:
+            return True  # asked again next round
         else:
             await self._remove(instance_id, reason="lease expired")
         return True

@@ -11,9 +11,12 @@ service stops with :class:`ReplicationError`, whose message says how to fix it.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -27,6 +30,7 @@ from nats.js.object_store import ObjectStore
 from kvmesh.common.wire import names
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 REPLICAS_ENV = "KVMESH_JETSTREAM_REPLICAS"
 # JetStream's own advice: 3 replicas survive one server lost; 5 would survive two, at twice the writes.
@@ -88,9 +92,44 @@ def _connection(js: JetStreamContext) -> NatsClient:
     return js._nc  # nats-py keeps the connection it was made from; it has no public accessor
 
 
+# How long making or opening kvmesh's state waits for JetStream to answer. A cluster that has just
+# started, or lost the server that led, answers nothing until its servers elect a leader (seconds);
+# a service started with its NATS cluster must wait that out, not fail.
+JETSTREAM_WAIT_S = 60.0
+_NOT_YET = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError)
+
+
+async def _when_jetstream_answers(operation: Callable[[], Awaitable[T]], what: str) -> T:
+    """``operation()``, tried again while JetStream does not answer (up to ``JETSTREAM_WAIT_S``)."""
+    deadline = time.monotonic() + JETSTREAM_WAIT_S
+    waited = False
+    while True:
+        try:
+            result = await operation()
+        except _NOT_YET as exc:
+            if time.monotonic() > deadline:
+                raise ReplicationError(
+                    f"JetStream did not answer within {JETSTREAM_WAIT_S:g} s ({what}: {type(exc).__name__}); "
+                    "is a majority of the NATS cluster's servers up?"
+                ) from exc
+            if not waited:
+                log.warning("JetStream does not answer yet (a cluster electing a leader?); waiting", what=what)
+                waited = True
+            await asyncio.sleep(0.5)
+            continue
+        if waited:
+            log.info("JetStream answers", what=what)
+        return result
+
+
 async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
     """The stream ``config.name``: created with the wanted replicas when missing (a concurrent creator
-    is fine), raised to them when it has fewer; other settings of an existing stream are kept."""
+    is fine), raised to them when it has fewer; other settings of an existing stream are kept. Waits
+    for JetStream to answer (see ``JETSTREAM_WAIT_S``)."""
+    return await _when_jetstream_answers(lambda: _ensure_stream(js, config), f"stream {config.name}")
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
     replicas = wanted_replicas(_connection(js))
     try:
         info = await js.stream_info(config.name)
@@ -121,7 +160,9 @@ async def raise_replicas(js: JetStreamContext, info: StreamInfo, replicas: int) 
     config = info.config.evolve(num_replicas=replicas)
     try:
         return await js.update_stream(config)
-    except (nats.js.errors.APIError, nats.errors.TimeoutError) as exc:
+    except _NOT_YET:
+        raise  # no answer is no refusal: asked again
+    except nats.js.errors.APIError as exc:
         raise ReplicationError(_refusal(name, have, replicas, exc)) from exc
 
 
@@ -136,6 +177,10 @@ def _refusal(name: str, have: int, replicas: int, exc: Exception) -> str:
 
 async def ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
     """The KV bucket ``config.bucket``, made as :func:`ensure_stream` makes a stream."""
+    return await _when_jetstream_answers(lambda: _ensure_key_value(js, config), f"bucket {config.bucket}")
+
+
+async def _ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
     replicas = wanted_replicas(_connection(js))
     try:
         bucket = await js.key_value(config.bucket)
@@ -151,6 +196,10 @@ async def ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyV
 
 async def ensure_object_store(js: JetStreamContext, config: ObjectStoreConfig) -> ObjectStore:
     """The object store ``config.bucket``, made as :func:`ensure_stream` makes a stream."""
+    return await _when_jetstream_answers(lambda: _ensure_object_store(js, config), f"object store {config.bucket}")
+
+
+async def _ensure_object_store(js: JetStreamContext, config: ObjectStoreConfig) -> ObjectStore:
     replicas = wanted_replicas(_connection(js))
     assert config.bucket
     try:

@@ -1,0 +1,191 @@
+"""deploy/k8s, rendered with `kubectl kustomize` (base and every overlay): every object is valid
+against the Kubernetes API schema (kubernetes-validate, offline, strict), and every kvmesh container
+agrees with kvmesh itself: its command and each flag exist in `kvmesh <service> --help`, its command
+line and environment parse as the service would parse them, its probes and scrape settings name the
+ports and paths the service serves, its grace period outlasts its drain, and the NATS cluster the
+services are given is the one the StatefulSet runs."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvmesh.common.core.engine_profile import EngineProfile
+from kvmesh.common.runtime.config import env_var_name, parse_config
+from kvmesh.frontend.admission import OPEN_PATHS
+from kvmesh.frontend.config import FrontendConfig
+from kvmesh.indexer.config import IndexerConfig
+from kvmesh.planner.service import PlannerConfig
+from kvmesh.router.config import RouterConfig
+from kvmesh.worker.config import WorkerConfig
+
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+KUSTOMIZATIONS = ["base", "overlays/vllm", "overlays/disaggregated", "overlays/planner"]
+SCHEMA_VERSIONS = ["1.32.0", "1.37.0"]  # a current cluster, and the newest the validator knows
+SERVICES: dict[str, tuple[list[str], type]] = {
+    "worker": (["worker"], WorkerConfig),
+    "router": (["router"], RouterConfig),
+    "indexer": (["indexer"], IndexerConfig),
+    "frontend": (["frontend"], FrontendConfig),
+    "planner": (["planner", "run"], PlannerConfig),
+}
+# What the downward API gives a pod, for parsing its environment as the service would.
+FIELD_VALUES = {"status.podIP": "10.1.2.3", "metadata.name": "indexer-0"}
+
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) is not installed")
+
+
+@functools.cache
+def rendered(kustomization: str) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(K8S / kustomization)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@functools.cache
+def service_help(command: tuple[str, ...]) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvmesh", *command, "--help"], capture_output=True, text=True, timeout=60, check=True
+    )
+    return result.stdout
+
+
+def workloads(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+
+
+def kvmesh_containers(objects: list[dict[str, Any]]):
+    for workload in workloads(objects):
+        pod = workload["spec"]["template"]
+        for container in pod["spec"]["containers"]:
+            if container["image"].split(":")[0] == "kvmesh":
+                yield workload, pod, container
+
+
+def container_env(objects: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
+    config_maps = {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(config_maps[source["configMapRef"]["name"]])
+    for var in container.get("env", []):
+        env[var["name"]] = var["value"] if "value" in var else FIELD_VALUES[var["valueFrom"]["fieldRef"]["fieldPath"]]
+    return env
+
+
+def split_command(args: list[str]) -> tuple[str, list[str]]:
+    service = "planner" if args[:2] == ["planner", "run"] else args[0]
+    return service, args[len(SERVICES[service][0]) :]
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_every_object_is_valid_against_the_kubernetes_api_schema(kustomization: str):
+    import kubernetes_validate
+
+    objects = rendered(kustomization)
+    assert workloads(objects), "nothing rendered"
+    for version in SCHEMA_VERSIONS:
+        for obj in objects:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{kustomization}: {obj['kind']}/{obj['metadata']['name']} (Kubernetes {version}): {exc}")
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_every_container_agrees_with_kvmesh(kustomization: str, tmp_path: Path):
+    objects = rendered(kustomization)
+    seen = set()
+    for workload, pod, container in kvmesh_containers(objects):
+        where = f"{kustomization}: {workload['kind']}/{workload['metadata']['name']}"
+        service, argv = split_command(container["args"])
+        seen.add(service)
+        command, config_class = SERVICES[service]
+        help_text = service_help(tuple(command))
+        environ = container_env(objects, container)
+        config = parse_config(config_class, argv, prog=service, description="", environ=environ)
+        # kvmesh's flags are in its --help; the rest (a vLLM worker's) are vLLM's, parsed by vLLM
+        vllm_args = getattr(config, "engine_args", None) or []
+        for flag in (a.split("=")[0] for a in argv if a.startswith("--") and a not in vllm_args):
+            assert f"{flag} " in help_text or f"{flag}\n" in help_text, (
+                f"{where}: {flag} is not in `kvmesh {service} --help`"
+            )
+        if vllm_args:
+            pytest.importorskip("vllm")
+            from kvmesh.worker.vllm_engine import engine_args
+
+            assert engine_args(vllm_args, {}).model == "/models/model"
+        fields = {env_var_name(name) for name in config_class.__dataclass_fields__}
+        for name in environ:
+            if name.startswith("KVMESH_"):
+                assert name in fields, f"{where}: {name} is no option of kvmesh {service}"
+        ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+        annotations = pod["metadata"].get("annotations", {})
+        probes = [container[k] for k in ("readinessProbe", "livenessProbe", "startupProbe") if k in container]
+        assert len(probes) >= 2, f"{where}: readiness and liveness probes"
+        if service == "frontend":
+            assert ports["http"] == config.http_port and config.http_host == "0.0.0.0"
+            for probe in probes:
+                assert probe["httpGet"]["port"] == config.http_port
+                assert probe["httpGet"]["path"] in OPEN_PATHS, f"{where}: a probe must pass without an API key"
+            assert annotations["prometheus.io/port"] == str(config.http_port)
+        elif service == "planner":
+            assert ports["metrics"] == config.metrics_port and config.metrics_host == "0.0.0.0"
+            assert all(p["httpGet"]["port"] == config.metrics_port for p in probes)
+            assert annotations["prometheus.io/port"] == str(config.metrics_port)
+            profile_map = next(v for v in pod["spec"]["volumes"] if v["name"] == "profile")["configMap"]["name"]
+            [profile_object] = [o for o in objects if o["metadata"]["name"] == profile_map]
+            profile_file = tmp_path / "engine-profile.json"
+            profile_file.write_text(profile_object["data"]["engine-profile.json"])
+            assert EngineProfile.load(profile_file).engine == "mock"
+        else:  # the gRPC services: health over gRPC on the port they serve, reached at the pod's address
+            assert config.host == "0.0.0.0" and config.advertise_host == FIELD_VALUES["status.podIP"]
+            assert ports["grpc"] == config.port
+            assert all(p["grpc"]["port"] == config.port for p in probes), f"{where}: probes on the gRPC port"
+            assert ports["metrics"] == config.metrics_port
+            assert annotations["prometheus.io/port"] == str(config.metrics_port)
+            assert annotations["prometheus.io/path"] == "/metrics"
+            grace = pod["spec"]["terminationGracePeriodSeconds"]
+            assert grace >= config.drain_timeout_secs + 5, f"{where}: the grace period must outlast the drain"
+        if service == "indexer":
+            # the replica's name is its durable consumer: stable only in a StatefulSet
+            assert workload["kind"] == "StatefulSet" and config.replica_id == FIELD_VALUES["metadata.name"]
+    assert {"worker", "router", "indexer", "frontend"} <= seen
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_the_services_are_given_the_nats_cluster_the_statefulset_runs(kustomization: str):
+    objects = rendered(kustomization)
+    [nats] = [o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "nats"]
+    [headless] = [o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "nats"]
+    assert headless["spec"]["clusterIP"] == "None" and nats["spec"]["serviceName"] == "nats"
+    replicas = nats["spec"]["replicas"]
+    assert replicas == 3
+    nats_conf = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("nats-config"))
+    conf = nats_conf["data"]["nats.conf"]
+    pods = [f"nats-{i}.nats" for i in range(replicas)]
+    assert all(f"nats://{pod}:6222" in conf for pod in pods) and "jetstream" in conf
+    for workload, _pod, container in kvmesh_containers(objects):
+        env = container_env(objects, container)
+        assert env["KVMESH_NATS_URL"].split(",") == [f"nats://{pod}:4222" for pod in pods], workload["metadata"]["name"]
+        assert env["KVMESH_JETSTREAM_REPLICAS"] == "3"
+    # every Service's target port is a port its pods declare
+    for service in (o for o in objects if o["kind"] == "Service"):
+        selector = service["spec"]["selector"]
+        targets = [
+            c
+            for w in workloads(objects)
+            if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+            for c in w["spec"]["template"]["spec"]["containers"]
+        ]
+        assert targets, service["metadata"]["name"]
+        declared = {p.get("name") for c in targets for p in c.get("ports", [])}
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in declared, f"{service['metadata']['name']}: {port['targetPort']}"
