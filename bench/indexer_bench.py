@@ -26,6 +26,7 @@ from kvmesh.common.core.prefix_index import PrefixIndex
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
+from kvmesh.common.runtime.nats_cluster import EmbeddedNatsCluster
 from kvmesh.common.runtime.nats_server import EmbeddedNatsServer
 from kvmesh.common.runtime.process import connect_nats
 from kvmesh.common.wire import names
@@ -150,11 +151,12 @@ async def preload(js, messages: list[tuple[str, bytes, str]]) -> None:
         )
 
 
-async def jetstream_apply(total_blocks: int, workers: int) -> dict[str, float]:
-    """Blocks/s one replica applies from the stream (decode + apply + ack), stream preloaded."""
+async def jetstream_apply(total_blocks: int, workers: int, nats_servers: int = 1) -> dict[str, float]:
+    """Blocks/s one replica applies from the stream (decode + apply + ack), stream preloaded; on a
+    NATS cluster of ``nats_servers`` (3: the stream has three replicas)."""
     workload = make_workload(total_blocks, workers, seed=1)
     messages = to_messages(workload)
-    server = await EmbeddedNatsServer().start()
+    server = await EmbeddedNatsCluster(nats_servers).start()
     try:
         nc = await connect_nats(server.url, name="kvmesh-bench")
         js = nc.jetstream()

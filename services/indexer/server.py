@@ -210,10 +210,25 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
             index.remove_worker(record.instance_id)
             log.info("dropped the blocks of a departed worker", worker_id=record.instance_id)
 
-        workers = await stack.start(DiscoveryWatcher(js, config.namespace, "worker", on_removed=worker_left))
+        recovery: GapRecovery | None = None
+
+        def worker_joined(record: InstanceRecord) -> None:
+            if index.is_removed(record.instance_id):
+                # dropped while it lived on (its lease lapsed behind a partition): rebuild from its dump
+                index.readmit_worker(record.instance_id)
+                if recovery is not None:
+                    recovery.poke()
+                log.info("a dropped worker is back; recovering its blocks from its dump", worker_id=record.instance_id)
+
+        workers = await stack.start(
+            DiscoveryWatcher(js, config.namespace, "worker", on_added=worker_joined, on_removed=worker_left)
+        )
         recovery = GapRecovery(index, workers)
         stack.push_async_callback(recovery.stop)
         start_after = await restore_snapshot(js, config, index, state)
+        for record in workers.instances():  # the snapshot may list as removed a worker that is back
+            worker_joined(record)
+        recovery.poke()
 
         def applied(sequence: int) -> None:
             state.applied_sequence = sequence

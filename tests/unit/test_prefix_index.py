@@ -154,6 +154,24 @@ def test_removing_a_worker_in_recovery_drops_its_held_back_events():
     assert index.num_blocks == 0
 
 
+def test_a_readmitted_worker_is_rebuilt_from_its_dump_and_its_new_events_count():
+    index = PrefixIndex()
+    feed = Feed(index)
+    feed.send(1, stored_chain(PROMPT[:8]))  # event 0
+    index.remove_worker(1)  # its lease lapsed behind a partition; it lived on
+    feed.send(
+        1, stored_chain(PROMPT, start_block=2, parent_engine=sequence_hashes(local_block_hashes(PROMPT, BLOCK))[1])
+    )
+    assert index.num_blocks == 0  # ignored while removed
+    index.readmit_worker(1)
+    assert index.gaps_pending == {(1, 0)} and index.in_recovery((1, 0))
+    feed.send(1, stored_chain([9] * 8))  # event 2 arrives before the dump: held back
+    assert matches(index, [9] * 8) == {1: 0}
+    index.replace_worker((1, 0), 1, _dump(PROMPT))  # its dump as of event 1 holds what it stored while away
+    assert matches(index, PROMPT) == {1: 4} and matches(index, [9] * 8) == {1: 2}
+    assert not index.is_removed(1) and not index.gaps_pending
+
+
 def test_snapshot_export_import_round_trip():
     index = PrefixIndex()
     feed = Feed(index)

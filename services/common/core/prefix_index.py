@@ -75,6 +75,7 @@ class PrefixIndex(WorkerStateTransfer):
         self._free_bits: list[int] = []
         self._next_bit = 0
         self._removed_workers: set[int] = set()
+        self._removed_ranks: dict[int, list[int]] = {}  # the dp ranks a removed worker had
         self._tree_sizes: dict[WorkerKey, int] = {}
         self._unclosed = 0  # bits of workers with at least one orphan block
         self.gaps_pending: set[WorkerKey] = set()
@@ -98,7 +99,9 @@ class PrefixIndex(WorkerStateTransfer):
     def remove_worker(self, worker_id: int) -> None:
         """Forget every block of a worker (all its dp ranks) and ignore its late events."""
         self._removed_workers.add(worker_id)
-        for key in [k for k in self._workers if k[0] == worker_id]:
+        keys = [k for k in self._workers if k[0] == worker_id]
+        self._removed_ranks[worker_id] = sorted({rank for _, rank in keys}) or [0]
+        for key in keys:
             worker = self._workers.pop(key)
             self._clear(worker)
             del self._key_of_bit[worker.bit]
@@ -109,6 +112,20 @@ class PrefixIndex(WorkerStateTransfer):
 
     def is_removed(self, worker_id: int) -> bool:
         return worker_id in self._removed_workers
+
+    def readmit_worker(self, worker_id: int) -> None:
+        """A removed worker is back (its lease lapsed while it lived on: a partition, a NATS outage).
+        Its events count again, from its own state: each of its dp ranks is put in recovery, so that
+        its events are held back until :meth:`replace_worker` loads its dump (the events it published
+        while removed were ignored; the dump holds their effect)."""
+        if worker_id not in self._removed_workers:
+            return
+        self._removed_workers.discard(worker_id)
+        for rank in self._removed_ranks.pop(worker_id, [0]):
+            key = (worker_id, rank)
+            self._worker(key)
+            self.gaps_pending.add(key)
+            self._held_back.setdefault(key, [])
 
     def removed_workers(self) -> list[int]:
         return sorted(self._removed_workers)

@@ -308,11 +308,11 @@ class DiscoveryWatcher:
             self._holding = True
             return False
         if self._holding:
-            # Nobody could refresh while it did not answer: give every instance a third of its
-            # lease (its refresh period) and a second to refresh before any is dropped.
+            # Nobody could refresh while it did not answer: give every live instance the time its
+            # refresh loop takes to retry (a timed-out attempt, the pause, a new one) before any is dropped.
             log.info("the discovery bucket answers again")
             self._holding = False
-            self._grace_until = time.time() + record.lease_ttl / 3 + 1.0
+            self._grace_until = time.time() + REFRESH_TIMEOUT_S + RETRY_AFTER_FAILED_REFRESH_S + 0.5
         if written_at is not None and written_at + record.lease_ttl > time.time():
             self._expires_at[instance_id] = written_at + record.lease_ttl  # refreshed; the watch missed it
         elif time.time() < self._grace_until:

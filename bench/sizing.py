@@ -1,0 +1,198 @@
+"""How many indexer and router replicas does a fleet need? The figures docs/sizing.md is built from:
+
+- ``indexer-stream``: blocks/s one indexer replica applies from the KV event stream replicated three
+  times on a three-node NATS cluster (the stream preloaded, so the replica runs flat out);
+- ``find-matches``: FindMatches time (p50/p99, 64-block queries) and memory per indexed block with
+  1M and 10M blocks over 64 workers, in process;
+- ``router``: requests/s one router replica serves and the CPU it uses for them (mock workers);
+- ``replay``: ``kvmesh replay`` with 256 workers on a synthetic trace of a million requests shaped like
+  the shared Mooncake trace (``--replay-requests``): wall time and peak memory.
+
+    python -m bench.sizing [--parts indexer-stream find-matches router replay] [--replay-requests 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.indexer_bench import CHAIN_BLOCKS, QUERY_BLOCKS, jetstream_apply, percentile
+from bench.router_bench import throughput
+from kvmesh.common.core.prefix_index import PrefixIndex
+from kvmesh.common.wire.hashing import sequence_hashes
+from kvmesh.common.wire.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock
+
+SHARED_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+PARTS = ("indexer-stream", "find-matches", "router", "replay")
+# Token ids are 32-bit and a hash id stands for 512 of them: hash ids stay below 2**32 / 512.
+MAX_HASH_ID = 2**32 // 512 - 1
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def find_matches_at(total_blocks: int, workers: int = 64, seed: int = 0) -> dict[str, float]:
+    """Build an index of ``total_blocks`` (chains of 128 blocks, the first half shared in families,
+    as indexer_bench's workload) batch by batch, so the workload itself is never held whole."""
+    rng = random.Random(seed)
+    chains = total_blocks // CHAIN_BLOCKS
+    families = max(1, chains // 4)
+    family_prefix = [[rng.getrandbits(64) for _ in range(CHAIN_BLOCKS // 2)] for _ in range(min(families, 20_000))]
+    queries: list[list[int]] = []
+    gc.collect()
+    before = rss_bytes()
+    index = PrefixIndex()
+    gc.disable()
+    started = time.perf_counter()
+    for chain in range(chains):
+        local = family_prefix[rng.randrange(len(family_prefix))] + [
+            rng.getrandbits(64) for _ in range(CHAIN_BLOCKS // 2)
+        ]
+        blocks = tuple(StoredBlock(rng.getrandbits(64), t, 64) for t in local)
+        index.apply_batch(KvEventBatch(chain % workers, 0, 0.0, (KvEvent(chain, BlocksStored(None, blocks)),)))
+        if len(queries) < 2000 and rng.random() < 0.01:
+            queries.append(local[:QUERY_BLOCKS])
+    build_s = time.perf_counter() - started
+    gc.enable()
+    gc.collect()
+    memory = rss_bytes() - before
+    sequences = [sequence_hashes(q) for q in queries]
+    samples = []
+    for _ in range(3):
+        for query in sequences:
+            t0 = time.perf_counter_ns()
+            index.find_matches_by_sequence(query)
+            samples.append((time.perf_counter_ns() - t0) / 1000)
+    return {
+        "blocks": chains * CHAIN_BLOCKS,
+        "workers": workers,
+        "build_blocks_per_s": chains * CHAIN_BLOCKS / build_s,
+        "find_p50_us": percentile(samples, 50),
+        "find_p99_us": percentile(samples, 99),
+        "bytes_per_block": memory / (chains * CHAIN_BLOCKS),
+        "index_gib": memory / 2**30,
+    }
+
+
+def synthetic_trace(source: Path, requests: int, parallel: int, out: Path, seed: int = 0) -> dict[str, float]:
+    """A trace of ``requests`` requests shaped like ``source``: copies of it, ``parallel`` of them at
+    a time (each shifted by a random fraction of a second), one group after the other. Each copy has
+    hash ids of its own (prefixes are shared within a copy exactly as in the source, never across),
+    until the 32-bit token space runs out, after which copies reuse the ids of copies long past."""
+    rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+    span = max(max(r["hash_ids"], default=0) for r in rows) + 1
+    duration = max(r["timestamp"] for r in rows) + 1
+    distinct_copies = MAX_HASH_ID // span
+    rng = random.Random(seed)
+    written = 0
+    lines = []
+    copy = 0
+    while written < requests:
+        group = copy // parallel
+        start = group * duration + rng.uniform(0, 1000)
+        offset = (copy % distinct_copies) * span
+        for row in rows:
+            if written >= requests:
+                break
+            shifted = {
+                "timestamp": int(start + row["timestamp"]),
+                "input_length": row["input_length"],
+                "output_length": row["output_length"],
+                "hash_ids": [h + offset for h in row["hash_ids"]],
+            }
+            lines.append(shifted)
+            written += 1
+        copy += 1
+    lines.sort(key=lambda r: r["timestamp"])
+    with out.open("w") as file:
+        for row in lines:
+            file.write(json.dumps(row) + "\n")
+    last = lines[-1]["timestamp"] / 1000
+    return {"requests": written, "copies": copy, "seconds": last, "rate": written / max(last, 1e-9)}
+
+
+def replay(requests: int, workers: int) -> dict[str, float]:
+    """``kvmesh replay`` on the synthetic trace, as a child process: its wall time and peak RSS."""
+    with tempfile.TemporaryDirectory(prefix="kvmesh-sizing-") as folder:
+        trace = Path(folder) / "trace.jsonl"
+        shape = synthetic_trace(SHARED_TRACE, requests, parallel=max(1, workers // 8), out=trace)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        started = time.perf_counter()
+        result = subprocess.run(
+            [sys.executable, "-m", "kvmesh", "replay", str(trace), "--workers", str(workers), "--router-mode", "kv"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        wall = time.perf_counter() - started
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    summary = json.loads(result.stdout[result.stdout.index("{") :])
+    return {
+        **{f"trace_{k}": v for k, v in shape.items()},
+        "workers": workers,
+        "wall_s": wall,
+        "requests_per_wall_s": shape["requests"] / wall,
+        "peak_rss_gib": max(peak, before) / 2**20,
+        "prefix_reuse": summary.get("prefix_reuse_ratio", summary.get("prefix_reuse")),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--replay-requests", type=int, default=1_000_000)
+    parser.add_argument("--replay-workers", type=int, default=256)
+    parser.add_argument("--router-seconds", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    if "indexer-stream" in args.parts:
+        for servers in (1, 3):
+            r = asyncio.run(jetstream_apply(1_000_000, 64, nats_servers=servers))
+            print(
+                f"indexer replica from the KV event stream ({servers} NATS server(s), {min(servers, 3)} replica(s)): "
+                f"{r['blocks_per_s']:,.0f} blocks/s ({r['messages_per_s']:,.0f} messages/s), {r['blocks']:,} blocks",
+                flush=True,
+            )
+    if "find-matches" in args.parts:
+        for total in (1_000_000, 10_000_000):
+            r = find_matches_at(total)
+            print(
+                f"FindMatches at {r['blocks']:,} blocks, {r['workers']} workers: p50 {r['find_p50_us']:.1f} µs, "
+                f"p99 {r['find_p99_us']:.1f} µs; {r['bytes_per_block']:.0f} bytes/block ({r['index_gib']:.2f} GiB); "
+                f"built at {r['build_blocks_per_s']:,.0f} blocks/s",
+                flush=True,
+            )
+    if "router" in args.parts:
+        r = asyncio.run(throughput(args.router_seconds, 32))
+        print(
+            f"one router replica: {r['requests_per_s']:,.0f} requests/s using {r['router_cpu_cores']:.2f} cores "
+            f"({r['requests_per_s'] / max(r['router_cpu_cores'], 1e-9):,.0f} requests/s per core), "
+            f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms (mock workers on the same 2 cores)",
+            flush=True,
+        )
+    if "replay" in args.parts:
+        r = replay(args.replay_requests, args.replay_workers)
+        print(
+            f"kvmesh replay, {r['workers']} workers, {r['trace_requests']:,} requests ({r['trace_copies']} copies of "
+            f"the shared trace, {r['trace_rate']:.0f} requests/s over {r['trace_seconds']:,.0f} s): "
+            f"{r['wall_s']:,.0f} s wall ({r['requests_per_wall_s']:,.0f} requests/s), "
+            f"peak {r['peak_rss_gib']:.2f} GiB, "
+            f"prefix reuse {r['prefix_reuse']}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The mesh across hosts: three network-namespace hosts, each with a NATS cluster node, an indexer
+replica, a router replica and mock workers, two with a frontend; the official openai client on a
+fourth host sends streaming requests over both frontends. Every service binds and advertises its
+host's address. The hosts have no route out and are removed afterwards, also when a test fails."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.jetstream_state import kvmesh_streams
+from kvmesh.common.runtime.process import connect_nats
+from kvmesh.devtools.host_mesh import HostMesh
+from kvmesh.devtools.index_truth import converged
+from kvmesh.devtools.test_hosts import TestHosts, namespace_pids
+from tests.hosts.conftest import CLIENT, require_hosts
+from tests.support import wait_until_async
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_mesh_serves_across_hosts_and_every_service_advertises_its_host(host_mesh: HostMesh):
+    hosts = host_mesh.hosts
+    addresses = {hosts[h].address for h in host_mesh.layout.mesh_hosts}
+    assert "default" not in hosts.routes(CLIENT)  # no way out of the hosts
+
+    async def on_the_client_host() -> None:
+        clients = [
+            openai.AsyncOpenAI(base_url=api, api_key="unused", max_retries=0, timeout=60) for api in host_mesh.apis()
+        ]
+
+        async def ask(i: int) -> int:
+            answer = await clients[i % 2].chat.completions.create(
+                model="kvmesh-tiny",
+                messages=[{"role": "user", "content": f"shared context {i % 3} " * 30}],
+                max_tokens=16,
+            )
+            return answer.usage.completion_tokens
+
+        assert await asyncio.gather(*(ask(i) for i in range(24))) == [16] * 24
+        for client in clients:
+            await client.close()
+        nc = await connect_nats(host_mesh.nats_url, name="test")
+        try:
+            for component, count in host_mesh.expected_counts().items():
+                watcher = DiscoveryWatcher(nc.jetstream(), "default", component)
+                await watcher.start()
+                records = watcher.instances()
+                assert len(records) == count
+                # bound and advertised on the hosts' own addresses, spread over all three
+                assert {r.address.rsplit(":", 1)[0] for r in records} == addresses, component
+                if component == "worker":
+                    workers = watcher
+                else:
+                    await watcher.stop()
+            states = await kvmesh_streams(nc.jetstream())
+            assert states and all(s.replicas == 3 for s in states)
+            indexers = DiscoveryWatcher(nc.jetstream(), "default", "indexer")
+            await indexers.start()
+            for record in indexers.instances():
+                await wait_until_async(
+                    lambda address=record.address: converged(workers, address),
+                    timeout=10,
+                    what=f"indexer {record.address} holds what the workers hold",
+                )
+            await indexers.stop()
+            await workers.stop()
+        finally:
+            await nc.close()
+
+    hosts.in_namespace(CLIENT, on_the_client_host)
+
+
+def test_the_hosts_are_removed_when_the_test_body_fails():
+    require_hosts()
+    made: list[str] = []
+    with pytest.raises(RuntimeError, match="the body failed"), TestHosts(["a", "b"]) as hosts:
+        made = hosts.existing()
+        hosts.run("a", ["sleep", "600"])
+        assert namespace_pids(hosts["a"].namespace)
+        raise RuntimeError("the body failed")
+    assert len(made) == 3  # two hosts and the switch
+    assert hosts.existing() == []

@@ -1,0 +1,32 @@
+"""The failure drills on test hosts under streaming load, each twice (kvmesh.devtools.drills; the
+figures: `python -m bench.drills`): kill -9 of a whole host (NATS node included), a host's link cut
+for 20 s, kill -9 of the NATS node leading the KV event stream, a rolling restart of every NATS node.
+Each run: no request fails through a frontend that stayed up, none outruns its deadline, every
+indexer replica ends up holding exactly what the workers hold, discovery drops a lost host's
+instances and takes them back, and a new indexer replica restores from the snapshot."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.devtools.drills import DRILLS, run_drill
+from kvmesh.devtools.host_mesh import HostMesh
+from tests.hosts.conftest import CLIENT
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+RUNS = 2
+
+
+@pytest.mark.parametrize("drill", DRILLS)
+def test_drill(host_mesh: HostMesh, drill: str):
+    # the first run strikes the host without a frontend, the second one with a frontend
+    targets = ["h3", "h2"]
+    for run, target in enumerate(targets[:RUNS], start=1):
+        report = host_mesh.hosts.in_namespace(CLIENT, lambda r=run, t=target: run_drill(host_mesh, drill, r, t))
+        print(report.as_dict())
+        assert report.requests > 100, report
+        assert report.failed == 0 and report.hung == 0, report.errors
+        assert report.converged, report.errors
+        assert report.snapshot_restore, report
+        if drill in ("kill-host", "partition"):
+            assert report.discovery_drop_s is not None and report.discovery_return_s is not None, report
