@@ -22,6 +22,7 @@ from kvmesh.common.rpc.grpc_errors import refuse
 from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
 from kvmesh.common.runtime.heap import freeze_startup_heap
 from kvmesh.common.runtime.jetstream_metrics import JetStreamCollector
+from kvmesh.common.runtime.jetstream_state import when_jetstream_answers
 from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
 from kvmesh.common.runtime.metrics import MetricsEndpoint
 from kvmesh.common.runtime.service import ServiceStack, service_main
@@ -237,7 +238,9 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
                 recovery.poke()
 
         consumer = EventStreamConsumer(nc, config.namespace, config.replica_id, index, on_applied=applied)
-        await consumer.start(reset=config.router_reset_states, start_after=start_after)
+        await when_jetstream_answers(
+            lambda: consumer.start(reset=config.router_reset_states, start_after=start_after), "event consumer"
+        )
         stack.push_async_callback(consumer.stop)
         snapshotter = snapshots.Snapshotter(
             js,
@@ -277,7 +280,7 @@ async def restore_snapshot(js: JetStreamContext, config: IndexerConfig, index: P
     if config.router_reset_states:
         return 0
     try:
-        restored = await snapshots.load(js, config.namespace)
+        restored = await when_jetstream_answers(lambda: snapshots.load(js, config.namespace), "snapshot")
     except snapshots.SnapshotError as exc:
         log.error("ignoring an unreadable snapshot", error=str(exc))
         return 0

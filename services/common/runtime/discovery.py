@@ -27,7 +27,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from kvmesh.common.rpc.tasks import cancel_and_wait
-from kvmesh.common.runtime.jetstream_state import ensure_key_value
+from kvmesh.common.runtime.jetstream_state import ensure_key_value, when_jetstream_answers
 from kvmesh.common.wire import names
 
 log = structlog.get_logger(__name__)
@@ -100,7 +100,8 @@ class Registration:
 
     async def start(self) -> None:
         self._kv = await instances_bucket(self._js)
-        await self._kv.put(self.record.key, self.record.encode())
+        kv = self._kv
+        await when_jetstream_answers(lambda: kv.put(self.record.key, self.record.encode()), "registration")
         self._task = asyncio.create_task(self._refresh_forever(), name=f"lease-{self.record.key}")
         log.info("registered", key=self.record.key, address=self.record.address)
 
@@ -195,8 +196,8 @@ class DiscoveryWatcher:
         """Start watching; returns once every key present before the call has been handled, so
         :meth:`instances` is complete from the first read."""
         kv = await instances_bucket(self._js)
-        present = await self._present_keys()
-        self._watcher = await kv.watch(self._prefix + "*")
+        present = await when_jetstream_answers(self._present_keys, "discovery keys")
+        self._watcher = await when_jetstream_answers(lambda: kv.watch(self._prefix + "*"), "discovery watch")
         initial_done = asyncio.Event()
         self._tasks = [
             asyncio.create_task(self._consume(initial_done), name=f"watch-{self._prefix}"),

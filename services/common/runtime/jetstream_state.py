@@ -96,10 +96,15 @@ def _connection(js: JetStreamContext) -> NatsClient:
 # started, or lost the server that led, answers nothing until its servers elect a leader (seconds);
 # a service started with its NATS cluster must wait that out, not fail.
 JETSTREAM_WAIT_S = 60.0
-_NOT_YET = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError)
+_NOT_YET = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,  # a publish to a stream that has no leader yet
+)
 
 
-async def _when_jetstream_answers(operation: Callable[[], Awaitable[T]], what: str) -> T:
+async def when_jetstream_answers(operation: Callable[[], Awaitable[T]], what: str) -> T:
     """``operation()``, tried again while JetStream does not answer (up to ``JETSTREAM_WAIT_S``)."""
     deadline = time.monotonic() + JETSTREAM_WAIT_S
     waited = False
@@ -126,7 +131,7 @@ async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> StreamInf
     """The stream ``config.name``: created with the wanted replicas when missing (a concurrent creator
     is fine), raised to them when it has fewer; other settings of an existing stream are kept. Waits
     for JetStream to answer (see ``JETSTREAM_WAIT_S``)."""
-    return await _when_jetstream_answers(lambda: _ensure_stream(js, config), f"stream {config.name}")
+    return await when_jetstream_answers(lambda: _ensure_stream(js, config), f"stream {config.name}")
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
@@ -177,7 +182,7 @@ def _refusal(name: str, have: int, replicas: int, exc: Exception) -> str:
 
 async def ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
     """The KV bucket ``config.bucket``, made as :func:`ensure_stream` makes a stream."""
-    return await _when_jetstream_answers(lambda: _ensure_key_value(js, config), f"bucket {config.bucket}")
+    return await when_jetstream_answers(lambda: _ensure_key_value(js, config), f"bucket {config.bucket}")
 
 
 async def _ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
@@ -196,7 +201,7 @@ async def _ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> Key
 
 async def ensure_object_store(js: JetStreamContext, config: ObjectStoreConfig) -> ObjectStore:
     """The object store ``config.bucket``, made as :func:`ensure_stream` makes a stream."""
-    return await _when_jetstream_answers(lambda: _ensure_object_store(js, config), f"object store {config.bucket}")
+    return await when_jetstream_answers(lambda: _ensure_object_store(js, config), f"object store {config.bucket}")
 
 
 async def _ensure_object_store(js: JetStreamContext, config: ObjectStoreConfig) -> ObjectStore:

@@ -23,7 +23,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
 from kvmesh.common.rpc.tasks import cancel_and_wait
-from kvmesh.common.runtime.jetstream_state import ensure_key_value
+from kvmesh.common.runtime.jetstream_state import ensure_key_value, when_jetstream_answers
 from kvmesh.common.wire import names
 
 log = structlog.get_logger(__name__)
@@ -58,7 +58,7 @@ class Lease:
     async def start(self) -> None:
         self._kv = await ensure_key_value(self._js, KeyValueConfig(bucket=self.bucket, history=1, ttl=self.period_s))
         # The bucket's max age is the lease period, whoever made the bucket: believe it over our own.
-        info = await self._js.stream_info(names.kv_stream(self.bucket))
+        info = await when_jetstream_answers(lambda: self._js.stream_info(names.kv_stream(self.bucket)), "lease")
         if info.config.max_age and abs(info.config.max_age - self.period_s) > 1e-3:
             log.warning(
                 "the lease bucket has another period; using it", bucket=self.bucket, period_s=info.config.max_age
