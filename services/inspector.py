@@ -14,6 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 import grpc
+import nats.errors
 import nats.js.errors
 
 from kvmesh.common.core.timing import from_constants
@@ -255,8 +256,13 @@ async def inspect_jetstream(nats_url: str, namespace: str, timeout: float) -> li
     follower's lag. Shared by every namespace on the server, so ``namespace`` does not narrow it."""
     nc = await connect_nats(nats_url, name="kvmesh-inspect")
     try:
-        states = await asyncio.wait_for(kvmesh_streams(nc.jetstream()), timeout)
+        states = await asyncio.wait_for(kvmesh_streams(nc.jetstream(timeout=timeout)), timeout)
         size = cluster_size(nc)
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise SystemExit(
+            f"JetStream did not answer within {timeout:g} s ({type(exc).__name__}); is a majority of the NATS "
+            "cluster's servers up? (--timeout waits longer)"
+        ) from None
     finally:
         await nc.close()
     return [{**asdict(state), "current_replicas": state.current_replicas, "cluster_size": size} for state in states]

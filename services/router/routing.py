@@ -20,6 +20,7 @@ import structlog
 
 from kvmesh.common.core.timing import from_constants
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
+from kvmesh.common.rpc.grpc_errors import NO_WORKER
 from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes, token_bytes
@@ -209,7 +210,7 @@ class Router:
     def prepare(self, request: common_pb2.PreprocessedRequest) -> Prepared:
         candidates = whole_request_workers(self.workers.instances(), request.model, self.failed, self.clock()).eligible
         if not candidates:
-            raise RoutingError(grpc.StatusCode.UNAVAILABLE, f"no worker available for model {request.model!r}")
+            raise RoutingError(grpc.StatusCode.UNAVAILABLE, f"{NO_WORKER} for model {request.model!r}")
         block_size = candidates[0].block_size
         policy = self.policy(candidates[0])
         self._adopt_advertised_timing(policy, candidates)

@@ -19,6 +19,7 @@ from kvmesh.common.runtime.jetstream_state import (
     ensure_stream,
     kvmesh_streams,
     wanted_replicas,
+    when_jetstream_answers,
 )
 from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
 from kvmesh.common.runtime.nats_cluster import EmbeddedNatsCluster
@@ -126,7 +127,7 @@ async def test_a_client_given_the_cluster_connects_past_a_dead_first_server(nats
         # hold the replicated state: a record can be registered.
         registration = Registration(nc.jetstream(timeout=1), InstanceRecord("worker", 7, "127.0.0.1:1"))
         await wait_until_async(lambda: _started(registration), timeout=30, what="a registration on two of three")
-        [state] = await kvmesh_streams(nc.jetstream())
+        [state] = await when_jetstream_answers(lambda: kvmesh_streams(nc.jetstream()), "stream states")
         assert state.replicas == 3 and state.leader in ("n2", "n3")
         await registration.stop()
     finally:

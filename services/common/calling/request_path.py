@@ -20,7 +20,7 @@ from nats.js import JetStreamContext
 from kvmesh.common.calling.router_client import RouterClient, route_failure, route_request
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
 from kvmesh.common.rpc.channels import ChannelPool
-from kvmesh.common.rpc.grpc_errors import call_error, is_transport_failure
+from kvmesh.common.rpc.grpc_errors import NO_WORKER, call_error, error_origin, is_transport_failure
 from kvmesh.common.rpc.stream_sessions import HandoffTable, Inbox, StreamSession, StreamSessions, open_worker_stream
 from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.wire.request_reports import END, FIRST_TOKEN, RequestReport
@@ -34,6 +34,16 @@ ROUTER_FAILOVER_LIMIT = 3
 
 class RouterFailedOver(Exception):
     """A router replica broke before it answered a try (a transport failure): the try goes to another."""
+
+
+class RouterSeesNoWorker(RouterFailedOver):
+    """A router replica sees no worker for the model. Its view may be partial (a replica just back
+    from a partition, whose discovery has not caught up), so another replica is asked; where none
+    is left, its refusal is the answer."""
+
+    def __init__(self, refusal: grpc.aio.AioRpcError) -> None:
+        super().__init__(refusal.details() or "no worker available")
+        self.refusal = refusal
 
 
 class RequestPath:
@@ -86,6 +96,8 @@ class RequestPath:
                 return
             except RouterFailedOver as failed:
                 failed_routers.add(router_address)
+                if isinstance(failed, RouterSeesNoWorker) and not self.routers.others(failed_routers):
+                    raise failed.refusal from None
                 log.warning(
                     "router replica failed; continuing on another",
                     router=router_address,
@@ -121,6 +133,8 @@ class RequestPath:
         except grpc.aio.AioRpcError as exc:
             if is_transport_failure(exc):
                 raise RouterFailedOver(exc.details() or exc.code().name) from exc
+            if is_no_worker_refusal(exc):
+                raise RouterSeesNoWorker(exc) from exc
             raise
         if route.disaggregated_params:
             sent = with_disaggregated_params(sent, route.disaggregated_params)
@@ -292,6 +306,15 @@ class RequestPath:
     async def close(self) -> None:
         await self._sessions.close()
         await self._channels.close()
+
+
+def is_no_worker_refusal(error: grpc.aio.AioRpcError) -> bool:
+    """The router's refusal for a model it sees no worker of."""
+    return (
+        error.code() == grpc.StatusCode.UNAVAILABLE
+        and error_origin(error) == "router"
+        and (error.details() or "").startswith(NO_WORKER)
+    )
 
 
 def _answered(decided: asyncio.Future[StreamSession | None], _answer: asyncio.Future[router_pb2.RouteResponse]) -> None:

@@ -85,6 +85,10 @@ class RouterClient:
             raise NoRouterError("no router address is configured")
         return sorted(r.address for r in self._watcher.instances())
 
+    def others(self, avoid: set[str] | frozenset[str]) -> list[str]:
+        """The router replicas known now, but ``avoid``."""
+        return [a for a in self.addresses() if a not in avoid]
+
     def pick(self, avoid: frozenset[str] = frozenset()) -> str:
         """The next router address in turn, skipping ``avoid`` while others exist."""
         addresses = self.addresses()

@@ -30,6 +30,11 @@ def error_origin(error: grpc.aio.AioRpcError) -> str | None:
     return None
 
 
+# How a router's refusal for a model it sees no worker of begins: a caller with other router replicas
+# asks another before it gives up (a replica's view of the workers may lag: docs/decisions/0033).
+NO_WORKER = "no worker available"
+
+
 def is_transport_failure(error: grpc.aio.AioRpcError) -> bool:
     """True when the peer (or the path to it) failed rather than answered."""
     return error.code() in _TRANSPORT_CODES and error_origin(error) is None

@@ -184,6 +184,8 @@ class DiscoveryWatcher:
         # Every key the watch has delivered, in any state; kept only until start() returns.
         self._handled_keys: set[str] | None = set()
         self._holding = False  # the bucket did not answer a lease check
+        self._kv: KeyValue | None = None
+        self._probe_key = names.watcher_probe_key(namespace, secrets.token_hex(8))
         self._grace_until = 0.0  # after an outage of the bucket, no instance is dropped before this
 
     def instances(self) -> list[InstanceRecord]:
@@ -195,7 +197,7 @@ class DiscoveryWatcher:
     async def start(self) -> None:
         """Start watching; returns once every key present before the call has been handled, so
         :meth:`instances` is complete from the first read."""
-        kv = await instances_bucket(self._js)
+        kv = self._kv = await instances_bucket(self._js)
         present = await when_jetstream_answers(self._present_keys, "discovery keys")
         self._watcher = await when_jetstream_answers(lambda: kv.watch(self._prefix + "*"), "discovery watch")
         initial_done = asyncio.Event()
@@ -286,9 +288,32 @@ class DiscoveryWatcher:
         while True:
             await asyncio.sleep(0.5)
             now = time.time()
-            for instance_id in [i for i, t in self._expires_at.items() if t <= now]:
+            due = [i for i, t in self._expires_at.items() if t <= now]
+            if not due or not await self._bucket_takes_writes():
+                continue
+            for instance_id in due:
                 if not await self._expire_unless_refreshed(instance_id):
                     break  # the bucket does not answer: ask again next round
+
+    async def _bucket_takes_writes(self) -> bool:
+        """Whether the bucket commits a write now (a key of this watcher's own). A read alone could
+        come from a server that led the bucket until a partition cut it off and does not know it
+        yet: its stale records would look expired. A committed write proves a quorum behind it."""
+        try:
+            assert self._kv is not None
+            await asyncio.wait_for(self._kv.put(self._probe_key, b""), LEASE_CHECK_TIMEOUT_S)
+        except Exception as exc:  # a timeout, no quorum, no responders
+            self._hold(exc)
+            return False
+        return True
+
+    def _hold(self, exc: Exception) -> None:
+        if not self._holding:
+            log.warning(
+                "the discovery bucket does not answer; holding instances whose lease ran out until it does",
+                error=f"{type(exc).__name__}: {exc}",
+            )
+        self._holding = True
 
     async def _expire_unless_refreshed(self, instance_id: int) -> bool:
         """Drop an instance whose lease ran out only on the bucket's word. The watch may have missed
@@ -301,12 +326,7 @@ class DiscoveryWatcher:
         try:
             written_at = await asyncio.wait_for(self._last_written(record.key), LEASE_CHECK_TIMEOUT_S)
         except Exception as exc:  # a timeout, no responders: the bucket cannot say
-            if not self._holding:
-                log.warning(
-                    "the discovery bucket does not answer; holding instances whose lease ran out until it does",
-                    error=f"{type(exc).__name__}: {exc}",
-                )
-            self._holding = True
+            self._hold(exc)
             return False
         if self._holding:
             # Nobody could refresh while it did not answer: give every live instance the time its

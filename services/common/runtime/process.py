@@ -19,6 +19,7 @@ log = structlog.get_logger(__name__)
 
 
 DEFAULT_NATS_CONNECT_TIMEOUT = 5.0
+PING_INTERVAL_S = 5.0
 NATS_CONNECT_TIMEOUT_ENV = "KVMESH_NATS_CONNECT_TIMEOUT"
 
 
@@ -85,6 +86,11 @@ async def connect_nats(
         connect_timeout=max(0.1, min(2.0, timeout)),
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
+        # A server behind a cut link sends no reset: nats-py's default (a ping each two minutes)
+        # would keep a dead connection for minutes. Two unanswered pings 5 s apart move the client
+        # to another server of the cluster.
+        ping_interval=PING_INTERVAL_S,
+        max_outstanding_pings=2,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         error_cb=on_error,

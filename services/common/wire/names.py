@@ -67,6 +67,11 @@ def instance_key(namespace: str, component: str, instance_id: int | str) -> str:
     return f"{namespace}.{component}.{instance_id}"
 
 
+def watcher_probe_key(namespace: str, token: str) -> str:
+    """A discovery watcher's own key, written to check that the bucket commits writes (no instance)."""
+    return f"{namespace}.watchers.{token}"
+
+
 def instance_key_prefix(namespace: str, component: str) -> str:
     return f"{namespace}.{component}."
 
