@@ -82,8 +82,12 @@ class RequestPath:
         failed_routers: set[str] = set()
         migration = 0
         tries = 0
+        router_address = ""
         while True:
-            router_address = self.routers.pick(frozenset(failed_routers))
+            # A moved request stays with the replica that planned it: that one was told which worker
+            # broke and avoids it (another replica would not know and might choose it again).
+            if not router_address or router_address in failed_routers:
+                router_address = self.routers.pick(frozenset(failed_routers))
             sent = request if not tries else continue_request(request, usage.generated, max_tokens, f"t{tries}")
             tries += 1
             try:
