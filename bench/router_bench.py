@@ -101,17 +101,20 @@ async def throughput(seconds: float, concurrency: int) -> dict[str, float]:
         warm = time.monotonic() + 2
         await asyncio.gather(*(client(i, warm) for i in range(concurrency)))
         done, latencies = 0, []
-        cpu_before = cpu_seconds(router.pid)
+        indexer = processes[0]
+        cpu_before, indexer_before = cpu_seconds(router.pid), cpu_seconds(indexer.pid)
         started = time.monotonic()
         await asyncio.gather(*(client(i, started + seconds) for i in range(concurrency)))
         elapsed = time.monotonic() - started
         router_cpu = (cpu_seconds(router.pid) - cpu_before) / elapsed
+        indexer_cpu = (cpu_seconds(indexer.pid) - indexer_before) / elapsed
         await routers.stop()
         await workers.stop()
         await nc.close()
         return {
             "requests_per_s": done / elapsed,
             "router_cpu_cores": router_cpu,
+            "indexer_cpu_cores": indexer_cpu,
             "p50_ms": percentile(latencies, 50),
             "p99_ms": percentile(latencies, 99),
         }

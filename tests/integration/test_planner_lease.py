@@ -130,4 +130,4 @@ async def test_two_planners_one_acts_and_the_other_takes_over_after_kill_9(nats_
         for process in (first, second):
             if process is not None and process.poll() is None:
                 os.kill(process.pid, signal.SIGTERM)
-                process.wait(timeout=15)
+                process.wait(timeout=30)
