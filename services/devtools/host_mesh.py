@@ -7,7 +7,6 @@ given every NATS node. A developer tool for tests and drills, not a service.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import subprocess
 import sys
 import time
@@ -58,7 +57,6 @@ class HostMesh:
         self.workdir = workdir
         self.layout = layout or HostMeshLayout()
         self.processes = {host: HostProcesses() for host in self.layout.mesh_hosts}
-        self._starts = dict.fromkeys(self.layout.mesh_hosts, 0)
 
     @property
     def nats_url(self) -> str:
@@ -106,7 +104,6 @@ class HostMesh:
 
     def start_services(self, host: str) -> None:
         address = self.hosts[host].address
-        self._starts[host] += 1
         grpc_common = ("--host", address, "--lease-ttl", str(self.layout.lease_ttl), "--drain-timeout-secs", "3")
         self._service(
             host,
@@ -212,10 +209,3 @@ async def indexer_snapshot_sequence(address: str) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
         status = await indexer_pb2_grpc.IndexerStub(channel).GetStatus(indexer_pb2.IndexerStatusRequest(), timeout=5)
     return status.snapshot_sequence
-
-
-def close_quietly(process: subprocess.Popen[bytes] | None) -> None:
-    if process is not None:
-        with contextlib.suppress(Exception):
-            process.kill()
-            process.wait(timeout=5)

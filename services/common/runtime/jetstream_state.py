@@ -186,17 +186,12 @@ async def ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyV
 
 
 async def _ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
-    replicas = wanted_replicas(_connection(js))
-    try:
-        bucket = await js.key_value(config.bucket)
-    except nats.js.errors.BucketNotFoundError:
-        try:
-            return await js.create_key_value(config, replicas=replicas)
-        except nats.js.errors.APIError as exc:
-            await _made_concurrently(js, names.kv_stream(config.bucket), replicas, exc)
-            bucket = await js.key_value(config.bucket)
-    await raise_replicas(js, await js.stream_info(names.kv_stream(config.bucket)), replicas)
-    return bucket
+    return await _ensure_bucket(
+        js,
+        names.kv_stream(config.bucket),
+        lambda: js.key_value(config.bucket),
+        lambda replicas: js.create_key_value(config, replicas=replicas),
+    )
 
 
 async def ensure_object_store(js: JetStreamContext, config: ObjectStoreConfig) -> ObjectStore:
@@ -205,18 +200,35 @@ async def ensure_object_store(js: JetStreamContext, config: ObjectStoreConfig) -
 
 
 async def _ensure_object_store(js: JetStreamContext, config: ObjectStoreConfig) -> ObjectStore:
-    replicas = wanted_replicas(_connection(js))
     assert config.bucket
+    bucket = config.bucket
+    return await _ensure_bucket(
+        js,
+        names.object_stream(bucket),
+        lambda: js.object_store(bucket),
+        lambda replicas: js.create_object_store(bucket, config=config.evolve(replicas=replicas)),
+    )
+
+
+async def _ensure_bucket(
+    js: JetStreamContext,
+    stream: str,
+    open_bucket: Callable[[], Awaitable[T]],
+    create_bucket: Callable[[int], Awaitable[T]],
+) -> T:
+    """A KV bucket or object store (held by ``stream``): opened, or created with the wanted replicas
+    (a concurrent creator is fine); an existing one is raised to them."""
+    replicas = wanted_replicas(_connection(js))
     try:
-        store = await js.object_store(config.bucket)
+        bucket = await open_bucket()
     except nats.js.errors.BucketNotFoundError:
         try:
-            return await js.create_object_store(config.bucket, config=config.evolve(replicas=replicas))
+            return await create_bucket(replicas)
         except nats.js.errors.APIError as exc:
-            await _made_concurrently(js, names.object_stream(config.bucket), replicas, exc)
-            store = await js.object_store(config.bucket)
-    await raise_replicas(js, await js.stream_info(names.object_stream(config.bucket)), replicas)
-    return store
+            await _made_concurrently(js, stream, replicas, exc)
+            bucket = await open_bucket()
+    await raise_replicas(js, await js.stream_info(stream), replicas)
+    return bucket
 
 
 @dataclass

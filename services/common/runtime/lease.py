@@ -50,7 +50,6 @@ class Lease:
         self._revision = 0
         self._valid_until = 0.0  # monotonic
         self._task: asyncio.Task[None] | None = None
-        self._changed = asyncio.Event()
 
     def held(self) -> bool:
         return time.monotonic() < self._valid_until
@@ -66,12 +65,6 @@ class Lease:
             self.period_s = info.config.max_age
         await self._contend()
         self._task = asyncio.create_task(self._contend_forever(), name=f"lease-{self.key}")
-
-    async def wait_held(self) -> None:
-        """Return once this owner holds the lease."""
-        while not self.held():
-            self._changed.clear()
-            await self._changed.wait()
 
     async def _contend_forever(self) -> None:
         while True:
@@ -97,7 +90,6 @@ class Lease:
             log.debug("lease write failed", key=self.key, error=f"{type(exc).__name__}: {exc}")
         if self.held() != was_held:
             log.info("lease taken" if self.held() else "lease lost", key=self.key, owner=self.owner)
-            self._changed.set()
 
     async def stop(self) -> None:
         """Stop contending; a holder deletes the key so that another takes over at once."""
