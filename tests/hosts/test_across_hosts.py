@@ -17,7 +17,7 @@ from kvmesh.devtools.host_mesh import HostMesh
 from kvmesh.devtools.index_truth import converged
 from kvmesh.devtools.test_hosts import TestHosts, namespace_pids
 from tests.hosts.conftest import CLIENT, require_hosts
-from tests.support import wait_until_async
+from tests.support import wait_until, wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +80,8 @@ def test_the_hosts_are_removed_when_the_test_body_fails():
     with pytest.raises(RuntimeError, match="the body failed"), TestHosts(["a", "b"]) as hosts:
         made = hosts.existing()
         hosts.run("a", ["sleep", "600"])
-        assert namespace_pids(hosts["a"].namespace)
+        # `ip netns exec` enters the namespace, then execs: wait until it has
+        wait_until(lambda: bool(namespace_pids(hosts["a"].namespace)), timeout=10, what="a process on host a")
         raise RuntimeError("the body failed")
     assert len(made) == 3  # two hosts and the switch
     assert hosts.existing() == []
