@@ -39,8 +39,11 @@ class StandingPull:
     Guarantees: at most ``batch`` messages are requested ahead of what ``handle`` has been given;
     a pull request the server ended (expired, dropped) is replaced at once; one nobody answered
     (the consumer is missing) or one lost without word (a restarted server) is replaced after two
-    idle heartbeats of silence, or at the next check after a reconnect. Status messages never
-    reach ``handle``; acknowledging is ``handle``'s business."""
+    idle heartbeats of silence, or at the next check after a reconnect; and when no message came
+    for two heartbeats while the consumer holds messages and no request of ours (a consumer
+    leader deposed after a partition may keep sending heartbeats for a request the new leader
+    never got), the request is replaced too. Status messages never reach ``handle``;
+    acknowledging is ``handle``'s business."""
 
     def __init__(
         self,
@@ -57,6 +60,8 @@ class StandingPull:
         if not 0 < 2 * heartbeat_s < expires_s:
             raise ValueError("two idle heartbeats must fit in a pull request's life")
         self._nc = nc
+        self._stream = stream
+        self._durable = durable
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._handle = handle
         self._batch = batch
@@ -69,6 +74,7 @@ class StandingPull:
         # messages asked for and not yet delivered, over all standing requests
         self._pending = 0
         self._last_heard = 0.0
+        self._last_message = 0.0  # the last message for handle (not a status)
         self._reconnects = 0
         self.requests_sent = 0
 
@@ -76,7 +82,7 @@ class StandingPull:
         self._inbox = self._nc.new_inbox()
         self._sub = await self._nc.subscribe(self._inbox, cb=self._on_message)
         self._reconnects = self._nc.stats["reconnects"]
-        self._last_heard = time.monotonic()
+        self._last_heard = self._last_message = time.monotonic()
         await self._top_up()
         self._watch = asyncio.create_task(self._watch_requests(), name=f"pull-{self._next_subject}")
 
@@ -90,6 +96,7 @@ class StandingPull:
         self._last_heard = time.monotonic()
         status = msg.headers.get(Header.STATUS) if msg.headers else None
         if status is None:
+            self._last_message = self._last_heard
             self._pending -= 1
             await self._handle(msg)
         elif status == NO_RESPONDERS:
@@ -115,19 +122,33 @@ class StandingPull:
         self.requests_sent += 1
 
     async def _watch_requests(self) -> None:
-        """Replace standing requests the server can no longer answer: after a reconnect, or once
-        two idle heartbeats went unheard."""
+        """Replace standing requests the server can no longer answer: after a reconnect, once two
+        idle heartbeats went unheard, or once messages wait at a consumer that holds no request."""
         while True:
             await asyncio.sleep(self._check_s)
             reconnects = self._nc.stats["reconnects"]
-            silent = time.monotonic() - self._last_heard > 2 * self._heartbeat_s
-            if reconnects != self._reconnects or silent:
+            now = time.monotonic()
+            silent = now - self._last_heard > 2 * self._heartbeat_s
+            reason = "reconnected" if reconnects != self._reconnects else "silence" if silent else None
+            if reason is None and now - self._last_message > 2 * self._heartbeat_s:
+                self._last_message = now  # asked at most once per two heartbeats
+                if await self._starved():
+                    reason = "messages wait at a consumer that holds no request of ours"
+            if reason is not None:
                 self._reconnects = reconnects
-                self._last_heard = time.monotonic()
-                log.info("renewing the standing pull request", reconnected=not silent)
+                self._last_heard = self._last_message = time.monotonic()
+                log.info("renewing the standing pull request", reason=reason)
                 self._pending = 0
                 with contextlib.suppress(Exception):  # disconnected: the next check tries again
                     await self._top_up()
+
+    async def _starved(self) -> bool:
+        """Whether the consumer's leader holds messages for us and no pull request to send them on."""
+        try:
+            info = await self._nc.jetstream(timeout=2 * self._heartbeat_s).consumer_info(self._stream, self._durable)
+        except Exception:  # no answer: silence or a reconnect will tell
+            return False
+        return bool(info.num_pending) and not info.num_waiting
 
 
 def _int_header(msg: Msg, name: str, default: int) -> int:

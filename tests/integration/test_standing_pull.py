@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -93,6 +94,35 @@ async def test_a_request_the_server_never_answers_is_replaced(nc: NatsClient, st
         await wait_until_async(lambda: received.sequences == [1], timeout=5, what="the message once renewed")
         assert pull.requests_sent >= 2
     finally:
+        await pull.stop()
+
+
+async def test_heartbeats_for_a_lost_request_do_not_hide_waiting_messages(nc: NatsClient, stream: str):
+    # As after a partition: the consumer leader that held the request was deposed and still sends
+    # idle heartbeats for it, while the new leader holds messages and no request. Here the request
+    # goes out before the durable exists (lost: the server answers "no responders", after which the
+    # pull counts it as standing again, as it would a request it never heard of again), and
+    # heartbeats are published onto the pull's inbox.
+    received = Received()
+    pull = StandingPull(nc, stream, "deposed", received, batch=4, expires_s=2.0, heartbeat_s=0.2, check_s=0.05)
+    await pull.start()
+    await wait_until_async(lambda: pull._pending == 0, timeout=5, what="the lost request's no-responders answer")
+    pull._pending = 4  # what the pull believes after a request the server lost without a word
+    beating = True
+
+    async def heartbeats() -> None:
+        while beating:
+            await nc.publish(pull._inbox, b"", headers={"Status": "100", "Description": "Idle Heartbeat"})
+            await asyncio.sleep(0.05)
+
+    beats = asyncio.create_task(heartbeats())
+    try:
+        await add_durable(nc, stream, "deposed")
+        await nc.jetstream().publish(f"{stream}.e", b"waiting")
+        await wait_until_async(lambda: received.sequences == [1], timeout=5, what="the message once renewed")
+    finally:
+        beating = False
+        await beats
         await pull.stop()
 
 
