@@ -13,8 +13,8 @@ import grpc
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.calling.request_path import RequestPath
-from kvmesh.common.calling.router_client import NoRouterError, RouterClient
+from kvmesh.common.calling.request_path import ROUTER_FAILOVER_LIMIT, RequestPath
+from kvmesh.common.calling.router_client import RouterClient
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.common.rpc.channels import ChannelPool
 from kvmesh.common.rpc.grpc_server import GrpcService, start_grpc_server
@@ -223,11 +223,24 @@ async def test_a_lost_handoff_is_cancelled_at_its_worker_and_moves_on(handing_on
 async def test_a_router_stream_that_breaks_before_the_first_output_fails_over_and_stops_the_handoff(handing_on):
     stub, router, router_address, direct = handing_on
     router.script["b1"] = "break"
-    # the path fails over to another router replica: here there is none left to ask
-    with pytest.raises(NoRouterError, match="every router replica failed"):
-        await answer_of(direct, request("b1", 100, 20), router_address)
+    # the path fails over to another router replica; with none left, the one replica is asked
+    # again (on a new stream), and the try handed on before the break is stopped where it ran
+    assert len(await answer_of(direct, request("b1", 100, 20), router_address)) == 20
+    asked = [q for q in router.queries if q.request.request_id.startswith("b1")]
+    assert len(asked) == 2 and asked[0].handoff_to
     assert direct.expected_handoffs == 0
     await wait_until_async(lambda: _zero(stub), what="the handoff cancelled wherever it ran")
+
+
+async def test_a_replica_that_breaks_every_try_fails_the_request_at_the_failover_limit(handing_on):
+    stub, router, router_address, direct = handing_on
+    tries = ["b2", *(f"b2:t{i}" for i in range(1, ROUTER_FAILOVER_LIMIT + 1))]
+    router.script.update(dict.fromkeys(tries, "break"))
+    with pytest.raises(grpc.aio.AioRpcError, match=f"failed {ROUTER_FAILOVER_LIMIT + 1} times") as failed:
+        await answer_of(direct, request("b2", 100, 20), router_address)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert [q.request.request_id for q in router.queries if q.request.request_id.startswith("b2")] == tries
+    await wait_until_async(lambda: _zero(stub), what="every try handed on stopped where it ran")
 
 
 async def test_an_output_no_one_waits_for_is_cancelled_at_the_worker(handing_on):

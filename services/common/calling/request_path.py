@@ -59,7 +59,8 @@ class RequestPath:
     try's cached tokens, every token of every try); a worker that breaks mid-stream is avoided and
     the request moves to another with the tokens streamed so far, up to the router's
     ``--migration-limit`` (never for a request forced to one worker); a router replica that breaks
-    before it answers is replaced by another, up to :data:`ROUTER_FAILOVER_LIMIT` times; a refusal
+    before it answers is replaced by another, up to :data:`ROUTER_FAILOVER_LIMIT` times (once every
+    replica known has failed the request, they are asked again in turn); a refusal
     is raised as a ``grpc.aio.AioRpcError`` with the refuser's status. Every try a router counted is
     reported ended exactly once, however it ends (finished, refused, broken, cancelled). Nothing
     handed on is left running: whatever no one here waits for is cancelled at the worker
@@ -79,7 +80,8 @@ class RequestPath:
         replica is left to ask. Closing it early cancels the request where it runs."""
         usage = AnswerUsage(len(request.token_ids))
         max_tokens = request.stop.max_tokens or DEFAULT_MAX_TOKENS
-        failed_routers: set[str] = set()
+        failed_routers: set[str] = set()  # replicas this request avoids
+        failovers = 0
         migration = 0
         tries = 0
         router_address = ""
@@ -87,6 +89,11 @@ class RequestPath:
             # A moved request stays with the replica that planned it: that one was told which worker
             # broke and avoids it (another replica would not know and might choose it again).
             if not router_address or router_address in failed_routers:
+                if failed_routers and not self.routers.others(failed_routers):
+                    # Every replica known failed this request once. A failure may have been passing
+                    # (a stream cut while the mesh rode out a fault elsewhere): they are asked again,
+                    # within the failover limit.
+                    failed_routers.clear()
                 router_address = self.routers.pick(frozenset(failed_routers))
             sent = request if not tries else continue_request(request, usage.generated, max_tokens, f"t{tries}")
             tries += 1
@@ -100,6 +107,7 @@ class RequestPath:
                 return
             except RouterFailedOver as failed:
                 failed_routers.add(router_address)
+                failovers += 1
                 if isinstance(failed, RouterSeesNoWorker) and not self.routers.others(failed_routers):
                     raise failed.refusal from None
                 log.warning(
@@ -108,7 +116,7 @@ class RequestPath:
                     tokens_so_far=len(usage.generated),
                     error=str(failed),
                 )
-                if len(failed_routers) > ROUTER_FAILOVER_LIMIT:
+                if failovers > ROUTER_FAILOVER_LIMIT:
                     details = f"router replicas failed {ROUTER_FAILOVER_LIMIT + 1} times for this request"
                     raise call_error(grpc.StatusCode.UNAVAILABLE, details, origin="frontend") from None
                 if usage.generated and len(usage.generated) >= max_tokens:
