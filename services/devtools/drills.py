@@ -39,7 +39,7 @@ from kvmesh.common.runtime.jetstream_state import kvmesh_streams
 from kvmesh.common.runtime.process import connect_nats
 from kvmesh.common.wire import names
 from kvmesh.devtools.host_mesh import HTTP_PORT, HostMesh, indexer_snapshot_sequence
-from kvmesh.devtools.index_truth import converged
+from kvmesh.devtools.index_truth import converged, difference
 
 FRESH_INDEXER_PORT = 50160  # apart from every port the mesh uses
 DRILLS = ("kill-host", "partition", "kill-stream-leader", "rolling-nats")
@@ -208,7 +208,7 @@ class MeshWatch:
         except Exception as exc:
             replication = {"error": f"{type(exc).__name__}: {exc}"}
         indexers = self.watchers["indexer"].instances()
-        convergence = {r.address: await converged(self.watchers["worker"], r.address) for r in indexers}
+        convergence = {r.address: await difference(self.watchers["worker"], r.address) for r in indexers}
         return f"not recovered: registered {counts}, replicas {replication}, converged {convergence}"
 
     async def all_converged(self) -> bool:

@@ -9,7 +9,7 @@ from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.wire.hashing import block_set_digest
 
-__all__ = ["as_truth", "converged", "truth", "view"]
+__all__ = ["as_truth", "converged", "difference", "truth", "view"]
 
 
 async def truth(workers: DiscoveryWatcher) -> dict[int, tuple[int, int]]:
@@ -40,3 +40,21 @@ async def converged(workers: DiscoveryWatcher, address: str) -> bool:
         return as_truth(await view(address)) == expected
     except grpc.aio.AioRpcError:
         return False
+
+
+async def difference(workers: DiscoveryWatcher, address: str) -> str:
+    """Why the replica at ``address`` has not converged, in a line: how far it applied the stream,
+    and each worker whose (blocks, digest) differs, as the replica holds it and as the worker does."""
+    try:
+        expected = {k: v for k, v in (await truth(workers)).items() if v[0]}
+        status = await view(address)
+    except grpc.aio.AioRpcError as exc:
+        return f"unreachable ({exc.code().name})"
+    held = as_truth(status)
+    differing = {
+        w: (held.get(w), expected.get(w)) for w in held.keys() | expected.keys() if held.get(w) != expected.get(w)
+    }
+    return (
+        f"applied {status.applied_sequence} of {status.stream_last_sequence}, gaps {status.gaps}, "
+        f"recoveries {status.recoveries}; differing workers (replica, worker): {differing or 'none'}"
+    )

@@ -14,6 +14,7 @@ from kvmesh.devtools.host_mesh import HostMesh
 from tests.hosts.conftest import CLIENT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+LOG_LINES = 60
 RUNS = 2
 
 
@@ -24,9 +25,25 @@ def test_drill(host_mesh: HostMesh, drill: str):
     for run, target in enumerate(targets[:RUNS], start=1):
         report = host_mesh.hosts.in_namespace(CLIENT, lambda r=run, t=target: run_drill(host_mesh, drill, r, t))
         print(report.as_dict())
+        if not report.ok():
+            print(warnings_of(host_mesh, "frontend", "indexer", "router"))
         assert report.requests > 100, report
         assert report.failed == 0 and report.hung == 0, report.errors
         assert report.converged, report.errors
         assert report.snapshot_restore, report
         if drill in ("kill-host", "partition"):
             assert report.discovery_drop_s is not None and report.discovery_return_s is not None, report
+
+
+def warnings_of(mesh: HostMesh, *services: str) -> str:
+    """The last warnings of each service on each host (the logs die with the hosts), to tell what
+    happened when a run fails."""
+    lines = []
+    for host in mesh.layout.mesh_hosts:
+        for service in services:
+            path = mesh.log(host, service)
+            if not path.exists():
+                continue
+            found = [line for line in path.read_text(errors="replace").splitlines() if '"warning"' in line]
+            lines += [f"{host}-{service}: {line[:400]}" for line in found[-LOG_LINES:]]
+    return "\n".join(lines)
