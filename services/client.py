@@ -160,9 +160,11 @@ class RouterApi:
         worker_id: int | None = None,
         seed: int | None = None,
         request_id: str = "",
+        priority: str = "",
     ) -> AsyncIterator[Chunk]:
-        """Stream the answer; ``worker_id`` forces the worker (no KV choice, no migration)."""
-        request = self._request(token_ids, max_tokens, worker_id, seed, request_id)
+        """Stream the answer; ``worker_id`` forces the worker (no KV choice, no migration);
+        ``priority``: the router queue's class while every worker is busy (high, normal, low)."""
+        request = self._request(token_ids, max_tokens, worker_id, seed, request_id, priority)
         try:
             async with contextlib.aclosing(self._path.generate(request)) as outputs:
                 async for output in outputs:
@@ -171,7 +173,13 @@ class RouterApi:
             raise RouterApiError(exc.code(), exc.details() or "") from exc
 
     def _request(
-        self, token_ids: Sequence[int], max_tokens: int, worker_id: int | None, seed: int | None, request_id: str
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        worker_id: int | None,
+        seed: int | None,
+        request_id: str,
+        priority: str = "",
     ) -> common_pb2.PreprocessedRequest:
         request = common_pb2.PreprocessedRequest(
             request_id=request_id or uuid.uuid4().hex, model=self.model, token_ids=token_ids
@@ -181,12 +189,18 @@ class RouterApi:
             request.routing.worker_id = worker_id
         if seed is not None:
             request.sampling.seed = seed
+        request.routing.priority = priority
         return request
 
     async def complete(
-        self, token_ids: Sequence[int], max_tokens: int, worker_id: int | None = None, seed: int | None = None
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        worker_id: int | None = None,
+        seed: int | None = None,
+        priority: str = "",
     ) -> Completion:
-        request = self._request(token_ids, max_tokens, worker_id, seed, "")
+        request = self._request(token_ids, max_tokens, worker_id, seed, "", priority)
         tokens: list[int] = []
         last = None
         try:

@@ -171,6 +171,7 @@ async def inspect_routers(nats_url: str, namespace: str, timeout: float) -> list
                 recent_outcomes=dict(status.recent_outcomes),
                 total_outcomes=dict(status.total_outcomes),
                 migrations=status.migrations,
+                queued=dict(status.queued),
             )
         rows.append(row)
     return rows
@@ -190,7 +191,9 @@ def render_routers(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{where}: unreachable ({row['error']})")
             continue
         sync = f"replica sync with {row['sync_peers']} peer(s)" if row["replica_sync"] else "no replica sync"
-        lines.append(f"{where}: mode {row['mode']}, {sync}, {row['active_requests']} request(s) in flight")
+        waiting = sum(row["queued"].values())
+        queue = f", {waiting} waiting in the queue ({counts(row['queued'])})" if waiting else ""
+        lines.append(f"{where}: mode {row['mode']}, {sync}, {row['active_requests']} request(s) in flight{queue}")
         for w in row["workers"]:
             lines.append(
                 f"    worker {w['worker_id']} rank {w['dp_rank']}: predicted {w['active_prefill_tokens']} prefill "

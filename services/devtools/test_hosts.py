@@ -98,6 +98,8 @@ class Host:
 class TestHosts:
     """``names`` hosts on a bridge; ``with TestHosts([...]) as hosts: ...`` removes them afterwards."""
 
+    __test__ = False  # a helper for tests, not a test class (pytest collects Test* names)
+
     def __init__(self, names: Sequence[str], subnet: str = DEFAULT_SUBNET) -> None:
         if len(set(names)) != len(names) or not 0 < len(names) < 200:
             raise ValueError("host names must be distinct, 1 to 199 of them")

@@ -52,5 +52,5 @@ class CompletionRoutes:
         try:
             response = await route.endpoint(Request(scope, receive))
         except OpenAIError as exc:
-            response = JSONResponse(exc.body(), status_code=exc.status_code)
+            response = JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
         await response(scope, receive, send)

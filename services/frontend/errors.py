@@ -11,11 +11,19 @@ class OpenAIError(Exception):
     status_code = 500
     error_type = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None, retry_after_secs: int | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after_secs = retry_after_secs
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Response headers: ``Retry-After`` on an overload refusal."""
+        return {"retry-after": str(self.retry_after_secs)} if self.retry_after_secs is not None else {}
 
     def body(self) -> dict[str, Any]:
         return {
@@ -44,6 +52,13 @@ class ModelNotFoundError(OpenAIError):
 class ServiceUnavailableError(OpenAIError):
     status_code = 503
     error_type = "service_unavailable"
+
+
+class TooManyRequestsError(OpenAIError):
+    """Overload the client should back off from (the router queue is full): 429, with Retry-After."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
 
 
 class UpstreamError(OpenAIError):

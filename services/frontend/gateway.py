@@ -15,12 +15,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from kvmesh.common.calling.request_path import RequestPath
 from kvmesh.common.calling.router_client import NoRouterError
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
+from kvmesh.common.rpc.grpc_errors import retry_after_of
 from kvmesh.common.wire.finish_reasons import finish_name
 from kvmesh.frontend.errors import (
     BadRequestError,
     ModelNotFoundError,
     OpenAIError,
     ServiceUnavailableError,
+    TooManyRequestsError,
     UpstreamError,
 )
 from kvmesh.frontend.load_window import LoadWindow
@@ -34,8 +36,12 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, type[OpenAIError]] = {
     grpc.StatusCode.OUT_OF_RANGE: BadRequestError,
     grpc.StatusCode.NOT_FOUND: BadRequestError,
     grpc.StatusCode.UNAVAILABLE: ServiceUnavailableError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ServiceUnavailableError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: TooManyRequestsError,
 }
+# Refusals a client may retry later: each carries Retry-After (the router's advice, else this).
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+DEFAULT_RETRY_AFTER_SECS = 1
+PRIORITY_HEADER = "x-kvmesh-priority"
 
 
 WORKER_ID_HEADER = "x-kvmesh-worker-id"
@@ -123,8 +129,14 @@ class Frontend:
             )
 
     def build_request(
-        self, request_id: str, body: ChatCompletionRequest | CompletionRequest, token_ids: list[int]
+        self,
+        request_id: str,
+        body: ChatCompletionRequest | CompletionRequest,
+        token_ids: list[int],
+        priority: str | None = None,
     ) -> common_pb2.PreprocessedRequest:
+        """The request on the mesh; ``priority``: the router queue class (the header's, which wins
+        over the body's ``kvmesh.priority``)."""
         max_tokens = body.requested_max_tokens() or self.default_max_tokens
         request = common_pb2.PreprocessedRequest(request_id=request_id, model=body.model, token_ids=token_ids)
         request.stop.max_tokens = max_tokens
@@ -138,6 +150,9 @@ class Frontend:
             request.sampling.top_p = body.top_p
         if body.seed is not None:
             request.sampling.seed = body.seed & 0xFFFFFFFFFFFFFFFF
+        priority = priority or (body.kvmesh.priority if body.kvmesh is not None else None)
+        if priority:
+            request.routing.priority = priority
         if body.kvmesh is not None:
             if body.kvmesh.worker_id is not None:
                 request.routing.worker_id = body.kvmesh.worker_id
@@ -186,7 +201,7 @@ class Frontend:
                     if text:
                         yield Piece(text)
         except NoRouterError as exc:
-            raise ServiceUnavailableError(str(exc)) from exc
+            raise ServiceUnavailableError(str(exc), retry_after_secs=DEFAULT_RETRY_AFTER_SECS) from exc
         except grpc.aio.AioRpcError as exc:
             raise _map_grpc_error(exc) from exc
         raise UpstreamError("the answer ended without a finish reason")
@@ -194,4 +209,8 @@ class Frontend:
 
 def _map_grpc_error(exc: grpc.aio.AioRpcError) -> OpenAIError:
     error_class = _GRPC_TO_HTTP.get(exc.code(), UpstreamError)
-    return error_class(exc.details() or exc.code().name)
+    retry_after = None
+    if exc.code() in _RETRYABLE:
+        retry_after = retry_after_of(exc) or DEFAULT_RETRY_AFTER_SECS
+    code = "rate_limit_exceeded" if error_class is TooManyRequestsError else None
+    return error_class(exc.details() or exc.code().name, code=code, retry_after_secs=retry_after)

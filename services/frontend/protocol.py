@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 UINT32_MAX = 2**32 - 1
+Priority = Literal["high", "normal", "low"]  # the router queue's classes (kvmesh.router.request_queue)
+PRIORITIES: tuple[str, ...] = ("high", "normal", "low")
 UINT64_MAX = 2**64 - 1
 INT64_MIN = -(2**63)
 
@@ -56,6 +58,8 @@ class KvmeshExtension(_Lenient):
     worker_id: Annotated[int, Field(ge=0, le=UINT64_MAX)] | None = None
     router_config_override: RouterConfigOverride | None = None
     expected_output_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
+    # the router queue's class while every worker is busy (the x-kvmesh-priority header wins)
+    priority: Priority | None = None
 
 
 class _SamplingRequest(_Lenient):

@@ -13,10 +13,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kvmesh.frontend.answer_chunks import AnswerChunks, sse_event
-from kvmesh.frontend.errors import OpenAIError, UpstreamError
+from kvmesh.frontend.errors import BadRequestError, OpenAIError, UpstreamError
 from kvmesh.frontend.event_stream import EventStreamResponse
-from kvmesh.frontend.gateway import WORKER_ID_HEADER, Frontend, UsageCounter
-from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.frontend.gateway import PRIORITY_HEADER, WORKER_ID_HEADER, Frontend, UsageCounter
+from kvmesh.frontend.protocol import PRIORITIES, ChatCompletionRequest, CompletionRequest
 
 log = structlog.get_logger(__name__)
 
@@ -37,9 +37,14 @@ async def respond(
     """Answer ``body`` as one JSON body or as server-sent events. Either way a client that goes away
     cancels the request everywhere (router, worker, engine): a streaming response stops when the
     server cannot write to it; a non-streaming one watches the connection while it waits."""
+    priority = http_request.headers.get(PRIORITY_HEADER)
+    if priority is not None and priority not in PRIORITIES:
+        raise BadRequestError(
+            f"{PRIORITY_HEADER} must be one of {', '.join(PRIORITIES)}, not {priority!r}", param=PRIORITY_HEADER
+        )
     if body.stream:
-        return await _respond(frontend, body, token_ids, chat)
-    answer = asyncio.create_task(_respond(frontend, body, token_ids, chat))
+        return await _respond(frontend, body, token_ids, chat, priority)
+    answer = asyncio.create_task(_respond(frontend, body, token_ids, chat, priority))
     while True:
         done, _ = await asyncio.wait({answer}, timeout=DISCONNECT_POLL_SECS)
         if done:
@@ -53,7 +58,11 @@ async def respond(
 
 
 async def _respond(
-    frontend: Frontend, body: ChatCompletionRequest | CompletionRequest, token_ids: list[int], chat: bool
+    frontend: Frontend,
+    body: ChatCompletionRequest | CompletionRequest,
+    token_ids: list[int],
+    chat: bool,
+    priority: str | None = None,
 ) -> Response:
     prefix = "chatcmpl" if chat else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -61,7 +70,7 @@ async def _respond(
     started = time.monotonic()
     created = int(time.time())
     usage = UsageCounter(prompt_tokens=len(token_ids))
-    request = frontend.build_request(request_id, body, token_ids)
+    request = frontend.build_request(request_id, body, token_ids, priority)
     frontend.load.arrived()
     stop = body.stop_strings()
     # an answer sent whole needs its pieces only at the end, unless a stop string may cut it short

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvmesh.common.runtime.config import ConfigError, GrpcEndpointConfig, option
 from kvmesh.router.cache_aware import MISS_POLICIES, CacheAwareOptions
 from kvmesh.router.policy import POLICY_MODES
+from kvmesh.router.request_queue import DEFAULT_SHARES, QUEUE_POLICIES, QueueConfig, parse_shares
 from kvmesh.router.scheduler import COST_MODELS
 
 ROUTER_MODES = (*POLICY_MODES, "direct")
@@ -127,10 +128,26 @@ class RouterOptions(RoutingOptions):
     router_max_tree_size: int = option(1 << 20, "approximate mode: most (worker, block) pairs remembered")
     indexer_timeout_ms: float = option(500.0, "deadline of one overlap query to an indexer replica")
     active_decode_blocks_threshold: int | None = option(
-        None, "a worker with more active blocks is busy; when all are busy requests are refused"
+        None, "a worker with more active blocks is busy; when all are busy requests wait in the router queue"
     )
     active_prefill_tokens_threshold: int | None = option(
-        None, "a worker with more queued prefill tokens is busy; when all are busy requests are refused"
+        None, "a worker with more queued prefill tokens is busy; when all are busy requests wait in the router queue"
+    )
+    router_queue_size: int = option(
+        256,
+        "requests of each priority class a router holds while every worker is busy (0: no queue, refuse at once)",
+    )
+    router_queue_timeout_secs: float = option(
+        30.0, "a request waiting in the router queue longer than this is refused (503 with Retry-After)"
+    )
+    router_queue_policy: str = option(
+        "fcfs",
+        "which waiting request of a class goes first: fcfs (first come) or spf (shortest uncached prefill)",
+        choices=QUEUE_POLICIES,
+    )
+    router_queue_shares: str = option(
+        DEFAULT_SHARES,
+        "the share of queue turns each priority class gets while several wait (a low class is slowed, never starved)",
     )
     request_timeout_secs: float = option(600.0, "forget a routed request after this long (a lost free)")
     router_replica_sync: bool = option(False, "share routing decisions with the other router replicas over NATS")
@@ -148,6 +165,20 @@ class RouterOptions(RoutingOptions):
             raise ConfigError("--request-timeout-secs and --indexer-timeout-ms must be positive")
         if self.migration_limit < 0 or self.worker_avoid_secs < 0:
             raise ConfigError("--migration-limit and --worker-avoid-secs must be >= 0")
+        if self.router_queue_size < 0 or self.router_queue_timeout_secs <= 0:
+            raise ConfigError("--router-queue-size must be >= 0 and --router-queue-timeout-secs > 0")
+        try:
+            parse_shares(self.router_queue_shares)
+        except ValueError as exc:
+            raise ConfigError(f"--router-queue-shares: {exc}") from None
+
+    def queue_config(self) -> QueueConfig:
+        return QueueConfig(
+            self.router_queue_size,
+            self.router_queue_timeout_secs,
+            self.router_queue_policy,
+            parse_shares(self.router_queue_shares),
+        )
 
 
 @dataclass

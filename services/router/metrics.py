@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvmesh.router.active_sequences import ActiveSequences
 from kvmesh.router.outcomes import OutcomeWindow
+from kvmesh.router.request_queue import QueueListener
 
 
 class _LoadCollector(Collector):
@@ -79,6 +80,7 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.handoffs_sent = self.handoffs.labels("sent")  # once per request: the child looked up once
+        self.queue = QueueMetrics(self.registry)
         self.registry.register(_LoadCollector(pictures, peers))
 
     def migrated(self) -> None:
@@ -93,3 +95,38 @@ class RouterMetrics:
 
     def handoff_failed(self, lost: bool) -> None:
         self.handoffs.labels("lost" if lost else "refused").inc()
+
+
+class QueueMetrics(QueueListener):
+    """The router queue's depth, wait and refusals per priority class."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._depth = Gauge(
+            "kvmesh_router_queue_depth",
+            "requests waiting for a worker to have capacity",
+            ["priority"],
+            registry=registry,
+        )
+        self._wait = Histogram(
+            "kvmesh_router_queue_wait_seconds",
+            "time requests spent in the router queue, by how they left it (admitted, timeout, cancelled)",
+            ["priority", "outcome"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=registry,
+        )
+        self._refused = Counter(
+            "kvmesh_router_queue_refusals",
+            "requests refused for overload: full (the class's queue was full), timeout (its deadline passed while it "
+            "waited), busy (every worker busy with the queue off)",
+            ["priority", "reason"],
+            registry=registry,
+        )
+
+    def depth(self, priority: str, depth: int) -> None:
+        self._depth.labels(priority).set(depth)
+
+    def waited(self, priority: str, seconds: float, outcome: str) -> None:
+        self._wait.labels(priority, outcome).observe(seconds)
+
+    def refused(self, priority: str, reason: str) -> None:
+        self._refused.labels(priority, reason).inc()

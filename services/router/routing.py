@@ -39,6 +39,7 @@ from kvmesh.router.policy import RoutingPolicy
 from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
 from kvmesh.router.prefill_placement import NoCapacity, place_prefill
 from kvmesh.router.replica_sync import ReplicaSync
+from kvmesh.router.request_queue import AllWorkersBusy
 from kvmesh.router.scheduler import PerWorkerTtftCost, make_cost_model
 from kvmesh.router.sync_messages import ADD, SyncMessage
 
@@ -98,6 +99,12 @@ def moe_hosted_shares(
     return {worker: min(1.0, hosted / wanted) for worker, (_aligned, hosted) in moe.items()} if wanted else {}
 
 
+def uncached_tokens(prepared: Prepared, matched: dict[tuple[int, int], int]) -> int:
+    """The prompt tokens the candidate with the longest cached prefix lacks."""
+    best = max((matched.get((r.instance_id, 0), 0) for r in prepared.candidates), default=0)
+    return max(0, prepared.prompt_tokens - best * prepared.policy.block_size)
+
+
 class Router:
     """Routing decisions plus the load picture they rely on. One per router process.
 
@@ -122,6 +129,8 @@ class Router:
         self.router_id = router_id
         self.clock = clock
         self.sync: ReplicaSync | None = None
+        # told whenever the load picture loses load (the router queue gives a waiting request a try)
+        self.on_capacity: Callable[[], None] = lambda: None
         self.loads = LoadTracker(config.track_active_blocks, config.router_track_output_blocks)
         self.failed = FailedWorkers(config.worker_avoid_secs)
         self.thresholds = BusyThresholds(config.active_decode_blocks_threshold, config.active_prefill_tokens_threshold)
@@ -230,13 +239,16 @@ class Router:
         )
 
     def not_busy(self, prepared: Prepared, noun: str = "workers") -> list[InstanceRecord]:
-        """The prepared candidates under the busy thresholds; RESOURCE_EXHAUSTED when none is."""
+        """The prepared candidates under the busy thresholds; :class:`AllWorkersBusy` when none is.
+
+        Called after the last ``await`` of a decision, so that the check, the choice and the caller's
+        :meth:`track_add` run without another request's decision in between: a burst meets the
+        thresholds from its first request (each sees the load the ones before it added)."""
         active = prepared.policy.active
         candidates = not_busy(prepared.candidates, lambda worker_id: active.load((worker_id, 0)), self.thresholds)
         if not candidates.eligible:
-            raise RoutingError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"all {len(prepared.candidates)} {noun} are busy (over their active block or prefill thresholds)",
+            raise AllWorkersBusy(
+                f"all {len(prepared.candidates)} {noun} are busy (over their active block or prefill thresholds)"
             )
         return candidates.eligible
 
@@ -278,8 +290,12 @@ class Router:
                 raise RoutingError(grpc.StatusCode.NOT_FOUND, f"worker {forced} is not registered for this model")
             return Choice(record, 0, prepared.block_hashes)
 
-        candidates = self.not_busy(prepared)
         matched, sizes, moe, _pooled = await self.cache_view(prepared)
+        try:
+            candidates = self.not_busy(prepared)  # after the await: see not_busy
+        except AllWorkersBusy as busy:
+            busy.uncached_tokens = uncached_tokens(prepared, matched)
+            raise
         weight, temperature = config_overrides(request)
         decision = prepared.policy.choose(
             [(r.instance_id, 0) for r in candidates],
@@ -324,10 +340,14 @@ class Router:
                     f"no prefill worker is available for model {request.model!r} and --enforce-disagg is set",
                 )
             return None
-        candidates = self.not_busy(prepared, "decode workers")
         policy = self.policy(prepared.candidates[0], self.config.decode_policy)
         prefill_policy = self.policy(prepared.candidates[0], self.config.prefill_policy)
         matched, sizes, moe, _pooled = await self.cache_view(prepared, policy, prefill_policy)
+        try:
+            candidates = self.not_busy(prepared, "decode workers")  # after the await: see not_busy
+        except AllWorkersBusy as busy:
+            busy.uncached_tokens = uncached_tokens(prepared, matched)
+            raise
         weight, temperature = config_overrides(request)
         try:
             placement = place_prefill(
@@ -430,21 +450,28 @@ class Router:
         self.loads.first_token(request_id)
         if self.sync is not None:
             self.sync.prefill_completed(request_id)
+        self.on_capacity()
 
     def track_free(self, request_id: str) -> None:
         self.loads.free(request_id)
         if self.sync is not None:
             self.sync.freed(request_id)
+        self.on_capacity()
 
     def apply_remote(self, message: SyncMessage) -> None:
         """Another replica's request event (an ``add`` for a worker we do not know is ignored)."""
         record = self.workers.get(message.worker_id) if message.kind == ADD else None
         self.loads.apply_remote(message, record.block_size if record is not None else None, self.clock())
+        if message.kind != ADD:
+            self.on_capacity()
 
     def forget_router(self, router_id: str) -> None:
         """A replica went silent: drop every request it had told us about."""
         self.loads.forget_router(router_id)
+        self.on_capacity()
 
     def expire_stale(self) -> None:
         for key in self.loads.expire(self.clock(), self.config.request_timeout_secs):
             log.warning("forgot a request routed too long ago", request_id=key)
+        # also a safety net: a free the queue was not told of waits at most until this runs
+        self.on_capacity()

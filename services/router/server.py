@@ -22,6 +22,7 @@ from kvmesh.router.indexer_client import IndexerClient
 from kvmesh.router.load_reports import publish_worker_loads_forever
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.replica_sync import ReplicaSync
+from kvmesh.router.request_queue import RouterQueue
 from kvmesh.router.routing import Router
 from kvmesh.router.servicer import RouterServicer
 
@@ -33,6 +34,15 @@ async def expire_forever(router: Router) -> None:
     while True:
         await asyncio.sleep(min(10.0, router.config.request_timeout_secs / 4))
         router.expire_stale()
+
+
+async def nudge_queue_forever(queue: RouterQueue) -> None:
+    """Give the router queue a try every second while requests wait: capacity may also come back
+    without a free (a busy threshold met by load that a lost report still counts expires later)."""
+    while True:
+        await asyncio.sleep(1.0)
+        if queue.depth():
+            queue.capacity_freed()
 
 
 async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
@@ -52,7 +62,13 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
             sessions.drop(record.address)
             await channels.drop(record.address)
 
-        workers = await stack.start(DiscoveryWatcher(js, config.namespace, "worker", on_removed=worker_left))
+        def worker_joined(_record: InstanceRecord) -> None:
+            for router in routers:
+                router.on_capacity()  # capacity for the queue
+
+        workers = await stack.start(
+            DiscoveryWatcher(js, config.namespace, "worker", on_added=worker_joined, on_removed=worker_left)
+        )
         indexer_clients: list[IndexerClient] = []  # as routers: the client exists once its watcher does
 
         def indexer_left(record: InstanceRecord) -> None:
@@ -80,6 +96,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
         servicer = RouterServicer(router, channels, sessions, metrics)
+        stack.task(nudge_queue_forever(servicer.queue), "nudge-queue")
         stack.callback(servicer.disaggregation.close)
         registration = await stack.grpc_service(
             js,

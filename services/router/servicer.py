@@ -22,6 +22,7 @@ from kvmesh.common.rpc.batch_queue import BatchQueue
 from kvmesh.common.rpc.channels import ChannelPool
 from kvmesh.common.rpc.grpc_errors import refuse
 from kvmesh.common.rpc.multiplexed import RequestContext, ending_of
+from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.rpc.stream_sessions import StreamSessions
 from kvmesh.common.rpc.tasks import cancel_and_wait
 from kvmesh.common.wire.request_reports import END, FIRST_TOKEN
@@ -31,7 +32,8 @@ from kvmesh.router.handoffs import Handoffs
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
 from kvmesh.router.report_listener import ReportListener
-from kvmesh.router.routing import Router, RoutingError
+from kvmesh.router.request_queue import DEFAULT_CLASS, PRIORITY_CLASSES, QueueRefusal, RouterQueue
+from kvmesh.router.routing import Router
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +58,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.metrics = metrics or RouterMetrics(router.loads.pictures, lambda: 0)
         self.reports = ReportListener(router, self.metrics)  # what the frontends tell us
         self.disaggregation = Disaggregation(router, channels, self.metrics)
+        self.queue = RouterQueue(router.config.queue_config(), self.metrics.queue, router.clock)
+        router.on_capacity = self.queue.capacity_freed
 
     async def Route(
         self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
@@ -70,8 +74,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             await self._check(sent, context)
             try:
-                return await self._plan(sent, request.migration)
-            except RoutingError as exc:
+                return await self.queue.route(
+                    sent.model,
+                    sent.routing.priority or DEFAULT_CLASS,
+                    lambda: self._plan(sent, request.migration),
+                    len(sent.token_ids),
+                )
+            except QueueRefusal as exc:
+                await self._refuse(context, exc.code, str(exc), exc.retry_after_secs)
+            except StatusError as exc:
                 await self._refuse(context, exc.code, str(exc))
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
@@ -214,6 +225,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "disaggregated_params is set by the router itself; send the request without it",
             )
+        if request.routing.priority and request.routing.priority not in PRIORITY_CLASSES:
+            await self._refuse(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unknown priority {request.routing.priority!r}; use one of {', '.join(PRIORITY_CLASSES)}",
+            )
         if request.request_id in self.router.loads:
             # its load would be counted twice and freed once; a worker stream carries one request per id
             await self._refuse(
@@ -222,10 +239,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 f"request {request.request_id!r} is already in flight; give each request its own request_id",
             )
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, retry_after_secs: int = 0
+    ) -> None:
         """Refuse a call, counting it as an outcome named after its status."""
         self.metrics.outcome(code.name.lower())
-        await refuse(context, "router", code, message)
+        await refuse(context, "router", code, message, retry_after_secs)
 
     async def BestWorker(
         self, request: router_pb2.RoutingQuery, context: grpc.aio.ServicerContext
@@ -234,7 +253,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await refuse(context, "router", grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
         try:
             choice = await self.router.choose(as_request(request), commit=False)
-        except RoutingError as exc:
+        except StatusError as exc:
             await refuse(context, "router", exc.code, str(exc))
         return router_pb2.BestWorkerResponse(
             worker_id=choice.worker.instance_id, dp_rank=0, overlap_blocks=choice.overlap_blocks
@@ -247,7 +266,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await refuse(context, "router", grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
         try:
             loads = await self.router.potential_loads(as_request(request))
-        except RoutingError as exc:
+        except StatusError as exc:
             await refuse(context, "router", exc.code, str(exc))
         return router_pb2.PotentialLoadsResponse(loads=loads)
 
@@ -267,6 +286,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             recent_outcomes=outcomes.recent(),
             total_outcomes=outcomes.totals(),
             migrations=self.metrics.migrations_total,
+            queued={p: self.queue.depth(priority=p) for p in PRIORITY_CLASSES},
         )
 
 

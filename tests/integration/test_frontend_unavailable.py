@@ -49,7 +49,7 @@ async def test_no_worker_is_503_and_no_router_is_503(nats_url: str):
                 assert "no worker available" in response.json()["error"]["message"]
 
 
-async def test_busy_workers_are_a_quick_503_with_an_openai_error(nats_url: str):
+async def test_busy_workers_with_no_router_queue_are_a_quick_429_with_retry_after(nats_url: str):
     from kvmesh.common.runtime.discovery import DiscoveryWatcher
     from kvmesh.worker import server as worker_server
     from kvmesh.worker.config import WorkerConfig
@@ -57,7 +57,9 @@ async def test_busy_workers_are_a_quick_503_with_an_openai_error(nats_url: str):
     port = free_port()
     common = ["--nats-url", nats_url, "--namespace", "busy"]
     worker_config = service_config(WorkerConfig, [*common, "--speedup-ratio", "1"])
-    router_config = service_config(RouterConfig, [*common, "--active-decode-blocks-threshold", "4"])
+    router_config = service_config(
+        RouterConfig, [*common, "--active-decode-blocks-threshold", "4", "--router-queue-size", "0"]
+    )
     frontend_config = service_config(FrontendConfig, [*common, "--http-port", str(port)])
     import nats
 
@@ -81,8 +83,8 @@ async def test_busy_workers_are_a_quick_503_with_an_openai_error(nats_url: str):
         async with http.stream("POST", "/v1/completions", json=hog) as streaming:
             assert streaming.status_code == 200  # it holds 13 blocks > 4 while it streams
             late = await http.post("/v1/completions", json={"model": "kvmesh-tiny", "prompt": "hello", "max_tokens": 2})
-            assert late.status_code == 503
+            assert late.status_code == 429 and late.headers["retry-after"] == "1"
             error = late.json()["error"]
-            assert error["type"] == "service_unavailable" and "busy" in error["message"]
+            assert error["type"] == "rate_limit_error" and "busy" in error["message"]
     await workers.stop()
     await nc.close()

@@ -1,15 +1,14 @@
 """Router replicas over real NATS, real workers and real gRPC: a shared load picture, phantom load
-cleared after a router crash, migration when a worker dies mid-stream, busy protection."""
+cleared after a router crash, migration when a worker dies mid-stream (busy
+protection: test_router_queue.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import subprocess
 import time
 
-import grpc
 import pytest
 from nats.aio.client import Client as NatsClient
 
@@ -170,36 +169,6 @@ async def test_requests_survive_a_worker_killed_mid_stream(nats_url: str, nc: Na
             process.wait(timeout=10)
         await workers.stop()
         await routers.stop()
-
-
-async def test_busy_workers_refuse_quickly(nats_url: str, nc: NatsClient):
-    workers = await watch(nc, "worker")
-    routers = await watch(nc, "router")
-    async with (
-        running(worker_server.serve, worker_config(nats_url, "--speedup-ratio", "1")),
-        running(router_server.serve, router_config(nats_url, "--active-decode-blocks-threshold", "10")),
-    ):
-        await wait_until_async(lambda: workers.instances() and routers.instances(), what="up")
-        address = routers.instances()[0].address
-        hog = asyncio.create_task(stream(address, "hog", list(range(300)), 5000))  # 19 blocks > 10
-        api = RouterApi(address)
-
-        async def hog_routed() -> bool:
-            return any(b > 10 for _, b in loads_of(await api.potential_loads([1])).values())
-
-        await wait_until_async(hog_routed, what="the first request holds the worker")
-        started = time.monotonic()
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await stream(address, "late", list(range(1000, 1100)), 5)
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "busy" in refused.value.details()
-        assert time.monotonic() - started < 1.0
-        hog.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await hog
-        await api.close()
-    await workers.stop()
-    await routers.stop()
 
 
 async def test_a_new_replica_starts_empty_and_converges(nats_url: str, nc: NatsClient):

@@ -17,7 +17,7 @@ import grpc
 import structlog
 
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
-from kvmesh.common.rpc.grpc_errors import ORIGIN_KEY
+from kvmesh.common.rpc.grpc_errors import ORIGIN_KEY, RETRY_AFTER_KEY
 from kvmesh.common.rpc.tasks import cancel_and_wait
 
 log = structlog.get_logger(__name__)
@@ -41,7 +41,11 @@ class RequestContext:
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple[tuple[str, str], ...] = ()
     ) -> None:
         origin = next((value for key, value in trailing_metadata if key == ORIGIN_KEY), "")
-        raise RequestEnded(common_pb2.RequestEnd(code=code.value[0], details=details, origin=origin))
+        retry_after = next((value for key, value in trailing_metadata if key == RETRY_AFTER_KEY), "0")
+        end = common_pb2.RequestEnd(
+            code=code.value[0], details=details, origin=origin, retry_after_secs=int(retry_after)
+        )
+        raise RequestEnded(end)
 
 
 def ending_of(error: Exception, request_id: str) -> common_pb2.RequestEnd:

@@ -59,14 +59,16 @@ class MoeExpert(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
 
 class RoutingHints(_message.Message):
-    __slots__ = ("worker_id", "dp_rank", "router_config_override")
+    __slots__ = ("worker_id", "dp_rank", "router_config_override", "priority")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     ROUTER_CONFIG_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     dp_rank: int
     router_config_override: RouterConfigOverride
-    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., router_config_override: _Optional[_Union[RouterConfigOverride, _Mapping]] = ...) -> None: ...
+    priority: str
+    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., router_config_override: _Optional[_Union[RouterConfigOverride, _Mapping]] = ..., priority: _Optional[str] = ...) -> None: ...
 
 class PreprocessedRequest(_message.Message):
     __slots__ = ("request_id", "model", "token_ids", "sampling", "stop", "routing", "lora_name", "disaggregated_params", "expected_output_tokens", "whole_answer")
@@ -145,14 +147,16 @@ class GenerateCommands(_message.Message):
     def __init__(self, commands: _Optional[_Iterable[_Union[GenerateCommand, _Mapping]]] = ...) -> None: ...
 
 class RequestEnd(_message.Message):
-    __slots__ = ("code", "details", "origin")
+    __slots__ = ("code", "details", "origin", "retry_after_secs")
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_SECS_FIELD_NUMBER: _ClassVar[int]
     code: int
     details: str
     origin: str
-    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., origin: _Optional[str] = ...) -> None: ...
+    retry_after_secs: int
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., origin: _Optional[str] = ..., retry_after_secs: _Optional[int] = ...) -> None: ...
 
 class StreamItem(_message.Message):
     __slots__ = ("request_id", "output", "end")

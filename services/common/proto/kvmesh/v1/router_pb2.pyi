@@ -122,7 +122,7 @@ class RouterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("router_id", "mode", "replica_sync", "sync_peers", "loads", "active_requests", "outcome_window_seconds", "recent_outcomes", "total_outcomes", "migrations")
+    __slots__ = ("router_id", "mode", "replica_sync", "sync_peers", "loads", "active_requests", "outcome_window_seconds", "recent_outcomes", "total_outcomes", "migrations", "queued")
     class RecentOutcomesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,13 @@ class RouterStatus(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class TotalOutcomesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class QueuedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +154,7 @@ class RouterStatus(_message.Message):
     RECENT_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     mode: str
     replica_sync: bool
@@ -157,4 +165,5 @@ class RouterStatus(_message.Message):
     recent_outcomes: _containers.ScalarMap[str, int]
     total_outcomes: _containers.ScalarMap[str, int]
     migrations: int
-    def __init__(self, router_id: _Optional[str] = ..., mode: _Optional[str] = ..., replica_sync: _Optional[bool] = ..., sync_peers: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., active_requests: _Optional[int] = ..., outcome_window_seconds: _Optional[int] = ..., recent_outcomes: _Optional[_Mapping[str, int]] = ..., total_outcomes: _Optional[_Mapping[str, int]] = ..., migrations: _Optional[int] = ...) -> None: ...
+    queued: _containers.ScalarMap[str, int]
+    def __init__(self, router_id: _Optional[str] = ..., mode: _Optional[str] = ..., replica_sync: _Optional[bool] = ..., sync_peers: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., active_requests: _Optional[int] = ..., outcome_window_seconds: _Optional[int] = ..., recent_outcomes: _Optional[_Mapping[str, int]] = ..., total_outcomes: _Optional[_Mapping[str, int]] = ..., migrations: _Optional[int] = ..., queued: _Optional[_Mapping[str, int]] = ...) -> None: ...
