@@ -17,6 +17,12 @@ from kvmesh.router.policy import POLICY_MODES
 REPLAY_MODES = POLICY_MODES
 
 
+# A step's KV events reach a live mesh's index this long after the step ends: 5.4 ms median (6.3 ms
+# p90) from the client's answer to the indexer's match, plus about 1 ms for the answer to travel
+# (kvmesh up, 2 mock workers, 2026-11-26; docs/perf/README.md, "KV event delay").
+DEFAULT_KV_EVENT_DELAY_MS = 6.5
+
+
 @dataclass
 class ReplayConfig(RoutingOptions, PlannerOptions):
     """The simulated fleet and trace handling; the routing options are the router's own, the SLA
@@ -55,6 +61,16 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
         "",
         "reshape the arrival rate over time: sine:period=S,amplitude=A[,phase=S] or step:at=S,factor=F (seconds)",
     )
+    kv_event_delay_ms: float = option(
+        DEFAULT_KV_EVENT_DELAY_MS,
+        "time from a step's end until its KV events are in the index the router asks (measured on a live mesh of "
+        "mock workers: 5 ms of event batching, then NATS and the indexer; docs/perf); 0: at once",
+    )
+    oracle_index: bool = option(
+        False,
+        "route on what every worker holds or is computing at the instant of routing, as no event-fed index can: "
+        "the bound predict-on-route aims at (ignores --kv-event-delay-ms and --router-predicted-ttl-secs)",
+    )
     planner: bool = option(
         False,
         "scale the fleet with the planner (virtual connector): --workers (and --prefill-workers, whose prefill and "
@@ -72,6 +88,8 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         if self.trace_block_size <= 0 or self.arrival_speedup_ratio <= 0:
             raise ConfigError("--trace-block-size and --arrival-speedup-ratio must be positive")
+        if self.kv_event_delay_ms < 0:
+            raise ConfigError("--kv-event-delay-ms must be >= 0")
         if self.prefill_workers < 0:
             raise ConfigError("--prefill-workers must be >= 0")
         if self.kv_bytes_per_token <= 0 or self.kv_transfer_gbps <= 0:

@@ -37,6 +37,7 @@ from kvmesh.replay.fleet import IntervalRecorder, VirtualFleet
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
 from kvmesh.router.load_tracker import LoadTracker
 from kvmesh.router.policy import RoutingPolicy
+from kvmesh.router.predicted_blocks import PredictedBlocks
 from kvmesh.router.prefill_placement import place_prefill
 from kvmesh.router.scheduler import PerWorkerTtftCost, make_cost_model
 from kvmesh.worker.engine import EngineRequestSpec
@@ -85,6 +86,11 @@ class ReplaySimulator:
         self.decode_policy = policy(config.decode_policy) if config.decode_policy else self.policy
         self.prefill_policy = policy(config.prefill_policy) if config.prefill_policy else self.policy
         self.index = PrefixIndex()
+        # KV events on their way to the index (--kv-event-delay-ms): (visible at, seq, batch)
+        self._events_in_flight: list[tuple[float, int, KvEventBatch]] = []
+        # predict-on-route (--router-predicted-ttl-secs), as the live router keeps it
+        ttl = config.router_predicted_ttl_secs
+        self.predicted = PredictedBlocks(ttl) if ttl > 0 else None
         self._fits = [TimingFit(prior) for _ in range(total)] if config.router_timing == "learned" else []
         if config.router_timing == "exact" and isinstance(self.policy.cost_model, PerWorkerTtftCost):
             for w, engine in enumerate(self.engines):
@@ -238,13 +244,42 @@ class ReplaySimulator:
         worker = self.fleet.start(index, pool, now)
         self._schedule("join", worker.joins_ms, index)
 
+    def _oracle_matches(self, block_hashes: list[int]) -> dict[tuple[int, int], int]:
+        """Per routable worker, the leading blocks it holds or is computing now (--oracle-index)."""
+        matches = {}
+        for key in self._routable("decode") + self._routable("prefill"):
+            engine = self.engines[key[0]]
+            held = engine.blocks.cached_prefix_length(block_hashes)
+            if held < len(block_hashes) and engine.num_requests:
+                computing: set[int] = set()
+                for request in (*engine.waiting, *engine.running, *engine.transferring.values()):
+                    computing.update(request.seq_hashes)
+                while held < len(block_hashes) and (
+                    block_hashes[held] in computing or engine.blocks.slot_of(block_hashes[held]) is not None
+                ):
+                    held += 1
+            if held:
+                matches[key] = held
+        return matches
+
+    def _deliver_events(self, now: float) -> None:
+        """Apply the KV events that have reached the index by ``now`` (ms), in the order they left."""
+        while self._events_in_flight and self._events_in_flight[0][0] <= now:
+            _, _, batch = heapq.heappop(self._events_in_flight)
+            self.index.apply_batch(batch)
+
     def _stop_if_drained(self, worker: int, now: float) -> None:
         if self.fleet is None or worker >= len(self.fleet.workers):
             return
         state = self.fleet.workers[worker]
         if state.draining_since_ms is not None and state.stopped_ms is None and not self.engines[worker].has_work():
             state.stopped_ms = now
+            # its events still on their way would bring its blocks back after it is gone
+            self._events_in_flight = [e for e in self._events_in_flight if e[2].worker_id != worker]
+            heapq.heapify(self._events_in_flight)
             self.index.remove_worker(worker)
+            if self.predicted is not None:
+                self.predicted.remove_worker(worker)
             self.loads.remove_worker(worker)
 
     def _route(self, record: RequestRecord, request: TraceRequest, by_id: dict[str, RequestRecord]) -> int:
@@ -253,13 +288,25 @@ class ReplaySimulator:
         block_hashes = sequence_hashes(local)
         policies = (self.decode_policy, self.prefill_policy) if self._prefill_workers else (self.policy,)
         overlaps: dict[tuple[int, int], int] = {}
-        if any(policy.needs_overlaps for policy in policies):
+        now_s = record.arrival_ms / 1000.0
+        needs_overlaps = any(policy.needs_overlaps for policy in policies)
+        if needs_overlaps and self.config.oracle_index:
+            overlaps = self._oracle_matches(block_hashes)
+        elif needs_overlaps:
+            self._deliver_events(record.arrival_ms)
             overlaps = self.index.find_matches_by_sequence(block_hashes)
+            if self.predicted is not None and not self.config.oracle_index:
+                for key, blocks in self.predicted.matches(block_hashes, now_s).items():
+                    overlaps[key] = max(overlaps.get(key, 0), blocks)
         tokens = token_bytes(prompt) if any(policy.needs_tokens for policy in policies) else None
         request_id = f"r{record.index}"
         by_id[request_id] = record
         if self._prefill_workers:
-            return self._route_disaggregated(record, request_id, prompt, (local, block_hashes), overlaps, tokens)
+            routed = self._route_disaggregated(record, request_id, prompt, (local, block_hashes), overlaps, tokens)
+            if needs_overlaps and self.predicted is not None and not self.config.oracle_index:
+                for worker in {routed, record.worker}:
+                    self.predicted.record((worker, 0), block_hashes, now_s)
+            return routed
         decision = self.policy.choose(
             self._workers,
             block_hashes,
@@ -270,6 +317,8 @@ class ReplaySimulator:
             now=record.arrival_ms / 1000.0,
         )
         worker = decision.worker[0]
+        if needs_overlaps and self.predicted is not None and not self.config.oracle_index:
+            self.predicted.record(decision.worker, block_hashes, now_s)
         self.engines[worker].add_request(
             EngineRequestSpec(request_id, prompt, request.output_length), block_hashes=(local, block_hashes)
         )
@@ -375,7 +424,13 @@ class ReplaySimulator:
             first = self._next_event_id[worker]
             self._next_event_id[worker] = first + len(events)
             batch = tuple(KvEvent(first + i, data) for i, data in enumerate(events))
-            self.index.apply_batch(KvEventBatch(worker, 0, now, batch))
+            delay = self.config.kv_event_delay_ms
+            if delay > 0:  # in the index only once it has travelled (applied before the next routing after)
+                heapq.heappush(
+                    self._events_in_flight, (now + delay, next(self._transfer_seq), KvEventBatch(worker, 0, now, batch))
+                )
+            else:
+                self.index.apply_batch(KvEventBatch(worker, 0, now, batch))
         woken = []
         for output in result.outputs:
             if output.request_id in self._awaiting_kv:

@@ -72,6 +72,11 @@ class RoutingOptions:
         "kv mode: a block a worker can import from its host's KV pool counts as this share of a block in its own "
         "cache (cheaper than recomputing, dearer than already there; 0: ignore the pool)",
     )
+    router_predicted_ttl_secs: float = option(
+        2.0,
+        "kv mode: at routing time the chosen worker is taken to cache the request's blocks for this long, until its "
+        "KV events reach the indexers (siblings arriving together then meet their shared prefix; 0: off)",
+    )
     moe_score_weight: float = option(
         0.5,
         "kv mode, MoE models: a request's moe_query waives this share of the cost of a worker whose cached blocks "
@@ -109,6 +114,8 @@ class RoutingOptions:
             raise ConfigError("--kv-overlap-score-weight must be >= 0")
         if not 0 <= self.pooled_block_credit <= 1:
             raise ConfigError("--pooled-block-credit must be between 0 and 1")
+        if self.router_predicted_ttl_secs < 0:
+            raise ConfigError("--router-predicted-ttl-secs must be >= 0")
         if not 0 <= self.moe_score_weight < 1:
             raise ConfigError("--moe-score-weight must be in [0, 1)")
         if self.router_temperature < 0:

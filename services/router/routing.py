@@ -36,6 +36,7 @@ from kvmesh.router.eligibility import (
 from kvmesh.router.indexer_client import CacheView, IndexerClient
 from kvmesh.router.load_tracker import LoadTracker
 from kvmesh.router.policy import RoutingPolicy
+from kvmesh.router.predicted_blocks import PredictedBlocks
 from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
 from kvmesh.router.prefill_placement import NoCapacity, place_prefill
 from kvmesh.router.replica_sync import ReplicaSync
@@ -137,6 +138,8 @@ class Router:
         self._rng = rng or random.Random(config.seed)
         self._policies: dict[tuple[int, str], RoutingPolicy] = {}  # by (block size, mode)
         self._approximate: dict[int, ApproximateIndex] = {}
+        # kv mode: blocks a worker was just sent, held until its KV events can have reached the indexers
+        self._predicted: dict[int, PredictedBlocks] = {}  # by block size
         self._timing_seen: dict[int, object] = {}  # worker -> the advertised constants last adopted
 
     def policies(self) -> list[RoutingPolicy]:
@@ -154,6 +157,19 @@ class Router:
                 block_size, self.config.router_ttl_secs, self.config.router_max_tree_size
             )
         return index
+
+    def predict(self, worker: InstanceRecord, block_hashes: Sequence[int], overlap: int = 0) -> None:
+        """Predict-on-route: ``worker`` is taken to cache these blocks for ``--router-predicted-ttl-secs``
+        (its KV events take longer than a burst of siblings takes to arrive). The indexers' view wins
+        once it holds as much (a match is the larger of the two); the prediction then expires. Nothing
+        is predicted where the worker's known match (``overlap``) already covers every block."""
+        ttl = self.config.router_predicted_ttl_secs
+        if ttl <= 0 or not self.config.kv_events or overlap >= len(block_hashes):
+            return
+        predicted = self._predicted.get(worker.block_size)
+        if predicted is None:
+            predicted = self._predicted[worker.block_size] = PredictedBlocks(ttl)
+        predicted.record((worker.instance_id, 0), block_hashes, self.clock())
 
     def policy(self, worker: InstanceRecord, mode: str | None = None) -> RoutingPolicy:
         """The policy in ``mode`` (default: ``--router-mode``) of workers shaped like ``worker`` (same
@@ -212,7 +228,7 @@ class Router:
             if isinstance(policy.cost_model, PerWorkerTtftCost):
                 policy.cost_model.forget((record.instance_id, 0))
         self.failed.forget(record.instance_id)
-        for index in self._approximate.values():
+        for index in (*self._approximate.values(), *self._predicted.values()):
             index.remove_worker(record.instance_id)
 
     # ---- the decision ----------------------------------------------------------------------
@@ -269,6 +285,15 @@ class Router:
                 for worker, blocks in view.pooled.items():
                     matched[worker] = matched.get(worker, 0) + round(credit * blocks)
                 view = view._replace(matched=matched)
+            # after the await: predictions of decisions made while the indexers answered count too
+            predicted = self._predicted.get(prepared.policy.block_size)
+            if predicted is not None:
+                guessed = predicted.matches(prepared.block_hashes, self.clock())
+                if guessed:
+                    matched = dict(view.matched)
+                    for worker, blocks in guessed.items():
+                        matched[worker] = max(matched.get(worker, 0), blocks)
+                    view = view._replace(matched=matched)
             return view
         approximate = self.approximate_index(prepared.policy.block_size)
         matched = approximate.find_matches_by_sequence(prepared.block_hashes, self.clock())
@@ -311,11 +336,14 @@ class Router:
             commit=commit,
             moe_hosted=moe_hosted_shares(moe, prepared.moe_query),
         )
+        chosen = prepared.by_id[decision.worker[0]]
         if commit and not self.config.kv_events:
             self.approximate_index(prepared.policy.block_size).record(
                 decision.worker, prepared.local_hashes, prepared.block_hashes, self.clock()
             )
-        return Choice(prepared.by_id[decision.worker[0]], decision.overlap_blocks, prepared.block_hashes)
+        elif commit:
+            self.predict(chosen, prepared.block_hashes, decision.overlap_blocks)
+        return Choice(chosen, decision.overlap_blocks, prepared.block_hashes)
 
     def has_prefill_workers(self) -> bool:
         """Whether requests may be split now (a prefill worker is registered, or the split is enforced)."""
@@ -373,9 +401,11 @@ class Router:
         except NoCapacity as exc:
             raise RoutingError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc} and --enforce-disagg is set") from None
         decode = prepared.by_id[placement.decode[0]]
+        self.predict(decode, prepared.block_hashes, placement.overlap)
         if placement.prefill is None:
             return LocalPrefill(decode, placement.overlap, prepared.block_hashes, placement.reason)
         prefill = next(r for r in pool if r.instance_id == placement.prefill[0])
+        self.predict(prefill, prepared.block_hashes)
         return RemotePrefill(prefill, placement.overlap, decode, prepared.block_hashes)
 
     async def potential_loads(self, request: common_pb2.PreprocessedRequest) -> list[router_pb2.WorkerLoad]:
@@ -462,6 +492,8 @@ class Router:
         """Another replica's request event (an ``add`` for a worker we do not know is ignored)."""
         record = self.workers.get(message.worker_id) if message.kind == ADD else None
         self.loads.apply_remote(message, record.block_size if record is not None else None, self.clock())
+        if record is not None:  # another replica's decision predicts that worker's cache here too
+            self.predict(record, message.block_hashes, message.overlap_blocks)
         if message.kind != ADD:
             self.on_capacity()
 

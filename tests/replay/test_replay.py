@@ -9,6 +9,7 @@ import pytest
 
 from kvmesh.common.core.timing import TimingModel
 from kvmesh.replay import cli
+from kvmesh.replay.burst_trace import burst_trace
 from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceError, TraceRequest, read_trace
 from kvmesh.replay.report import percentile, summarise
@@ -265,3 +266,22 @@ def test_a_learned_timing_model_routes_a_heterogeneous_fleet_like_the_exact_one(
         learned = ttft(router_timing="learned", router_prefill_scale=scale, router_decode_scale=scale)
         assert learned["mean"] == pytest.approx(exact["mean"], rel=0.05)
         assert learned["p99"] == pytest.approx(exact["p99"], rel=0.05)
+
+
+@needs_trace
+def test_predict_on_route_lets_a_burst_of_siblings_meet_their_prefix_like_an_oracle(tmp_path):
+    # the first 600 requests of the shared trace, each with up to 3 siblings within 5 ms (1,469 requests)
+    source = write_trace(
+        tmp_path / "slice.jsonl", [json.loads(line) for line in SHARED_TRACE.read_text().splitlines()[:600]]
+    )
+    burst_trace(source, tmp_path / "burst.jsonl")
+    trace = read_trace(tmp_path / "burst.jsonl")
+
+    def reuse(**options) -> float:
+        config = ReplayConfig(router_mode="kv", arrival_speedup_ratio=4, **options)
+        return summarise(ReplaySimulator(config).run(trace))["prefix_reuse"]
+
+    unpredicted, predicted, oracle = reuse(router_predicted_ttl_secs=0), reuse(), reuse(oracle_index=True)
+    # siblings arrive before the first one's prefill ends: without the prediction the index knows nothing
+    assert predicted > 2 * unpredicted
+    assert predicted >= 0.95 * oracle, (predicted, oracle)
