@@ -172,6 +172,7 @@ async def inspect_routers(nats_url: str, namespace: str, timeout: float) -> list
                 total_outcomes=dict(status.total_outcomes),
                 migrations=status.migrations,
                 queued=dict(status.queued),
+                misconfigurations=list(status.misconfigurations),
             )
         rows.append(row)
     return rows
@@ -203,6 +204,7 @@ def render_routers(rows: list[dict[str, Any]]) -> str:
             f"    last {row['outcome_window_seconds']} s: {counts(row['recent_outcomes'])}; "
             f"since start: {counts(row['total_outcomes'])}; {row['migrations']} migration(s)"
         )
+        lines.extend(f"    MISCONFIGURED: {problem}" for problem in row["misconfigurations"])
     return "\n".join(lines)
 
 

@@ -224,15 +224,17 @@ async def router_generate(
     max_tokens: int = 2,
     worker_id: int | None = None,
     on_output: Callable[[common_pb2.GenerateOutput], None] | None = None,
+    model: str = "",
     **stop: object,
 ) -> list[common_pb2.GenerateOutput]:
     """Every output of one request served on the request path through the router at
     ``router_address`` (``worker_id``: send it there; ``on_output``: told of each output as it
-    comes; ``stop``: more ``StopConditions`` fields). Raises ``grpc.aio.AioRpcError`` as the path does."""
+    comes; ``model``: the model asked for, any by default; ``stop``: more ``StopConditions`` fields).
+    Raises ``grpc.aio.AioRpcError`` as the path does."""
     from kvmesh.common.calling.request_path import RequestPath
     from kvmesh.common.calling.router_client import RouterClient
 
-    request = common_pb2.PreprocessedRequest(request_id=request_id, token_ids=prompt)
+    request = common_pb2.PreprocessedRequest(request_id=request_id, token_ids=prompt, model=model)
     request.stop.max_tokens = max_tokens
     for name, value in stop.items():
         setattr(request.stop, name, value)

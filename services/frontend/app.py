@@ -120,9 +120,11 @@ def create_app(
     async def health() -> JSONResponse:
         routers = len(frontend.path.routers.addresses())
         status = 200 if routers > 0 else 503
-        return JSONResponse(
-            {"status": "healthy" if status == 200 else "no router", "routers": routers}, status_code=status
-        )
+        body: dict[str, object] = {"status": "healthy" if status == 200 else "no router", "routers": routers}
+        problems = frontend.findings.messages()
+        if problems:
+            body["misconfigurations"] = problems  # serving, but not as meant: said, not failed
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

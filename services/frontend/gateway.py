@@ -16,6 +16,7 @@ from kvmesh.common.calling.request_path import RequestPath
 from kvmesh.common.calling.router_client import NoRouterError
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.common.rpc.grpc_errors import retry_after_of
+from kvmesh.common.runtime.misconfiguration import Findings
 from kvmesh.common.wire.finish_reasons import finish_name
 from kvmesh.frontend.errors import (
     BadRequestError,
@@ -111,6 +112,7 @@ class Frontend:
         self.path = path
         self.default_max_tokens = default_max_tokens
         self.metrics = FrontendMetrics()
+        self.findings = Findings(self.metrics.registry)  # misconfigurations it sees (said in /health too)
         self.load = LoadWindow(f"frontend-{uuid.uuid4().hex[:8]}")
 
     def check_model(self, name: str) -> None:

@@ -14,6 +14,7 @@ import uvicorn
 
 from kvmesh.common.calling.request_path import RequestPath
 from kvmesh.common.calling.router_client import RouterClient
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.heap import freeze_startup_heap
 from kvmesh.common.runtime.service import ServiceStack, service_main
 from kvmesh.frontend.admission import read_api_keys
@@ -26,6 +27,28 @@ from kvmesh.frontend.tokenizer import ModelTokenizer
 log = structlog.get_logger(__name__)
 
 
+MODEL_CHECK_SECS = 2.0
+
+
+async def check_model_served_forever(frontend: Frontend, workers: DiscoveryWatcher) -> None:
+    """Say once (log, metric, /health) when workers are registered and none serves this frontend's
+    model: every request would then be refused."""
+    while True:
+        await asyncio.sleep(MODEL_CHECK_SECS)
+        models = sorted({w.model for w in workers.instances()})
+        name = frontend.model.name
+        if models and name not in models:
+            frontend.findings.found(
+                "unknown_model",
+                name,
+                f"this frontend serves model {name!r} (--model-name), but the workers serve "
+                f"{', '.join(repr(m) for m in models)}: every request will be refused; give the frontend one of "
+                "those names, or start workers with --model-name " + repr(name),
+            )
+        else:
+            frontend.findings.resolved("unknown_model", name)
+
+
 async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
     model = ServedModel(config.model_name, ModelTokenizer(Path(config.model_path)), int(time.time()))
     async with ServiceStack() as stack:
@@ -36,8 +59,9 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
             await stack.start(routers.watch(nc.jetstream(), config.namespace))
         path = RequestPath(routers)
         stack.push_async_callback(path.close)
-        await stack.start(path.watch(nc.jetstream(), config.namespace))
+        workers = await stack.start(path.watch(nc.jetstream(), config.namespace))
         frontend = Frontend(model, path, default_max_tokens=config.default_max_tokens)
+        stack.task(check_model_served_forever(frontend, workers), "check-model")
         stack.task(publish_load_forever(nc, config.namespace, frontend.load, config.load_report_secs), "publish-load")
         sock = listening_socket(config.http_host, config.http_port)
         stack.callback(sock.close)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -62,6 +63,11 @@ class IndexerClient:
         self._timeout_s = timeout_s
         self._rng = rng
         self._streams = QueryStreams(INDEXER_QUERIES, channels)
+        self._clock = time.monotonic
+        # what the router's misconfiguration checks read (kvmesh.router.fleet_checks)
+        self.covered: set[int] = set()  # workers an answer has listed with blocks, ever
+        self.last_answer_at: float | None = None
+        self.load_only_since: float | None = None  # no replica answered the queries since then
 
     def forget(self, address: str) -> None:
         """A replica left: close its stream (its queries in flight fail over)."""
@@ -83,8 +89,10 @@ class IndexerClient:
                 reason = str(exc) or f"no answer within {self._timeout_s:g} s"
                 log.warning("indexer replica did not answer", address=replica.address, reason=reason)
                 continue
+            self._answered()
             matched = {(w.worker_id, w.dp_rank): w.matched_blocks for w in response.workers}
             sizes = {(w.worker_id, w.dp_rank): w.total_blocks for w in response.workers}
+            self.covered.update(w.worker_id for w in response.workers if w.total_blocks)
             moe = {
                 (w.worker_id, w.dp_rank): (w.moe_aligned_blocks, w.moe_hosted_experts)
                 for w in response.workers
@@ -92,5 +100,13 @@ class IndexerClient:
             }
             pooled = {(w.worker_id, w.dp_rank): w.pooled_blocks for w in response.workers if w.pooled_blocks}
             return CacheView(matched, sizes, moe, pooled)
-        log.warning("no indexer answered; routing on load alone")
+        if self.load_only_since is None:  # said once, until a replica answers again
+            self.load_only_since = self._clock()
+            log.warning("no indexer answered; routing on load alone until one does", replicas=len(replicas))
         return CacheView({}, {})
+
+    def _answered(self) -> None:
+        self.last_answer_at = self._clock()
+        if self.load_only_since is not None:
+            log.info("an indexer answers again; routing on cached overlap again")
+            self.load_only_since = None

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvmesh.common.runtime.misconfiguration import Findings
 from kvmesh.router.active_sequences import ActiveSequences
 from kvmesh.router.outcomes import OutcomeWindow
 from kvmesh.router.request_queue import QueueListener
@@ -81,6 +82,7 @@ class RouterMetrics:
         )
         self.handoffs_sent = self.handoffs.labels("sent")  # once per request: the child looked up once
         self.queue = QueueMetrics(self.registry)
+        self.findings = Findings(self.registry)  # misconfigurations (kvmesh.router.fleet_checks)
         self.registry.register(_LoadCollector(pictures, peers))
 
     def migrated(self) -> None:

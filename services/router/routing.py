@@ -23,6 +23,7 @@ from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
 from kvmesh.common.rpc.grpc_errors import NO_WORKER
 from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
+from kvmesh.common.runtime.misconfiguration import Findings
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes, token_bytes
 from kvmesh.router.approximate_index import ApproximateIndex
 from kvmesh.router.config import RouterConfig
@@ -33,6 +34,7 @@ from kvmesh.router.eligibility import (
     prefill_workers,
     whole_request_workers,
 )
+from kvmesh.router.fleet_checks import FleetChecks
 from kvmesh.router.indexer_client import CacheView, IndexerClient
 from kvmesh.router.load_tracker import LoadTracker
 from kvmesh.router.policy import RoutingPolicy
@@ -132,6 +134,8 @@ class Router:
         self.sync: ReplicaSync | None = None
         # told whenever the load picture loses load (the router queue gives a waiting request a try)
         self.on_capacity: Callable[[], None] = lambda: None
+        # what it sees of a misconfigured fleet (the service hands it the metrics' findings)
+        self.checks = FleetChecks(Findings(), config.kv_events, clock)
         self.loads = LoadTracker(config.track_active_blocks, config.router_track_output_blocks)
         self.failed = FailedWorkers(config.worker_avoid_secs)
         self.thresholds = BusyThresholds(config.active_decode_blocks_threshold, config.active_prefill_tokens_threshold)
@@ -221,6 +225,7 @@ class Router:
                     log.warning("ignoring unreadable timing constants", worker_id=record.instance_id)
 
     def worker_left(self, record: InstanceRecord) -> None:
+        self.checks.worker_left(record.instance_id)
         self.loads.remove_worker(record.instance_id)
         self._timing_seen.pop(record.instance_id, None)
         for policy in self._policies.values():
@@ -233,8 +238,13 @@ class Router:
 
     # ---- the decision ----------------------------------------------------------------------
     def prepare(self, request: common_pb2.PreprocessedRequest) -> Prepared:
-        candidates = whole_request_workers(self.workers.instances(), request.model, self.failed, self.clock()).eligible
+        registered = self.workers.instances()
+        candidates = whole_request_workers(registered, request.model, self.failed, self.clock()).eligible
         if not candidates:
+            if request.model and not any(r.model == request.model for r in registered):
+                raise RoutingError(
+                    grpc.StatusCode.UNAVAILABLE, f"{NO_WORKER} {self.checks.no_worker_for(request.model, registered)}"
+                )
             raise RoutingError(grpc.StatusCode.UNAVAILABLE, f"{NO_WORKER} for model {request.model!r}")
         block_size = candidates[0].block_size
         policy = self.policy(candidates[0])
@@ -461,6 +471,7 @@ class Router:
         expected_output_tokens: int,
     ) -> None:
         key = (record.instance_id, 0)
+        self.checks.sent(record.instance_id)
         self.loads.add(
             request_id,
             key,

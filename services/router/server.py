@@ -27,6 +27,7 @@ from kvmesh.router.routing import Router
 from kvmesh.router.servicer import RouterServicer
 
 log = structlog.get_logger(__name__)
+FLEET_CHECK_SECS = 2.0
 
 
 async def expire_forever(router: Router) -> None:
@@ -34,6 +35,13 @@ async def expire_forever(router: Router) -> None:
     while True:
         await asyncio.sleep(min(10.0, router.config.request_timeout_secs / 4))
         router.expire_stale()
+
+
+async def check_fleet_forever(router: Router, indexers: DiscoveryWatcher) -> None:
+    """Look for a misconfigured fleet every few seconds (kvmesh.router.fleet_checks)."""
+    while True:
+        await asyncio.sleep(FLEET_CHECK_SECS)
+        router.checks.check(router.workers.instances(), len(indexers.instances()), router.indexers)
 
 
 async def nudge_queue_forever(queue: RouterQueue) -> None:
@@ -97,6 +105,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         stack.push_async_callback(endpoint.close)
         servicer = RouterServicer(router, channels, sessions, metrics)
         stack.task(nudge_queue_forever(servicer.queue), "nudge-queue")
+        stack.task(check_fleet_forever(router, indexers), "check-fleet")
         stack.callback(servicer.disaggregation.close)
         registration = await stack.grpc_service(
             js,

@@ -28,6 +28,7 @@ from kvmesh.common.rpc.tasks import cancel_and_wait
 from kvmesh.common.wire.request_reports import END, FIRST_TOKEN
 from kvmesh.common.wire.requests import with_disaggregated_params
 from kvmesh.router.disaggregation import Disaggregation
+from kvmesh.router.fleet_checks import FleetChecks
 from kvmesh.router.handoffs import Handoffs
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
@@ -60,6 +61,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.disaggregation = Disaggregation(router, channels, self.metrics)
         self.queue = RouterQueue(router.config.queue_config(), self.metrics.queue, router.clock)
         router.on_capacity = self.queue.capacity_freed
+        router.checks = FleetChecks(self.metrics.findings, router.config.kv_events, router.clock)
 
     async def Route(
         self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
@@ -287,6 +289,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             total_outcomes=outcomes.totals(),
             migrations=self.metrics.migrations_total,
             queued={p: self.queue.depth(priority=p) for p in PRIORITY_CLASSES},
+            misconfigurations=self.metrics.findings.messages(),
         )
 
 

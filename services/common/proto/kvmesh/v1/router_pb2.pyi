@@ -122,7 +122,7 @@ class RouterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("router_id", "mode", "replica_sync", "sync_peers", "loads", "active_requests", "outcome_window_seconds", "recent_outcomes", "total_outcomes", "migrations", "queued")
+    __slots__ = ("router_id", "mode", "replica_sync", "sync_peers", "loads", "active_requests", "outcome_window_seconds", "recent_outcomes", "total_outcomes", "migrations", "queued", "misconfigurations")
     class RecentOutcomesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class RouterStatus(_message.Message):
     TOTAL_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MISCONFIGURATIONS_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     mode: str
     replica_sync: bool
@@ -166,4 +167,5 @@ class RouterStatus(_message.Message):
     total_outcomes: _containers.ScalarMap[str, int]
     migrations: int
     queued: _containers.ScalarMap[str, int]
-    def __init__(self, router_id: _Optional[str] = ..., mode: _Optional[str] = ..., replica_sync: _Optional[bool] = ..., sync_peers: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., active_requests: _Optional[int] = ..., outcome_window_seconds: _Optional[int] = ..., recent_outcomes: _Optional[_Mapping[str, int]] = ..., total_outcomes: _Optional[_Mapping[str, int]] = ..., migrations: _Optional[int] = ..., queued: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    misconfigurations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, router_id: _Optional[str] = ..., mode: _Optional[str] = ..., replica_sync: _Optional[bool] = ..., sync_peers: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., active_requests: _Optional[int] = ..., outcome_window_seconds: _Optional[int] = ..., recent_outcomes: _Optional[_Mapping[str, int]] = ..., total_outcomes: _Optional[_Mapping[str, int]] = ..., migrations: _Optional[int] = ..., queued: _Optional[_Mapping[str, int]] = ..., misconfigurations: _Optional[_Iterable[str]] = ...) -> None: ...
