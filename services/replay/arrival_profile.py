@@ -8,6 +8,7 @@ to the t with ∫₀ᵗ f = s. Each request keeps its order, shape and prefix; o
     sine:period=600,amplitude=0.6,phase=300
                                       f(t) = 1 + 0.6 · sin(2π(t + 300 s) / 600 s): shifted by 300 s
     step:at=120,factor=2              f(t) = 1 before 120 s, 2 after
+    pulse:at=30,for=60,factor=2       f(t) = 2 from 30 s for 60 s, 1 before and after (an overload)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from kvmesh.common.runtime.config import ConfigError
 
-PROFILES = ("sine", "step")
+PROFILES = ("sine", "step", "pulse")
 
 
 @dataclass(frozen=True)
@@ -75,4 +76,18 @@ def parse_arrival_profile(text: str) -> ArrivalProfile | None:
             lambda t: t if t <= at else at + factor * (t - at),
             lambda t: 1.0 if t < at else factor,
         )
+    if kind == "pulse":
+        at, length, factor = params.get("at", 0.0), params.get("for", 60.0), params.get("factor", 2.0)
+        if at < 0 or length <= 0 or factor <= 0:
+            raise ConfigError("--arrival-profile pulse: at must be >= 0, for and factor positive")
+        end = at + length
+
+        def cumulative(t: float) -> float:
+            if t <= at:
+                return t
+            if t <= end:
+                return at + factor * (t - at)
+            return at + factor * length + (t - end)
+
+        return ArrivalProfile(text, cumulative, lambda t: factor if at <= t < end else 1.0)
     raise ConfigError(f"--arrival-profile: unknown kind {kind!r}; choose one of {', '.join(PROFILES)}")

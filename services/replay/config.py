@@ -12,9 +12,23 @@ from kvmesh.planner.planner import PlannerOptions
 from kvmesh.replay.arrival_profile import parse_arrival_profile
 from kvmesh.router.config import RoutingOptions
 from kvmesh.router.policy import POLICY_MODES
+from kvmesh.router.request_queue import PRIORITY_CLASSES
 
 # the modes a replay can simulate (``direct`` needs a caller that names the worker)
 REPLAY_MODES = POLICY_MODES
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """``high=0.2,normal=0.5,low=0.3`` as a share per priority class (shares summing to 1)."""
+    shares: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, value = part.strip().partition("=")
+        if not sep or name not in PRIORITY_CLASSES or name in shares:
+            raise ValueError(f"{part.strip()!r}: expected <class>=<share>, each class once, of {PRIORITY_CLASSES}")
+        shares[name] = float(value)
+    if any(v < 0 for v in shares.values()) or abs(sum(shares.values()) - 1.0) > 1e-6:
+        raise ValueError("the shares must be >= 0 and sum to 1")
+    return shares
 
 
 # A step's KV events reach a live mesh's index this long after the step ends: 5.4 ms median (6.3 ms
@@ -71,6 +85,11 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
         "route on what every worker holds or is computing at the instant of routing, as no event-fed index can: "
         "the bound predict-on-route aims at (ignores --kv-event-delay-ms and --router-predicted-ttl-secs)",
     )
+    priority_mix: str = option(
+        "",
+        "with the router queue (--active-*-threshold): each request's priority class, drawn with --seed from these "
+        "shares, e.g. high=0.2,normal=0.5,low=0.3 (default: every request normal)",
+    )
     planner: bool = option(
         False,
         "scale the fleet with the planner (virtual connector): --workers (and --prefill-workers, whose prefill and "
@@ -88,6 +107,11 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         if self.trace_block_size <= 0 or self.arrival_speedup_ratio <= 0:
             raise ConfigError("--trace-block-size and --arrival-speedup-ratio must be positive")
+        if self.priority_mix:
+            try:
+                parse_mix(self.priority_mix)
+            except ValueError as exc:
+                raise ConfigError(f"--priority-mix: {exc}") from None
         if self.kv_event_delay_ms < 0:
             raise ConfigError("--kv-event-delay-ms must be >= 0")
         if self.prefill_workers < 0:
@@ -116,6 +140,9 @@ class RequestRecord:
     inter_token_ms: list[float] = field(default_factory=list)
     # with prefill workers: where the KV came from ("remote", or the local reason)
     kv_source: str = ""
+    priority: str = "normal"  # its class at the router queue
+    queued_ms: float = 0.0  # time it waited in the router queue
+    refused: str = ""  # why the router queue refused it ("full", "timeout"); empty: served
 
     @property
     def ttft_ms(self) -> float:

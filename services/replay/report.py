@@ -33,7 +33,7 @@ def _distribution(values: Sequence[float]) -> dict[str, float]:
 
 def summarise(records: Sequence[RequestRecord]) -> dict[str, Any]:
     done = [r for r in records if r.tokens == r.output_length]
-    prompt_tokens = sum(r.input_length for r in records)
+    prompt_tokens = sum(r.input_length for r in records if not r.refused)  # a refused prompt was never served
     cached = sum(r.cached_tokens for r in done)
     start = min((r.arrival_ms for r in records), default=0.0)
     end = max((r.last_token_ms for r in done), default=start)
@@ -51,7 +51,25 @@ def summarise(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "output_tokens_per_s": output_tokens / duration_s if duration_s > 0 else 0.0,
         "simulated_duration_s": duration_s,
         **_kv_sources(records),
+        **_queue(records),
     }
+
+
+def _queue(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """With the router queue: refusals, and per priority class the wait and the TTFT (from arrival)."""
+    if not any(r.refused or r.queued_ms or r.priority != "normal" for r in records):
+        return {}
+    by_class: dict[str, Any] = {}
+    for priority in sorted({r.priority for r in records}):
+        mine = [r for r in records if r.priority == priority]
+        served = [r for r in mine if not r.refused and r.tokens == r.output_length]
+        by_class[priority] = {
+            "requests": len(mine),
+            "refused": {reason: sum(1 for r in mine if r.refused == reason) for reason in ("full", "timeout", "busy")},
+            "queued_ms": _distribution([r.queued_ms for r in served]),
+            "ttft_ms": _distribution([r.ttft_ms for r in served]),
+        }
+    return {"refused": sum(1 for r in records if r.refused), "by_priority": by_class}
 
 
 def _kv_sources(records: Sequence[RequestRecord]) -> dict[str, Any]:

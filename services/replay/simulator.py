@@ -32,13 +32,15 @@ from kvmesh.common.wire.kv_events import KvEvent, KvEventBatch
 from kvmesh.planner.load import IntervalObservation
 from kvmesh.planner.planner import POOLS, Decision, Planner, PoolSizes
 from kvmesh.replay.arrival_profile import parse_arrival_profile
-from kvmesh.replay.config import ReplayConfig, RequestRecord
+from kvmesh.replay.config import ReplayConfig, RequestRecord, parse_mix
 from kvmesh.replay.fleet import IntervalRecorder, VirtualFleet
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
+from kvmesh.router.eligibility import BusyThresholds
 from kvmesh.router.load_tracker import LoadTracker
 from kvmesh.router.policy import RoutingPolicy
 from kvmesh.router.predicted_blocks import PredictedBlocks
 from kvmesh.router.prefill_placement import place_prefill
+from kvmesh.router.request_queue import Waiting, WaitingRequests
 from kvmesh.router.scheduler import PerWorkerTtftCost, make_cost_model
 from kvmesh.worker.engine import EngineRequestSpec
 from kvmesh.worker.mock_engine import EngineConfig, MockEngine, StepResult
@@ -88,6 +90,11 @@ class ReplaySimulator:
         self.index = PrefixIndex()
         # KV events on their way to the index (--kv-event-delay-ms): (visible at, seq, batch)
         self._events_in_flight: list[tuple[float, int, KvEventBatch]] = []
+        # the router queue (--active-*-threshold, --router-queue-*), as the live router keeps it
+        self.thresholds = BusyThresholds(config.active_decode_blocks_threshold, config.active_prefill_tokens_threshold)
+        queue_config = config.queue_config()
+        self.queue = WaitingRequests(queue_config) if queue_config.size > 0 else None
+        self._queue_order = itertools.count()
         # predict-on-route (--router-predicted-ttl-secs), as the live router keeps it
         ttl = config.router_predicted_ttl_secs
         self.predicted = PredictedBlocks(ttl) if ttl > 0 else None
@@ -141,6 +148,11 @@ class ReplaySimulator:
             )
             for i, r in enumerate(trace)
         ]
+        if self.config.priority_mix:
+            mix = parse_mix(self.config.priority_mix)
+            draw = random.Random(self.config.seed)
+            for record in records:
+                record.priority = draw.choices(list(mix), weights=list(mix.values()))[0]
         self.records = records
         if self.planner is not None:
             self._schedule("tick", self.config.adjustment_interval * 1000.0)
@@ -183,14 +195,78 @@ class ReplaySimulator:
                     start_step(worker, now)
                 elif worker not in in_flight:
                     self._stop_if_drained(worker, now)
+                # capacity freed: waiting requests get their turn
+                for routed in self._dispatch(now, trace, by_id):
+                    if routed not in in_flight:
+                        start_step(routed, now)
                 continue
             record = records[next_arrival]
             request = trace[next_arrival]
             next_arrival += 1
+            if not self._admit_now(record, request):
+                continue  # waits in the router queue, or was refused
             worker = self._route(record, request, by_id)
             if worker not in in_flight:
                 start_step(worker, record.arrival_ms)
+        if self.queue is not None and len(self.queue):
+            raise RuntimeError(f"{len(self.queue)} requests were left in the router queue")
         return records
+
+    # ---- the router queue -------------------------------------------------------------------
+    def _all_busy(self) -> bool:
+        """Every worker the router may send a whole request to is over a busy threshold."""
+        if self.thresholds.active_decode_blocks is None and self.thresholds.active_prefill_tokens is None:
+            return False
+        active = self.loads.sequences(self.config.block_size)
+        return all(self.thresholds.exceeded(*active.load(worker)) for worker in self._workers)
+
+    def _admit_now(self, record: RequestRecord, request: TraceRequest) -> bool:
+        """Whether an arriving request routes at once; else it waits (or is refused, queue full),
+        behind any already waiting, as the live router's queue does."""
+        if self.queue is None or (not len(self.queue) and not self._all_busy()):
+            if self.queue is None and self._all_busy():
+                record.refused = "busy"  # no queue: refused at once
+                return False
+            return True
+        self._expire_waiting(record.arrival_ms)
+        if len(self.queue.waiting[record.priority]) >= self.queue.config.size:
+            record.refused = "full"
+            return False
+        # shortest-prefill-first's key: the prompt past the longest cached prefix the index knows
+        prompt = self._builder.tokens(request)
+        matches = self.index.find_matches_by_sequence(sequence_hashes(self._builder.local_hashes(request, prompt)))
+        uncached = max(0, record.input_length - max(matches.values(), default=0) * self.config.block_size)
+        self.queue.add(Waiting(next(self._queue_order), record.priority, uncached, record.arrival_ms, payload=record))
+        return False
+
+    def _expire_waiting(self, now: float) -> None:
+        assert self.queue is not None
+        deadline = self.queue.config.timeout_s * 1000.0
+        for waiting in list(self.queue.waiting.values()):
+            for entry in list(waiting):
+                if now - entry.enqueued_at >= deadline:
+                    self.queue.remove(entry)
+                    record = entry.payload
+                    assert isinstance(record, RequestRecord)
+                    record.refused, record.queued_ms = "timeout", now - entry.enqueued_at
+
+    def _dispatch(self, now: float, trace: list[TraceRequest], by_id: dict[str, RequestRecord]) -> list[int]:
+        """Route waiting requests, in the queue's order, while a worker can take one; the workers
+        that got one."""
+        if self.queue is None or not len(self.queue):
+            return []
+        self._expire_waiting(now)
+        routed = []
+        while len(self.queue) and not self._all_busy():
+            entry = self.queue.next()
+            assert entry is not None
+            self.queue.remove(entry)
+            self.queue.charge(entry)
+            record = entry.payload
+            assert isinstance(record, RequestRecord)
+            record.queued_ms = now - entry.enqueued_at
+            routed.append(self._route(record, trace[record.index], by_id, now))
+        return routed
 
     # ---- the planner and its virtual fleet ----------------------------------------------------------
     def _schedule(self, kind: str, at_ms: float, worker: int = -1) -> None:
@@ -282,18 +358,22 @@ class ReplaySimulator:
                 self.predicted.remove_worker(worker)
             self.loads.remove_worker(worker)
 
-    def _route(self, record: RequestRecord, request: TraceRequest, by_id: dict[str, RequestRecord]) -> int:
+    def _route(
+        self, record: RequestRecord, request: TraceRequest, by_id: dict[str, RequestRecord], at_ms: float | None = None
+    ) -> int:
+        """Route ``record`` at ``at_ms`` (its arrival, or when the router queue let it go)."""
+        at_ms = record.arrival_ms if at_ms is None else at_ms
         prompt = self._builder.tokens(request)
         local = self._builder.local_hashes(request, prompt)
         block_hashes = sequence_hashes(local)
         policies = (self.decode_policy, self.prefill_policy) if self._prefill_workers else (self.policy,)
         overlaps: dict[tuple[int, int], int] = {}
-        now_s = record.arrival_ms / 1000.0
+        now_s = at_ms / 1000.0
         needs_overlaps = any(policy.needs_overlaps for policy in policies)
         if needs_overlaps and self.config.oracle_index:
             overlaps = self._oracle_matches(block_hashes)
         elif needs_overlaps:
-            self._deliver_events(record.arrival_ms)
+            self._deliver_events(at_ms)
             overlaps = self.index.find_matches_by_sequence(block_hashes)
             if self.predicted is not None and not self.config.oracle_index:
                 for key, blocks in self.predicted.matches(block_hashes, now_s).items():
@@ -302,7 +382,9 @@ class ReplaySimulator:
         request_id = f"r{record.index}"
         by_id[request_id] = record
         if self._prefill_workers:
-            routed = self._route_disaggregated(record, request_id, prompt, (local, block_hashes), overlaps, tokens)
+            routed = self._route_disaggregated(
+                record, request_id, prompt, (local, block_hashes), overlaps, tokens, at_ms
+            )
             if needs_overlaps and self.predicted is not None and not self.config.oracle_index:
                 for worker in {routed, record.worker}:
                     self.predicted.record((worker, 0), block_hashes, now_s)
@@ -314,7 +396,7 @@ class ReplaySimulator:
             overlaps,
             self.index.tree_sizes(),
             tokens=tokens,
-            now=record.arrival_ms / 1000.0,
+            now=now_s,
         )
         worker = decision.worker[0]
         if needs_overlaps and self.predicted is not None and not self.config.oracle_index:
@@ -322,7 +404,7 @@ class ReplaySimulator:
         self.engines[worker].add_request(
             EngineRequestSpec(request_id, prompt, request.output_length), block_hashes=(local, block_hashes)
         )
-        self._track(request_id, decision.worker, block_hashes, request.input_length, decision.overlap_blocks, record)
+        self._track(request_id, decision.worker, block_hashes, request.input_length, decision.overlap_blocks, at_ms)
         record.worker = worker
         return worker
 
@@ -334,6 +416,7 @@ class ReplaySimulator:
         hashes: tuple[list[int], list[int]],
         overlaps: dict[tuple[int, int], int],
         tokens: bytes | None,
+        at_ms: float,
     ) -> int:
         config = self.config
         block_hashes = hashes[1]
@@ -349,7 +432,7 @@ class ReplaySimulator:
             prefill_queue_limit_tokens=config.prefill_queue_limit_tokens,
             prefill_policy=self.prefill_policy,
             tokens=tokens,
-            now=record.arrival_ms / 1000.0,
+            now=at_ms / 1000.0,
         )
         decode = placement.decode[0]
         record.worker = decode
@@ -358,7 +441,7 @@ class ReplaySimulator:
             self.engines[decode].add_request(
                 EngineRequestSpec(request_id, prompt, record.output_length), block_hashes=hashes
             )
-            self._track(request_id, placement.decode, block_hashes, record.input_length, placement.overlap, record)
+            self._track(request_id, placement.decode, block_hashes, record.input_length, placement.overlap, at_ms)
             return decode
         record.kv_source = "remote"
         prefill_id = f"{request_id}:p"
@@ -366,9 +449,9 @@ class ReplaySimulator:
         self.engines[prefill].add_request(
             EngineRequestSpec(prefill_id, prompt, 1), block_hashes=hashes, hold_on_finish=True
         )
-        self._track(prefill_id, placement.prefill, block_hashes, record.input_length, placement.overlap, record)
+        self._track(prefill_id, placement.prefill, block_hashes, record.input_length, placement.overlap, at_ms)
         # the decode worker's share of the prefill is the tail its KV transfer does not cover
-        self._track(request_id, placement.decode, block_hashes, record.input_length, len(block_hashes), record)
+        self._track(request_id, placement.decode, block_hashes, record.input_length, len(block_hashes), at_ms)
         self._awaiting_kv[prefill_id] = (request_id, decode, prompt, record.output_length, hashes)
         return prefill
 
@@ -391,12 +474,10 @@ class ReplaySimulator:
         block_hashes: list[int],
         prompt_tokens: int,
         overlap: int,
-        record: RequestRecord,
+        at_ms: float,
     ) -> None:
-        """Record a routed request in the router's load picture, at its arrival time."""
-        self.loads.add(
-            request_id, worker, self.config.block_size, block_hashes, prompt_tokens, overlap, 0, record.arrival_ms
-        )
+        """Record a routed request in the router's load picture, at the time it was routed."""
+        self.loads.add(request_id, worker, self.config.block_size, block_hashes, prompt_tokens, overlap, 0, at_ms)
 
     def _prefill_finished(self, prefill_id: str, prefill: int, cached_tokens: int, now: float, by_id) -> int:
         """A remote prefill ended: reserve the decode side and start the transfer (or prefill there)."""

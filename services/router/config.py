@@ -1,9 +1,10 @@
 """Router options, each declared once and shared by every command that takes it.
 
 - :class:`RoutingOptions`: how a worker is chosen for a request (mode, cost, weights,
-  disaggregation thresholds). The router service, ``kvmesh up`` and ``kvmesh replay`` take these.
+  disaggregation thresholds, busy thresholds and the router queue). The router service,
+  ``kvmesh up`` and ``kvmesh replay`` take these.
 - :class:`RouterOptions`: the rest of what a router replica needs (KV events or approximate mode,
-  busy thresholds, replica sync, migration, disaggregation orchestration). The router service and
+  replica sync, migration, disaggregation orchestration). The router service and
   ``kvmesh up`` take these; ``kvmesh up`` hands them to its routers with :func:`options_argv`.
 - :class:`RouterConfig`: the router service's whole configuration.
 
@@ -93,6 +94,29 @@ class RoutingOptions:
         65536, "a prefill worker with more predicted queued prefill tokens has no capacity for another prefill"
     )
 
+    active_decode_blocks_threshold: int | None = option(
+        None, "a worker with more active blocks is busy; when all are busy requests wait in the router queue"
+    )
+    active_prefill_tokens_threshold: int | None = option(
+        None, "a worker with more queued prefill tokens is busy; when all are busy requests wait in the router queue"
+    )
+    router_queue_size: int = option(
+        256,
+        "requests of each priority class a router holds while every worker is busy (0: no queue, refuse at once)",
+    )
+    router_queue_timeout_secs: float = option(
+        30.0, "a request waiting in the router queue longer than this is refused (503 with Retry-After)"
+    )
+    router_queue_policy: str = option(
+        "fcfs",
+        "which waiting request of a class goes first: fcfs (first come) or spf (shortest uncached prefill)",
+        choices=QUEUE_POLICIES,
+    )
+    router_queue_shares: str = option(
+        DEFAULT_SHARES,
+        "the share of queue turns each priority class gets while several wait (a low class is slowed, never starved)",
+    )
+
     def cache_aware_options(self) -> CacheAwareOptions:
         return CacheAwareOptions(
             self.cache_threshold,
@@ -122,6 +146,20 @@ class RoutingOptions:
             raise ConfigError("--router-temperature must be >= 0")
         if self.disagg_min_uncached_tokens < 0 or self.prefill_queue_limit_tokens <= 0:
             raise ConfigError("--disagg-min-uncached-tokens must be >= 0 and --prefill-queue-limit-tokens > 0")
+        if self.router_queue_size < 0 or self.router_queue_timeout_secs <= 0:
+            raise ConfigError("--router-queue-size must be >= 0 and --router-queue-timeout-secs > 0")
+        try:
+            parse_shares(self.router_queue_shares)
+        except ValueError as exc:
+            raise ConfigError(f"--router-queue-shares: {exc}") from None
+
+    def queue_config(self) -> QueueConfig:
+        return QueueConfig(
+            self.router_queue_size,
+            self.router_queue_timeout_secs,
+            self.router_queue_policy,
+            parse_shares(self.router_queue_shares),
+        )
 
 
 @dataclass
@@ -134,28 +172,6 @@ class RouterOptions(RoutingOptions):
     router_ttl_secs: float = option(120.0, "approximate mode: seconds a routed block is assumed cached")
     router_max_tree_size: int = option(1 << 20, "approximate mode: most (worker, block) pairs remembered")
     indexer_timeout_ms: float = option(500.0, "deadline of one overlap query to an indexer replica")
-    active_decode_blocks_threshold: int | None = option(
-        None, "a worker with more active blocks is busy; when all are busy requests wait in the router queue"
-    )
-    active_prefill_tokens_threshold: int | None = option(
-        None, "a worker with more queued prefill tokens is busy; when all are busy requests wait in the router queue"
-    )
-    router_queue_size: int = option(
-        256,
-        "requests of each priority class a router holds while every worker is busy (0: no queue, refuse at once)",
-    )
-    router_queue_timeout_secs: float = option(
-        30.0, "a request waiting in the router queue longer than this is refused (503 with Retry-After)"
-    )
-    router_queue_policy: str = option(
-        "fcfs",
-        "which waiting request of a class goes first: fcfs (first come) or spf (shortest uncached prefill)",
-        choices=QUEUE_POLICIES,
-    )
-    router_queue_shares: str = option(
-        DEFAULT_SHARES,
-        "the share of queue turns each priority class gets while several wait (a low class is slowed, never starved)",
-    )
     request_timeout_secs: float = option(600.0, "forget a routed request after this long (a lost free)")
     router_replica_sync: bool = option(False, "share routing decisions with the other router replicas over NATS")
     migration_limit: int = option(3, "times a request whose worker fails mid-stream moves to another worker")
@@ -172,20 +188,6 @@ class RouterOptions(RoutingOptions):
             raise ConfigError("--request-timeout-secs and --indexer-timeout-ms must be positive")
         if self.migration_limit < 0 or self.worker_avoid_secs < 0:
             raise ConfigError("--migration-limit and --worker-avoid-secs must be >= 0")
-        if self.router_queue_size < 0 or self.router_queue_timeout_secs <= 0:
-            raise ConfigError("--router-queue-size must be >= 0 and --router-queue-timeout-secs > 0")
-        try:
-            parse_shares(self.router_queue_shares)
-        except ValueError as exc:
-            raise ConfigError(f"--router-queue-shares: {exc}") from None
-
-    def queue_config(self) -> QueueConfig:
-        return QueueConfig(
-            self.router_queue_size,
-            self.router_queue_timeout_secs,
-            self.router_queue_policy,
-            parse_shares(self.router_queue_shares),
-        )
 
 
 @dataclass

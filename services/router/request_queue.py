@@ -87,13 +87,18 @@ class QueueConfig:
     shares: dict[str, float] = field(default_factory=lambda: parse_shares(DEFAULT_SHARES))
 
 
-@dataclass
-class _Waiting:
+@dataclass(eq=False)
+class Waiting:
+    """One waiting request: its class, the order it came in, and its uncached prompt tokens when it
+    was queued (shortest-prefill-first's key). ``turn``: resolved when it may try (the live queue);
+    ``payload``: what the owner needs to route it (the replay's request)."""
+
     order: int
     priority: str
     uncached_tokens: int
     enqueued_at: float
-    turn: asyncio.Future[None]
+    turn: asyncio.Future[None] | None = None
+    payload: object = None
 
     def key(self, policy: str) -> tuple[int, int]:
         return (self.uncached_tokens, self.order) if policy == "spf" else (0, self.order)
@@ -107,34 +112,35 @@ class QueueListener:
     def refused(self, priority: str, reason: str) -> None: ...
 
 
-class _ModelQueue:
-    """The waiting requests of one model, and whose turn it is."""
+class WaitingRequests:
+    """The waiting requests of one model, and which goes next (sans-I/O: the live queue and
+    ``kvmesh replay`` both keep theirs in one)."""
 
     def __init__(self, config: QueueConfig) -> None:
         self.config = config
-        self.waiting: dict[str, list[_Waiting]] = {p: [] for p in PRIORITY_CLASSES}
+        self.waiting: dict[str, list[Waiting]] = {p: [] for p in PRIORITY_CLASSES}
         self.passes = dict.fromkeys(PRIORITY_CLASSES, 0.0)  # stride scheduling's virtual time per class
-        self.granted: _Waiting | None = None
+        self.granted: Waiting | None = None
         self.freed_since_grant = False
 
     def __len__(self) -> int:
         return sum(len(w) for w in self.waiting.values())
 
-    def add(self, entry: _Waiting) -> None:
+    def add(self, entry: Waiting) -> None:
         if not self.waiting[entry.priority]:
             # a class that was idle starts at the busiest's virtual time: it banks no credit while idle
             active = [self.passes[p] for p, w in self.waiting.items() if w]
             self.passes[entry.priority] = max(self.passes[entry.priority], min(active, default=0.0))
         self.waiting[entry.priority].append(entry)
 
-    def remove(self, entry: _Waiting) -> None:
+    def remove(self, entry: Waiting) -> None:
         with_class = self.waiting[entry.priority]
         if entry in with_class:
             with_class.remove(entry)
         if self.granted is entry:
             self.granted = None
 
-    def next(self) -> _Waiting | None:
+    def next(self) -> Waiting | None:
         """The request to try next: the class furthest behind its share, then by policy."""
         active = [p for p, w in self.waiting.items() if w]
         if not active:
@@ -142,7 +148,7 @@ class _ModelQueue:
         priority = min(active, key=lambda p: (self.passes[p], PRIORITY_CLASSES.index(p)))
         return min(self.waiting[priority], key=lambda w: w.key(self.config.policy))
 
-    def charge(self, entry: _Waiting) -> None:
+    def charge(self, entry: Waiting) -> None:
         self.passes[entry.priority] += 1.0 / self.config.shares[entry.priority]
 
 
@@ -162,7 +168,7 @@ class RouterQueue:
         self.config = config
         self._listener = listener or QueueListener()
         self._clock = clock
-        self._models: dict[str, _ModelQueue] = {}
+        self._models: dict[str, WaitingRequests] = {}
         self._order = itertools.count()
         self._admitted: deque[float] = deque()  # admission times within RATE_WINDOW_S, for retry-after
 
@@ -193,11 +199,16 @@ class RouterQueue:
             else:
                 self._note_admitted()
                 return result
-            queue = self._models.setdefault(model, _ModelQueue(self.config))
+            queue = self._models.setdefault(model, WaitingRequests(self.config))
         return await self._wait(model, queue, priority, uncached_tokens, attempt)
 
     async def _wait(
-        self, model: str, queue: _ModelQueue, priority: str, uncached_tokens: int, attempt: Callable[[], Awaitable[T]]
+        self,
+        model: str,
+        queue: WaitingRequests,
+        priority: str,
+        uncached_tokens: int,
+        attempt: Callable[[], Awaitable[T]],
     ) -> T:
         if len(queue.waiting[priority]) >= self.config.size:
             self._listener.refused(priority, "full")
@@ -208,7 +219,8 @@ class RouterQueue:
                 self.retry_after(len(queue)),
             )
         loop = asyncio.get_running_loop()
-        entry = _Waiting(next(self._order), priority, uncached_tokens, self._clock(), loop.create_future())
+        entry = Waiting(next(self._order), priority, uncached_tokens, self._clock(), loop.create_future())
+        assert entry.turn is not None
         queue.add(entry)
         self._listener.depth(priority, len(queue.waiting[priority]))
         deadline = entry.enqueued_at + self.config.timeout_s
@@ -255,13 +267,13 @@ class RouterQueue:
             if queue.granted is None:
                 self._grant(queue)
 
-    def _grant(self, queue: _ModelQueue) -> None:
+    def _grant(self, queue: WaitingRequests) -> None:
         entry = queue.next()
         if entry is None:
             return
         queue.granted = entry
         queue.freed_since_grant = False
-        if not entry.turn.done():
+        if entry.turn is not None and not entry.turn.done():
             entry.turn.set_result(None)
 
     def _note_admitted(self) -> None:

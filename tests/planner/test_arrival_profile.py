@@ -11,6 +11,14 @@ def test_a_step_doubles_the_rate_after_its_time():
     assert profile.warp_ms(200_000) == pytest.approx(150_000, abs=1e-3)
 
 
+def test_a_pulse_multiplies_the_rate_for_its_length_only():
+    profile = parse_arrival_profile("pulse:at=30,for=60,factor=2")
+    assert profile.warp_ms(20_000) == pytest.approx(20_000, abs=1e-3)
+    # 120 s of the trace from 30 s on take the pulse's 60 s at twice the rate
+    assert profile.warp_ms(150_000) == pytest.approx(90_000, abs=1e-3)
+    assert profile.warp_ms(200_000) == pytest.approx(140_000, abs=1e-3)  # then the trace's own rate again
+
+
 def test_a_sine_keeps_the_order_and_the_mean_rate():
     profile = parse_arrival_profile("sine:period=100,amplitude=0.5")
     times = [profile.warp_ms(t * 1000.0) for t in range(0, 1001, 7)]
@@ -20,7 +28,9 @@ def test_a_sine_keeps_the_order_and_the_mean_rate():
     assert profile.warp_ms(40_000) < 40_000
 
 
-@pytest.mark.parametrize("text", ["sine:amplitude=1.5", "step:factor=0", "wave:period=3", "sine:period=x"])
+@pytest.mark.parametrize(
+    "text", ["sine:amplitude=1.5", "step:factor=0", "wave:period=3", "sine:period=x", "pulse:for=0"]
+)
 def test_bad_profiles_are_refused(text):
     with pytest.raises(ConfigError):
         parse_arrival_profile(text)

@@ -285,3 +285,40 @@ def test_predict_on_route_lets_a_burst_of_siblings_meet_their_prefix_like_an_ora
     # siblings arrive before the first one's prefill ends: without the prediction the index knows nothing
     assert predicted > 2 * unpredicted
     assert predicted >= 0.95 * oracle, (predicted, oracle)
+
+
+@needs_trace
+def test_the_router_queue_holds_an_overload_and_gives_the_high_class_its_turns_first(shared_trace):
+    # 800 requests at 20 times the trace's rate: several times what 8 workers serve
+    config = ReplayConfig(
+        router_mode="kv",
+        arrival_speedup_ratio=20,
+        active_prefill_tokens_threshold=16384,
+        router_queue_size=4096,
+        router_queue_timeout_secs=600,
+        priority_mix="high=0.2,normal=0,low=0.8",
+    )
+    records = ReplaySimulator(config).run(shared_trace[:800])
+    summary = summarise(records)
+    assert summary["completed"] == 800 and summary["refused"] == 0
+    high, low = summary["by_priority"]["high"], summary["by_priority"]["low"]
+    assert high["queued_ms"]["p99"] < low["queued_ms"]["p50"]
+    assert high["ttft_ms"]["p99"] < low["ttft_ms"]["p90"]
+    assert max(r.queued_ms for r in records) > 0
+
+
+@needs_trace
+def test_the_router_queue_refuses_only_when_full_or_past_the_deadline(shared_trace):
+    config = ReplayConfig(
+        router_mode="kv",
+        arrival_speedup_ratio=20,
+        active_prefill_tokens_threshold=16384,
+        router_queue_size=40,
+        router_queue_timeout_secs=1,
+    )
+    records = ReplaySimulator(config).run(shared_trace[:800])
+    reasons = {r.refused for r in records if r.refused}
+    assert reasons == {"full", "timeout"}
+    assert all(r.queued_ms >= 1000 for r in records if r.refused == "timeout")
+    assert all(r.queued_ms < 1000 for r in records if not r.refused)
+    assert all(r.tokens == r.output_length for r in records if not r.refused)

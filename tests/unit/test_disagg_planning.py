@@ -77,7 +77,13 @@ async def test_short_uncached_part_prefills_locally_unless_the_threshold_is_zero
 
 async def test_prefill_pool_without_capacity_falls_back_or_refuses_when_enforced():
     for enforce in (False, True):
-        mesh = router({1: "decode", 3: "prefill"}, prefill_queue_limit_tokens=1000, enforce_disagg=enforce)
+        # no predict-on-route: the same prompt is planned again below, and would be predicted cached
+        mesh = router(
+            {1: "decode", 3: "prefill"},
+            prefill_queue_limit_tokens=1000,
+            enforce_disagg=enforce,
+            router_predicted_ttl_secs=0,
+        )
         prefill = mesh.workers.get(3)
         mesh.track_add("queued", prefill, [], 4000, 0, 0)  # 4,000 prefill tokens already queued there
         if enforce:
