@@ -17,6 +17,7 @@ from nats.js import JetStreamContext
 from prometheus_client import Histogram
 
 from kvmesh.common.core.prefix_index import PrefixIndex
+from kvmesh.common.core.tier_credits import offloaded_blocks
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh.common.rpc.grpc_errors import refuse
 from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
@@ -27,7 +28,7 @@ from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
 from kvmesh.common.runtime.metrics import MetricsEndpoint
 from kvmesh.common.runtime.service import ServiceStack, service_main
 from kvmesh.common.wire.hashing import block_set_digest, sequence_hashes
-from kvmesh.common.wire.kv_events import POOL_DP_RANK
+from kvmesh.common.wire.kv_events import POOL_DP_RANK, PSEUDO_DP_RANKS
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.indexer.consumer import EventStreamConsumer
@@ -102,14 +103,16 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             experts = {(e.layer, e.expert) for e in request.moe_query}
             alignment = self.index.moe_alignment(sequence, matched, experts)
         pooled = self._pooled_blocks(matched)
+        host, disk = offloaded_blocks(matched)
         sizes = self.index.tree_sizes()
-        if pooled.keys() - sizes.keys():  # a worker that caches nothing yet can still read the pool
-            sizes = {**dict.fromkeys(pooled, 0), **sizes}
+        extra = (pooled.keys() | host.keys() | disk.keys()) - sizes.keys()
+        if extra:  # a worker that caches nothing on its device yet can still read the pool or its host tier
+            sizes = {**dict.fromkeys(extra, 0), **sizes}
         self.query_latency.observe(time.perf_counter() - started)
         response = indexer_pb2.FindMatchesResponse() if into is None else into
         add = response.workers.add
         for key, size in sizes.items():
-            if key[1] == POOL_DP_RANK:
+            if key[1] in PSEUDO_DP_RANKS:
                 continue
             aligned, hosted = alignment.get(key, (0, 0))
             add(
@@ -120,6 +123,8 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                 moe_aligned_blocks=aligned,
                 moe_hosted_experts=hosted,
                 pooled_blocks=pooled.get(key, 0),
+                host_blocks=host.get(key, 0),
+                disk_blocks=disk.get(key, 0),
             )
         response.applied_sequence = self.consumer.applied_sequence
         return response

@@ -75,6 +75,11 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
         "",
         "reshape the arrival rate over time: sine:period=S,amplitude=A[,phase=S] or step:at=S,factor=F (seconds)",
     )
+    host_kv_blocks: int = option(
+        0,
+        "each worker's host tier: evicted blocks go there and are reloaded for a later request (their events are "
+        "indexed as the worker's host tier and credited at --host-block-credit; 0: none)",
+    )
     kv_event_delay_ms: float = option(
         DEFAULT_KV_EVENT_DELAY_MS,
         "time from a step's end until its KV events are in the index the router asks (measured on a live mesh of "
@@ -112,6 +117,8 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
                 parse_mix(self.priority_mix)
             except ValueError as exc:
                 raise ConfigError(f"--priority-mix: {exc}") from None
+        if self.host_kv_blocks < 0:
+            raise ConfigError("--host-kv-blocks must be >= 0")
         if self.kv_event_delay_ms < 0:
             raise ConfigError("--kv-event-delay-ms must be >= 0")
         if self.prefill_workers < 0:

@@ -25,10 +25,11 @@ import math
 import random
 
 from kvmesh.common.core.prefix_index import PrefixIndex
+from kvmesh.common.core.tier_credits import credited_matches, offloaded_blocks
 from kvmesh.common.core.timing import TimingModel, scaled
 from kvmesh.common.core.timing_fit import TimingFit
 from kvmesh.common.wire.hashing import sequence_hashes, token_bytes
-from kvmesh.common.wire.kv_events import KvEvent, KvEventBatch
+from kvmesh.common.wire.kv_events import HOST_DP_RANK, HOST_TIER, PSEUDO_DP_RANKS, KvEvent, KvEventBatch
 from kvmesh.planner.load import IntervalObservation
 from kvmesh.planner.planner import POOLS, Decision, Planner, PoolSizes
 from kvmesh.replay.arrival_profile import parse_arrival_profile
@@ -57,6 +58,7 @@ class ReplaySimulator:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             timing=TimingModel(),
+            host_blocks=config.host_kv_blocks,
         )
         total = config.workers + config.prefill_workers
         self.engine_config = engine_config
@@ -104,6 +106,7 @@ class ReplaySimulator:
                 self.policy.cost_model.set_timing((w, 0), engine.config.timing)
         self._builder = PromptBuilder(config.trace_block_size, config.block_size)
         self._next_event_id = [0] * total
+        self._next_host_event_id = [0] * total  # each worker's host tier numbers its own events
         self._workers = [(w, 0) for w in range(config.workers)]
         self._prefill_workers = [(w, 0) for w in range(config.workers, total)]
         # prefill request id -> (request id, decode worker, prompt, output length, (local, sequence) hashes)
@@ -338,6 +341,15 @@ class ReplaySimulator:
                 matches[key] = held
         return matches
 
+    def _publish(self, batch: KvEventBatch, now: float) -> None:
+        """Into the index at once, or once it has travelled (--kv-event-delay-ms; applied before the
+        next routing after)."""
+        delay = self.config.kv_event_delay_ms
+        if delay > 0:
+            heapq.heappush(self._events_in_flight, (now + delay, next(self._transfer_seq), batch))
+        else:
+            self.index.apply_batch(batch)
+
     def _deliver_events(self, now: float) -> None:
         """Apply the KV events that have reached the index by ``now`` (ms), in the order they left."""
         while self._events_in_flight and self._events_in_flight[0][0] <= now:
@@ -375,6 +387,19 @@ class ReplaySimulator:
         elif needs_overlaps:
             self._deliver_events(at_ms)
             overlaps = self.index.find_matches_by_sequence(block_hashes)
+            if self.config.host_kv_blocks:  # host tiers are indexed apart: credited as the router does
+                host, disk = offloaded_blocks(overlaps)
+                device = {key: blocks for key, blocks in overlaps.items() if key[1] not in PSEUDO_DP_RANKS}
+                config = self.config
+                overlaps = credited_matches(
+                    device,
+                    pooled={},
+                    host=host,
+                    disk=disk,
+                    pooled_credit=config.pooled_block_credit,
+                    host_credit=config.host_block_credit,
+                    disk_credit=config.disk_block_credit,
+                )
             if self.predicted is not None and not self.config.oracle_index:
                 for key, blocks in self.predicted.matches(block_hashes, now_s).items():
                     overlaps[key] = max(overlaps.get(key, 0), blocks)
@@ -505,13 +530,13 @@ class ReplaySimulator:
             first = self._next_event_id[worker]
             self._next_event_id[worker] = first + len(events)
             batch = tuple(KvEvent(first + i, data) for i, data in enumerate(events))
-            delay = self.config.kv_event_delay_ms
-            if delay > 0:  # in the index only once it has travelled (applied before the next routing after)
-                heapq.heappush(
-                    self._events_in_flight, (now + delay, next(self._transfer_seq), KvEventBatch(worker, 0, now, batch))
-                )
-            else:
-                self.index.apply_batch(KvEventBatch(worker, 0, now, batch))
+            self._publish(KvEventBatch(worker, 0, now, batch), now)
+        host_events = self.engines[worker].drain_host_events()
+        if host_events:
+            first = self._next_host_event_id[worker]
+            self._next_host_event_id[worker] = first + len(host_events)
+            batch = tuple(KvEvent(first + i, data, HOST_TIER) for i, data in enumerate(host_events))
+            self._publish(KvEventBatch(worker, HOST_DP_RANK, now, batch), now)
         woken = []
         for output in result.outputs:
             if output.request_id in self._awaiting_kv:

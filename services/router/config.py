@@ -73,6 +73,14 @@ class RoutingOptions:
         "kv mode: a block a worker can import from its host's KV pool counts as this share of a block in its own "
         "cache (cheaper than recomputing, dearer than already there; 0: ignore the pool)",
     )
+    host_block_credit: float = option(
+        0.75,
+        "kv mode: a block a worker holds offloaded in host memory counts as this share of one in its device memory "
+        "(a reload is cheaper than recomputing; NVIDIA Dynamo's default)",
+    )
+    disk_block_credit: float = option(
+        0.25, "kv mode: a block a worker holds offloaded on disk counts as this share of one in its device memory"
+    )
     router_predicted_ttl_secs: float = option(
         2.0,
         "kv mode: at routing time the chosen worker is taken to cache the request's blocks for this long, until its "
@@ -136,8 +144,9 @@ class RoutingOptions:
             raise ConfigError("--eviction-interval-secs and --max-tree-size must be positive")
         if self.kv_overlap_score_weight < 0:
             raise ConfigError("--kv-overlap-score-weight must be >= 0")
-        if not 0 <= self.pooled_block_credit <= 1:
-            raise ConfigError("--pooled-block-credit must be between 0 and 1")
+        for name in ("pooled_block_credit", "host_block_credit", "disk_block_credit"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be between 0 and 1")
         if self.router_predicted_ttl_secs < 0:
             raise ConfigError("--router-predicted-ttl-secs must be >= 0")
         if not 0 <= self.moe_score_weight < 1:

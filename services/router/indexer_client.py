@@ -31,6 +31,8 @@ class CacheView(NamedTuple):
     tree_sizes: dict[WorkerKey, int]
     moe: dict[WorkerKey, tuple[int, int]] = {}
     pooled: dict[WorkerKey, int] = {}  # blocks past the match a worker can import from its KV pool
+    host: dict[WorkerKey, int] = {}  # blocks past the match a worker holds offloaded in host memory
+    disk: dict[WorkerKey, int] = {}  # ... and past those, on disk
 
 
 class QueryRefusedByIndexer(ValueError):
@@ -99,7 +101,9 @@ class IndexerClient:
                 if w.moe_aligned_blocks or w.moe_hosted_experts
             }
             pooled = {(w.worker_id, w.dp_rank): w.pooled_blocks for w in response.workers if w.pooled_blocks}
-            return CacheView(matched, sizes, moe, pooled)
+            host = {(w.worker_id, w.dp_rank): w.host_blocks for w in response.workers if w.host_blocks}
+            disk = {(w.worker_id, w.dp_rank): w.disk_blocks for w in response.workers if w.disk_blocks}
+            return CacheView(matched, sizes, moe, pooled, host, disk)
         if self.load_only_since is None:  # said once, until a replica answers again
             self.load_only_since = self._clock()
             log.warning("no indexer answered; routing on load alone until one does", replicas=len(replicas))

@@ -18,6 +18,7 @@ from functools import cached_property
 import grpc
 import structlog
 
+from kvmesh.common.core.tier_credits import credited_matches
 from kvmesh.common.core.timing import from_constants
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
 from kvmesh.common.rpc.grpc_errors import NO_WORKER
@@ -26,7 +27,7 @@ from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.runtime.misconfiguration import Findings
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes, token_bytes
 from kvmesh.router.approximate_index import ApproximateIndex
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.config import RouterConfig, RoutingOptions
 from kvmesh.router.eligibility import (
     BusyThresholds,
     FailedWorkers,
@@ -100,6 +101,20 @@ def moe_hosted_shares(
     """Per worker, the share of the request's distinct MoE experts its cached blocks were computed with."""
     wanted = len({(e.layer, e.expert) for e in query})
     return {worker: min(1.0, hosted / wanted) for worker, (_aligned, hosted) in moe.items()} if wanted else {}
+
+
+def credited_view(view: CacheView, config: RoutingOptions) -> dict[tuple[int, int], int]:
+    """The view's matches with the blocks of the host tier, KV pool and disk tier credited at
+    ``--host-block-credit``, ``--pooled-block-credit`` and ``--disk-block-credit``."""
+    return credited_matches(
+        view.matched,
+        pooled=view.pooled,
+        host=view.host,
+        disk=view.disk,
+        pooled_credit=config.pooled_block_credit,
+        host_credit=config.host_block_credit,
+        disk_credit=config.disk_block_credit,
+    )
 
 
 def uncached_tokens(prepared: Prepared, matched: dict[tuple[int, int], int]) -> int:
@@ -289,12 +304,8 @@ class Router:
             return CacheView({}, {})
         if self.config.kv_events:
             view = await self.indexers.find_matches(prepared.block_hashes, prepared.moe_query)
-            credit = self.config.pooled_block_credit
-            if view.pooled and credit:  # a pooled block is worth `credit` of a cached one
-                matched = dict(view.matched)
-                for worker, blocks in view.pooled.items():
-                    matched[worker] = matched.get(worker, 0) + round(credit * blocks)
-                view = view._replace(matched=matched)
+            if view.pooled or view.host or view.disk:
+                view = view._replace(matched=credited_view(view, self.config))
             # after the await: predictions of decisions made while the indexers answered count too
             predicted = self._predicted.get(prepared.policy.block_size)
             if predicted is not None:
@@ -325,7 +336,7 @@ class Router:
                 raise RoutingError(grpc.StatusCode.NOT_FOUND, f"worker {forced} is not registered for this model")
             return Choice(record, 0, prepared.block_hashes)
 
-        matched, sizes, moe, _pooled = await self.cache_view(prepared)
+        matched, sizes, moe, *_tiers = await self.cache_view(prepared)
         try:
             candidates = self.not_busy(prepared)  # after the await: see not_busy
         except AllWorkersBusy as busy:
@@ -380,7 +391,7 @@ class Router:
             return None
         policy = self.policy(prepared.candidates[0], self.config.decode_policy)
         prefill_policy = self.policy(prepared.candidates[0], self.config.prefill_policy)
-        matched, sizes, moe, _pooled = await self.cache_view(prepared, policy, prefill_policy)
+        matched, sizes, moe, *_tiers = await self.cache_view(prepared, policy, prefill_policy)
         try:
             candidates = self.not_busy(prepared, "decode workers")  # after the await: see not_busy
         except AllWorkersBusy as busy:
@@ -420,7 +431,7 @@ class Router:
 
     async def potential_loads(self, request: common_pb2.PreprocessedRequest) -> list[router_pb2.WorkerLoad]:
         prepared = self.prepare(request)
-        matched, _sizes, _moe, _pooled = await self.cache_view(prepared)
+        matched, *_rest = await self.cache_view(prepared)
         workers = [(r.instance_id, 0) for r in prepared.candidates]
         active = prepared.policy.active
         loads = []

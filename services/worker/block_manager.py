@@ -24,7 +24,7 @@ the sequence hash, which is unique per cached block.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.common.wire.kv_events import (
@@ -70,6 +70,8 @@ class BlockManager:
         self._events: list[EventData] = []
         # Free slots; popped from the end, so a fresh pool hands out 0, 1, 2, ...
         self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
+        # told of each cached block as it is evicted (already out of the cache; the host tier copies it)
+        self.on_evict: Callable[[KvBlock], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -100,6 +102,10 @@ class BlockManager:
             if h not in self._cached:
                 return i
         return len(sequence_hashes)
+
+    def cached_block(self, sequence_hash: int) -> KvBlock | None:
+        """The registered block of a sequence hash (None when it is not cached)."""
+        return self._cached.get(sequence_hash)
 
     def slot_of(self, sequence_hash: int) -> int | None:
         """The KV slot of a cached block (None when it is not cached)."""
@@ -141,6 +147,8 @@ class BlockManager:
             for _ in range(shortfall):
                 h, block = self._inactive.popitem(last=False)
                 del self._cached[h]
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 self._free_slots.append(block.slot)
                 evicted.append(h)
             self._events.append(BlocksRemoved(tuple(evicted)))

@@ -275,3 +275,8 @@ class Engine(abc.ABC):
     def dump_pool_state(self) -> tuple[int, list[CachedBlock]] | None:
         """The same for the worker's KV pool segment (dp rank ``POOL_DP_RANK``); None without one."""
         return None
+
+    def dump_tier_state(self, tier: str) -> tuple[int, list[CachedBlock]] | None:
+        """The same for one of the worker's offloaded tiers (``host``, ``disk``: their dp ranks
+        ``HOST_DP_RANK``, ``DISK_DP_RANK``); None without it."""
+        return None

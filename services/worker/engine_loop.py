@@ -13,6 +13,7 @@ import structlog
 from kvmesh.common.core.timing import TimingModel, real_time
 from kvmesh.common.core.timing_fit import TimingFit
 from kvmesh.common.rpc.tasks import cancel_and_wait
+from kvmesh.common.wire.kv_events import HOST_TIER
 from kvmesh.worker.engine import (
     CachedBlock,
     Engine,
@@ -56,9 +57,12 @@ class MockEngineLoop(Engine):
         publisher: KvEventPublisher | None,
         pool: KvPool | None = None,
         pool_publisher: KvEventPublisher | None = None,
+        host_publisher: KvEventPublisher | None = None,
     ) -> None:
         """``pool``: the host's KV pool, written through with every block this engine computes (its
-        changes published by ``pool_publisher``) and read for a new request's uncached blocks."""
+        changes published by ``pool_publisher``) and read for a new request's uncached blocks;
+        ``host_publisher``: publishes the engine's host tier (its dp rank ``HOST_DP_RANK``)."""
+        self._host_publisher = host_publisher
         self.engine = engine
         self.pool = pool
         self.pool_writer = PoolWriter(pool, pool_publisher) if pool is not None else None
@@ -135,6 +139,17 @@ class MockEngineLoop(Engine):
         # the mock engine's block id is our sequence hash
         blocks = [CachedBlock(h, local, parent, h) for h, local, parent in self.engine.cache.cached_blocks()]
         return last, blocks
+
+    def dump_tier_state(self, tier: str) -> tuple[int, list[CachedBlock]] | None:
+        """The host tier's blocks and the last event id its publisher numbered; None without one
+        (the mock engine has no disk tier)."""
+        host = self.engine.cache.host
+        if tier != HOST_TIER or host is None or self._host_publisher is None:
+            return None
+        self._publish_events()
+        return self._host_publisher.last_event_id, [
+            CachedBlock(h, local, parent, h) for h, local, parent in host.blocks()
+        ]
 
     def dump_pool_state(self) -> tuple[int, list[CachedBlock]] | None:
         if self.pool_writer is None:
@@ -221,3 +236,7 @@ class MockEngineLoop(Engine):
                 self.pool_writer.write(events, self.engine.cache)
         if events and self._publisher is not None:
             self._publisher.enqueue(events)
+        if self._host_publisher is not None:
+            host_events = self.engine.drain_host_events()
+            if host_events:
+                self._host_publisher.enqueue(host_events)

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 from kvmesh.common.wire.hashing import blocks_needed, hash_block_tokens, local_block_hashes, lora_seed, sequence_hashes
 from kvmesh.common.wire.kv_events import EventData, MoePlacement
-from kvmesh.worker.block_manager import BlockManager
+from kvmesh.worker.block_manager import BlockManager, KvBlock
 from kvmesh.worker.engine import EngineRequestError, TransferPlan, transferable_blocks
+from kvmesh.worker.host_tier import ChainBlock, HostTier
 from kvmesh.worker.kv_buffer import KvBuffer
 
 if TYPE_CHECKING:
@@ -33,12 +34,35 @@ class KvCacheManager:
         block_size: int,
         kv: KvBuffer | None = None,
         moe_placements: tuple[MoePlacement, ...] = (),
+        host_blocks: int = 0,
     ) -> None:
+        """``host_blocks``: the size of a host tier that takes evicted blocks (0: none)."""
         if kv is not None and kv.num_blocks != num_blocks:
             raise ValueError("the KV buffer must have one region per block")
         self.block_size = block_size
         self.blocks = BlockManager(num_blocks, block_size, moe_placements)
         self.kv = kv
+        self.host: HostTier | None = None
+        if host_blocks:
+            self.host = HostTier(host_blocks, block_size, moe_placements)
+            self.blocks.on_evict = self._offload
+
+    def _offload(self, evicted: KvBlock) -> None:
+        """Copy an evicted block to the host tier, with its ancestors still on the device."""
+        assert self.host is not None and evicted.sequence_hash is not None
+        chain: list[ChainBlock] = [(evicted.sequence_hash, evicted.local_hash, evicted.parent_hash)]
+        parent = evicted.parent_hash
+        while parent is not None and not self.host.holds(parent):
+            block = self.blocks.cached_block(parent)
+            if block is None:
+                return  # an ancestor is gone from both tiers: the copy could not be chained
+            chain.append((parent, block.local_hash, block.parent_hash))
+            parent = block.parent_hash
+        chain.reverse()
+        self.host.offload(chain)
+
+    def drain_host_events(self) -> list[EventData]:
+        return self.host.drain_events() if self.host is not None else []
 
     # ---- reading ---------------------------------------------------------------------------
     @property
@@ -94,21 +118,40 @@ class KvCacheManager:
 
     # ---- changing ----------------------------------------------------------------------------
     def admit(self, request: EngineRequest, budget: int) -> bool:
-        """Attach the cached prefix and the blocks of the first chunk; False if memory is short."""
+        """Attach the cached prefix and the blocks of the first chunk; False if memory is short.
+        With a host tier, the blocks past the device's prefix that it holds are reloaded (cached
+        again on the device, counted as cached tokens; ``request.reloaded_blocks`` says how many,
+        for the step's time)."""
         all_hashes = self.full_block_hashes(request)
         cached = self.blocks.cached_prefix_length(all_hashes)
         # At least one token is always computed, so the step has a token to sample from.
-        cached = min(cached, (request.num_tokens - 1) // self.block_size)
+        last_full = (request.num_tokens - 1) // self.block_size
+        cached = min(cached, last_full)
+        reload = min(self.host.run_length(all_hashes, cached), last_full - cached) if self.host is not None else 0
         prefix = all_hashes[:cached]
-        computed = cached * self.block_size
+        computed = (cached + reload) * self.block_size
         first_chunk = min(request.num_tokens - computed, budget)
         fresh = blocks_needed(computed + first_chunk, self.block_size) - cached
         if fresh + self.blocks.inactive_count(prefix) > self.blocks.num_available:
             return False
         request.blocks = self.blocks.acquire_cached(prefix)
         request.blocks.extend(self.blocks.allocate(fresh))
+        if reload:
+            assert self.host is not None
+            reloaded = all_hashes[cached : cached + reload]
+            parent = prefix[-1] if prefix else None
+            self.blocks.register(
+                request.blocks[cached : cached + reload],
+                reloaded,
+                request.local_hashes[cached : cached + reload],
+                parent,
+            )
+            self.host.touch(reloaded)
+            if self.kv is not None:
+                self.kv.fill_many([block.slot for block in request.blocks[cached : cached + reload]], reloaded)
+        request.reloaded_blocks = reload
         request.num_computed = computed
-        request.num_registered = cached
+        request.num_registered = cached + reload
         if request.cached_tokens is None:
             request.cached_tokens = min(computed, len(request.prompt))
         return True

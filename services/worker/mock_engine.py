@@ -75,6 +75,9 @@ class EngineConfig:
     output_vocab: tuple[int, ...] = DEFAULT_OUTPUT_VOCAB
     # as a mixture-of-experts model: the (layer, expert, group) placements every cached block is tagged with
     moe_placements: tuple[MoePlacement, ...] = ()
+    # a host tier of this many blocks takes evicted blocks (0: none); reloading one costs this per token
+    host_blocks: int = 0
+    host_reload_ms_per_token: float = 0.002
 
 
 @dataclass(eq=False)
@@ -97,6 +100,7 @@ class EngineRequest:
     seq_hashes: list[int] = field(default_factory=list)
     # Keep the blocks referenced after the last token (a prefill whose KV another worker will pull).
     hold_on_finish: bool = False
+    reloaded_blocks: int = 0  # blocks its admission reloaded from the host tier (paid in that step)
 
     @property
     def num_tokens(self) -> int:
@@ -127,7 +131,9 @@ class MockEngine:
     def __init__(self, config: EngineConfig, kv: KvBuffer | None = None) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.cache = KvCacheManager(config.num_blocks, config.block_size, kv, config.moe_placements)
+        self.cache = KvCacheManager(
+            config.num_blocks, config.block_size, kv, config.moe_placements, host_blocks=config.host_blocks
+        )
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self._by_id: dict[str, EngineRequest] = {}
@@ -256,6 +262,10 @@ class MockEngine:
     def drain_events(self) -> list[EventData]:
         return self.cache.drain_events()
 
+    def drain_host_events(self) -> list[EventData]:
+        """The host tier's events (tier ``host``), apart: they are published as another dp rank."""
+        return self.cache.drain_host_events()
+
     def cached_prefix_tokens(self, prompt: Sequence[int], lora_name: str | None = None) -> int:
         """Prompt tokens this engine's cache would serve right now (for tests and inspection)."""
         return self.cache.cached_prefix_tokens(prompt, lora_name)
@@ -320,6 +330,14 @@ class MockEngine:
             else:
                 prefill_tokens += count
         duration = self.config.timing.step_ms(prefill_tokens, decode_context, self.capacity_tokens, decoding > 0)
+        reloaded = 0
+        for request, _count in scheduled:
+            reloaded += request.reloaded_blocks
+            request.reloaded_blocks = 0
+        if reloaded:  # copies back from host memory: cheaper than computing them, not free
+            duration += (
+                reloaded * self.block_size * self.config.host_reload_ms_per_token / self.config.timing.speedup_ratio
+            )
 
         outputs: list[TokenOutput] = []
         register = self.cache.register_full_blocks

@@ -18,7 +18,14 @@ from kvmesh.common.runtime.heap import freeze_startup_heap
 from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
 from kvmesh.common.runtime.metrics import MetricsEndpoint
 from kvmesh.common.runtime.service import ServiceStack, service_main
-from kvmesh.common.wire.kv_events import POOL_DP_RANK, POOLED_TIER, parse_moe_placements
+from kvmesh.common.wire.kv_events import (
+    HOST_DP_RANK,
+    HOST_TIER,
+    POOL_DP_RANK,
+    POOLED_TIER,
+    TIER_DP_RANKS,
+    parse_moe_placements,
+)
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.connector_handover import ConnectorHandover
 from kvmesh.worker.engine import Engine
@@ -50,6 +57,8 @@ def build_mock_engine(config: WorkerConfig, kv: KvBuffer | None = None) -> MockE
             max_num_batched_tokens=config.mock_shape("max_num_batched_tokens"),
             timing=TimingModel(speedup_ratio=config.speedup_ratio),
             moe_placements=parse_moe_placements(config.moe_experts),
+            host_blocks=config.host_kv_blocks,
+            host_reload_ms_per_token=config.host_reload_ms_per_token,
         ),
         kv,
     )
@@ -101,12 +110,20 @@ async def serve(
         if config.engine == "vllm":
             # prefill and decode workers move KV with vLLM's NIXL connector; aggregated ones need none
             connector_host = None if config.role == "aggregated" else advertised_host(config)
+            # the blocks an offloading connector keeps in CPU memory or on disk, each tier its own dp rank
+            tiers = {}
+            for tier, rank in TIER_DP_RANKS.items():
+                tier_publisher = await stack.start(
+                    publisher_class(js, config.namespace, worker_id, dp_rank=rank, tier=tier, flush_interval_s=flush)
+                )
+                tiers[tier] = (tier_publisher.enqueue, lambda p=tier_publisher: p.last_event_id)
             vllm = VllmEngine(
                 config.engine_args,
                 vllm_overrides(config),
                 publisher.enqueue,
                 lambda: publisher.last_event_id,
                 kv_connector_host=connector_host,
+                tier_publishers=tiers,
             )
             engine: Engine = await stack.start(vllm)
             if connector_host is not None:
@@ -125,7 +142,16 @@ async def serve(
                     )
                 )
                 extra["kv_pool"] = pool.pool_id
-            engine = await stack.start(MockEngineLoop(build_mock_engine(config, kv), publisher, pool, pool_publisher))
+            host_publisher = None
+            if config.host_kv_blocks:
+                host_publisher = await stack.start(
+                    publisher_class(
+                        js, config.namespace, worker_id, dp_rank=HOST_DP_RANK, tier=HOST_TIER, flush_interval_s=flush
+                    )
+                )
+            engine = await stack.start(
+                MockEngineLoop(build_mock_engine(config, kv), publisher, pool, pool_publisher, host_publisher)
+            )
             transfer = await start_kv_transfer(stack, config, worker_id, kv, engine)
             handover = KvHandover(worker_id, engine, transfer, config.kv_transfer_timeout_secs)
             extra |= {

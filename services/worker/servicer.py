@@ -21,7 +21,7 @@ from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.wire import disagg
 from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvSource, PrefillOrder
 from kvmesh.common.wire.finish_reasons import to_proto
-from kvmesh.common.wire.kv_events import POOL_DP_RANK
+from kvmesh.common.wire.kv_events import POOL_DP_RANK, TIER_DP_RANKS
 from kvmesh.worker.engine import (
     Engine,
     EngineFailure,
@@ -34,6 +34,7 @@ from kvmesh.worker.kv_handover import Handover
 from kvmesh.worker.metrics import WorkerMetrics
 
 log = structlog.get_logger(__name__)
+TIERS_BY_DP_RANK = {rank: tier for tier, rank in TIER_DP_RANKS.items()}
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -184,7 +185,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def DumpKvState(
         self, request: worker_pb2.DumpKvStateRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.KvStateDump:
-        dumped = self.engine.dump_pool_state() if request.dp_rank == POOL_DP_RANK else None
+        dumped = None
+        if request.dp_rank == POOL_DP_RANK:
+            dumped = self.engine.dump_pool_state()
+        elif request.dp_rank in TIERS_BY_DP_RANK:
+            dumped = self.engine.dump_tier_state(TIERS_BY_DP_RANK[request.dp_rank])
         if dumped is None and request.dp_rank != 0:
             await refuse(
                 context, "worker", grpc.StatusCode.NOT_FOUND, f"this worker has only dp rank 0, not {request.dp_rank}"

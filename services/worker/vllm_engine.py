@@ -42,7 +42,7 @@ from kvmesh.worker.engine import (
     TransferPlan,
 )
 from kvmesh.worker.kv_transfer import TransferStats
-from kvmesh.worker.vllm_events import VllmEventRelay, VllmEventTranslator
+from kvmesh.worker.vllm_events import MEDIUMS_BY_TIER, VllmEventRelay, VllmEventTranslator
 from kvmesh.worker.vllm_plugin import QUIET_NIXL_ENV
 
 log = structlog.get_logger(__name__)
@@ -152,9 +152,14 @@ class VllmEngine(Engine):
         deliver_events: Callable[[list[EventData]], None],
         last_event_id: Callable[[], int],
         kv_connector_host: str | None = None,
+        tier_publishers: dict[str, tuple[Callable[[list[EventData]], None], Callable[[], int]]] | None = None,
     ) -> None:
         """``kv_connector_host``: set for prefill and decode workers, which move KV with vLLM's NIXL
-        connector; its side channel listens there (on a free port)."""
+        connector; its side channel listens there (on a free port). ``tier_publishers``: per
+        offloaded tier (``host``, ``disk``), where its events go and the last event id numbered there
+        (an offloading connector's CPU and disk blocks are relayed with their medium)."""
+        self._tier_publishers = tier_publishers or {}
+        self._tier_translators = {tier: VllmEventTranslator(MEDIUMS_BY_TIER[tier]) for tier in self._tier_publishers}
         self._argv = list(argv)
         self._connector_host = kv_connector_host
         self._overrides = overrides
@@ -189,6 +194,7 @@ class VllmEngine(Engine):
             f"tcp://127.0.0.1:{replay_port}",
             self._translator,
             self._deliver_events,
+            {tier: (self._tier_translators[tier], publish) for tier, (publish, _last) in self._tier_publishers.items()},
         )
         args.kv_events_config = KVEventsConfig(
             enable_kv_cache_events=True,
@@ -375,6 +381,12 @@ class VllmEngine(Engine):
         """The relay's view: every batch received so far has been translated and enqueued (the relay
         runs on this event loop), so the blocks match the events up to the returned id."""
         return self._last_event_id(), self._translator.cached_blocks()
+
+    def dump_tier_state(self, tier: str) -> tuple[int, list[CachedBlock]] | None:
+        """The relay's view of the blocks vLLM offloaded to ``tier`` (``host``: CPU memory, ``disk``)."""
+        if tier not in self._tier_publishers:
+            return None
+        return self._tier_publishers[tier][1](), self._tier_translators[tier].cached_blocks()
 
     @property
     def relay(self) -> VllmEventRelay | None:

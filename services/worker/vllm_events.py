@@ -24,13 +24,24 @@ import msgpack
 import structlog
 
 from kvmesh.common.wire.hashing import hash_block_tokens, lora_seed, next_sequence_hash
-from kvmesh.common.wire.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventData, StoredBlock
+from kvmesh.common.wire.kv_events import (
+    DEVICE_TIER,
+    DISK_TIER,
+    HOST_TIER,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    EventData,
+    StoredBlock,
+)
 from kvmesh.worker.engine import CachedBlock
 
 log = structlog.get_logger(__name__)
 
-# vLLM's medium of blocks in the engine's own KV cache (others are offloaded tiers)
+# vLLM's medium of blocks in the engine's own KV cache, and of its offloaded tiers (its offloading
+# connectors name CPU memory and disk), each relayed as a tier of its own (DESIGN §7)
 DEVICE_MEDIUMS = (None, "GPU")
+MEDIUMS_BY_TIER = {DEVICE_TIER: DEVICE_MEDIUMS, HOST_TIER: ("CPU", "CPU_PINNED"), DISK_TIER: ("DISK", "LOCAL_DISK")}
 _END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -45,16 +56,21 @@ class VllmEventTranslator:
     """vLLM events in, kvmesh events out. Guarantees: :meth:`cached_blocks` is exactly the set of
     device blocks stored and not since removed or cleared, each with our tokens and sequence hash."""
 
-    def __init__(self) -> None:
+    def __init__(self, mediums: Sequence[str | None] = DEVICE_MEDIUMS) -> None:
+        """``mediums``: the vLLM media of the tier this translator follows (the device's by default);
+        events of other media are skipped (another translator follows them)."""
         self._blocks: dict[int, CachedBlock] = {}
+        self._mediums = tuple(mediums)
         self.skipped_events = 0
 
     def translate(self, events: Sequence[dict[str, Any]]) -> list[EventData]:
         out: list[EventData] = []
         for event in events:
             kind = event.get("type")
-            if event.get("medium") not in DEVICE_MEDIUMS:
-                self.skipped_events += 1  # offloaded tiers are not indexed yet
+            if event.get("medium") not in self._mediums and not (
+                kind == "AllBlocksCleared" and event.get("medium") is None
+            ):
+                self.skipped_events += 1  # another tier's (its own translator follows it)
             elif kind == "BlockStored":
                 out.append(self._stored(event))
             elif kind == "BlockRemoved":
@@ -117,8 +133,12 @@ class VllmEventRelay:
         replay_endpoint: str,
         translator: VllmEventTranslator,
         deliver: Callable[[list[EventData]], None],
+        offloaded: dict[str, tuple[VllmEventTranslator, Callable[[list[EventData]], None]]] | None = None,
     ) -> None:
+        """``offloaded``: per offloaded tier (``host``, ``disk``), its translator and where its events go."""
         import zmq.asyncio
+
+        self._offloaded = offloaded or {}
 
         self.sub_endpoint = sub_endpoint
         self.replay_endpoint = replay_endpoint
@@ -161,6 +181,10 @@ class VllmEventRelay:
         try:
             events = decode_batch(payload)
             self._deliver(self.translator.translate(events))
+            for translator, deliver in self._offloaded.values():
+                tiered = translator.translate(events)
+                if tiered:
+                    deliver(tiered)
         except Exception as exc:  # a malformed batch must not stop the relay
             log.warning("skipped an unreadable vLLM KV event batch", seq=seq, error=str(exc))
         self._next_seq = seq + 1

@@ -12,7 +12,7 @@ import pytest
 from kvmesh.common.runtime.ports import free_port
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
 from kvmesh.common.wire.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
-from kvmesh.worker.vllm_events import VllmEventRelay, VllmEventTranslator, decode_batch
+from kvmesh.worker.vllm_events import MEDIUMS_BY_TIER, VllmEventRelay, VllmEventTranslator, decode_batch
 from tests.support import wait_until_async
 
 BLOCK = 4
@@ -62,6 +62,19 @@ def test_a_lora_changes_the_keys_and_offloaded_tiers_are_skipped():
     assert base.blocks[0].tokens_hash != adapted.blocks[0].tokens_hash
     assert translator.translate([stored([3], TOKENS[:4], medium="CPU")]) == []
     assert translator.skipped_events == 1 and len(translator) == 2
+
+
+def test_offloaded_media_are_followed_by_a_translator_of_their_own_tier():
+    events = [stored([1], TOKENS[:4]), stored([7], TOKENS[:4], medium="CPU"), stored([9], TOKENS[:4], medium="DISK")]
+    device, host, disk = (VllmEventTranslator(MEDIUMS_BY_TIER[tier]) for tier in ("device", "host", "disk"))
+    assert [e.blocks[0].block_hash for e in device.translate(events)] == [1]
+    (offloaded,) = host.translate(events)
+    assert offloaded.blocks[0].block_hash == 7 and [b.block_hash for b in host.cached_blocks()] == [7]
+    # the same tokens: the same key in every tier, so the index credits the tier the prefix is in
+    assert offloaded.blocks[0].tokens_hash == device.cached_blocks()[0].tokens_hash
+    assert [e.blocks[0].block_hash for e in disk.translate(events)] == [9]
+    removed = host.translate([{"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU"}])
+    assert removed == [BlocksRemoved((7,))] and len(host) == 0 and len(device) == 1
 
 
 def test_a_block_whose_parent_is_unknown_is_relayed_but_not_reported_as_cached():

@@ -20,6 +20,10 @@ import msgpack
 
 DEVICE_TIER = "device"
 POOLED_TIER = "pooled"
+# A worker's offloaded copies (vLLM's CPU and disk media; the mock engine's host tier): each tier of
+# a worker publishes as a dp rank of its own (its own event ids), as a pool segment does.
+HOST_TIER = "host"
+DISK_TIER = "disk"
 # A block being copied into a pool: announced, not readable yet (DESIGN §7's block tiers). A store
 # of another tier settles it; a removal of this tier abandons the copy.
 IN_TRANSIT_TIER = "in_transit"
@@ -27,6 +31,11 @@ IN_TRANSIT_TIER = "in_transit"
 EVICTED_TIER = "evicted"
 # A worker's KV pool segment publishes its blocks as this dp rank of the worker (its own event ids).
 POOL_DP_RANK = 0xFFFF
+# ... and its host and disk tiers as these (for its dp rank 0).
+HOST_DP_RANK = 0xFFFE
+DISK_DP_RANK = 0xFFFD
+TIER_DP_RANKS = {HOST_TIER: HOST_DP_RANK, DISK_TIER: DISK_DP_RANK}
+PSEUDO_DP_RANKS = frozenset({POOL_DP_RANK, HOST_DP_RANK, DISK_DP_RANK})
 
 
 class EventDecodeError(ValueError):

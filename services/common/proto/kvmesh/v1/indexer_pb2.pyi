@@ -98,7 +98,7 @@ class FindMatchesAnswers(_message.Message):
     def __init__(self, answers: _Optional[_Iterable[_Union[FindMatchesAnswer, _Mapping]]] = ...) -> None: ...
 
 class WorkerMatch(_message.Message):
-    __slots__ = ("worker_id", "dp_rank", "matched_blocks", "total_blocks", "moe_aligned_blocks", "moe_hosted_experts", "pooled_blocks")
+    __slots__ = ("worker_id", "dp_rank", "matched_blocks", "total_blocks", "moe_aligned_blocks", "moe_hosted_experts", "pooled_blocks", "host_blocks", "disk_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,8 @@ class WorkerMatch(_message.Message):
     MOE_ALIGNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MOE_HOSTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     POOLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     dp_rank: int
     matched_blocks: int
@@ -113,7 +115,9 @@ class WorkerMatch(_message.Message):
     moe_aligned_blocks: int
     moe_hosted_experts: int
     pooled_blocks: int
-    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., moe_aligned_blocks: _Optional[int] = ..., moe_hosted_experts: _Optional[int] = ..., pooled_blocks: _Optional[int] = ...) -> None: ...
+    host_blocks: int
+    disk_blocks: int
+    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., moe_aligned_blocks: _Optional[int] = ..., moe_hosted_experts: _Optional[int] = ..., pooled_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ...) -> None: ...
 
 class FindMatchesResponse(_message.Message):
     __slots__ = ("workers", "applied_sequence")
