@@ -10,7 +10,7 @@ from kvmesh.frontend.config import HttpApiOptions
 from kvmesh.indexer.config import SnapshotOptions
 from kvmesh.planner.planner import PlannerOptions
 from kvmesh.router.config import RouterOptions
-from kvmesh.worker.config import EngineOptions
+from kvmesh.worker.config import EngineOptions, check_host_tier
 
 
 @dataclass
@@ -61,6 +61,7 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions, EngineOptions, HttpA
         return 600.0 if self.engine == "vllm" else 60.0
 
     def validate(self) -> None:
+        check_host_tier(self)
         RouterOptions.validate(self)
         if self.engine == "mock" and self.engine_args:
             unknown = " ".join(self.engine_args)

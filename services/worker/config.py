@@ -13,6 +13,14 @@ DEFAULT_MODEL_NAME = "kvmesh-tiny"
 MOCK_DEFAULTS = {"block_size": 16, "num_gpu_blocks": 16384, "max_num_seqs": 256, "max_num_batched_tokens": 8192}
 
 
+def check_host_tier(options: EngineOptions) -> None:
+    """The host tier's options, for ``kvmesh worker`` and ``kvmesh up`` alike."""
+    if options.host_kv_blocks < 0 or options.host_reload_ms_per_token < 0:
+        raise ConfigError("--host-kv-blocks and --host-reload-ms-per-token must be >= 0")
+    if options.host_kv_blocks and options.engine != "mock":
+        raise ConfigError("--host-kv-blocks is the mock engine's (vLLM offloads with its own connector)")
+
+
 @dataclass
 class EngineOptions:
     """The engine options every worker of a mesh shares, declared once: ``kvmesh worker`` takes them,
@@ -43,6 +51,14 @@ class EngineOptions:
     )
     speedup_ratio: float = option(1.0, "divide simulated step times by this (>1 runs faster than real)")
     num_layers: int = option(2, "model shape for the KV buffer: layers")
+    host_kv_blocks: int = option(
+        0,
+        "mock engine: a host-memory tier of this many blocks takes the blocks evicted from the device and reloads "
+        "them for a later request, at --host-reload-ms-per-token (its events are tier `host`; 0: no host tier)",
+    )
+    host_reload_ms_per_token: float = option(
+        0.002, "mock engine: simulated time to reload a token's KV from the host tier (before --speedup-ratio)"
+    )
     kv_transfer_backend: str = option(
         "auto",
         "how KV moves between prefill and decode workers: NIXL (UCX, DRAM; needs the nixl extra), "
@@ -79,14 +95,6 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
         "computes into its own shared-memory segment there and imports blocks it lacks from every segment there",
     )
     kv_pool_blocks: int = option(4096, "blocks this worker's KV pool segment holds (least recently written go first)")
-    host_kv_blocks: int = option(
-        0,
-        "mock engine: a host-memory tier of this many blocks takes the blocks evicted from the device and reloads "
-        "them for a later request, at --host-reload-ms-per-token (its events are tier `host`; 0: no host tier)",
-    )
-    host_reload_ms_per_token: float = option(
-        0.002, "mock engine: simulated time to reload a token's KV from the host tier (before --speedup-ratio)"
-    )
     moe_experts: str = option(
         "",
         "mock engine, as a mixture-of-experts model: the experts this worker hosts, layer:expert[:group] comma-"
@@ -115,6 +123,7 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
         return self.kv_handoff or default_kv_handoff(self.engine)
 
     def validate(self) -> None:
+        check_host_tier(self)
         if self.engine == "vllm" and self.kv_handoff == "bootstrap":
             raise ConfigError("--kv-handoff bootstrap is the mock engine's; vLLM's KV connector needs sync")
         for name, flag in (
@@ -142,10 +151,6 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
             raise ConfigError("--kv-events-flush-ms must be >= 0")
         if self.kv_pool_blocks < 8:
             raise ConfigError("--kv-pool-blocks must be at least 8")
-        if self.host_kv_blocks < 0 or self.host_reload_ms_per_token < 0:
-            raise ConfigError("--host-kv-blocks and --host-reload-ms-per-token must be >= 0")
-        if self.host_kv_blocks and self.engine != "mock":
-            raise ConfigError("--host-kv-blocks is the mock engine's (vLLM offloads with its own connector)")
         if self.moe_experts and self.engine != "mock":
             raise ConfigError("--moe-experts tags the mock engine's blocks (vLLM publishes its own events)")
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype_bytes) <= 0:
