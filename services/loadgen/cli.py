@@ -19,10 +19,12 @@ from kvmesh.loadgen.runner import LoadRunner
 from kvmesh.loadgen.workload import (
     BenchRequest,
     TracePromptBuilder,
+    assign_priorities,
     check_shared_prefixes,
     synthetic_workload,
     trace_workload,
 )
+from kvmesh.replay.config import parse_mix
 from kvmesh.replay.mooncake_trace import TraceError, read_trace
 
 DEFAULT_API = "http://127.0.0.1:8000/v1"
@@ -69,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     workload.add_argument("--suffix-tokens", type=int, default=64, help="synthetic: unique tokens per request")
     workload.add_argument("--output-tokens", type=int, default=32, help="synthetic: max_tokens per request")
     workload.add_argument("--seed", type=int, default=0, help="synthetic: seed of the request mix")
+    workload.add_argument(
+        "--priority-mix",
+        default="",
+        help="send each request with an x-kvmesh-priority class drawn from these shares (with --seed), e.g. "
+        "high=0.2,normal=0.5,low=0.3; the report then gives each class's refusals and TTFT",
+    )
     pacing = parser.add_argument_group("pacing (default: trace timestamps, or concurrency 8 for synthetic)")
     pacing.add_argument("--request-rate", type=float, help="send at this fixed rate (requests/s)")
     pacing.add_argument("--concurrency", type=int, help="closed loop: this many clients back to back")
@@ -155,6 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         requests, check_block = make_workload(args, tokenizer)
     except (TraceError, ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
+    if args.priority_mix:
+        try:
+            requests = assign_priorities(requests, parse_mix(args.priority_mix), args.seed)
+        except ValueError as exc:
+            parser.error(f"--priority-mix: {exc}")
     prefix_check = check_shared_prefixes(tokenizer, requests, check_block)
     if prefix_check.mismatched:
         print(

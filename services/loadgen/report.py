@@ -24,6 +24,35 @@ def _distribution(values: Sequence[float]) -> dict[str, float | None]:
     }
 
 
+def _refusals(results: Sequence[RequestResult]) -> dict[str, Any]:
+    """Refused requests by HTTP status, and whether each status came with Retry-After."""
+    statuses: dict[str, Any] = {}
+    for r in results:
+        if r.status is not None:
+            entry = statuses.setdefault(str(r.status), {"count": 0, "with_retry_after": 0})
+            entry["count"] += 1
+            entry["with_retry_after"] += r.retry_after is not None
+    return statuses
+
+
+def _by_priority(results: Sequence[RequestResult]) -> dict[str, Any]:
+    """With priority classes sent: per class, the requests, their refusals and TTFT."""
+    classes = sorted({r.priority for r in results if r.priority})
+    if not classes:
+        return {}
+    summary = {}
+    for priority in classes:
+        mine = [r for r in results if r.priority == priority]
+        ok = [r for r in mine if r.error is None]
+        summary[priority] = {
+            "requests": len(mine),
+            "completed": len(ok),
+            "refusals": _refusals(mine),
+            "ttft_ms": _distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
+        }
+    return {"by_priority": summary}
+
+
 def build_report(
     label: str, settings: dict[str, Any], results: Sequence[RequestResult], prefix_check: PrefixCheck | None
 ) -> dict[str, Any]:
@@ -50,6 +79,8 @@ def build_report(
         "ttft_ms": _distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_ms": _distribution([gap for r in ok for gap in r.inter_token_s]),
         "e2e_ms": _distribution([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "refusals": _refusals(results),
+        **_by_priority(results),
         "prefix_check": None
         if prefix_check is None
         else {

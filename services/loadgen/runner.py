@@ -12,6 +12,8 @@ import openai
 
 from kvmesh.loadgen.workload import BenchRequest
 
+PRIORITY_HEADER = "x-kvmesh-priority"  # the router queue's class (kvmesh's; other servers ignore it)
+
 
 @dataclass
 class RequestResult:
@@ -26,6 +28,9 @@ class RequestResult:
     output_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    status: int | None = None  # the HTTP status of a refusal (429, 503, ...)
+    retry_after: str | None = None  # its Retry-After header
+    priority: str = ""
 
     @property
     def ttft_s(self) -> float | None:
@@ -93,13 +98,15 @@ class LoadRunner:
         return sorted(results, key=lambda r: r.index)
 
     async def _send(self, request: BenchRequest) -> RequestResult:
-        result = RequestResult(request.index, self._now(), request.prompt_tokens)
+        result = RequestResult(request.index, self._now(), request.prompt_tokens, priority=request.priority)
         common = {
             "model": self.model,
             "max_tokens": request.max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if request.priority:
+            common["extra_headers"] = {PRIORITY_HEADER: request.priority}
         try:
             if self.endpoint == "chat":
                 stream = await self.client.chat.completions.create(
@@ -126,6 +133,9 @@ class LoadRunner:
                 result.output_tokens = len(result.chunk_times_s)
         except openai.APIError as exc:
             result.error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, openai.APIStatusError):
+                result.status = exc.status_code
+                result.retry_after = exc.response.headers.get("retry-after")
         if self._on_done is not None:
             self._on_done(result)
         return result

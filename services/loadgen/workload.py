@@ -10,6 +10,7 @@ prompt and verifies it.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ class BenchRequest:
     prompt_tokens: int
     max_tokens: int
     hash_ids: tuple[int, ...] = ()
+    priority: str = ""  # sent as x-kvmesh-priority (empty: no header)
 
 
 class TracePromptBuilder:
@@ -180,3 +182,10 @@ def synthetic_workload(
             BenchRequest(index, None, prefix_text + suffix, len(prefix_ids) + len(suffix_ids), output_tokens, (group,))
         )
     return requests
+
+
+def assign_priorities(requests: list[BenchRequest], mix: dict[str, float], seed: int) -> list[BenchRequest]:
+    """Each request with a priority class drawn from ``mix`` (class -> share), reproducibly."""
+    rng = random.Random(seed)
+    classes, weights = list(mix), list(mix.values())
+    return [dataclasses.replace(r, priority=rng.choices(classes, weights=weights)[0]) for r in requests]

@@ -53,3 +53,32 @@ def test_synthetic_workload_shares_a_prefix_per_group(tokenizer):
     assert groups <= {0, 1, 2} and len(groups) > 1
     assert all(r.prompt_tokens == 144 and len(tokenizer.encode(r.prompt)) == 144 for r in requests)
     assert check_shared_prefixes(tokenizer, requests, 128).mismatched == 0
+
+
+def test_priority_classes_are_drawn_reproducibly_from_the_mix():
+    from kvmesh.loadgen.workload import BenchRequest, assign_priorities
+
+    requests = [BenchRequest(i, None, "p", 1, 1) for i in range(1000)]
+    drawn = assign_priorities(requests, {"high": 0.2, "low": 0.8}, seed=3)
+    assert drawn == assign_priorities(requests, {"high": 0.2, "low": 0.8}, seed=3)
+    highs = sum(r.priority == "high" for r in drawn)
+    assert 150 < highs < 250 and all(r.priority in ("high", "low") for r in drawn)
+
+
+def test_the_report_counts_refusals_by_status_and_gives_each_class_its_ttft():
+    from kvmesh.loadgen.report import build_report
+    from kvmesh.loadgen.runner import RequestResult
+
+    results = [
+        RequestResult(0, 0.0, 10, first_token_s=0.1, done_s=0.2, priority="high"),
+        RequestResult(1, 0.0, 10, first_token_s=2.0, done_s=2.5, priority="low"),
+        RequestResult(2, 0.0, 10, error="RateLimitError", status=429, retry_after="3", priority="low"),
+        RequestResult(3, 0.0, 10, error="InternalServerError", status=503, priority="low"),
+    ]
+    report = build_report("run", {}, results, None)
+    assert report["refusals"] == {
+        "429": {"count": 1, "with_retry_after": 1},
+        "503": {"count": 1, "with_retry_after": 0},
+    }
+    assert report["by_priority"]["high"]["ttft_ms"]["p50"] == pytest.approx(100)
+    assert report["by_priority"]["low"]["completed"] == 1 and report["by_priority"]["low"]["requests"] == 3

@@ -10,6 +10,7 @@ when it goes away, that is logged once too.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Gauge
@@ -21,7 +22,9 @@ class Findings:
     """Guarantees: a finding (kind, key) is logged when it is first found and when it is resolved,
     never in between however often it is found again; the gauge counts the open ones per kind."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, logger: Any = None) -> None:
+        """``logger``: where findings are said (this module's structlog logger by default)."""
+        self._log = logger if logger is not None else log
         self._open: dict[tuple[str, str], str] = {}
         self._gauge = (
             Gauge(
@@ -41,12 +44,12 @@ class Findings:
             self._open[(kind, key)] = message  # its figures may have changed; said once all the same
             return
         self._open[(kind, key)] = message
-        log.warning("misconfiguration", kind=kind, problem=message)
+        self._log.warning("misconfiguration", kind=kind, problem=message)
         self._count(kind)
 
     def resolved(self, kind: str, key: str) -> None:
         if self._open.pop((kind, key), None) is not None:
-            log.info("misconfiguration resolved", kind=kind, key=key)
+            self._log.info("misconfiguration resolved", kind=kind, key=key)
             self._count(kind)
 
     def keep_only(self, kind: str, keys: Iterable[str]) -> None:
