@@ -208,3 +208,33 @@ async def test_the_priority_header_and_body_field_put_a_request_ahead_of_the_low
         await hog.close()
         await asyncio.wait_for(asyncio.gather(high, *lows), 30)
         assert first_tokens["high"] < min(first_tokens[f"low{i}"] for i in range(3)), first_tokens
+
+
+async def test_a_replica_queues_on_its_peers_load_and_is_woken_by_its_peers_free(nats_url: str, nc: NatsClient):
+    # two synced replicas, one worker: the hog routed by the first makes the second's view busy too
+    worker, router = configs(nats_url, "synced", "--active-decode-blocks-threshold", "10", "--router-replica-sync")
+    async with (
+        running(worker_server.serve, worker),
+        running(router_server.serve, router),
+        running(router_server.serve, router),
+    ):
+        watcher = DiscoveryWatcher(nc.jetstream(), "synced", "router")
+        await watcher.start()
+        await wait_until_async(lambda: len(watcher.instances()) == 2, what="two replicas")
+        first, second = sorted(r.address for r in watcher.instances())
+        await watcher.stop()
+        hog = asyncio.create_task(router_generate(first, "hog", list(range(300)), 5000))
+        peer = RouterApi(second)
+
+        async def peer_sees_the_hog() -> bool:
+            return any(load.active_decode_blocks > 10 for load in await peer.potential_loads([1]))
+
+        await wait_until_async(peer_sees_the_hog, what="the second replica seeing the first's request")
+        late = asyncio.create_task(router_generate(second, "late", list(range(1000, 1100)), 5))
+        await wait_until_async(lambda: queued(second, "normal", 1), what="the late request waiting at the second")
+        hog.cancel()  # freed at the first replica: its Free reaches the second over replica sync
+        with contextlib.suppress(asyncio.CancelledError):
+            await hog
+        outputs = await asyncio.wait_for(late, 15)
+        assert outputs[-1].usage.completion_tokens == 5
+        await peer.close()
