@@ -18,6 +18,9 @@ LOG_LINES = 60
 RUNS = 2
 
 
+# Each run's own waits are bounded (discovery 90 s, recovery 120 s): a run that does not recover
+# reports why (its report, the services' warnings) before pytest's default 180 s would cut it short.
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("drill", DRILLS)
 def test_drill(host_mesh: HostMesh, drill: str):
     # the first run strikes the host without a frontend, the second one with a frontend
