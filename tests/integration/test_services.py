@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -39,6 +40,28 @@ async def test_a_crashed_instance_disappears_after_its_lease(nc: NatsClient):
         registration._task.cancel()  # the process "crashes": no refresh, no delete
         await wait_until_async(lambda: watcher.get(12345) is None, timeout=5, what="lease expiry")
     finally:
+        await watcher.stop()
+
+
+async def test_most_instances_lapsing_at_once_are_held_two_leases_before_they_go(nc: NatsClient):
+    # as when their NATS server is cut off: every refresh fails together, and the view must not empty
+    watcher = await watcher_for(nc, "indexer")
+    records = [InstanceRecord("indexer", 500 + i, f"h:{i}", namespace=NAMESPACE, lease_ttl=1.0) for i in range(3)]
+    registrations = [Registration(nc.jetstream(), record) for record in records]
+    for registration in registrations:
+        await registration.start()
+    try:
+        await wait_until_async(lambda: len(watcher.instances()) == 3, what="three registered")
+        for registration in registrations[:2]:
+            registration._task.cancel()  # two of three stop refreshing at once, without a delete
+        await wait_until_async(lambda: watcher._mass_since is not None, timeout=5, what="the mass lapse seen")
+        held_from = time.monotonic()
+        assert len(watcher.instances()) == 3  # past their lease, still held
+        await wait_until_async(lambda: len(watcher.instances()) == 1, timeout=10, what="the silent two dropped")
+        assert time.monotonic() - held_from >= 1.5  # about two leases after the lapse was seen
+        assert [r.instance_id for r in watcher.instances()] == [502]
+    finally:
+        await registrations[2].stop()
         await watcher.stop()
 
 

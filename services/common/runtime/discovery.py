@@ -83,6 +83,8 @@ INITIAL_KEYS_TIMEOUT_S = 5.0
 LEASE_CHECK_TIMEOUT_S = 2.0
 # A lease refresh not answered this fast is tried again after RETRY_AFTER_FAILED_REFRESH_S.
 REFRESH_TIMEOUT_S = 1.0
+# Leases a watcher holds instances past their expiry when most of a component lapsed at once.
+MASS_EXPIRY_HOLD_LEASES = 2.0
 RETRY_AFTER_FAILED_REFRESH_S = 0.5
 
 # Longest a deregistration step may hold up a shutdown.
@@ -187,6 +189,7 @@ class DiscoveryWatcher:
         self._kv: KeyValue | None = None
         self._probe_key = names.watcher_probe_key(namespace, secrets.token_hex(8))
         self._grace_until = 0.0  # after an outage of the bucket, no instance is dropped before this
+        self._mass_since: float | None = None  # when most instances' leases lapsed together
 
     def instances(self) -> list[InstanceRecord]:
         return list(self._records.values())
@@ -289,11 +292,31 @@ class DiscoveryWatcher:
             await asyncio.sleep(0.5)
             now = time.time()
             due = [i for i, t in self._expires_at.items() if t <= now]
-            if not due or not await self._bucket_takes_writes():
+            if not due or self._mass_expiry(due, now) or not await self._bucket_takes_writes():
                 continue
             for instance_id in due:
                 if not await self._expire_unless_refreshed(instance_id):
                     break  # the bucket does not answer: ask again next round
+
+    def _mass_expiry(self, due: list[int], now: float) -> bool:
+        """Whether to hold ``due`` a while longer because most of the component lapsed at once. Hosts
+        fail one at a time; more than half of the instances (two or more) lapsing together is far
+        likelier their refreshes failing (their NATS server cut off, its peers electing leaders)
+        than all of them dying, and dropping them would empty the view (seen in a partition drill:
+        every router gone from a frontend's view, 229 requests refused). They are held up to two
+        leases past the first such round; one that stays silent is dropped after that, as ever."""
+        if len(self._records) < 2 or 2 * len(due) <= len(self._records):
+            self._mass_since = None
+            return False
+        if self._mass_since is None:
+            self._mass_since = now
+            log.warning(
+                "most instances' leases lapsed at once; holding them, likelier an outage than their deaths",
+                lapsed=len(due),
+                of=len(self._records),
+            )
+        longest = max(self._records[i].lease_ttl for i in due if i in self._records)
+        return now - self._mass_since < MASS_EXPIRY_HOLD_LEASES * longest
 
     async def _bucket_takes_writes(self) -> bool:
         """Whether the bucket commits a write now (a key of this watcher's own). A read alone could
