@@ -155,9 +155,10 @@ class WaitingRequests:
 class RouterQueue:
     """Holds requests no worker can take, per model and class, and gives them their turn as capacity
     frees. Guarantees: a request waits only while every eligible worker is busy or requests of its
-    model already wait (it does not overtake them), and never past its deadline; at most ``size`` wait per class and model; one waiting request routes at a time per
-    model (what it adds to the load picture is seen by the next); a request that leaves (refused,
-    cancelled) never blocks the ones behind it."""
+    model already wait (it does not overtake them), and never past its deadline; at most ``size``
+    wait per class and model; one waiting request routes at a time per model (what it adds to the
+    load picture is seen by the next); a request that leaves (refused, cancelled) never blocks the
+    ones behind it."""
 
     def __init__(
         self,

@@ -299,23 +299,26 @@ class DiscoveryWatcher:
                     break  # the bucket does not answer: ask again next round
 
     def _mass_expiry(self, due: list[int], now: float) -> bool:
-        """Whether to hold ``due`` a while longer because most of the component lapsed at once. Hosts
-        fail one at a time; more than half of the instances (two or more) lapsing together is far
+        """Whether to hold ``due`` a while longer because most of the component lapsed at once (lapsed
+        or silent for over half a lease when the first lapses). Hosts fail one at a time; more than
+        half of the instances (two or more) lapsing together is far
         likelier their refreshes failing (their NATS server cut off, its peers electing leaders)
         than all of them dying, and dropping them would empty the view (seen in a partition drill:
         every router gone from a frontend's view, 229 requests refused). They are held up to two
         leases past the first such round; one that stays silent is dropped after that, as ever."""
-        if len(self._records) < 2 or 2 * len(due) <= len(self._records):
+        longest = max((self._records[i].lease_ttl for i in due if i in self._records), default=0.0)
+        # lapsed, or silent for over half a lease: refreshes that fail together lapse within a lease
+        silent = [i for i, t in self._expires_at.items() if t <= now + longest / 2]
+        if len(self._records) < 2 or 2 * len(silent) <= len(self._records):
             self._mass_since = None
             return False
         if self._mass_since is None:
             self._mass_since = now
             log.warning(
                 "most instances' leases lapsed at once; holding them, likelier an outage than their deaths",
-                lapsed=len(due),
+                lapsed=len(silent),
                 of=len(self._records),
             )
-        longest = max(self._records[i].lease_ttl for i in due if i in self._records)
         return now - self._mass_since < MASS_EXPIRY_HOLD_LEASES * longest
 
     async def _bucket_takes_writes(self) -> bool:
