@@ -390,16 +390,7 @@ class ReplaySimulator:
             if self.config.host_kv_blocks:  # host tiers are indexed apart: credited as the router does
                 host, disk = offloaded_blocks(overlaps)
                 device = {key: blocks for key, blocks in overlaps.items() if key[1] not in PSEUDO_DP_RANKS}
-                config = self.config
-                overlaps = credited_matches(
-                    device,
-                    pooled={},
-                    host=host,
-                    disk=disk,
-                    pooled_credit=config.pooled_block_credit,
-                    host_credit=config.host_block_credit,
-                    disk_credit=config.disk_block_credit,
-                )
+                overlaps = credited_matches(device, self.config.tier_credits(), pooled={}, host=host, disk=disk)
             if self.predicted is not None and not self.config.oracle_index:
                 for key, blocks in self.predicted.matches(block_hashes, now_s).items():
                     overlaps[key] = max(overlaps.get(key, 0), blocks)

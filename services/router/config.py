@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.common.core.tier_credits import TierCredits
 from kvmesh.common.runtime.config import ConfigError, GrpcEndpointConfig, option
 from kvmesh.router.cache_aware import MISS_POLICIES, CacheAwareOptions
 from kvmesh.router.policy import POLICY_MODES
@@ -124,6 +125,10 @@ class RoutingOptions:
         DEFAULT_SHARES,
         "the share of queue turns each priority class gets while several wait (a low class is slowed, never starved)",
     )
+
+    def tier_credits(self) -> TierCredits:
+        """``--pooled-block-credit``, ``--host-block-credit``, ``--disk-block-credit``."""
+        return TierCredits(self.pooled_block_credit, self.host_block_credit, self.disk_block_credit)
 
     def cache_aware_options(self) -> CacheAwareOptions:
         return CacheAwareOptions(

@@ -27,7 +27,7 @@ from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.runtime.misconfiguration import Findings
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes, token_bytes
 from kvmesh.router.approximate_index import ApproximateIndex
-from kvmesh.router.config import RouterConfig, RoutingOptions
+from kvmesh.router.config import RouterConfig
 from kvmesh.router.eligibility import (
     BusyThresholds,
     FailedWorkers,
@@ -101,20 +101,6 @@ def moe_hosted_shares(
     """Per worker, the share of the request's distinct MoE experts its cached blocks were computed with."""
     wanted = len({(e.layer, e.expert) for e in query})
     return {worker: min(1.0, hosted / wanted) for worker, (_aligned, hosted) in moe.items()} if wanted else {}
-
-
-def credited_view(view: CacheView, config: RoutingOptions) -> dict[tuple[int, int], int]:
-    """The view's matches with the blocks of the host tier, KV pool and disk tier credited at
-    ``--host-block-credit``, ``--pooled-block-credit`` and ``--disk-block-credit``."""
-    return credited_matches(
-        view.matched,
-        pooled=view.pooled,
-        host=view.host,
-        disk=view.disk,
-        pooled_credit=config.pooled_block_credit,
-        host_credit=config.host_block_credit,
-        disk_credit=config.disk_block_credit,
-    )
 
 
 def uncached_tokens(prepared: Prepared, matched: dict[tuple[int, int], int]) -> int:
@@ -305,7 +291,9 @@ class Router:
         if self.config.kv_events:
             view = await self.indexers.find_matches(prepared.block_hashes, prepared.moe_query)
             if view.pooled or view.host or view.disk:
-                view = view._replace(matched=credited_view(view, self.config))
+                credits = self.config.tier_credits()
+                matched = credited_matches(view.matched, credits, pooled=view.pooled, host=view.host, disk=view.disk)
+                view = view._replace(matched=matched)
             # after the await: predictions of decisions made while the indexers answered count too
             predicted = self._predicted.get(prepared.policy.block_size)
             if predicted is not None:

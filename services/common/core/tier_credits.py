@@ -10,6 +10,7 @@ then a disk block past both its own.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from kvmesh.common.wire.kv_events import DISK_DP_RANK, HOST_DP_RANK
 from kvmesh.common.wire.worker_key import WorkerKey
@@ -31,20 +32,26 @@ def offloaded_blocks(matched: Mapping[WorkerKey, int]) -> tuple[dict[WorkerKey, 
     return host, disk
 
 
+class TierCredits(NamedTuple):
+    """What a block of each tier counts as, against one in device memory."""
+
+    pooled: float
+    host: float
+    disk: float
+
+
 def credited_matches(
     matched: Mapping[WorkerKey, int],
+    credits: TierCredits,
     *,
     pooled: Mapping[WorkerKey, int],
     host: Mapping[WorkerKey, int],
     disk: Mapping[WorkerKey, int],
-    pooled_credit: float,
-    host_credit: float,
-    disk_credit: float,
 ) -> dict[WorkerKey, int]:
     """Each worker's match with the blocks past it credited by tier, rounded to whole blocks."""
     result = dict(matched)
     for worker in pooled.keys() | host.keys() | disk.keys():
-        past = max(host_credit * host.get(worker, 0), pooled_credit * pooled.get(worker, 0))
-        past += disk_credit * disk.get(worker, 0)
+        past = max(credits.host * host.get(worker, 0), credits.pooled * pooled.get(worker, 0))
+        past += credits.disk * disk.get(worker, 0)
         result[worker] = result.get(worker, 0) + round(past)
     return result
