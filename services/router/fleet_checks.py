@@ -57,6 +57,9 @@ class FleetChecks:
         self._clock = clock
         self._started = clock()
         self._sent: dict[int, tuple[float, int]] = {}  # worker -> (first sent at, requests sent)
+        # workers an indexer answer has listed with blocks, ever (read at each check, off the request
+        # path: a worker holds its blocks for longer than the checks' period)
+        self._covered: set[int] = set()
 
     def sent(self, worker_id: int) -> None:
         first, count = self._sent.get(worker_id, (self._clock(), 0))
@@ -121,9 +124,10 @@ class FleetChecks:
     def _check_events(self, now: float, workers: Sequence[InstanceRecord], client: IndexerClient) -> None:
         silent = []
         answered = client.last_answer_at
+        self._covered.update(worker for (worker, _rank), blocks in client.last_sizes.items() if blocks)
         for worker in workers:
             first, count = self._sent.get(worker.instance_id, (now, 0))
-            if worker.instance_id in client.covered or worker.role == "prefill":
+            if worker.instance_id in self._covered or worker.role == "prefill":
                 continue
             if count >= EVENTS_MIN_REQUESTS and now - first >= EVENTS_GRACE_S and answered and answered > first:
                 silent.append(worker)

@@ -67,7 +67,7 @@ class IndexerClient:
         self._streams = QueryStreams(INDEXER_QUERIES, channels)
         self._clock = time.monotonic
         # what the router's misconfiguration checks read (kvmesh.router.fleet_checks)
-        self.covered: set[int] = set()  # workers an answer has listed with blocks, ever
+        self.last_sizes: dict[WorkerKey, int] = {}  # the last answer's blocks per worker
         self.last_answer_at: float | None = None
         self.load_only_since: float | None = None  # no replica answered the queries since then
 
@@ -94,7 +94,7 @@ class IndexerClient:
             self._answered()
             matched = {(w.worker_id, w.dp_rank): w.matched_blocks for w in response.workers}
             sizes = {(w.worker_id, w.dp_rank): w.total_blocks for w in response.workers}
-            self.covered.update(w.worker_id for w in response.workers if w.total_blocks)
+            self.last_sizes = sizes
             moe = {
                 (w.worker_id, w.dp_rank): (w.moe_aligned_blocks, w.moe_hosted_experts)
                 for w in response.workers
