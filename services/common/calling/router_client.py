@@ -90,11 +90,11 @@ class RouterClient:
         return [a for a in self.addresses() if a not in avoid]
 
     def pick(self, avoid: frozenset[str] = frozenset()) -> str:
-        """The next router address in turn, skipping ``avoid`` while others exist."""
-        addresses = self.addresses()
-        usable = [a for a in addresses if a not in avoid]
+        """The next router address in turn, skipping ``avoid`` (the caller leaves some replica out of
+        it: once every one has failed, the request path asks them all again)."""
+        usable = self.others(avoid)
         if not usable:
-            raise NoRouterError("no router is available" if not addresses else "every router replica failed")
+            raise NoRouterError("no router is available")
         return usable[next(self._counter) % len(usable)]
 
     async def route(self, address: str, query: router_pb2.RouteRequest) -> router_pb2.RouteResponse:

@@ -63,9 +63,6 @@ class Findings:
         """The open findings' messages, in the order they were found."""
         return list(self._open.values())
 
-    def kinds(self) -> set[str]:
-        return {kind for kind, _key in self._open}
-
     def keys(self, kind: str) -> set[str]:
         """The keys of the open findings of ``kind``."""
         return {key for open_kind, key in self._open if open_kind == kind}
