@@ -84,49 +84,53 @@ async def test_a_burst_on_a_fresh_mesh_meets_the_thresholds_from_its_first_reque
     assert len(peak) == 2 and max(peak.values()) <= threshold + one_request, peak
 
 
+async def hog_the_worker(route_to: str, seen_by: str) -> asyncio.Task:
+    """A request routed at ``route_to`` that holds the one worker over a 10-block threshold (19
+    blocks), once the router at ``seen_by`` counts it."""
+    hog = asyncio.create_task(router_generate(route_to, "hog", list(range(300)), 5000))
+    api = RouterApi(seen_by)
+
+    async def seen() -> bool:
+        return any(load.active_decode_blocks > 10 for load in await api.potential_loads([1]))
+
+    try:
+        await wait_until_async(seen, what="the hog counted on the worker")
+    finally:
+        await api.close()
+    return hog
+
+
+async def release(hog: asyncio.Task) -> None:
+    hog.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await hog
+
+
 async def test_with_no_queue_a_busy_fleet_is_refused_at_once_with_a_retry_after(nats_url: str, nc: NatsClient):
     worker, router = configs(nats_url, "noqueue", "--active-decode-blocks-threshold", "10", "--router-queue-size", "0")
     async with running(worker_server.serve, worker), running(router_server.serve, router):
         address = await up(nc, "noqueue", workers=1)
-        hog = asyncio.create_task(router_generate(address, "hog", list(range(300)), 5000))  # 19 blocks > 10
-        api = RouterApi(address)
-
-        async def hog_routed() -> bool:
-            return any(load.active_decode_blocks > 10 for load in await api.potential_loads([1]))
-
-        await wait_until_async(hog_routed, what="the first request holds the worker")
+        hog = await hog_the_worker(address, address)
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await router_generate(address, "late", list(range(1000, 1100)), 5)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in refused.value.details()
         assert retry_after_of(refused.value) == 1
         assert time.monotonic() - started < 1.0
-        hog.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await hog
-        await api.close()
+        await release(hog)
 
 
 async def test_a_waiting_request_is_served_once_capacity_frees(nats_url: str, nc: NatsClient):
     worker, router = configs(nats_url, "waits", "--active-decode-blocks-threshold", "10")
     async with running(worker_server.serve, worker), running(router_server.serve, router):
         address = await up(nc, "waits", workers=1)
-        hog = asyncio.create_task(router_generate(address, "hog", list(range(300)), 5000))
-        api = RouterApi(address)
-
-        async def hog_routed() -> bool:
-            return any(load.active_decode_blocks > 10 for load in await api.potential_loads([1]))
-
-        await wait_until_async(hog_routed, what="the first request holds the worker")
+        hog = await hog_the_worker(address, address)
         late = asyncio.create_task(router_generate(address, "late", list(range(1000, 1100)), 5))
         await wait_until_async(lambda: queued(address, "normal", 1), what="the late request waiting")
         assert not late.done()
-        hog.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await hog
+        await release(hog)
         outputs = await asyncio.wait_for(late, 10)
         assert outputs[-1].usage.completion_tokens == 5
-        await api.close()
 
 
 @contextlib.asynccontextmanager
@@ -223,18 +227,9 @@ async def test_a_replica_queues_on_its_peers_load_and_is_woken_by_its_peers_free
         await wait_until_async(lambda: len(watcher.instances()) == 2, what="two replicas")
         first, second = sorted(r.address for r in watcher.instances())
         await watcher.stop()
-        hog = asyncio.create_task(router_generate(first, "hog", list(range(300)), 5000))
-        peer = RouterApi(second)
-
-        async def peer_sees_the_hog() -> bool:
-            return any(load.active_decode_blocks > 10 for load in await peer.potential_loads([1]))
-
-        await wait_until_async(peer_sees_the_hog, what="the second replica seeing the first's request")
+        hog = await hog_the_worker(first, second)  # routed by the first, counted by the second
         late = asyncio.create_task(router_generate(second, "late", list(range(1000, 1100)), 5))
         await wait_until_async(lambda: queued(second, "normal", 1), what="the late request waiting at the second")
-        hog.cancel()  # freed at the first replica: its Free reaches the second over replica sync
-        with contextlib.suppress(asyncio.CancelledError):
-            await hog
+        await release(hog)  # freed at the first replica: its Free reaches the second over replica sync
         outputs = await asyncio.wait_for(late, 15)
         assert outputs[-1].usage.completion_tokens == 5
-        await peer.close()
