@@ -28,6 +28,11 @@ log = structlog.get_logger(__name__)
 
 
 MODEL_CHECK_SECS = 2.0
+# How long an idle keep-alive connection stays open. It must outlast the clients' own idle expiry:
+# httpx (under the openai client) reuses a connection idle for up to 5 s, and uvicorn's default of
+# 5 s closed such a connection just as a request went out on it, which failed that request with
+# a connection error (seen once in a drill). 75 s is what common proxies keep.
+KEEP_ALIVE_SECS = 75
 
 
 async def check_model_served_forever(frontend: Frontend, workers: DiscoveryWatcher) -> None:
@@ -67,7 +72,11 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
         stack.callback(sock.close)
         api_keys = read_api_keys(config.api_key, config.api_key_file)
         app = create_app(frontend, api_keys, config.max_request_body_bytes, config.max_concurrent_requests)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=KEEP_ALIVE_SECS
+            )
+        )
         server.install_signal_handlers = lambda: None  # our own handlers drive shutdown
         task = asyncio.create_task(server.serve(sockets=[sock]))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import socket
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -135,6 +137,20 @@ def test_openai_errors(kv_mesh):
     assert api.models.list().data[0].id == MODEL
     assert httpx.get(f"{kv_mesh.base_url}/health", timeout=10).status_code == 200
     assert "kvmesh_frontend_requests" in httpx.get(f"{kv_mesh.base_url}/metrics", timeout=10).text
+
+
+def test_an_idle_connection_outlasts_the_clients_keep_alive_expiry(kv_mesh):
+    """httpx reuses a connection idle up to its keep-alive expiry; the frontend must not close it
+    first, or the request sent on it fails with a connection error."""
+    url = httpx.URL(kv_mesh.base_url)
+    request = f"GET /health HTTP/1.1\r\nHost: {url.host}\r\n\r\n".encode()
+    with socket.create_connection((url.host, url.port), timeout=10) as conn:
+        conn.sendall(request)
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+        # the idle time is what is tested here, not a wait for something to happen
+        time.sleep((httpx.Limits().keepalive_expiry or 5.0) + 1.0)
+        conn.sendall(request)
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
 
 
 def test_the_request_path_over_grpc_with_generated_stubs(kv_mesh):
