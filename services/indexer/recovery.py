@@ -50,6 +50,7 @@ class GapRecovery:
                     await asyncio.sleep(delay)  # not registered (yet): discovery decides its fate
                     delay = min(delay * 2, 2.0)
                     continue
+                admission = self._index.admission(key[0])
                 try:
                     dump = await self._dump(record.address, key[1])
                 except grpc.aio.AioRpcError as exc:
@@ -66,7 +67,11 @@ class GapRecovery:
                     )
                     for b in dump.blocks
                 ]
-                self._index.replace_worker(key, dump.last_event_id, blocks)
+                if not self._index.replace_worker(key, dump.last_event_id, blocks, admission):
+                    # removed and back while we asked: events between this dump and its return were
+                    # ignored, so only a dump asked for since then holds them (the loop asks again)
+                    log.info("a worker's dump was outdated by its removal and return; asking again", worker_id=key[0])
+                    continue
                 log.info(
                     "recovered a worker after a gap",
                     worker_id=key[0],

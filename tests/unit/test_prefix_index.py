@@ -172,6 +172,27 @@ def test_a_readmitted_worker_is_rebuilt_from_its_dump_and_its_new_events_count()
     assert not index.is_removed(1) and not index.gaps_pending
 
 
+def test_a_dump_asked_for_before_the_worker_was_removed_and_readmitted_again_is_refused():
+    """The indexer asked a readmitted worker for its dump; while the answer travelled, the worker was
+    removed (its events ignored) and readmitted once more. That dump misses what it stored meanwhile,
+    and no event held back brings it: loading it would lose those blocks for good."""
+    index = PrefixIndex()
+    feed = Feed(index)
+    feed.send(1, stored_chain(PROMPT[:8]))  # event 0
+    index.remove_worker(1)
+    index.readmit_worker(1)
+    asked = index.admission(1)
+    stale = _dump(PROMPT[:8])  # the worker's state as of event 0, when it was asked
+    index.remove_worker(1)
+    seq = sequence_hashes(local_block_hashes(PROMPT, BLOCK))
+    feed.send(1, stored_chain(PROMPT, start_block=2, parent_engine=seq[1]))  # event 1: ignored, removed
+    index.readmit_worker(1)
+    assert not index.replace_worker((1, 0), 0, stale, asked)
+    assert index.gaps_pending == {(1, 0)}  # still waiting for a dump
+    assert index.replace_worker((1, 0), 1, _dump(PROMPT), index.admission(1))
+    assert matches(index, PROMPT) == {1: 4} and not index.gaps_pending
+
+
 def test_snapshot_export_import_round_trip():
     index = PrefixIndex()
     feed = Feed(index)

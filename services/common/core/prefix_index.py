@@ -76,6 +76,9 @@ class PrefixIndex(WorkerStateTransfer):
         self._next_bit = 0
         self._removed_workers: set[int] = set()
         self._removed_ranks: dict[int, list[int]] = {}  # the dp ranks a removed worker had
+        # counts each worker's removals and readmissions: a dump asked for before the last of them
+        # misses what the worker did while its events were ignored (see replace_worker)
+        self._admissions: dict[int, int] = {}
         self._tree_sizes: dict[WorkerKey, int] = {}
         self._unclosed = 0  # bits of workers with at least one orphan block
         self.gaps_pending: set[WorkerKey] = set()
@@ -99,6 +102,7 @@ class PrefixIndex(WorkerStateTransfer):
     def remove_worker(self, worker_id: int) -> None:
         """Forget every block of a worker (all its dp ranks) and ignore its late events."""
         self._removed_workers.add(worker_id)
+        self._admissions[worker_id] = self._admissions.get(worker_id, 0) + 1
         keys = [k for k in self._workers if k[0] == worker_id]
         self._removed_ranks[worker_id] = sorted({rank for _, rank in keys}) or [0]
         for key in keys:
@@ -121,11 +125,17 @@ class PrefixIndex(WorkerStateTransfer):
         if worker_id not in self._removed_workers:
             return
         self._removed_workers.discard(worker_id)
+        self._admissions[worker_id] = self._admissions.get(worker_id, 0) + 1
         for rank in self._removed_ranks.pop(worker_id, [0]):
             key = (worker_id, rank)
             self._worker(key)
             self.gaps_pending.add(key)
             self._held_back.setdefault(key, [])
+
+    def admission(self, worker_id: int) -> int:
+        """How many times the worker was removed or readmitted: take it before asking the worker for
+        its dump and hand it to :meth:`replace_worker`, which refuses a dump outdated by either."""
+        return self._admissions.get(worker_id, 0)
 
     def removed_workers(self) -> list[int]:
         return sorted(self._removed_workers)

@@ -42,6 +42,7 @@ class WorkerStateTransfer:
     _holders: dict[int, int]
     _tree_sizes: dict[WorkerKey, int]
     _removed_workers: set[int]
+    _admissions: dict[int, int]
     _held_back: dict[WorkerKey, list[KvEvent]]
     gaps_pending: set[WorkerKey]
     stats: ApplyStats
@@ -112,14 +113,22 @@ class WorkerStateTransfer:
             worker.by_engine_id[engine_id] = seq
             self._hold(worker, seq, parent_of.get(seq, UNKNOWN_PARENT))
 
-    def replace_worker(self, key: WorkerKey, last_event_id: int, blocks: Sequence[DumpedBlock]) -> None:
+    def replace_worker(
+        self, key: WorkerKey, last_event_id: int, blocks: Sequence[DumpedBlock], admission: int | None = None
+    ) -> bool:
         """Make the index hold exactly ``blocks`` for this worker as of ``last_event_id`` (its own
-        dump), then apply the events held back since the gap that are newer than the dump.
+        dump), then apply the events held back since the gap that are newer than the dump. Returns
+        whether it did: not for a removed worker, nor for a dump asked for under another
+        ``admission`` (see :meth:`admission`) than the worker's now. Such a dump predates events
+        that were ignored while the worker was removed, and the events held back since its return
+        start after them: loaded, it would miss their blocks for good.
 
         Blocks may come in any order; each is placed once its parent is placed.
         """
         if key[0] in self._removed_workers:
-            return
+            return False
+        if admission is not None and admission != self._admissions.get(key[0], 0):
+            return False
         worker = self._worker(key)
         self._clear(worker)
         placed = {b.block_hash: b.sequence_hash for b in blocks if b.sequence_hash is not None}
@@ -148,3 +157,4 @@ class WorkerStateTransfer:
         held = self._held_back.pop(key, [])
         self._apply_events(key, worker, held)
         self._tree_sizes[key] = worker.unique_blocks
+        return True
