@@ -70,7 +70,11 @@ class EventStreamConsumer:
         self._on_applied = on_applied
         self.applied_sequence = 0
         self.malformed_messages = 0
+        self.missed_deliveries = 0
         self._pull: StandingPull | None = None
+        # the durable's count of deliveries when we last heard from it: a jump means deliveries that
+        # never reached us (see _apply_and_ack)
+        self._consumer_sequence = 0
         self._last_unacked: Msg | None = None
         self._unacked = 0
         self._ack_due = asyncio.Event()
@@ -85,7 +89,7 @@ class EventStreamConsumer:
             with contextlib.suppress(nats.js.errors.NotFoundError):
                 await self._js.delete_consumer(names.KV_EVENTS_STREAM, self.durable)
         self.applied_sequence = start_after
-        ack_floor, delivered, ack_policy = await self._position()
+        ack_floor, delivered, ack_policy, self._consumer_sequence = await self._position()
         if delivered > start_after:
             await self._replay(start_after + 1, delivered)
         if ack_floor is not None and ack_policy != AckPolicy.ALL:
@@ -123,16 +127,17 @@ class EventStreamConsumer:
         await cancel_and_wait(self._acker)
         await self._ack_last()
 
-    async def _position(self) -> tuple[int | None, int, AckPolicy | None]:
-        """The durable consumer's ack floor, the last stream sequence it delivered, and its ack
-        policy; ``(None, 0, None)`` when it does not exist yet."""
+    async def _position(self) -> tuple[int | None, int, AckPolicy | None, int]:
+        """The durable consumer's ack floor, the last stream sequence it delivered, its ack policy
+        and how many deliveries it made; ``(None, 0, None, 0)`` when it does not exist yet."""
         try:
             info = await self._js.consumer_info(names.KV_EVENTS_STREAM, self.durable)
         except nats.js.errors.NotFoundError:
-            return None, 0, None
+            return None, 0, None, 0
         ack_floor = info.ack_floor.stream_seq if info.ack_floor else 0
         delivered = info.delivered.stream_seq if info.delivered else 0
-        return ack_floor, max(ack_floor, delivered), info.config.ack_policy
+        deliveries = info.delivered.consumer_seq if info.delivered else 0
+        return ack_floor, max(ack_floor, delivered), info.config.ack_policy, deliveries
 
     async def _replay(self, first_sequence: int, last_sequence: int) -> None:
         """Apply messages first..last with an ephemeral consumer that needs no acks."""
@@ -166,6 +171,22 @@ class EventStreamConsumer:
 
     async def _apply_and_ack(self, msg: Msg) -> None:
         seq = msg.metadata.sequence.stream
+        deliveries = msg.metadata.sequence.consumer
+        if deliveries > self._consumer_sequence + 1 and seq > self.applied_sequence + 1:
+            # The durable delivered messages that never reached us: to a pull request lost with a
+            # consumer leader that a partition deposed, or one renewed while they travelled. It
+            # counts them delivered, and acknowledging this message would acknowledge them too
+            # (AckPolicy.ALL), so no redelivery would come: read them from the stream first.
+            log.warning(
+                "deliveries did not reach this replica; reading them from the stream",
+                missed_deliveries=deliveries - self._consumer_sequence - 1,
+                after=self.applied_sequence,
+                before=seq,
+            )
+            self.missed_deliveries += deliveries - self._consumer_sequence - 1
+            await self._replay(self.applied_sequence + 1, seq - 1)
+        # assigned, not maxed: a new consumer leader that lost uncommitted deliveries counts again
+        self._consumer_sequence = deliveries
         if seq > self.applied_sequence:  # else a redelivery of what is applied already
             self._apply(msg.data, seq)
         self._last_unacked = msg

@@ -291,3 +291,55 @@ async def test_a_replica_killed_before_its_acks_left_restarts_without_a_gap(nc: 
     finally:
         await restarted.stop()
         await publisher.stop()
+
+
+async def test_deliveries_that_never_reached_the_replica_are_read_from_the_stream(nc: NatsClient):
+    """The durable delivered a message to a pull request the replica never saw (as when a partition
+    deposes the consumer's leader with a request in flight). Acknowledging the next message would
+    acknowledge it too (AckPolicy.ALL) and no redelivery would come: the replica notices the jump
+    in the durable's delivery count and reads it from the stream."""
+    namespace = "lostdeliveries"
+    js = nc.jetstream()
+    await ensure_kv_events_stream(js)
+    durable = names.indexer_durable_name("lost")
+    config = ConsumerConfig(
+        durable_name=durable,
+        ack_policy=AckPolicy.ALL,
+        filter_subject=names.kv_events_wildcard(namespace),
+        max_ack_pending=-1,
+        ack_wait=30,
+    )
+    await js.add_consumer(names.KV_EVENTS_STREAM, config)
+    # the lost pull request: first in line for the durable's next message, then gone
+    lost: list[int] = []
+
+    async def take(msg) -> None:
+        if msg.headers is None or "Status" not in msg.headers:
+            lost.append(msg.metadata.sequence.stream)
+
+    lost_sub = await nc.subscribe(nc.new_inbox(), cb=take)
+    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{names.KV_EVENTS_STREAM}.{durable}"
+    await nc.publish(next_subject, b'{"batch": 1, "expires": 20000000000}', reply=lost_sub.subject)
+    await nc.flush()
+    index = PrefixIndex()
+    consumer = EventStreamConsumer(nc, namespace, "lost", index)
+    await consumer.start()
+    try:
+
+        async def publish(worker: int, *blocks: int) -> None:
+            events = tuple(KvEvent(i, BlocksStored(None, (StoredBlock(b, b, 16),))) for i, b in enumerate(blocks))
+            subject = names.kv_events_subject(namespace, worker)
+            await js.publish(subject, encode_batch(KvEventBatch(worker, 0, 0.0, events)))
+
+        await publish(2, 20, 21)  # worker 2's last events: nothing after them would reveal a gap
+        await wait_until_async(lambda: len(lost) == 1, what="the lost request took worker 2's message")
+        await publish(1, 10)
+        await wait_until_async(
+            lambda: index.worker_blocks((2, 0)) == {20, 21} and index.worker_blocks((1, 0)) == {10},
+            timeout=10,
+            what="the replica holds worker 2's blocks too",
+        )
+        assert consumer.missed_deliveries == 1 and index.stats.gaps == 0
+    finally:
+        await consumer.stop()
+        await lost_sub.unsubscribe()
