@@ -11,6 +11,7 @@ from kvmesh.indexer.config import SnapshotOptions
 from kvmesh.planner.planner import PlannerOptions
 from kvmesh.router.config import RouterOptions
 from kvmesh.worker.config import EngineOptions, check_host_tier
+from kvmesh.worker.vllm_defaults import check_block_size
 
 
 @dataclass
@@ -83,6 +84,8 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions, EngineOptions, HttpA
             raise ConfigError("--prefill-workers must be >= 0")
         if self.kv_pool and self.engine != "mock":
             raise ConfigError("--kv-pool is for mock workers (vLLM manages its own KV memory)")
+        if self.engine == "vllm":
+            check_block_size(self.block_size)
         if self.planner:
             PlannerOptions.validate(self)
             if self.engine != "mock":

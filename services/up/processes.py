@@ -23,6 +23,7 @@ from kvmesh.frontend.config import HttpApiOptions
 from kvmesh.indexer.config import SnapshotOptions
 from kvmesh.router.config import RouterOptions
 from kvmesh.up.config import UpConfig
+from kvmesh.worker import vllm_defaults
 from kvmesh.worker.config import EngineOptions
 
 log = structlog.get_logger(__name__)
@@ -84,8 +85,9 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
     router_args = [*common, *options_argv(RouterOptions, config)]
     services += [ServiceProcess(f"router-{i}", "kvmesh.router", router_args) for i in range(config.routers)]
     role = "decode" if config.prefill_workers else "aggregated"
-    services += [worker_process(config, common, i, role) for i in range(config.workers)]
-    services += [worker_process(config, common, i, "prefill") for i in range(config.prefill_workers)]
+    engine_args = [*config.engine_args, *vllm_cpu_defaults(config)]
+    services += [worker_process(config, common, engine_args, i, role) for i in range(config.workers)]
+    services += [worker_process(config, common, engine_args, i, "prefill") for i in range(config.prefill_workers)]
     load_reports = ["--load-report-secs", str(min(5.0, config.adjustment_interval / 2))] if config.planner else []
     services.append(
         ServiceProcess(
@@ -113,14 +115,34 @@ def kv_pool_directory(config: UpConfig) -> Path:
     return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"kvmesh-pool-{config.namespace}-{os.getpid()}"
 
 
-def worker_process(config: UpConfig, common: list[str], index: int, role: str) -> ServiceProcess:
+def vllm_cpu_defaults(config: UpConfig) -> list[str]:
+    """With ``--engine vllm`` on vLLM's CPU build: the engine arguments the user left out that make
+    the engines start here (their KV caches share this host's memory), said once in the log."""
+    if config.engine != "vllm" or not vllm_defaults.cpu_build():
+        return []
+    engines = config.workers + config.prefill_workers
+    chosen = vllm_defaults.cpu_defaults(config.engine_args, engines, vllm_defaults.available_memory())
+    if chosen:
+        argv = vllm_defaults.as_argv(chosen)
+        log.info(
+            "vLLM's CPU build: chose for every worker what was not given",
+            chose=vllm_defaults.describe(chosen),
+            engine_args=" ".join(argv),
+        )
+        return argv
+    return []
+
+
+def worker_process(
+    config: UpConfig, common: list[str], engine_args: list[str], index: int, role: str
+) -> ServiceProcess:
     worker_args = [
         *common,
         *options_argv(EngineOptions, config),
         "--model-name",
         config.model_name,
         *(["--kv-pool", str(kv_pool_directory(config))] if config.kv_pool else []),
-        *config.engine_args,
+        *engine_args,
     ]
     name = f"worker-{index}" if role != "prefill" else f"prefill-worker-{index}"
     return ServiceProcess(name, "kvmesh.worker", [*worker_args, "--role", role])

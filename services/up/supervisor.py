@@ -29,6 +29,7 @@ from kvmesh.common.runtime.structured_logging import configure_logging
 from kvmesh.up.config import UpConfig
 from kvmesh.up.planner_pools import plan_planner, serve_worker_pool
 from kvmesh.up.processes import ServiceProcess, kv_pool_directory, plan_services
+from kvmesh.worker.vllm_defaults import require_vllm
 from kvmesh.worker_pool import WorkerPools
 
 log = structlog.get_logger(__name__)
@@ -216,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog="kvmesh up",
         description="Start a whole kvmesh on this machine: NATS, indexer, router, mock workers, frontend.",
     )
+    if config.engine == "vllm":
+        require_vllm(split_roles=config.prefill_workers > 0)
     configure_logging(config.log_level, config.log_json, service="up")
     configure_replicas(config.jetstream_replicas)
     log.info("starting kvmesh", config=describe(config))

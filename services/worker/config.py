@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvmesh.common.runtime.config import ConfigError, GrpcEndpointConfig, option
 from kvmesh.common.wire.disagg import default_kv_handoff
 from kvmesh.common.wire.kv_events import parse_moe_placements
+from kvmesh.worker.vllm_defaults import check_block_size
 
 DEFAULT_MODEL_NAME = "kvmesh-tiny"
 # The mock engine's shape where a flag is not given (vLLM picks its own).
@@ -157,6 +158,8 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
             raise ConfigError("--num-layers, --num-kv-heads, --head-dim and --kv-dtype-bytes must be positive")
         if self.kv_transfer_timeout_secs <= 0 or self.disagg_hold_timeout_secs <= 0:
             raise ConfigError("--kv-transfer-timeout-secs and --disagg-hold-timeout-secs must be positive")
+        if self.engine == "vllm":
+            check_block_size(self.block_size)
 
     def resolved_transfer_backend(self) -> str:
         """The backend this worker uses. Aggregated workers never serve a prefill for another worker,

