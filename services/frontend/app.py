@@ -133,10 +133,10 @@ def create_app(
     @app.get("/v1/models")
     async def list_models() -> dict[str, object]:
         model = frontend.model
-        return {
-            "object": "list",
-            "data": [{"id": model.name, "object": "model", "created": model.created, "owned_by": "kvmesh"}],
-        }
+        base = {"id": model.name, "object": "model", "created": model.created, "owned_by": "kvmesh"}
+        # a LoRA adapter is listed as vLLM lists it: a model of its own, its base model its parent
+        adapters = [{**base, "id": name, "parent": model.name} for name in sorted(frontend.adapters())]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:

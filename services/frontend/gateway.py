@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -114,9 +114,12 @@ class Frontend:
         self.metrics = FrontendMetrics()
         self.findings = Findings(self.metrics.registry)  # misconfigurations it sees (said in /health too)
         self.load = LoadWindow(f"frontend-{uuid.uuid4().hex[:8]}")
+        # the LoRA adapters that workers of this model serve (the server reads them from discovery)
+        self.adapters: Callable[[], frozenset[str]] = frozenset
 
     def check_model(self, name: str) -> None:
-        if name != self.model.name:
+        """A 404 unless ``name`` is this frontend's model or an adapter a worker of it serves."""
+        if name != self.model.name and name not in self.adapters():
             raise ModelNotFoundError(name)
 
     def check_context(self, prompt_tokens: int, max_tokens: int | None) -> None:
@@ -140,7 +143,9 @@ class Frontend:
         """The request on the mesh; ``priority``: the router queue class (the header's, which wins
         over the body's ``kvmesh.priority``)."""
         max_tokens = body.requested_max_tokens() or self.default_max_tokens
-        request = common_pb2.PreprocessedRequest(request_id=request_id, model=body.model, token_ids=token_ids)
+        request = common_pb2.PreprocessedRequest(request_id=request_id, model=self.model.name, token_ids=token_ids)
+        if body.model != self.model.name:
+            request.lora_name = body.model  # the model named an adapter (check_model let it through)
         request.stop.max_tokens = max_tokens
         eos = self.model.tokenizer.eos_token_id
         request.stop.ignore_eos = body.ignore_eos

@@ -17,6 +17,7 @@ from kvmesh.common.calling.router_client import RouterClient
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.heap import freeze_startup_heap
 from kvmesh.common.runtime.service import ServiceStack, service_main
+from kvmesh.common.wire.lora import adapters_of
 from kvmesh.frontend.admission import read_api_keys
 from kvmesh.frontend.app import create_app
 from kvmesh.frontend.config import FrontendConfig
@@ -66,6 +67,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
         stack.push_async_callback(path.close)
         workers = await stack.start(path.watch(nc.jetstream(), config.namespace))
         frontend = Frontend(model, path, default_max_tokens=config.default_max_tokens)
+        frontend.adapters = lambda: adapters_of(workers.instances(), model.name)
         stack.task(check_model_served_forever(frontend, workers), "check-model")
         stack.task(publish_load_forever(nc, config.namespace, frontend.load, config.load_report_secs), "publish-load")
         sock = listening_socket(config.http_host, config.http_port)

@@ -1,22 +1,26 @@
 """Which workers may take a request, with one typed reason per exclusion (sans-I/O, clock passed in).
 
-The router asks three questions before it costs anyone: does the worker serve this model in this
-role, has its stream broken recently, is it over the busy thresholds. Each is a pure step here, so
+The router asks three questions before it costs anyone: does the worker serve this model (and the
+LoRA adapter the request names) in this role, has its stream broken recently, is it over the busy
+thresholds. Each is a pure step here, so
 the rules read on one page and are tested without a network.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
+
+from kvmesh.common.wire.lora import served_adapters
 
 
 class Exclusion(Enum):
     """Why a worker was left out of a request's candidates."""
 
     OTHER_MODEL = "other_model"
+    NO_ADAPTER = "no_adapter"  # it does not serve the LoRA adapter the request names
     # prefill-role workers only ever prefill for another worker; decode-role workers can prefill
     # locally and so serve whole requests
     PREFILL_ROLE = "prefill_role"
@@ -37,6 +41,8 @@ class WorkerLike(Protocol):
     def role(self) -> str: ...
     @property
     def block_size(self) -> int: ...
+    @property
+    def extra(self) -> Mapping[str, Any]: ...
 
 
 W = TypeVar("W", bound=WorkerLike)
@@ -80,13 +86,18 @@ class BusyThresholds:
         )
 
 
-def whole_request_workers(workers: Sequence[W], model: str, failed: FailedWorkers, now: float) -> Eligibility[W]:
-    """Workers that serve ``model`` whole requests. Recently failed ones are left out unless no
-    other is left (a failed worker is a better answer than none)."""
+def whole_request_workers(
+    workers: Sequence[W], model: str, failed: FailedWorkers, now: float, lora: str | None = None
+) -> Eligibility[W]:
+    """Workers that serve ``model`` (and the adapter ``lora``, when one is named) whole requests.
+    Recently failed ones are left out unless no other is left (a failed worker is a better answer
+    than none)."""
     result: Eligibility[W] = Eligibility([])
     for worker in workers:
         if model and worker.model != model:
             result.excluded[worker.instance_id] = Exclusion.OTHER_MODEL
+        elif lora and lora not in served_adapters(worker.extra):
+            result.excluded[worker.instance_id] = Exclusion.NO_ADAPTER
         elif worker.role == "prefill":
             result.excluded[worker.instance_id] = Exclusion.PREFILL_ROLE
         else:
@@ -95,16 +106,19 @@ def whole_request_workers(workers: Sequence[W], model: str, failed: FailedWorker
 
 
 def prefill_workers(
-    workers: Sequence[W], model: str, block_size: int, failed: FailedWorkers, now: float
+    workers: Sequence[W], model: str, block_size: int, failed: FailedWorkers, now: float, lora: str | None = None
 ) -> Eligibility[W]:
-    """Prefill-role workers for ``model`` whose KV blocks match the decode side's ``block_size``
-    (blocks must line up to be transferred), without recently failed ones."""
+    """Prefill-role workers for ``model`` (and the adapter ``lora``, when one is named) whose KV
+    blocks match the decode side's ``block_size`` (blocks must line up to be transferred), without
+    recently failed ones."""
     result: Eligibility[W] = Eligibility([])
     for worker in workers:
         if worker.role != "prefill":
             result.excluded[worker.instance_id] = Exclusion.NOT_PREFILL_ROLE
         elif model and worker.model != model:
             result.excluded[worker.instance_id] = Exclusion.OTHER_MODEL
+        elif lora and lora not in served_adapters(worker.extra):
+            result.excluded[worker.instance_id] = Exclusion.NO_ADAPTER
         elif worker.block_size != block_size:
             result.excluded[worker.instance_id] = Exclusion.OTHER_BLOCK_SIZE
         else:

@@ -240,17 +240,23 @@ class Router:
     # ---- the decision ----------------------------------------------------------------------
     def prepare(self, request: common_pb2.PreprocessedRequest) -> Prepared:
         registered = self.workers.instances()
-        candidates = whole_request_workers(registered, request.model, self.failed, self.clock()).eligible
+        lora = request.lora_name if request.HasField("lora_name") else None
+        candidates = whole_request_workers(registered, request.model, self.failed, self.clock(), lora).eligible
         if not candidates:
             if request.model and not any(r.model == request.model for r in registered):
                 raise RoutingError(
                     grpc.StatusCode.UNAVAILABLE, f"{NO_WORKER} {self.checks.no_worker_for(request.model, registered)}"
                 )
+            if lora:
+                raise RoutingError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{NO_WORKER} serving LoRA adapter {lora!r} of model {request.model!r} "
+                    "(start workers with --lora-adapters naming it)",
+                )
             raise RoutingError(grpc.StatusCode.UNAVAILABLE, f"{NO_WORKER} for model {request.model!r}")
         block_size = candidates[0].block_size
         policy = self.policy(candidates[0])
         self._adopt_advertised_timing(policy, candidates)
-        lora = request.lora_name if request.HasField("lora_name") else None
         local_hashes = local_block_hashes(request.token_ids, block_size, lora)
         expected = request.expected_output_tokens if request.HasField("expected_output_tokens") else 0
         return Prepared(
@@ -368,7 +374,8 @@ class Router:
         if any(r.role == "prefill" for r in registered):
             prepared = self.prepare(request)
             block_size = prepared.policy.block_size
-            pool = prefill_workers(registered, request.model, block_size, self.failed, self.clock()).eligible
+            lora = request.lora_name if request.HasField("lora_name") else None
+            pool = prefill_workers(registered, request.model, block_size, self.failed, self.clock(), lora).eligible
             self._adopt_advertised_timing(prepared.policy, pool)  # prefill workers are costed too
         if not pool:
             if enforce:

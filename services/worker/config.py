@@ -7,11 +7,22 @@ from dataclasses import dataclass
 from kvmesh.common.runtime.config import ConfigError, GrpcEndpointConfig, option
 from kvmesh.common.wire.disagg import default_kv_handoff
 from kvmesh.common.wire.kv_events import parse_moe_placements
+from kvmesh.common.wire.lora import parse_adapters
 from kvmesh.worker.vllm_defaults import check_block_size
 
 DEFAULT_MODEL_NAME = "kvmesh-tiny"
 # The mock engine's shape where a flag is not given (vLLM picks its own).
 MOCK_DEFAULTS = {"block_size": 16, "num_gpu_blocks": 16384, "max_num_seqs": 256, "max_num_batched_tokens": 8192}
+
+
+def check_lora_adapters(options: EngineOptions) -> None:
+    """``--lora-adapters``, for ``kvmesh worker`` and ``kvmesh up`` alike."""
+    try:
+        parse_adapters(options.lora_adapters)
+    except ValueError as exc:
+        raise ConfigError(f"--lora-adapters: {exc}") from None
+    if options.lora_adapters and options.engine != "mock":
+        raise ConfigError("--lora-adapters: only the mock engine simulates adapters so far (not vLLM)")
 
 
 def check_host_tier(options: EngineOptions) -> None:
@@ -34,6 +45,13 @@ class EngineOptions:
         "answer and passes its KV parameters on). Default: the engine's own (mock: bootstrap; vLLM, whose KV "
         "connector hands out its parameters only once the prefill ran: sync, the only one it can do)",
         choices=("bootstrap", "sync"),
+    )
+
+    lora_adapters: str = option(
+        "",
+        "LoRA adapters this worker serves, comma-separated; a request names one as its model and the router "
+        "sends it only to workers that serve it. The mock engine simulates them (an adapter's KV blocks are its "
+        "own); not yet with --engine vllm",
     )
 
     engine: str = option(
@@ -158,6 +176,7 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
             raise ConfigError("--num-layers, --num-kv-heads, --head-dim and --kv-dtype-bytes must be positive")
         if self.kv_transfer_timeout_secs <= 0 or self.disagg_hold_timeout_secs <= 0:
             raise ConfigError("--kv-transfer-timeout-secs and --disagg-hold-timeout-secs must be positive")
+        check_lora_adapters(self)
         if self.engine == "vllm":
             check_block_size(self.block_size)
 

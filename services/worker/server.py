@@ -26,6 +26,7 @@ from kvmesh.common.wire.kv_events import (
     TIER_DP_RANKS,
     parse_moe_placements,
 )
+from kvmesh.common.wire.lora import ADAPTERS_KEY, parse_adapters
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.connector_handover import ConnectorHandover
 from kvmesh.worker.engine import Engine
@@ -110,6 +111,9 @@ async def serve(
         publisher = await stack.start(publisher_class(js, config.namespace, worker_id, flush_interval_s=flush))
         handover: Handover | None = None
         extra: dict[str, object] = {"engine": config.engine, "kv_handoff": config.resolved_kv_handoff()}
+        adapters = parse_adapters(config.lora_adapters)
+        if adapters:
+            extra[ADAPTERS_KEY] = list(adapters)
         if config.engine == "vllm":
             # prefill and decode workers move KV with vLLM's NIXL connector; aggregated ones need none
             connector_host = None if config.role == "aggregated" else advertised_host(config)
@@ -170,7 +174,7 @@ async def serve(
         metrics = WorkerMetrics(engine, publisher, transfer_view)
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
-        servicer = WorkerServicer(worker_id, config.model_name, engine, metrics, handover)
+        servicer = WorkerServicer(worker_id, config.model_name, engine, metrics, handover, frozenset(adapters))
         status = engine.status()
         registration = await stack.grpc_service(
             js,

@@ -41,10 +41,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves ``Generate`` from the engine; a cancelled stream aborts its request and frees its KV."""
 
     def __init__(
-        self, worker_id: int, model_name: str, engine: Engine, metrics: WorkerMetrics, handover: Handover | None
+        self,
+        worker_id: int,
+        model_name: str,
+        engine: Engine,
+        metrics: WorkerMetrics,
+        handover: Handover | None,
+        lora_adapters: frozenset[str] = frozenset(),
     ) -> None:
         self.worker_id = worker_id
         self.model_name = model_name
+        self.lora_adapters = lora_adapters
         self.engine = engine
         self.metrics = metrics
         self.handover = handover
@@ -63,6 +70,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 "worker",
                 grpc.StatusCode.NOT_FOUND,
                 f"this worker serves model {self.model_name!r}, not {request.model!r}",
+            )
+        if request.HasField("lora_name") and request.lora_name not in self.lora_adapters:
+            served = ", ".join(sorted(self.lora_adapters)) or "none"
+            await refuse(
+                context,
+                "worker",
+                grpc.StatusCode.NOT_FOUND,
+                f"this worker does not serve LoRA adapter {request.lora_name!r} (it serves: {served})",
             )
         order: PrefillOrder | DecodeOrder | None = None
         if request.disaggregated_params:

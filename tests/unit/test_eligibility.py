@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvmesh.router.eligibility import (
     BusyThresholds,
@@ -20,6 +21,7 @@ class Worker:
     model: str = "m"
     role: str = "aggregated"
     block_size: int = 16
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def ids(workers) -> list[int]:
@@ -31,6 +33,19 @@ def test_whole_requests_go_to_workers_of_the_model_that_are_not_prefill_only():
     result = whole_request_workers(workers, "m", FailedWorkers(5.0), now=0.0)
     assert ids(result.eligible) == [1, 4]
     assert result.excluded == {2: Exclusion.OTHER_MODEL, 3: Exclusion.PREFILL_ROLE}
+
+
+def test_a_request_naming_a_lora_adapter_goes_only_to_workers_that_serve_it():
+    workers = [
+        Worker(1, extra={"lora_adapters": ["sql"]}),
+        Worker(2),
+        Worker(3, role="prefill", extra={"lora_adapters": ["sql"]}),
+    ]
+    result = whole_request_workers(workers, "m", FailedWorkers(5.0), now=0.0, lora="sql")
+    assert ids(result.eligible) == [1] and result.excluded[2] == Exclusion.NO_ADAPTER
+    assert ids(whole_request_workers(workers, "m", FailedWorkers(5.0), now=0.0).eligible) == [1, 2]  # base: all
+    assert ids(prefill_workers(workers, "m", 16, FailedWorkers(5.0), now=0.0, lora="sql").eligible) == [3]
+    assert not prefill_workers(workers, "m", 16, FailedWorkers(5.0), now=0.0, lora="chat").eligible
 
 
 def test_a_recently_failed_worker_is_left_out_until_its_time_is_up_unless_none_other_is_left():

@@ -1,0 +1,93 @@
+"""LoRA adapters on the mock engine, through real services and the official openai client: a model
+name can name an adapter, workers advertise theirs, the router keeps a request to workers that serve
+its adapter, and an adapter's cached blocks are its own."""
+
+from __future__ import annotations
+
+import grpc
+import openai
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.frontend import server as frontend_server
+from kvmesh.frontend.config import FrontendConfig
+from kvmesh.frontend.gateway import WORKER_ID_HEADER
+from kvmesh.indexer import server as indexer_server
+from kvmesh.indexer.config import IndexerConfig
+from kvmesh.router import server as router_server
+from kvmesh.router.config import RouterConfig
+from kvmesh.worker import server as worker_server
+from kvmesh.worker.config import WorkerConfig
+from tests.support import free_port, running, service_config, wait_until_async
+
+pytestmark = pytest.mark.integration
+NAMESPACE = "lora"
+PROMPT = "Translate this question into SQL: which customers ordered more than three times last month? " * 2
+
+
+async def registered_workers(nc: NatsClient, count: int) -> list:
+    watcher = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "worker")
+    await watcher.start()
+    try:
+        await wait_until_async(lambda: len(watcher.instances()) == count, what=f"{count} workers")
+        return watcher.instances()
+    finally:
+        await watcher.stop()
+
+
+async def ask(client: openai.AsyncOpenAI, model: str, prompt: str = PROMPT) -> tuple[int, int]:
+    """(the worker that served it, its cached prompt tokens)."""
+    raw = await client.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=2)
+    answer = raw.parse()
+    assert answer.model == model  # answered under the name asked for, as vLLM does
+    return int(raw.headers[WORKER_ID_HEADER]), answer.usage.prompt_tokens_details.cached_tokens
+
+
+async def test_requests_for_an_adapter_go_to_its_workers_and_never_share_blocks(nats_url: str, nc: NatsClient):
+    args = ["--nats-url", nats_url, "--namespace", NAMESPACE]
+    port = free_port()
+    async with (
+        running(worker_server.serve, service_config(WorkerConfig, [*args, "--lora-adapters", "sql,chat"])),
+        running(worker_server.serve, service_config(WorkerConfig, args)),
+        running(indexer_server.serve, service_config(IndexerConfig, args)),
+        running(router_server.serve, service_config(RouterConfig, args)),
+        running(frontend_server.serve, service_config(FrontendConfig, [*args, "--http-port", str(port)])),
+        openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        workers = await registered_workers(nc, 2)
+        with_adapters = next(w for w in workers if w.extra.get("lora_adapters"))
+        assert with_adapters.extra["lora_adapters"] == ["sql", "chat"]
+
+        async def listed() -> bool:
+            return {m.id for m in (await client.models.list()).data} == {"kvmesh-tiny", "sql", "chat"}
+
+        await wait_until_async(listed, what="the adapters listed as models")
+        assert {m.id: getattr(m, "parent", None) for m in (await client.models.list()).data}["sql"] == "kvmesh-tiny"
+
+        # distinct prompts, which load balancing would spread: only one worker serves the adapter
+        spread = [await ask(client, "sql", f"question {i}: " + PROMPT) for i in range(6)]
+        assert {worker for worker, _ in spread} == {with_adapters.instance_id}
+        served = [await ask(client, "sql") for _ in range(3)]
+        assert {worker for worker, _ in served} == {with_adapters.instance_id}
+        assert served[0][1] == 0 and served[-1][1] > 0  # the adapter's own blocks are reused
+        # the base model's request for the same prompt finds none of the adapter's blocks, wherever it goes,
+        # and another adapter's neither
+        assert (await ask(client, "kvmesh-tiny"))[1] == 0
+        assert (await ask(client, "chat"))[1] == 0
+
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await ask(client, "no-such-adapter")
+        assert unknown.value.body["code"] == "model_not_found"
+
+        # a worker asked directly for an adapter it does not serve says so
+        plain = next(w for w in workers if w is not with_adapters)
+        request = common_pb2.PreprocessedRequest(request_id="direct", token_ids=[1, 2, 3], lora_name="sql")
+        request.stop.max_tokens = 1
+        async with grpc.aio.insecure_channel(plain.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=10):
+                    pass
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "does not serve LoRA adapter 'sql'" in refused.value.details()
