@@ -26,6 +26,7 @@ from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.runtime.misconfiguration import Findings
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes, token_bytes
+from kvmesh.common.wire.worker_key import WorkerKey, ranks_of
 from kvmesh.router.approximate_index import ApproximateIndex
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.eligibility import (
@@ -79,11 +80,18 @@ class Prepared:
 
 @dataclass(frozen=True)
 class Choice:
-    """The worker chosen for a whole request, its cached prefix there and the prompt's block hashes."""
+    """The worker chosen for a whole request, its cached prefix there and the prompt's block hashes;
+    ``dp_rank``: its data-parallel rank chosen (None: the worker picks, for a request that named
+    the worker but no rank)."""
 
     worker: InstanceRecord
     overlap_blocks: int
     block_hashes: list[int]
+    dp_rank: int | None = 0
+
+    @property
+    def key(self) -> WorkerKey:
+        return (self.worker.instance_id, self.dp_rank or 0)
 
 
 def config_overrides(request: common_pb2.PreprocessedRequest) -> tuple[float | None, float | None]:
@@ -163,7 +171,7 @@ class Router:
             )
         return index
 
-    def predict(self, worker: InstanceRecord, block_hashes: Sequence[int], overlap: int = 0) -> None:
+    def predict(self, worker: InstanceRecord, block_hashes: Sequence[int], overlap: int = 0, dp_rank: int = 0) -> None:
         """Predict-on-route: ``worker`` is taken to cache these blocks for ``--router-predicted-ttl-secs``
         (its KV events take longer than a burst of siblings takes to arrive). The indexers' view wins
         once it holds as much (a match is the larger of the two); the prediction then expires. Nothing
@@ -174,7 +182,7 @@ class Router:
         predicted = self._predicted.get(worker.block_size)
         if predicted is None:
             predicted = self._predicted[worker.block_size] = PredictedBlocks(ttl)
-        predicted.record((worker.instance_id, 0), block_hashes, self.clock())
+        predicted.record((worker.instance_id, dp_rank), block_hashes, self.clock())
 
     def policy(self, worker: InstanceRecord, mode: str | None = None) -> RoutingPolicy:
         """The policy in ``mode`` (default: ``--router-mode``) of workers shaped like ``worker`` (same
@@ -277,8 +285,14 @@ class Router:
         Called after the last ``await`` of a decision, so that the check, the choice and the caller's
         :meth:`track_add` run without another request's decision in between: a burst meets the
         thresholds from its first request (each sees the load the ones before it added)."""
-        active = prepared.policy.active
-        candidates = not_busy(prepared.candidates, lambda worker_id: active.load((worker_id, 0)), self.thresholds)
+        active, thresholds, by_id = prepared.policy.active, self.thresholds, prepared.by_id
+
+        def least_loaded_rank(worker_id: int) -> tuple[int, int]:
+            # a worker is busy only when every one of its data-parallel ranks is
+            loads = [active.load((worker_id, rank)) for rank in ranks_of(by_id[worker_id].extra)]
+            return min(loads, key=lambda load: (thresholds.exceeded(*load), load))
+
+        candidates = not_busy(prepared.candidates, least_loaded_rank, thresholds)
         if not candidates.eligible:
             raise AllWorkersBusy(
                 f"all {len(prepared.candidates)} {noun} are busy (over their active block or prefill thresholds)"
@@ -328,7 +342,8 @@ class Router:
             record = prepared.by_id.get(forced)
             if record is None:
                 raise RoutingError(grpc.StatusCode.NOT_FOUND, f"worker {forced} is not registered for this model")
-            return Choice(record, 0, prepared.block_hashes)
+            rank = request.routing.dp_rank if request.routing.HasField("dp_rank") else None
+            return Choice(record, 0, prepared.block_hashes, rank)
 
         matched, sizes, moe, *_tiers = await self.cache_view(prepared)
         try:
@@ -337,8 +352,15 @@ class Router:
             busy.uncached_tokens = uncached_tokens(prepared, matched)
             raise
         weight, temperature = config_overrides(request)
+        active, thresholds = prepared.policy.active, self.thresholds
         decision = prepared.policy.choose(
-            [(r.instance_id, 0) for r in candidates],
+            # every data-parallel rank is a candidate of its own, unless it is over the thresholds
+            [
+                (r.instance_id, rank)
+                for r in candidates
+                for rank in ranks_of(r.extra)
+                if not thresholds.exceeded(*active.load((r.instance_id, rank)))
+            ],
             prepared.block_hashes,
             prepared.prompt_tokens,
             matched,
@@ -357,8 +379,8 @@ class Router:
                 decision.worker, prepared.local_hashes, prepared.block_hashes, self.clock()
             )
         elif commit:
-            self.predict(chosen, prepared.block_hashes, decision.overlap_blocks)
-        return Choice(chosen, decision.overlap_blocks, prepared.block_hashes)
+            self.predict(chosen, prepared.block_hashes, decision.overlap_blocks, decision.worker[1])
+        return Choice(chosen, decision.overlap_blocks, prepared.block_hashes, decision.worker[1])
 
     def has_prefill_workers(self) -> bool:
         """Whether requests may be split now (a prefill worker is registered, or the split is enforced)."""
@@ -457,8 +479,11 @@ class Router:
             )
 
         loads = {
-            (r.instance_id, 0): load((r.instance_id, 0), *self.loads.sequences(r.block_size).load((r.instance_id, 0)))
+            (r.instance_id, rank): load(
+                (r.instance_id, rank), *self.loads.sequences(r.block_size).load((r.instance_id, rank))
+            )
             for r in self.workers.instances()
+            for rank in ranks_of(r.extra)
         }
         for picture in self.loads.pictures():
             for worker in picture.workers():
@@ -475,8 +500,9 @@ class Router:
         prompt_tokens: int,
         overlap: int,
         expected_output_tokens: int,
+        dp_rank: int = 0,
     ) -> None:
-        key = (record.instance_id, 0)
+        key = (record.instance_id, dp_rank)
         self.checks.sent(record.instance_id)
         self.loads.add(
             request_id,
@@ -510,7 +536,7 @@ class Router:
         record = self.workers.get(message.worker_id) if message.kind == ADD else None
         self.loads.apply_remote(message, record.block_size if record is not None else None, self.clock())
         if record is not None:  # another replica's decision predicts that worker's cache here too
-            self.predict(record, message.block_hashes, message.overlap_blocks)
+            self.predict(record, message.block_hashes, message.overlap_blocks, message.dp_rank)
         if message.kind != ADD:
             self.on_capacity()
 

@@ -95,9 +95,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         forced = self._forced(sent)
         with self.metrics.decision_seconds.time():
             plan = None if forced or migration else await self.router.plan_prefill(sent)
+            rank: int | None = 0
             if plan is None:
                 choice = await self.router.choose(sent)
                 worker, overlap, block_hashes = choice.worker, choice.overlap_blocks, choice.block_hashes
+                rank = choice.dp_rank
             elif isinstance(plan, LocalPrefill):
                 worker, overlap, block_hashes = plan.decode, plan.overlap, plan.block_hashes
                 self.metrics.prefills.labels("local", plan.reason).inc()
@@ -118,8 +120,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             else:
                 overlap = 0  # sync path, prefill failed: the decode worker prefills itself
         response.overlap_blocks = overlap
+        if rank is not None:
+            # the rank rides on the request itself too, for the handoff that sends it on from here
+            response.dp_rank = sent.routing.dp_rank = rank
         expected = sent.expected_output_tokens if sent.HasField("expected_output_tokens") else 0
-        self.router.track_add(sent.request_id, worker, block_hashes, len(sent.token_ids), overlap, expected)
+        self.router.track_add(sent.request_id, worker, block_hashes, len(sent.token_ids), overlap, expected, rank or 0)
         log.info(
             "routed",
             worker_id=worker.instance_id,
@@ -258,7 +263,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except StatusError as exc:
             await refuse(context, "router", exc.code, str(exc))
         return router_pb2.BestWorkerResponse(
-            worker_id=choice.worker.instance_id, dp_rank=0, overlap_blocks=choice.overlap_blocks
+            worker_id=choice.worker.instance_id, dp_rank=choice.dp_rank or 0, overlap_blocks=choice.overlap_blocks
         )
 
     async def PotentialLoads(

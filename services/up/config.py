@@ -10,7 +10,7 @@ from kvmesh.frontend.config import HttpApiOptions
 from kvmesh.indexer.config import SnapshotOptions
 from kvmesh.planner.planner import PlannerOptions
 from kvmesh.router.config import RouterOptions
-from kvmesh.worker.config import EngineOptions, check_host_tier, check_lora_adapters
+from kvmesh.worker.config import EngineOptions, check_data_parallel, check_host_tier, check_lora_adapters
 from kvmesh.worker.vllm_defaults import check_block_size
 
 
@@ -64,6 +64,7 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions, EngineOptions, HttpA
     def validate(self) -> None:
         check_host_tier(self)
         check_lora_adapters(self)
+        check_data_parallel(self, "prefill" if self.prefill_workers else "aggregated")
         RouterOptions.validate(self)
         if self.engine == "mock" and self.engine_args:
             unknown = " ".join(self.engine_args)

@@ -25,6 +25,20 @@ def check_lora_adapters(options: EngineOptions) -> None:
         raise ConfigError("--lora-adapters: only the mock engine simulates adapters so far (not vLLM)")
 
 
+def check_data_parallel(options: EngineOptions, role: str = "aggregated") -> None:
+    """``--data-parallel-size``, for ``kvmesh worker`` and ``kvmesh up`` alike (``role``: the
+    worker's, or with ``kvmesh up`` whether it starts prefill workers)."""
+    size = options.data_parallel_size
+    if size < 1:
+        raise ConfigError("--data-parallel-size must be at least 1")
+    if size > 1 and options.engine != "mock":
+        raise ConfigError("--data-parallel-size: only the mock engine simulates ranks so far (not vLLM)")
+    if size > 1 and (role != "aggregated" or getattr(options, "kv_pool", None) or options.host_kv_blocks):
+        raise ConfigError(
+            "--data-parallel-size above 1 is for aggregated workers without --kv-pool or --host-kv-blocks"
+        )
+
+
 def check_host_tier(options: EngineOptions) -> None:
     """The host tier's options, for ``kvmesh worker`` and ``kvmesh up`` alike."""
     if options.host_kv_blocks < 0 or options.host_reload_ms_per_token < 0:
@@ -47,6 +61,12 @@ class EngineOptions:
         choices=("bootstrap", "sync"),
     )
 
+    data_parallel_size: int = option(
+        1,
+        "data-parallel ranks this worker runs, each an engine with a KV cache of its own that publishes its events "
+        "as its dp rank; the router chooses a (worker, rank). The mock engine simulates them (aggregated workers, "
+        "without --kv-pool or --host-kv-blocks); not yet with --engine vllm",
+    )
     lora_adapters: str = option(
         "",
         "LoRA adapters this worker serves, comma-separated; a request names one as its model and the router "
@@ -177,6 +197,7 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
         if self.kv_transfer_timeout_secs <= 0 or self.disagg_hold_timeout_secs <= 0:
             raise ConfigError("--kv-transfer-timeout-secs and --disagg-hold-timeout-secs must be positive")
         check_lora_adapters(self)
+        check_data_parallel(self, self.role)
         if self.engine == "vllm":
             check_block_size(self.block_size)
 

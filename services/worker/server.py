@@ -27,6 +27,7 @@ from kvmesh.common.wire.kv_events import (
     parse_moe_placements,
 )
 from kvmesh.common.wire.lora import ADAPTERS_KEY, parse_adapters
+from kvmesh.common.wire.worker_key import DATA_PARALLEL_KEY
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.connector_handover import ConnectorHandover
 from kvmesh.worker.engine import Engine
@@ -112,6 +113,7 @@ async def serve(
         handover: Handover | None = None
         extra: dict[str, object] = {"engine": config.engine, "kv_handoff": config.resolved_kv_handoff()}
         adapters = parse_adapters(config.lora_adapters)
+        ranks: list[Engine] = []  # data-parallel ranks past the first (rank 0 is `engine`)
         if adapters:
             extra[ADAPTERS_KEY] = list(adapters)
         if config.engine == "vllm":
@@ -159,6 +161,15 @@ async def serve(
             engine = await stack.start(
                 MockEngineLoop(build_mock_engine(config, kv), publisher, pool, pool_publisher, host_publisher)
             )
+            # data-parallel ranks past the first: an engine each, its KV its own, its events as its rank
+            for rank in range(1, config.data_parallel_size):
+                rank_publisher = await stack.start(
+                    publisher_class(js, config.namespace, worker_id, dp_rank=rank, flush_interval_s=flush)
+                )
+                rank_kv = KvBuffer(config.mock_shape("num_gpu_blocks"), shape)
+                ranks.append(await stack.start(MockEngineLoop(build_mock_engine(config, rank_kv), rank_publisher)))
+            if config.data_parallel_size > 1:
+                extra[DATA_PARALLEL_KEY] = config.data_parallel_size
             transfer = await start_kv_transfer(stack, config, worker_id, kv, engine)
             handover = KvHandover(worker_id, engine, transfer, config.kv_transfer_timeout_secs)
             extra |= {
@@ -174,7 +185,9 @@ async def serve(
         metrics = WorkerMetrics(engine, publisher, transfer_view)
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
-        servicer = WorkerServicer(worker_id, config.model_name, engine, metrics, handover, frozenset(adapters))
+        servicer = WorkerServicer(
+            worker_id, config.model_name, engine, metrics, handover, frozenset(adapters), [engine, *ranks]
+        )
         status = engine.status()
         registration = await stack.grpc_service(
             js,

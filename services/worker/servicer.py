@@ -9,7 +9,7 @@ a prefill worker before decoding (see :mod:`~kvmesh.worker.kv_handover`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import structlog
@@ -48,10 +48,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         metrics: WorkerMetrics,
         handover: Handover | None,
         lora_adapters: frozenset[str] = frozenset(),
+        ranks: Sequence[Engine] = (),
     ) -> None:
+        """``engine`` is data-parallel rank 0, which also serves the worker's status, metrics and
+        KV handover; ``ranks``: every rank's engine in rank order (default: ``engine`` alone)."""
         self.worker_id = worker_id
         self.model_name = model_name
         self.lora_adapters = lora_adapters
+        self.ranks = list(ranks) or [engine]
         self.engine = engine
         self.metrics = metrics
         self.handover = handover
@@ -96,6 +100,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "this worker's engine does not do disaggregation",
             )
+        rank = request.routing.dp_rank if request.routing.HasField("dp_rank") else self._least_loaded_rank()
+        if rank >= len(self.ranks):
+            await refuse(
+                context,
+                "worker",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"this worker has data-parallel ranks 0..{len(self.ranks) - 1}, not {rank}",
+            )
+        engine = self.ranks[rank]
         spec = EngineRequestSpec.from_proto(request)
         prefill = order if isinstance(order, PrefillOrder) else None
         handed_over = False
@@ -105,7 +118,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if isinstance(order, DecodeOrder):
                     queue, source = await self.handover.receive(spec, order)
                 else:
-                    queue = self.engine.submit(spec, hold_on_finish=prefill is not None)
+                    queue = engine.submit(spec, hold_on_finish=prefill is not None)
             except (EngineRequestError, StatusError) as exc:
                 code = exc.code if isinstance(exc, StatusError) else grpc.StatusCode.INVALID_ARGUMENT
                 await refuse(context, "worker", code, str(exc))
@@ -131,7 +144,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 output, tokens, failure = take_ready(queue, first)
                 starts_answer = completion == 0 and bool(tokens)
                 completion += len(tokens)
-                message = self._output(spec, output, completion, tokens)
+                message = self._output(spec, output, completion, tokens, rank)
                 if source is not None and source.source == "remote":
                     # the prompt was computed on the prefill worker: its cache hit is the client's
                     message.usage.cached_prompt_tokens = source.cached_tokens
@@ -161,7 +174,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self.handover.prefill_failed(prefill, "the prefill did not finish")
             if not handed_over:
                 # Runs on normal end too, where it is a no-op; on cancellation it frees the blocks.
-                self.engine.abort(request_id)
+                engine.abort(request_id)
 
     async def GenerateMany(
         self, request_iterator: AsyncIterator[common_pb2.GenerateCommands], context: grpc.aio.ServicerContext
@@ -173,14 +186,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for batch in batches:
                 yield batch
 
+    def _least_loaded_rank(self) -> int:
+        """The rank for a request that names none (a client of this worker alone): the one running
+        the fewest requests."""
+        if len(self.ranks) == 1:
+            return 0
+        return min(range(len(self.ranks)), key=lambda rank: self.ranks[rank].status().running_requests)
+
     def _output(
-        self, spec: EngineRequestSpec, output: TokenOutput, completion: int, tokens: list[int]
+        self, spec: EngineRequestSpec, output: TokenOutput, completion: int, tokens: list[int], rank: int = 0
     ) -> common_pb2.GenerateOutput:
         # Usage rides on every piece, so a client that stops early still knows its cached tokens.
         message = common_pb2.GenerateOutput(
             token_ids=tokens,
             worker_id=self.worker_id,
-            dp_rank=0,
+            dp_rank=rank,
             usage=common_pb2.Usage(
                 prompt_tokens=len(spec.prompt),
                 completion_tokens=completion,
@@ -201,15 +221,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.DumpKvStateRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.KvStateDump:
         dumped = None
-        if request.dp_rank == POOL_DP_RANK:
+        if request.dp_rank < len(self.ranks):
+            dumped = self.ranks[request.dp_rank].dump_kv_state()
+        elif request.dp_rank == POOL_DP_RANK:
             dumped = self.engine.dump_pool_state()
         elif request.dp_rank in TIERS_BY_DP_RANK:
             dumped = self.engine.dump_tier_state(TIERS_BY_DP_RANK[request.dp_rank])
-        if dumped is None and request.dp_rank != 0:
+        if dumped is None:
             await refuse(
-                context, "worker", grpc.StatusCode.NOT_FOUND, f"this worker has only dp rank 0, not {request.dp_rank}"
+                context,
+                "worker",
+                grpc.StatusCode.NOT_FOUND,
+                f"this worker has dp ranks 0..{len(self.ranks) - 1}, not {request.dp_rank}",
             )
-        last_event_id, blocks = dumped if dumped is not None else self.engine.dump_kv_state()
+        last_event_id, blocks = dumped
         log.info("dumped KV state", dp_rank=request.dp_rank, last_event_id=last_event_id, blocks=len(blocks))
         cached = []
         for b in blocks:

@@ -5,6 +5,7 @@ its adapter, and an adapter's cached blocks are its own."""
 from __future__ import annotations
 
 import grpc
+import httpx
 import openai
 import pytest
 from nats.aio.client import Client as NatsClient
@@ -60,10 +61,12 @@ async def test_requests_for_an_adapter_go_to_its_workers_and_never_share_blocks(
         with_adapters = next(w for w in workers if w.extra.get("lora_adapters"))
         assert with_adapters.extra["lora_adapters"] == ["sql", "chat"]
 
-        async def listed() -> bool:
-            return {m.id for m in (await client.models.list()).data} == {"kvmesh-tiny", "sql", "chat"}
+        async def ready() -> bool:
+            listed = {m.id for m in (await client.models.list()).data} == {"kvmesh-tiny", "sql", "chat"}
+            async with httpx.AsyncClient() as http:  # /health says 200 once the frontend knows a router
+                return listed and (await http.get(f"http://127.0.0.1:{port}/health")).status_code == 200
 
-        await wait_until_async(listed, what="the adapters listed as models")
+        await wait_until_async(ready, what="the adapters listed as models, and a router known")
         assert {m.id: getattr(m, "parent", None) for m in (await client.models.list()).data}["sql"] == "kvmesh-tiny"
 
         # distinct prompts, which load balancing would spread: only one worker serves the adapter

@@ -148,6 +148,8 @@ class RequestPath:
             if is_no_worker_refusal(exc):
                 raise RouterSeesNoWorker(exc) from exc
             raise
+        if route.HasField("dp_rank"):
+            sent.routing.dp_rank = route.dp_rank  # the data-parallel rank the router chose
         if route.disaggregated_params:
             sent = with_disaggregated_params(sent, route.disaggregated_params)
         # the end to report unless it ends otherwise (None: already reported)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.common.proto.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/router.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xd7\x01\n\x0cRoutingQuery\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\tlora_name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12?\n\x16router_config_override\x18\x04 \x01(\x0b\x32\x1f.kvmesh.v1.RouterConfigOverride\x12#\n\x16\x65xpected_output_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\x0c\n\n_lora_nameB\x19\n\x17_expected_output_tokens\"f\n\x0cRouteRequest\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1e.kvmesh.v1.PreprocessedRequest\x12\x11\n\tmigration\x18\x02 \x01(\r\x12\x12\n\nhandoff_to\x18\x03 \x01(\t\"\xc8\x01\n\rRouteResponse\x12\x11\n\tworker_id\x18\x02 \x01(\x04\x12\x16\n\x0eworker_address\x18\x03 \x01(\t\x12\x16\n\x0eoverlap_blocks\x18\x04 \x01(\r\x12\x11\n\trouter_id\x18\x05 \x01(\t\x12\x17\n\x0fmigration_limit\x18\x06 \x01(\r\x12\x0e\n\x06\x66orced\x18\x07 \x01(\x08\x12\x14\n\x0chandoff_lost\x18\x08 \x01(\x08\x12\x1c\n\x14\x64isaggregated_params\x18\t \x01(\x0cJ\x04\x08\x01\x10\x02\"H\n\nRouteQuery\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12(\n\x07request\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.RouteRequest\"G\n\x0cRouteQueries\x12&\n\x07queries\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.RouteQuery\x12\x0f\n\x07reports\x18\x02 \x01(\x0c\"s\n\x0bRouteAnswer\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12*\n\x08response\x18\x02 \x01(\x0b\x32\x18.kvmesh.v1.RouteResponse\x12&\n\x07refused\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.RequestEnd\"7\n\x0cRouteAnswers\x12\'\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.RouteAnswer\"P\n\x12\x42\x65stWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\"\xc8\x01\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\x12 \n\x18potential_prefill_tokens\x18\x04 \x01(\x04\x12\x1f\n\x17potential_decode_blocks\x18\x05 \x01(\x04\x12\x1d\n\x15\x61\x63tive_prefill_tokens\x18\x06 \x01(\x04\x12\x1c\n\x14\x61\x63tive_decode_blocks\x18\x07 \x01(\x04\">\n\x16PotentialLoadsResponse\x12$\n\x05loads\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.WorkerLoad\"\x15\n\x13RouterStatusRequest\"\xc2\x04\n\x0cRouterStatus\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x14\n\x0creplica_sync\x18\x03 \x01(\x08\x12\x12\n\nsync_peers\x18\x04 \x01(\r\x12$\n\x05loads\x18\x05 \x03(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12\x17\n\x0f\x61\x63tive_requests\x18\x06 \x01(\r\x12\x1e\n\x16outcome_window_seconds\x18\x07 \x01(\r\x12\x44\n\x0frecent_outcomes\x18\x08 \x03(\x0b\x32+.kvmesh.v1.RouterStatus.RecentOutcomesEntry\x12\x42\n\x0etotal_outcomes\x18\t \x03(\x0b\x32*.kvmesh.v1.RouterStatus.TotalOutcomesEntry\x12\x12\n\nmigrations\x18\n \x01(\x04\x12\x33\n\x06queued\x18\x0b \x03(\x0b\x32#.kvmesh.v1.RouterStatus.QueuedEntry\x12\x19\n\x11misconfigurations\x18\x0c \x03(\t\x1a\x35\n\x13RecentOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x34\n\x12TotalOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a-\n\x0bQueuedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x32\xe1\x02\n\x06Router\x12\x41\n\tRouteMany\x12\x17.kvmesh.v1.RouteQueries\x1a\x17.kvmesh.v1.RouteAnswers(\x01\x30\x01\x12:\n\x05Route\x12\x17.kvmesh.v1.RouteRequest\x1a\x18.kvmesh.v1.RouteResponse\x12\x44\n\nBestWorker\x12\x17.kvmesh.v1.RoutingQuery\x1a\x1d.kvmesh.v1.BestWorkerResponse\x12L\n\x0ePotentialLoads\x12\x17.kvmesh.v1.RoutingQuery\x1a!.kvmesh.v1.PotentialLoadsResponse\x12\x44\n\tGetStatus\x12\x1e.kvmesh.v1.RouterStatusRequest\x1a\x17.kvmesh.v1.RouterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/router.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xd7\x01\n\x0cRoutingQuery\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\tlora_name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12?\n\x16router_config_override\x18\x04 \x01(\x0b\x32\x1f.kvmesh.v1.RouterConfigOverride\x12#\n\x16\x65xpected_output_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\x0c\n\n_lora_nameB\x19\n\x17_expected_output_tokens\"f\n\x0cRouteRequest\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1e.kvmesh.v1.PreprocessedRequest\x12\x11\n\tmigration\x18\x02 \x01(\r\x12\x12\n\nhandoff_to\x18\x03 \x01(\t\"\xea\x01\n\rRouteResponse\x12\x11\n\tworker_id\x18\x02 \x01(\x04\x12\x16\n\x0eworker_address\x18\x03 \x01(\t\x12\x16\n\x0eoverlap_blocks\x18\x04 \x01(\r\x12\x11\n\trouter_id\x18\x05 \x01(\t\x12\x17\n\x0fmigration_limit\x18\x06 \x01(\r\x12\x0e\n\x06\x66orced\x18\x07 \x01(\x08\x12\x14\n\x0chandoff_lost\x18\x08 \x01(\x08\x12\x1c\n\x14\x64isaggregated_params\x18\t \x01(\x0c\x12\x14\n\x07\x64p_rank\x18\n \x01(\rH\x00\x88\x01\x01\x42\n\n\x08_dp_rankJ\x04\x08\x01\x10\x02\"H\n\nRouteQuery\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12(\n\x07request\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.RouteRequest\"G\n\x0cRouteQueries\x12&\n\x07queries\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.RouteQuery\x12\x0f\n\x07reports\x18\x02 \x01(\x0c\"s\n\x0bRouteAnswer\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12*\n\x08response\x18\x02 \x01(\x0b\x32\x18.kvmesh.v1.RouteResponse\x12&\n\x07refused\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.RequestEnd\"7\n\x0cRouteAnswers\x12\'\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.RouteAnswer\"P\n\x12\x42\x65stWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\"\xc8\x01\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\x12 \n\x18potential_prefill_tokens\x18\x04 \x01(\x04\x12\x1f\n\x17potential_decode_blocks\x18\x05 \x01(\x04\x12\x1d\n\x15\x61\x63tive_prefill_tokens\x18\x06 \x01(\x04\x12\x1c\n\x14\x61\x63tive_decode_blocks\x18\x07 \x01(\x04\">\n\x16PotentialLoadsResponse\x12$\n\x05loads\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.WorkerLoad\"\x15\n\x13RouterStatusRequest\"\xc2\x04\n\x0cRouterStatus\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x14\n\x0creplica_sync\x18\x03 \x01(\x08\x12\x12\n\nsync_peers\x18\x04 \x01(\r\x12$\n\x05loads\x18\x05 \x03(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12\x17\n\x0f\x61\x63tive_requests\x18\x06 \x01(\r\x12\x1e\n\x16outcome_window_seconds\x18\x07 \x01(\r\x12\x44\n\x0frecent_outcomes\x18\x08 \x03(\x0b\x32+.kvmesh.v1.RouterStatus.RecentOutcomesEntry\x12\x42\n\x0etotal_outcomes\x18\t \x03(\x0b\x32*.kvmesh.v1.RouterStatus.TotalOutcomesEntry\x12\x12\n\nmigrations\x18\n \x01(\x04\x12\x33\n\x06queued\x18\x0b \x03(\x0b\x32#.kvmesh.v1.RouterStatus.QueuedEntry\x12\x19\n\x11misconfigurations\x18\x0c \x03(\t\x1a\x35\n\x13RecentOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x34\n\x12TotalOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a-\n\x0bQueuedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x32\xe1\x02\n\x06Router\x12\x41\n\tRouteMany\x12\x17.kvmesh.v1.RouteQueries\x1a\x17.kvmesh.v1.RouteAnswers(\x01\x30\x01\x12:\n\x05Route\x12\x17.kvmesh.v1.RouteRequest\x1a\x18.kvmesh.v1.RouteResponse\x12\x44\n\nBestWorker\x12\x17.kvmesh.v1.RoutingQuery\x1a\x1d.kvmesh.v1.BestWorkerResponse\x12L\n\x0ePotentialLoads\x12\x17.kvmesh.v1.RoutingQuery\x1a!.kvmesh.v1.PotentialLoadsResponse\x12\x44\n\tGetStatus\x12\x1e.kvmesh.v1.RouterStatusRequest\x1a\x17.kvmesh.v1.RouterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,31 +43,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTEREQUEST']._serialized_start=279
   _globals['_ROUTEREQUEST']._serialized_end=381
   _globals['_ROUTERESPONSE']._serialized_start=384
-  _globals['_ROUTERESPONSE']._serialized_end=584
-  _globals['_ROUTEQUERY']._serialized_start=586
-  _globals['_ROUTEQUERY']._serialized_end=658
-  _globals['_ROUTEQUERIES']._serialized_start=660
-  _globals['_ROUTEQUERIES']._serialized_end=731
-  _globals['_ROUTEANSWER']._serialized_start=733
-  _globals['_ROUTEANSWER']._serialized_end=848
-  _globals['_ROUTEANSWERS']._serialized_start=850
-  _globals['_ROUTEANSWERS']._serialized_end=905
-  _globals['_BESTWORKERRESPONSE']._serialized_start=907
-  _globals['_BESTWORKERRESPONSE']._serialized_end=987
-  _globals['_WORKERLOAD']._serialized_start=990
-  _globals['_WORKERLOAD']._serialized_end=1190
-  _globals['_POTENTIALLOADSRESPONSE']._serialized_start=1192
-  _globals['_POTENTIALLOADSRESPONSE']._serialized_end=1254
-  _globals['_ROUTERSTATUSREQUEST']._serialized_start=1256
-  _globals['_ROUTERSTATUSREQUEST']._serialized_end=1277
-  _globals['_ROUTERSTATUS']._serialized_start=1280
-  _globals['_ROUTERSTATUS']._serialized_end=1858
-  _globals['_ROUTERSTATUS_RECENTOUTCOMESENTRY']._serialized_start=1704
-  _globals['_ROUTERSTATUS_RECENTOUTCOMESENTRY']._serialized_end=1757
-  _globals['_ROUTERSTATUS_TOTALOUTCOMESENTRY']._serialized_start=1759
-  _globals['_ROUTERSTATUS_TOTALOUTCOMESENTRY']._serialized_end=1811
-  _globals['_ROUTERSTATUS_QUEUEDENTRY']._serialized_start=1813
-  _globals['_ROUTERSTATUS_QUEUEDENTRY']._serialized_end=1858
-  _globals['_ROUTER']._serialized_start=1861
-  _globals['_ROUTER']._serialized_end=2214
+  _globals['_ROUTERESPONSE']._serialized_end=618
+  _globals['_ROUTEQUERY']._serialized_start=620
+  _globals['_ROUTEQUERY']._serialized_end=692
+  _globals['_ROUTEQUERIES']._serialized_start=694
+  _globals['_ROUTEQUERIES']._serialized_end=765
+  _globals['_ROUTEANSWER']._serialized_start=767
+  _globals['_ROUTEANSWER']._serialized_end=882
+  _globals['_ROUTEANSWERS']._serialized_start=884
+  _globals['_ROUTEANSWERS']._serialized_end=939
+  _globals['_BESTWORKERRESPONSE']._serialized_start=941
+  _globals['_BESTWORKERRESPONSE']._serialized_end=1021
+  _globals['_WORKERLOAD']._serialized_start=1024
+  _globals['_WORKERLOAD']._serialized_end=1224
+  _globals['_POTENTIALLOADSRESPONSE']._serialized_start=1226
+  _globals['_POTENTIALLOADSRESPONSE']._serialized_end=1288
+  _globals['_ROUTERSTATUSREQUEST']._serialized_start=1290
+  _globals['_ROUTERSTATUSREQUEST']._serialized_end=1311
+  _globals['_ROUTERSTATUS']._serialized_start=1314
+  _globals['_ROUTERSTATUS']._serialized_end=1892
+  _globals['_ROUTERSTATUS_RECENTOUTCOMESENTRY']._serialized_start=1738
+  _globals['_ROUTERSTATUS_RECENTOUTCOMESENTRY']._serialized_end=1791
+  _globals['_ROUTERSTATUS_TOTALOUTCOMESENTRY']._serialized_start=1793
+  _globals['_ROUTERSTATUS_TOTALOUTCOMESENTRY']._serialized_end=1845
+  _globals['_ROUTERSTATUS_QUEUEDENTRY']._serialized_start=1847
+  _globals['_ROUTERSTATUS_QUEUEDENTRY']._serialized_end=1892
+  _globals['_ROUTER']._serialized_start=1895
+  _globals['_ROUTER']._serialized_end=2248
 # @@protoc_insertion_point(module_scope)

@@ -32,7 +32,7 @@ class RouteRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[_common_pb2.PreprocessedRequest, _Mapping]] = ..., migration: _Optional[int] = ..., handoff_to: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker_id", "worker_address", "overlap_blocks", "router_id", "migration_limit", "forced", "handoff_lost", "disaggregated_params")
+    __slots__ = ("worker_id", "worker_address", "overlap_blocks", "router_id", "migration_limit", "forced", "handoff_lost", "disaggregated_params", "dp_rank")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class RouteResponse(_message.Message):
     FORCED_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_LOST_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     worker_address: str
     overlap_blocks: int
@@ -49,7 +50,8 @@ class RouteResponse(_message.Message):
     forced: bool
     handoff_lost: bool
     disaggregated_params: bytes
-    def __init__(self, worker_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., router_id: _Optional[str] = ..., migration_limit: _Optional[int] = ..., forced: _Optional[bool] = ..., handoff_lost: _Optional[bool] = ..., disaggregated_params: _Optional[bytes] = ...) -> None: ...
+    dp_rank: int
+    def __init__(self, worker_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., router_id: _Optional[str] = ..., migration_limit: _Optional[int] = ..., forced: _Optional[bool] = ..., handoff_lost: _Optional[bool] = ..., disaggregated_params: _Optional[bytes] = ..., dp_rank: _Optional[int] = ...) -> None: ...
 
 class RouteQuery(_message.Message):
     __slots__ = ("query_id", "request")
