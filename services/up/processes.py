@@ -86,8 +86,8 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
     services += [ServiceProcess(f"router-{i}", "kvmesh.router", router_args) for i in range(config.routers)]
     role = "decode" if config.prefill_workers else "aggregated"
     engine_args = [*config.engine_args, *vllm_cpu_defaults(config)]
-    services += [worker_process(config, common, engine_args, i, role) for i in range(config.workers)]
-    services += [worker_process(config, common, engine_args, i, "prefill") for i in range(config.prefill_workers)]
+    services += [worker_process(config, common, i, role, engine_args) for i in range(config.workers)]
+    services += [worker_process(config, common, i, "prefill", engine_args) for i in range(config.prefill_workers)]
     load_reports = ["--load-report-secs", str(min(5.0, config.adjustment_interval / 2))] if config.planner else []
     services.append(
         ServiceProcess(
@@ -134,15 +134,16 @@ def vllm_cpu_defaults(config: UpConfig) -> list[str]:
 
 
 def worker_process(
-    config: UpConfig, common: list[str], engine_args: list[str], index: int, role: str
+    config: UpConfig, common: list[str], index: int, role: str, engine_args: list[str] | None = None
 ) -> ServiceProcess:
+    """``engine_args``: what goes to the engine (default: the ones ``kvmesh up`` was given)."""
     worker_args = [
         *common,
         *options_argv(EngineOptions, config),
         "--model-name",
         config.model_name,
         *(["--kv-pool", str(kv_pool_directory(config))] if config.kv_pool else []),
-        *engine_args,
+        *(config.engine_args if engine_args is None else engine_args),
     ]
     name = f"worker-{index}" if role != "prefill" else f"prefill-worker-{index}"
     return ServiceProcess(name, "kvmesh.worker", [*worker_args, "--role", role])
