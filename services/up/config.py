@@ -86,6 +86,11 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions, EngineOptions, HttpA
             raise ConfigError("--prefill-workers must be >= 0")
         if self.kv_pool and self.engine != "mock":
             raise ConfigError("--kv-pool is for mock workers (vLLM manages its own KV memory)")
+        if self.engine == "served":
+            raise ConfigError(
+                "kvmesh up starts its own engines; to front an engine server already running, run "
+                "kvmesh worker --engine served --engine-url URL beside the mesh"
+            )
         if self.engine == "vllm":
             check_block_size(self.block_size)
         if self.planner:

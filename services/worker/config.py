@@ -39,6 +39,23 @@ def check_data_parallel(options: EngineOptions, role: str = "aggregated") -> Non
         )
 
 
+def check_served_engine(config: WorkerConfig) -> None:
+    """``--engine served`` and its options."""
+    served_options = config.engine_url or config.engine_kv_events or config.engine_kv_replay
+    if config.engine != "served":
+        if served_options:
+            raise ConfigError("--engine-url, --engine-kv-events and --engine-kv-replay go with --engine served")
+        return
+    if not config.engine_url or not config.engine_url.startswith(("http://", "https://")):
+        raise ConfigError("--engine served needs --engine-url, the server's OpenAI base (http://host:port/v1)")
+    if config.role != "aggregated":
+        raise ConfigError("--engine served fronts whole requests only (its KV connector is not driven from here)")
+    if config.engine_kv_replay and not config.engine_kv_events:
+        raise ConfigError("--engine-kv-replay goes with --engine-kv-events")
+    if config.engine_args:
+        raise ConfigError(f"unrecognized arguments: {' '.join(config.engine_args)} (the server has its own)")
+
+
 def check_host_tier(options: EngineOptions) -> None:
     """The host tier's options, for ``kvmesh worker`` and ``kvmesh up`` alike."""
     if options.host_kv_blocks < 0 or options.host_reload_ms_per_token < 0:
@@ -76,9 +93,10 @@ class EngineOptions:
 
     engine: str = option(
         "mock",
-        "inference engine: the simulated mock, or vLLM in-process (vLLM's own engine arguments such as --model, "
-        "--max-model-len or --gpu-memory-utilization follow the worker's flags and go to vLLM)",
-        choices=("mock", "vllm"),
+        "inference engine: the simulated mock, vLLM in-process (vLLM's own engine arguments such as --model, "
+        "--max-model-len or --gpu-memory-utilization follow the worker's flags and go to vLLM), or served: an "
+        "OpenAI-compatible engine server already running at --engine-url (vllm serve, SGLang's server)",
+        choices=("mock", "vllm", "served"),
     )
     block_size: int | None = option(
         None, f"tokens per KV block (default: {MOCK_DEFAULTS['block_size']} for the mock, vLLM's own)"
@@ -127,6 +145,17 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
     )
     max_num_batched_tokens: int | None = option(
         None, f"token budget of one engine step, chunked prefill (default: {MOCK_DEFAULTS['max_num_batched_tokens']})"
+    )
+    engine_url: str | None = option(
+        None, "with --engine served: the engine server's OpenAI base URL (e.g. http://127.0.0.1:8100/v1)"
+    )
+    engine_kv_events: str | None = option(
+        None,
+        "with --engine served: the ZMQ endpoint where the server publishes its KV events (vLLM: the endpoint of "
+        "its --kv-events-config, e.g. tcp://127.0.0.1:5557); without it the indexers never learn its cache",
+    )
+    engine_kv_replay: str | None = option(
+        None, "with --engine served: the server's KV event replay endpoint (vLLM: replay_endpoint), to fill gaps"
     )
     kv_pool: str = option(
         "",
@@ -198,6 +227,7 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
             raise ConfigError("--kv-transfer-timeout-secs and --disagg-hold-timeout-secs must be positive")
         check_lora_adapters(self)
         check_data_parallel(self, self.role)
+        check_served_engine(self)
         if self.engine == "vllm":
             check_block_size(self.block_size)
 

@@ -40,6 +40,7 @@ from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, Transf
 from kvmesh.worker.metrics import TransferView, WorkerMetrics
 from kvmesh.worker.mock_engine import EngineConfig, MockEngine
 from kvmesh.worker.nixl_agent import NixlAgent
+from kvmesh.worker.served_engine import ServedEngine
 from kvmesh.worker.servicer import WorkerServicer
 from kvmesh.worker.vllm_defaults import require_vllm
 from kvmesh.worker.vllm_engine import VllmEngine
@@ -116,7 +117,19 @@ async def serve(
         ranks: list[Engine] = []  # data-parallel ranks past the first (rank 0 is `engine`)
         if adapters:
             extra[ADAPTERS_KEY] = list(adapters)
-        if config.engine == "vllm":
+        if config.engine == "served":
+            assert config.engine_url is not None  # validated
+            engine = await stack.start(
+                ServedEngine(
+                    config.engine_url,
+                    publisher.enqueue,
+                    lambda: publisher.last_event_id,
+                    block_size=config.block_size,
+                    kv_events=config.engine_kv_events,
+                    kv_replay=config.engine_kv_replay,
+                )
+            )
+        elif config.engine == "vllm":
             # prefill and decode workers move KV with vLLM's NIXL connector; aggregated ones need none
             connector_host = None if config.role == "aggregated" else advertised_host(config)
             # the blocks an offloading connector keeps in CPU memory or on disk, each tier its own dp rank

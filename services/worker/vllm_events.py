@@ -134,8 +134,11 @@ class VllmEventRelay:
         translator: VllmEventTranslator,
         deliver: Callable[[list[EventData]], None],
         offloaded: dict[str, tuple[VllmEventTranslator, Callable[[list[EventData]], None]]] | None = None,
+        connect: bool = False,
     ) -> None:
-        """``offloaded``: per offloaded tier (``host``, ``disk``), its translator and where its events go."""
+        """``offloaded``: per offloaded tier (``host``, ``disk``), its translator and where its events go.
+        ``connect``: connect to ``sub_endpoint`` where the publisher binds it (an engine server
+        configured with a wildcard endpoint), instead of binding it for the publisher."""
         import zmq.asyncio
 
         self._offloaded = offloaded or {}
@@ -148,8 +151,11 @@ class VllmEventRelay:
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.setsockopt(zmq.RCVHWM, 0)
-        # vLLM's publisher connects to an endpoint without a wildcard: we bind, it connects
-        self._sub.bind(sub_endpoint)
+        if connect:
+            self._sub.connect(sub_endpoint)
+        else:
+            # vLLM's publisher connects to an endpoint without a wildcard: we bind, it connects
+            self._sub.bind(sub_endpoint)
         self._next_seq = 0
         self.batches = 0
         self.replayed = 0

@@ -180,3 +180,44 @@ def test_the_kv_pool_is_the_mock_engines(capsys):
     with pytest.raises(SystemExit):
         parse_config(WorkerConfig, ["--moe-experts", "1-2"], prog="w", description="", environ={})
     assert "--moe-experts: bad MoE placement" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--engine", "served"], "--engine served needs --engine-url"),
+        (["--engine", "served", "--engine-url", "127.0.0.1:8100"], "--engine served needs --engine-url"),
+        (["--engine", "served", "--engine-url", "http://h:1/v1", "--role", "prefill"], "whole requests only"),
+        (["--engine", "served", "--engine-url", "http://h:1/v1", "--engine-kv-replay", "tcp://h:2"], "goes with"),
+        (["--engine-url", "http://h:1/v1"], "go with --engine served"),
+    ],
+)
+def test_a_served_engine_needs_its_url_and_fronts_whole_requests(flags, message, capsys):
+    from kvmesh.worker.config import WorkerConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, flags, prog="w", description="", environ={})
+    assert message in capsys.readouterr().err
+
+
+def test_a_served_engine_configuration_and_kvmesh_up_pointing_elsewhere(capsys):
+    from kvmesh.up.config import UpConfig
+    from kvmesh.worker.config import WorkerConfig
+
+    flags = ["--engine", "served", "--engine-url", "http://127.0.0.1:8100/v1", "--engine-kv-events", "tcp://h:5557"]
+    config = parse_config(WorkerConfig, flags, prog="w", description="", environ={})
+    assert (config.engine_url, config.engine_kv_events) == ("http://127.0.0.1:8100/v1", "tcp://h:5557")
+    with pytest.raises(SystemExit):
+        parse_config(UpConfig, ["--engine", "served"], prog="up", description="", environ={})
+    assert "kvmesh worker --engine served" in capsys.readouterr().err
+
+
+def test_the_block_size_and_cache_of_a_vllm_server_come_from_its_metrics():
+    from kvmesh.worker.served_engine import cache_config
+
+    text = (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        'vllm:cache_config_info{block_size="32",cache_dtype="auto",num_gpu_blocks="2048"} 1.0\n'
+    )
+    assert cache_config(text)["block_size"] == "32" and cache_config(text)["num_gpu_blocks"] == "2048"
+    assert cache_config("vllm:num_requests_running 0.0\n") == {}
