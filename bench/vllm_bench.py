@@ -1,24 +1,35 @@
-"""KV-aware routing in front of real engines: 2 vLLM workers (CPU build, the tiny random-weight
-Llama), a shared-prefix workload routed ``kv`` and ``round-robin``, side by side in one run.
+"""KV-aware routing in front of real engines: 3 vLLM workers (CPU build, the tiny random-weight
+Llama) with capped caches, a window of the shared Mooncake trace replayed live, routed ``kv``,
+``round-robin`` and ``cache-aware``.
 
-Each setup is a fresh ``kvmesh up --engine vllm --workers 2`` (so neither inherits the other's
-caches), loaded by ``kvmesh bench``'s synthetic workload: ``--num-prefixes`` shared prefixes of
-``--prefix-tokens`` tokens, each request a prefix plus a unique suffix. Printed per setup: the
-fraction of prompt tokens vLLM served from its prefix cache (``usage.prompt_tokens_details``),
-TTFT p50/p99, requests/s and output tokens/s; the setups alternate ``--rounds`` times.
+The trace window (``--trace-start``, ``--trace-requests``; by default requests 3600-3899, where
+the trace reuses most) keeps its arrival times and its prefix structure: each of its 512-token
+hash ids becomes ``--trace-block-size`` (32) token ids, one vLLM block, so a prompt shares exactly
+the blocks its trace request shares. Each worker's cache is capped (``--num-gpu-blocks``, 1,024
+blocks) below the window's distinct blocks divided by the workers, so no worker can hold every
+prefix group and where a request goes decides what it finds. Each setup is a fresh ``kvmesh up
+--engine vllm --workers 3`` (no setup inherits another's caches). Printed per setup: the fraction of
+prompt tokens vLLM served from its prefix cache (``usage.prompt_tokens_details``), TTFT p50/p99,
+requests/s and output tokens/s, and kv's TTFT p50 against round-robin's; the TTFT distributions are
+plotted together (``--output-dir``/compare_cdf.png).
 
 ``--part disagg`` compares 1 aggregated vLLM worker with 1 prefill + 1 decode worker (KV over vLLM's
 NIXL connector) on distinct prompts sent one at a time: TTFT, and the KV bytes and blocks each
 request moved (from the router's counters).
 
-    VLLM_CPU_KVCACHE_SPACE=1 python -m bench.vllm_bench [--part routing|disagg|all] [--num-requests 120]
+    python -m bench.vllm_bench [--part routing|disagg|all] [--trace PATH] [--workers 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import httpx
 
@@ -27,11 +38,30 @@ from kvmesh.devtools.mesh_process import MeshProcess
 from tests.support import discovered
 
 ENGINE_ARGS = ["--block-size", "32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.5", "--enforce-eager"]
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+MODES = ("kv", "round-robin", "cache-aware")
+CONTEXT = 8192  # the tiny model's positions
 
 
-def run_setup(mode: str, args: argparse.Namespace) -> dict:
+def trace_window(path: Path, start: int, count: int, block_tokens: int, into: Path) -> tuple[Path, int]:
+    """Requests ``start`` .. ``start + count - 1`` of a Mooncake trace, their timestamps from 0,
+    without those whose prompt (``block_tokens`` per hash id) would not fit the model's context;
+    the file and how many were left out."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()[start : start + count]]
+    first = rows[0]["timestamp"]
+    fits = [row for row in rows if len(row["hash_ids"]) * block_tokens + 64 <= CONTEXT]
+    into.write_text("".join(json.dumps({**row, "timestamp": row["timestamp"] - first}) + "\n" for row in fits))
+    return into, len(rows) - len(fits)
+
+
+def run_setup(mode: str, trace: Path, args: argparse.Namespace, out_dir: Path) -> dict:
+    engine = [
+        "--block-size", str(args.trace_block_size), "--num-gpu-blocks-override", str(args.num_gpu_blocks),
+        "--max-model-len", str(CONTEXT), "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
+        "--dtype", "float32",
+    ]  # fmt: skip
     mesh = MeshProcess(
-        "--engine", "vllm", "--workers", "2", "--router-mode", mode, "--log-level", "warning", *ENGINE_ARGS
+        "--engine", "vllm", "--workers", str(args.workers), "--router-mode", mode, "--log-level", "warning", *engine
     ).start(timeout=600)
     try:
         return run_load(
@@ -39,20 +69,15 @@ def run_setup(mode: str, args: argparse.Namespace) -> dict:
             mode,
             "--endpoint",
             "completions",
-            "--num-requests",
-            str(args.num_requests),
-            "--num-prefixes",
-            str(args.num_prefixes),
-            "--prefix-tokens",
-            str(args.prefix_tokens),
-            "--suffix-tokens",
-            str(args.suffix_tokens),
-            "--output-tokens",
+            "--trace",
+            str(trace),
+            "--trace-block-size",
+            str(args.trace_block_size),
+            "--arrival-speedup-ratio",
+            str(args.arrival_speedup_ratio),
+            "--max-output-tokens",
             str(args.output_tokens),
-            "--concurrency",
-            str(args.concurrency),
-            "--seed",
-            str(args.seed),
+            out_dir=out_dir / mode,
         )
     finally:
         mesh.stop()
@@ -114,14 +139,16 @@ def disagg_part(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=120)
-    parser.add_argument("--num-prefixes", type=int, default=6)
-    parser.add_argument("--prefix-tokens", type=int, default=1024)
-    parser.add_argument("--suffix-tokens", type=int, default=64)
-    parser.add_argument("--output-tokens", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=1, help="alternate the two setups this many times")
+    parser.add_argument("--trace", default=str(SHARED_TRACE), help="Mooncake JSONL trace (default: the shared one)")
+    parser.add_argument("--trace-start", type=int, default=3600, help="first trace request of the window")
+    parser.add_argument("--trace-requests", type=int, default=300, help="requests in the window")
+    parser.add_argument("--trace-block-size", type=int, default=32, help="token ids per trace hash id (a vLLM block)")
+    parser.add_argument("--arrival-speedup-ratio", type=float, default=1.0, help="divide trace timestamps by this")
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--num-gpu-blocks", type=int, default=1024, help="each worker's KV cache, in blocks")
+    parser.add_argument("--output-tokens", type=int, default=16, help="cap each request's output")
+    parser.add_argument("--output-dir", default="bench-results/vllm-routing", help="reports and the plot")
+    parser.add_argument("--prefix-tokens", type=int, default=1024, help="disagg: tokens per distinct prompt")
     parser.add_argument("--part", choices=("routing", "disagg", "all"), default="all")
     parser.add_argument("--disagg-requests", type=int, default=20)
     args = parser.parse_args()
@@ -130,14 +157,19 @@ def main() -> None:
         disagg_part(args)
     if args.part == "disagg":
         return
-    rows = []
-    for _ in range(args.rounds):
-        for mode in ("kv", "round-robin"):
-            rows.append((mode, run_setup(mode, args)))
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        window = Path(tmp) / "window.jsonl"
+        trace, too_long = trace_window(
+            Path(args.trace), args.trace_start, args.trace_requests, args.trace_block_size, window
+        )
+        rows = [(mode, run_setup(mode, trace, args, out_dir)) for mode in MODES]
     print(
-        f"\n2 vLLM workers (CPU, kvmesh-tiny Llama), {args.num_requests} requests at concurrency {args.concurrency}: "
-        f"{args.num_prefixes} prefixes of {args.prefix_tokens} tokens + {args.suffix_tokens} unique, "
-        f"{args.output_tokens} output tokens"
+        f"\n{args.workers} vLLM workers (CPU, kvmesh-tiny Llama, {args.num_gpu_blocks} blocks of "
+        f"{args.trace_block_size} tokens each), trace requests {args.trace_start}-"
+        f"{args.trace_start + args.trace_requests - 1} at {args.arrival_speedup_ratio}x, "
+        f"{args.output_tokens} output tokens at most; {too_long} requests longer than the context left out"
     )
     print(f"{'router':12} {'ok':>4} {'cached':>7} {'TTFT p50':>9} {'p99':>8} {'req/s':>6} {'out tok/s':>9}")
     for mode, report in rows:
@@ -146,6 +178,13 @@ def main() -> None:
             f"{mode:12} {report['completed']:>4} {report['cached_token_ratio']:7.3f} {ttft['p50']:9.1f} "
             f"{ttft['p99']:8.1f} {report['request_throughput_per_s']:6.2f} {report['output_tokens_per_s']:9.1f}"
         )
+    p50 = {mode: report["ttft_ms"]["p50"] for mode, report in rows}
+    print(f"kv TTFT p50 / round-robin's: {p50['kv'] / p50['round-robin']:.2f} (target: 0.50 or less)")
+    reports = [str(out_dir / mode / "report.json") for mode in MODES]
+    subprocess.run(
+        [sys.executable, "-m", "kvmesh", "bench", "--compare", *reports, "--output-dir", str(out_dir)], check=True
+    )
+    print(f"plot: {out_dir / 'compare_cdf.png'}")
 
 
 if __name__ == "__main__":
