@@ -77,6 +77,10 @@ async def pull_rounds(backend: str, port: int, rounds: int, verify: bool, first_
     return seconds
 
 
+# the split itself is measured: every request that may split does (not only where it pays)
+SPLIT = ("--disagg-split-when", "always")
+
+
 def transfer_part(rounds: int) -> None:
     backends = ["tcp"] + (["nixl"] if nixl_available() else [])
     print(f"\nKV transfer of {TOTAL_BYTES >> 20} MiB ({TOTAL_BYTES // BLOCK_BYTES} blocks of {BLOCK_BYTES >> 10} KiB)")
@@ -131,11 +135,11 @@ async def router_prefill_counts(nats_url: str) -> dict[str, float]:
 def serving_part(args: argparse.Namespace) -> None:
     setups = [
         ("3 aggregated", ["--workers", "3"]),
-        ("1 prefill + 2 decode", ["--workers", "2", "--prefill-workers", "1"]),
+        ("1 prefill + 2 decode", ["--workers", "2", "--prefill-workers", "1", *SPLIT]),
     ] + [
         (
             f"1P+2D, queue ≤ {limit // 1024}k",
-            ["--workers", "2", "--prefill-workers", "1", "--prefill-queue-limit-tokens", str(limit)],
+            ["--workers", "2", "--prefill-workers", "1", "--prefill-queue-limit-tokens", str(limit), *SPLIT],
         )
         for limit in args.queue_limits
     ]

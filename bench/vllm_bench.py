@@ -14,8 +14,9 @@ requests/s and output tokens/s, and kv's TTFT p50 against round-robin's; the TTF
 plotted together (``--output-dir``/compare_cdf.png).
 
 ``--part disagg`` compares 1 aggregated vLLM worker with 1 prefill + 1 decode worker (KV over vLLM's
-NIXL connector) on distinct prompts sent one at a time: TTFT, and the KV bytes and blocks each
-request moved (from the router's counters).
+NIXL connector), splitting every request (``--disagg-split-when always``) and by default (only
+where a split is predicted to pay), on distinct prompts sent one at a time: TTFT, and the KV bytes
+and blocks each request moved (from the router's counters).
 
     python -m bench.vllm_bench [--part routing|disagg|all] [--trace PATH] [--workers 3]
 """
@@ -92,9 +93,11 @@ def router_counters(mesh: MeshProcess) -> dict[str, float]:
 
 
 def disagg_part(args: argparse.Namespace) -> None:
+    split = ["--workers", "1", "--prefill-workers", "1", "--disagg-min-uncached-tokens", "0"]
     setups = [
         ("1 aggregated", ["--workers", "1"]),
-        ("1 prefill + 1 decode", ["--workers", "1", "--prefill-workers", "1", "--disagg-min-uncached-tokens", "0"]),
+        ("1+1, split always", [*split, "--disagg-split-when", "always"]),
+        ("1+1, split on gain", split),  # the default: a split only where it is predicted to pay
     ]
     requests = args.disagg_requests
     rows = []

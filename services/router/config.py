@@ -99,6 +99,16 @@ class RoutingOptions:
     disagg_min_uncached_tokens: int = option(
         512, "prefill on the decode worker itself when it lacks fewer prompt tokens than this (0: always remote)"
     )
+    disagg_split_when: str = option(
+        "gain",
+        "gain: split a request into a remote prefill and a decode only when the prefill worker's predicted time to "
+        "first token plus the split's measured overhead beats a local prefill's (the ttft cost model; docs/"
+        "decisions/0037); always: whenever the rules above allow it",
+        choices=("gain", "always"),
+    )
+    disagg_split_overhead_ms: float = option(
+        0.0, "what a split is taken to add to time to first token until the router has measured it"
+    )
     prefill_queue_limit_tokens: int = option(
         65536, "a prefill worker with more predicted queued prefill tokens has no capacity for another prefill"
     )
@@ -158,6 +168,8 @@ class RoutingOptions:
             raise ConfigError("--moe-score-weight must be in [0, 1)")
         if self.router_temperature < 0:
             raise ConfigError("--router-temperature must be >= 0")
+        if self.disagg_split_overhead_ms < 0:
+            raise ConfigError("--disagg-split-overhead-ms must be >= 0")
         if self.disagg_min_uncached_tokens < 0 or self.prefill_queue_limit_tokens <= 0:
             raise ConfigError("--disagg-min-uncached-tokens must be >= 0 and --prefill-queue-limit-tokens > 0")
         if self.router_queue_size < 0 or self.router_queue_timeout_secs <= 0:

@@ -33,6 +33,7 @@ class RemotePrefill:
     prefill_overlap: int
     decode: InstanceRecord
     block_hashes: list[int]
+    predicted_prefill_ms: float | None = None  # on the prefill worker, to its first token
 
 
 @dataclass

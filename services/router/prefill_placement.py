@@ -8,7 +8,11 @@ Active only while a prefill-role worker for the request's model is registered. P
    than it saves);
 2. otherwise a prefill worker with capacity is chosen KV-aware among the prefill pool (none with
    capacity: local prefill), and the decode worker is chosen again on load alone (overlap weight 0),
-   since its cache no longer decides how much prefill it does.
+   since its cache no longer decides how much prefill it does;
+3. given the measured overhead of a split (``split_overhead_ms``, :mod:`~kvmesh.router.split_overhead`)
+   and the ``ttft`` cost model, the request prefills remotely only if the prefill worker's predicted
+   time to its first token plus that overhead is below the decode worker's own prediction for a
+   local prefill (else local, reason ``no_gain``).
 
 With ``--prefill-policy`` / ``--decode-policy`` (SGLang's PD pairing) each pool is chosen in its
 own mode. Step 1 needs the decode worker's cached overlap, which only a ``kv`` decode policy knows;
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 
 from kvmesh.common.wire.worker_key import WorkerKey
 from kvmesh.router.policy import RoutingPolicy
+from kvmesh.router.scheduler import Candidate
+from kvmesh.router.split_overhead import split_pays
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,9 @@ class Placement:
     prefill: WorkerKey | None
     overlap: int
     reason: str = ""
+    # a remote prefill's predicted milliseconds to its first token on the prefill worker (None: not
+    # predicted), from which the router measures what the split added
+    predicted_prefill_ms: float | None = None
 
 
 class NoCapacity(Exception):
@@ -63,6 +72,7 @@ def place_prefill(
     tokens: bytes | None = None,
     now: float = 0.0,
     moe_hosted: Mapping[WorkerKey, float] | None = None,
+    split_overhead_ms: float | None = None,
 ) -> Placement:
     """The per-request decision of the module docstring. ``policy`` chooses decode workers and, unless
     ``prefill_policy`` is given, prefill workers too; ``tokens`` and ``now`` are for cache-aware mode.
@@ -90,5 +100,21 @@ def place_prefill(
             )
         return Placement(local.worker, None, local.overlap_blocks, "no_prefill_capacity")
     prefill = prefill_policy.choose(with_capacity, *args, overlap_score_weight, temperature, 0, **context)
+    prefill_overlap = overlaps.get(prefill.worker, prefill.overlap_blocks)
+    remote_ms = predicted_ttft_ms(prefill_policy, prefill.worker, prompt_tokens - prefill_overlap * policy.block_size)
+    if split_overhead_ms is not None and local is not None and not enforce and remote_ms is not None:
+        local_ms = predicted_ttft_ms(policy, local.worker, prompt_tokens - local.overlap_blocks * policy.block_size)
+        if local_ms is not None and not split_pays(local_ms, remote_ms, split_overhead_ms):
+            return Placement(local.worker, None, local.overlap_blocks, "no_gain")
     decode = policy.choose(decode_workers, *args, 0.0, temperature, expected_output_tokens, **context)
-    return Placement(decode.worker, prefill.worker, overlaps.get(prefill.worker, prefill.overlap_blocks))
+    return Placement(decode.worker, prefill.worker, prefill_overlap, predicted_prefill_ms=remote_ms)
+
+
+def predicted_ttft_ms(policy: RoutingPolicy, worker: WorkerKey, uncached_tokens: int) -> float | None:
+    """The ``ttft`` cost model's milliseconds to the first token of a request that prefills
+    ``uncached_tokens`` on ``worker`` now (its queued prefill first); None with another cost model."""
+    model = policy.cost_model
+    if model.name != "ttft":
+        return None
+    prefill_tokens, decode_blocks = policy.active.load(worker)
+    return model.cost(Candidate(worker, prefill_tokens + max(0, uncached_tokens), decode_blocks), 1.0)

@@ -46,10 +46,13 @@ from kvmesh.router.prefill_placement import NoCapacity, place_prefill
 from kvmesh.router.replica_sync import ReplicaSync
 from kvmesh.router.request_queue import AllWorkersBusy
 from kvmesh.router.scheduler import PerWorkerTtftCost, make_cost_model
+from kvmesh.router.split_overhead import SplitOverhead
 from kvmesh.router.sync_messages import ADD, SyncMessage
 
 log = structlog.get_logger(__name__)
 
+# Split requests whose first token is awaited, to measure the split's overhead (a bound for lost reports).
+MAX_SPLITS_TIMED = 10000
 # Assumed when a worker does not advertise its step token budget.
 DEFAULT_MAX_BATCHED_TOKENS = 8192
 
@@ -148,6 +151,9 @@ class Router:
         self.loads = LoadTracker(config.track_active_blocks, config.router_track_output_blocks)
         self.failed = FailedWorkers(config.worker_avoid_secs)
         self.thresholds = BusyThresholds(config.active_decode_blocks_threshold, config.active_prefill_tokens_threshold)
+        # what a split adds to time to first token, measured (docs/decisions/0037)
+        self.split_overhead = SplitOverhead(config.disagg_split_overhead_ms)
+        self._splits: dict[str, tuple[float, float]] = {}  # request id -> (decided at, predicted prefill ms)
         self._rng = rng or random.Random(config.seed)
         self._policies: dict[tuple[int, str], RoutingPolicy] = {}  # by (block size, mode)
         self._approximate: dict[int, ApproximateIndex] = {}
@@ -435,6 +441,9 @@ class Router:
                 tokens=prepared.tokens if policy.needs_tokens or prefill_policy.needs_tokens else None,
                 now=self.clock(),
                 moe_hosted=moe_hosted_shares(moe, prepared.moe_query),
+                split_overhead_ms=(
+                    self.split_overhead.estimate(self.clock()) if self.config.disagg_split_when == "gain" else None
+                ),
             )
         except NoCapacity as exc:
             raise RoutingError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc} and --enforce-disagg is set") from None
@@ -444,7 +453,7 @@ class Router:
             return LocalPrefill(decode, placement.overlap, prepared.block_hashes, placement.reason)
         prefill = next(r for r in pool if r.instance_id == placement.prefill[0])
         self.predict(prefill, prepared.block_hashes)
-        return RemotePrefill(prefill, placement.overlap, decode, prepared.block_hashes)
+        return RemotePrefill(prefill, placement.overlap, decode, prepared.block_hashes, placement.predicted_prefill_ms)
 
     async def potential_loads(self, request: common_pb2.PreprocessedRequest) -> list[router_pb2.WorkerLoad]:
         prepared = self.prepare(request)
@@ -519,13 +528,26 @@ class Router:
                 request_id, key, record.block_size, block_hashes, prompt_tokens, overlap, expected_output_tokens
             )
 
+    def split_started(self, request_id: str, predicted_prefill_ms: float | None) -> None:
+        """A request was split now: its first token will say what the split added (see split_overhead)."""
+        if predicted_prefill_ms is None:
+            return
+        if len(self._splits) >= MAX_SPLITS_TIMED:  # reports lost: forget the oldest
+            self._splits.pop(next(iter(self._splits)))
+        self._splits[request_id] = (self.clock(), predicted_prefill_ms)
+
     def track_first_token(self, request_id: str) -> None:
+        split = self._splits.pop(request_id, None)
+        if split is not None:
+            now = self.clock()
+            self.split_overhead.observe((now - split[0]) * 1000.0 - split[1], now)
         self.loads.first_token(request_id)
         if self.sync is not None:
             self.sync.prefill_completed(request_id)
         self.on_capacity()
 
     def track_free(self, request_id: str) -> None:
+        self._splits.pop(request_id, None)
         self.loads.free(request_id)
         if self.sync is not None:
             self.sync.freed(request_id)

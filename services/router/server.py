@@ -9,6 +9,7 @@ import random
 from collections.abc import Sequence
 
 import structlog
+from prometheus_client import Gauge
 
 from kvmesh.common.proto.kvmesh.v1 import router_pb2, router_pb2_grpc
 from kvmesh.common.rpc.channels import ChannelPool
@@ -101,6 +102,13 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
             "publish-worker-loads",
         )
         metrics = RouterMetrics(router.loads.pictures, lambda: len(router.sync.peers()) if router.sync else 0)
+        split_overhead = Gauge(
+            "kvmesh_router_split_overhead_ms",
+            "what a prefill/decode split adds to time to first token beyond its prefill, as measured (docs/decisions/"
+            "0037); a split is made only where it is predicted to pay",
+            registry=metrics.registry,
+        )
+        split_overhead.set_function(lambda: router.split_overhead.estimate(router.clock()))
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
         servicer = RouterServicer(router, channels, sessions, metrics)

@@ -114,6 +114,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             forced=forced,
         )
         if isinstance(plan, RemotePrefill):
+            self.router.split_started(sent.request_id, plan.predicted_prefill_ms)
             decode_half = await self.disaggregation.start(sent, plan)
             if decode_half.disaggregated_params:
                 response.disaggregated_params = decode_half.disaggregated_params

@@ -10,6 +10,7 @@ router runs these pairs on the sync path (the decode request starts once the pre
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -81,6 +82,7 @@ class ConnectorHandover:
         queue = self.engine.submit(spec, kv_transfer_params=params)
         self.transfers += 1
         log.info("KV pull handed to vLLM", blocks=blocks, prefill_worker=order.worker_id)
+        started = time.monotonic()
         if not await queue.wait_for_item(self.pull_timeout_s):
             self.engine.abort(spec.request_id)
             log.warning("KV pull brought nothing in time", seconds=self.pull_timeout_s, prefill_worker=order.worker_id)
@@ -89,4 +91,6 @@ class ConnectorHandover:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, details)
             return self.engine.submit(spec), KvSource.local("transfer_failed")
         size = blocks * self.engine.kv_bytes_per_block
+        # the pull, vLLM noticing the blocks, and its first step: what a split costs on this side
+        log.info("first token after the KV pull", seconds=round(time.monotonic() - started, 4), blocks=blocks)
         return queue, KvSource("remote", self.backend, size, blocks, cached_tokens=order.cached_tokens)

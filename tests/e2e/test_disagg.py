@@ -38,12 +38,12 @@ def prompt(topic: str, repeat: int = 12) -> str:
 
 @pytest.fixture(scope="module")
 def bootstrap_mesh() -> Iterator[MeshProcess]:
-    yield from start_mesh("--prefill-workers", "1", "--workers", "2")
+    yield from start_mesh("--prefill-workers", "1", "--workers", "2", *SPLIT)
 
 
 @pytest.fixture(scope="module")
 def sync_mesh() -> Iterator[MeshProcess]:
-    yield from start_mesh("--prefill-workers", "1", "--workers", "2", "--kv-handoff", "sync")
+    yield from start_mesh("--prefill-workers", "1", "--workers", "2", "--kv-handoff", "sync", *SPLIT)
 
 
 def client(mesh: MeshProcess) -> openai.OpenAI:
@@ -73,6 +73,8 @@ def router_metrics(mesh: MeshProcess) -> dict[str, float]:
     return samples
 
 
+# these tests are about the split itself: every request that may split does (not only where it pays)
+SPLIT = ("--disagg-split-when", "always")
 REMOTE = 'kvmesh_router_prefills_total{reason="",where="remote"}'
 BELOW = 'kvmesh_router_prefills_total{reason="below_threshold",where="local"}'
 BYTES = f'kvmesh_router_kv_transfer_bytes_total{{backend="{EXPECTED_BACKEND}"}}'
@@ -196,6 +198,7 @@ def test_the_router_refuses_disaggregated_params_from_its_caller(bootstrap_mesh)
 def heavy_kv_mesh() -> Iterator[MeshProcess]:
     # 64 layers (16 KiB of KV per token) over TCP, so a transfer lasts long enough to be caught in flight
     yield from start_mesh(
+        *SPLIT,
         "--prefill-workers",
         "1",
         "--workers",

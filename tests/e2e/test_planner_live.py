@@ -108,7 +108,7 @@ def test_the_pool_grows_under_load_shrinks_after_and_no_request_fails(planned_me
 
 @pytest.fixture(scope="module")
 def disaggregated_mesh() -> Iterator[MeshProcess]:
-    yield from start_mesh(*PLANNER_ARGS, "--prefill-workers", "1")
+    yield from start_mesh(*PLANNER_ARGS, "--prefill-workers", "1", "--disagg-split-when", "always")
 
 
 def test_disaggregated_the_prefill_and_decode_pools_are_sized_apart_and_no_request_fails(disaggregated_mesh):

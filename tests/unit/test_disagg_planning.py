@@ -14,6 +14,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.indexer_client import IndexerClient
 from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
 from kvmesh.router.routing import Router, RoutingError
+from kvmesh.router.split_overhead import SplitOverhead
 
 MODEL = "kvmesh-tiny"
 
@@ -45,7 +46,9 @@ def worker(instance_id: int, role: str) -> InstanceRecord:
 
 
 def router(roles: dict[int, str], **options) -> Router:
-    config = RouterConfig(seed=1, **options)
+    """A router over these workers; its placement rules apart from the gain gate (``always``) unless
+    ``disagg_split_when`` says otherwise."""
+    config = RouterConfig(seed=1, **{"disagg_split_when": "always", **options})
     workers = RegisteredWorkers([worker(i, role) for i, role in roles.items()])
     return Router(config, workers, IndexerClient(None, ChannelPool(), 0.5, random.Random(1)))
 
@@ -120,3 +123,54 @@ async def test_a_prefill_workers_advertised_timing_is_adopted_when_prefills_are_
     plan = await mesh.plan_prefill(request(2000))
     assert isinstance(plan, RemotePrefill)
     assert mesh.prepare(request(64)).policy.cost_model.timing((3, 0)) == from_constants(slow)
+
+
+async def test_a_split_is_made_only_where_it_is_predicted_to_pay():
+    """Idle identical workers: a remote prefill takes as long as a local one, and the split's
+    overhead comes on top — the request prefills locally. A decode worker busy decoding (its steps
+    carry long decodes) makes a local prefill slower: then the split pays, unless the measured
+    overhead eats the gain."""
+    # no predict-on-route: the same prompt is planned again below, and would be predicted cached
+    mesh = router({1: "decode", 3: "prefill"}, disagg_split_when="gain", router_predicted_ttl_secs=0)
+    idle = await mesh.plan_prefill(request(2000))
+    assert isinstance(idle, LocalPrefill) and idle.reason == "no_gain"
+    decode = mesh.workers.get(1)
+    for i in range(40):  # 40 long decodes on the decode worker: each prefill step there carries them
+        mesh.track_add(f"decoding-{i}", decode, list(range(i * 1000, i * 1000 + 200)), 16, 0, 2000)
+        mesh.track_first_token(f"decoding-{i}")
+    busy = await mesh.plan_prefill(request(2000))
+    assert isinstance(busy, RemotePrefill) and busy.predicted_prefill_ms is not None
+    # the splits measured so far each added 10 s: no gain left
+    for i in range(5):
+        mesh.split_started(f"slow-{i}", 0.0)
+        mesh.split_overhead.observe(10_000.0, mesh.clock())
+    assert isinstance(await mesh.plan_prefill(request(2000)), LocalPrefill)
+
+
+def test_the_split_overhead_is_measured_and_drifts_back_to_its_prior_without_samples():
+    overhead = SplitOverhead(prior_ms=5.0, weight=0.5, half_life_s=10.0)
+    assert overhead.estimate(0.0) == 5.0
+    overhead.observe(405.0, now=0.0)  # the first sample is the mean
+    assert overhead.estimate(0.0) == 405.0
+    overhead.observe(205.0, now=0.0)
+    assert overhead.estimate(0.0) == 305.0
+    assert overhead.estimate(10.0) == pytest.approx(5.0 + 300.0 / 2)  # one half-life later
+    assert overhead.estimate(1000.0) == pytest.approx(5.0)  # back at the prior: a split is tried again
+
+
+def test_the_router_measures_a_splits_overhead_from_its_first_token():
+    now = [100.0]
+    mesh = Router(
+        RouterConfig(seed=1),
+        RegisteredWorkers([worker(1, "decode"), worker(3, "prefill")]),
+        IndexerClient(None, ChannelPool(), 0.5, random.Random(1)),
+        clock=lambda: now[0],
+    )
+    mesh.split_started("split", predicted_prefill_ms=40.0)
+    now[0] += 0.25  # its first token came 250 ms after the decision, its prefill predicted at 40
+    mesh.track_first_token("split")
+    assert mesh.split_overhead.samples == 1 and mesh.split_overhead.estimate(now[0]) == pytest.approx(210.0)
+    mesh.split_started("lost", predicted_prefill_ms=40.0)
+    mesh.track_free("lost")  # ended before a first token (failed, cancelled): no sample
+    mesh.track_first_token("lost")
+    assert mesh.split_overhead.samples == 1

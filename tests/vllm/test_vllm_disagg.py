@@ -109,7 +109,9 @@ def test_one_prefill_and_one_decode_vllm_worker_answer_as_one_aggregated_worker(
     assert all(len(tokens) == MAX_TOKENS for tokens in expected)
     assert len({tuple(tokens) for tokens in expected}) == len(PROMPTS)  # the output depends on the prompt
 
-    split = start("--workers", "1", "--prefill-workers", "1", "--disagg-min-uncached-tokens", "0")
+    split = start(
+        "--workers", "1", "--prefill-workers", "1", "--disagg-min-uncached-tokens", "0", "--disagg-split-when", "always"
+    )
     try:
         with log_shown_on_failure(split):
             assert greedy_tokens(split) == expected
