@@ -21,8 +21,11 @@ def check_lora_adapters(options: EngineOptions) -> None:
         parse_adapters(options.lora_adapters)
     except ValueError as exc:
         raise ConfigError(f"--lora-adapters: {exc}") from None
-    if options.lora_adapters and options.engine != "mock":
-        raise ConfigError("--lora-adapters: only the mock engine simulates adapters so far (not vLLM)")
+    if options.lora_adapters and options.engine == "vllm":
+        raise ConfigError(
+            "--lora-adapters: an in-process vLLM does not load adapters yet; serve them from a vLLM server "
+            "(--enable-lora --lora-modules NAME=PATH) fronted with --engine served"
+        )
 
 
 def check_data_parallel(options: EngineOptions, role: str = "aggregated") -> None:
@@ -88,7 +91,7 @@ class EngineOptions:
         "",
         "LoRA adapters this worker serves, comma-separated; a request names one as its model and the router "
         "sends it only to workers that serve it. The mock engine simulates them (an adapter's KV blocks are its "
-        "own); not yet with --engine vllm",
+        "own); with --engine served, the names the engine server loaded them under; not yet with --engine vllm",
     )
 
     engine: str = option(

@@ -16,6 +16,9 @@ What the worker needs of such a server, and where it comes from:
   binds, as ``--kv-events-config`` set it), gaps from its replay socket, relayed to JetStream as for
   an in-process vLLM (:class:`~kvmesh.worker.vllm_events.VllmEventRelay`).
 
+- a request naming a LoRA adapter asks the server for it by name (vLLM: ``--enable-lora
+  --lora-modules NAME=PATH``; the worker advertises the names given to ``--lora-adapters``).
+
 Disaggregation (its KV connector) is not driven through such a server.
 """
 
@@ -169,7 +172,8 @@ class ServedEngine(Engine):
     def body(self, spec: EngineRequestSpec) -> dict[str, Any]:
         """The ``/v1/completions`` request for ``spec``."""
         body: dict[str, Any] = {
-            "model": self.served_model,
+            # an adapter the server loaded is asked for by its name (vLLM's --lora-modules NAME=PATH)
+            "model": spec.lora_name or self.served_model,
             "prompt": list(spec.prompt),
             "max_tokens": spec.max_tokens,
             "stream": True,

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import grpc
 import httpx
@@ -46,11 +47,39 @@ BLOCK = 32
 LONG = " ".join(f"fact{i}" for i in range(120))
 
 
+def tiny_lora(directory: Path, model: Path, rank: int = 4) -> Path:
+    """A LoRA adapter for the tiny model in PEFT's layout (random A and B on q_proj and v_proj), so
+    that its answers differ from the base model's."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    generator = torch.Generator().manual_seed(7)
+    weights = {}
+    for layer in range(layers):
+        for name, out in (("q_proj", hidden), ("v_proj", kv)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator)
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=generator)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(directory / "adapter_model.safetensors"))
+    adapter = {
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"],
+        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model),
+    }  # fmt: skip
+    (directory / "adapter_config.json").write_text(json.dumps(adapter))
+    return directory
+
+
 @pytest.fixture(scope="module")
-def vllm_server() -> Iterator[dict[str, str]]:
-    """`python -m vllm.entrypoints.openai.api_server` with the tiny model; its URLs."""
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """`python -m vllm.entrypoints.openai.api_server` with the tiny model and a LoRA adapter of it
+    named `sql`; its URLs."""
     port, events, replay = free_port(), free_port(), free_port()
     model = str(tiny_llama.ensure())
+    adapter = tiny_lora(tmp_path_factory.mktemp("lora") / "sql", Path(model))
     kv_events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -62,6 +91,7 @@ def vllm_server() -> Iterator[dict[str, str]]:
         "--host", "127.0.0.1", "--block-size", str(BLOCK), "--max-model-len", "2048", "--enforce-eager",
         "--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20), "--enable-prefix-caching",
         "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events),
+        "--enable-lora", "--lora-modules", f"sql={adapter}", "--max-lora-rank", "8",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     server = subprocess.Popen(
@@ -91,6 +121,7 @@ def vllm_server() -> Iterator[dict[str, str]]:
 
 def served_worker(nats_url: str, server: dict[str, str]) -> WorkerConfig:
     args = ["--nats-url", nats_url, "--namespace", NAMESPACE, "--engine", "served", "--engine-url", server["url"]]
+    args += ["--lora-adapters", "sql"]  # what the server loaded
     return service_config(
         WorkerConfig, [*args, "--engine-kv-events", server["events"], "--engine-kv-replay", server["replay"]]
     )
@@ -163,6 +194,13 @@ async def test_a_worker_fronts_a_running_vllm_server(vllm_server, nats_url: str,
             return await indexed_blocks(nc) >= first.usage.prompt_tokens // BLOCK
 
         await wait_until_async(indexed, timeout=30, what="the server's blocks in the indexer")
+
+        # the adapter the server loaded, asked for by name: its own answer, none of the base model's blocks
+        # (vLLM's CPU build reported no prefix-cache hit for a repeated adapter request either)
+        adapted = await client.completions.create(model="sql", prompt=LONG, max_tokens=5, temperature=0)
+        assert adapted.model == "sql" and adapted.usage.completion_tokens == 5
+        assert adapted.choices[0].text != first.choices[0].text
+        assert adapted.usage.prompt_tokens_details.cached_tokens == 0
 
         # a client's cancel ends the request in vLLM
         stream = await client.completions.create(
