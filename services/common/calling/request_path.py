@@ -175,7 +175,7 @@ class RequestPath:
                         self.routers.report(router_address, report)
                         output.ClearField("disaggregated_params")
                     finished = output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                    output = usage.account(output)
+                    output = usage.account(output, migration)
                     if finished:
                         # told before the client has its answer: its next request, on the same
                         # stream to the router, then finds this one's load freed

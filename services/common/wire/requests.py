@@ -45,12 +45,15 @@ class AnswerUsage:
     prompt_tokens: int
     generated: list[int] = field(default_factory=list)
     cached_tokens: int | None = None  # the first try's (or its remote prefill's), once known
+    _cached_from: int | None = None  # the try that said it
 
-    def account(self, output: common_pb2.GenerateOutput) -> common_pb2.GenerateOutput:
-        """Count ``output``'s tokens and write the whole answer's usage into it."""
+    def account(self, output: common_pb2.GenerateOutput, attempt: int = 0) -> common_pb2.GenerateOutput:
+        """Count ``output``'s tokens (of try ``attempt``) and write the whole answer's usage into it.
+        The cached tokens are those of the first try that answered, as its latest output says: an
+        engine behind its own server learns them only with its last output (vLLM's streamed usage)."""
         self.generated.extend(output.token_ids)
-        if self.cached_tokens is None:
-            self.cached_tokens = output.usage.cached_prompt_tokens
+        if self._cached_from is None or attempt == self._cached_from:
+            self.cached_tokens, self._cached_from = output.usage.cached_prompt_tokens, attempt
         output.usage.prompt_tokens = self.prompt_tokens
         output.usage.completion_tokens = len(self.generated)
         output.usage.cached_prompt_tokens = self.cached_tokens
