@@ -14,8 +14,7 @@ What the worker needs of such a server, and where it comes from:
   given; the context length from ``/v1/models``;
 - the server's KV events come from its ZMQ publisher (``--engine-kv-events``: the endpoint it
   binds, as ``--kv-events-config`` set it), gaps from its replay socket, relayed to JetStream as for
-  an in-process vLLM (:class:`~kvmesh.worker.vllm_events.VllmEventRelay`).
-
+  an in-process vLLM (:class:`~kvmesh.worker.vllm_events.VllmEventRelay`);
 - a request naming a LoRA adapter asks the server for it by name (vLLM: ``--enable-lora
   --lora-modules NAME=PATH``; the worker advertises the names given to ``--lora-adapters``).
 
@@ -37,22 +36,18 @@ import structlog
 from kvmesh.common.wire.finish_reasons import FinishReason
 from kvmesh.common.wire.kv_events import EventData
 from kvmesh.worker.engine import (
-    CachedBlock,
-    Engine,
     EngineFailure,
     EngineRequestError,
     EngineRequestSpec,
-    EngineStatus,
     TokenOutput,
     TokenQueue,
-    TransferPlan,
 )
-from kvmesh.worker.vllm_events import VllmEventRelay, VllmEventTranslator
+from kvmesh.worker.streaming_engine import StreamingEngine
+from kvmesh.worker.vllm_events import VllmEventRelay
 
 log = structlog.get_logger(__name__)
 
 _FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": FinishReason.CANCELLED}
-_NOT_HERE = "an engine behind its own server moves no KV through this worker (no disaggregation)"
 _MAX_SEED = (1 << 63) - 1
 # how long a request may wait for the server's first byte, and between chunks, before it fails
 READ_TIMEOUT_S = 300.0
@@ -71,10 +66,12 @@ def cache_config(metrics_text: str) -> dict[str, str]:
     return {}
 
 
-class ServedEngine(Engine):
-    """Guarantees beyond :class:`Engine`'s: a request's HTTP stream is closed when it is aborted (the
-    server then aborts it); a request the server fails (or a connection that breaks) ends its queue
-    with an :class:`EngineFailure`."""
+class ServedEngine(StreamingEngine):
+    """Guarantees beyond :class:`StreamingEngine`'s: a request's HTTP stream is closed when it is
+    aborted (the server then aborts it); a request the server fails (or a connection that breaks)
+    ends its queue with an :class:`EngineFailure`."""
+
+    no_transfer_reason = "an engine behind its own server moves no KV through this worker (no disaggregation)"
 
     def __init__(
         self,
@@ -89,20 +86,16 @@ class ServedEngine(Engine):
         ``kv_replay``: its ZMQ publisher's and replay socket's endpoints (None: no events, the
         indexers then know nothing of this worker's cache); ``block_size``: its KV block size when
         ``/metrics`` does not say."""
+        super().__init__(last_event_id)
         self.url = url.rstrip("/")
         self._deliver_events = deliver_events
-        self._last_event_id = last_event_id
         self._kv_events = kv_events
         self._kv_replay = kv_replay
         self.block_size = block_size or 0
-        self.num_blocks = 0
-        self.max_model_len = 0
         self.max_num_batched_tokens = 8192
         self.served_model = ""
-        self._translator = VllmEventTranslator()
         self._relay: VllmEventRelay | None = None
         self._http: httpx.AsyncClient | None = None
-        self._requests: dict[str, asyncio.Task[None]] = {}
 
     async def start(self) -> None:
         # no read timeout of its own on streams (a long prompt's first token can take minutes):
@@ -142,8 +135,7 @@ class ServedEngine(Engine):
         )
 
     async def stop(self) -> None:
-        for task in list(self._requests.values()):
-            task.cancel()
+        await self._end_requests()
         if self._relay is not None:
             await self._relay.stop()
         if self._http is not None:
@@ -153,21 +145,8 @@ class ServedEngine(Engine):
         self, spec: EngineRequestSpec, hold_on_finish: bool = False, kv_transfer_params: dict[str, Any] | None = None
     ) -> TokenQueue:
         if hold_on_finish or kv_transfer_params:
-            raise EngineRequestError(_NOT_HERE)
-        if spec.request_id in self._requests:
-            raise EngineRequestError(f"request {spec.request_id!r} is already in the engine")
-        if not spec.prompt:
-            raise EngineRequestError("the prompt is empty")
-        if self.max_model_len and len(spec.prompt) + spec.max_tokens > self.max_model_len:
-            raise EngineRequestError(
-                f"the prompt ({len(spec.prompt)} tokens) plus max_tokens ({spec.max_tokens}) is longer than "
-                f"the model's context of {self.max_model_len} tokens"
-            )
-        queue = TokenQueue()
-        task = asyncio.create_task(self._generate(spec, queue), name=f"served-{spec.request_id}")
-        self._requests[spec.request_id] = task
-        task.add_done_callback(lambda _t: self._requests.pop(spec.request_id, None))
-        return queue
+            raise EngineRequestError(self.no_transfer_reason)
+        return self._run(spec, lambda queue: self._generate(spec, queue))
 
     def body(self, spec: EngineRequestSpec) -> dict[str, Any]:
         """The ``/v1/completions`` request for ``spec``."""
@@ -238,39 +217,6 @@ class ServedEngine(Engine):
                 "engine server request failed", request_id=spec.request_id, error=f"{type(exc).__name__}: {exc}"
             )
             queue.put_nowait(EngineFailure(f"the engine server failed the request: {type(exc).__name__}: {exc}"))
-
-    def abort(self, request_id: str) -> None:
-        task = self._requests.pop(request_id, None)
-        if task is not None and not task.done():
-            task.cancel()
-            log.info("request aborted", request_id=request_id)
-
-    def reserve_remote(self, spec: EngineRequestSpec) -> tuple[TransferPlan | None, TokenQueue]:
-        raise EngineRequestError(_NOT_HERE)
-
-    def finish_transfer(self, request_id: str, received: bool) -> None:
-        raise EngineRequestError(_NOT_HERE)
-
-    def held_slots(self, request_id: str, num_blocks: int) -> list[int]:
-        raise EngineRequestError(_NOT_HERE)
-
-    def release_held(self, request_id: str) -> None:
-        return None
-
-    def status(self) -> EngineStatus:
-        return EngineStatus(
-            block_size=self.block_size,
-            total_blocks=self.num_blocks,
-            cached_blocks=len(self._translator),
-            active_blocks=0,
-            running_requests=len(self._requests),
-            waiting_requests=0,
-            held_prefills=0,
-        )
-
-    def dump_kv_state(self) -> tuple[int, list[CachedBlock]]:
-        """The relay's view (it runs on this event loop): consistent with the events up to the id."""
-        return self._last_event_id(), self._translator.cached_blocks()
 
     @property
     def relay(self) -> VllmEventRelay | None:

@@ -16,7 +16,6 @@ the blocks (see :class:`~kvmesh.worker.connector_handover.ConnectorHandover`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -32,16 +31,14 @@ from kvmesh.common.wire.kv_events import EventData
 from kvmesh.worker import tiny_llama, vllm_defaults
 from kvmesh.worker.engine import (
     CachedBlock,
-    Engine,
     EngineFailure,
     EngineRequestError,
     EngineRequestSpec,
-    EngineStatus,
     TokenOutput,
     TokenQueue,
-    TransferPlan,
 )
 from kvmesh.worker.kv_transfer import TransferStats
+from kvmesh.worker.streaming_engine import StreamingEngine
 from kvmesh.worker.vllm_events import MEDIUMS_BY_TIER, VllmEventRelay, VllmEventTranslator
 from kvmesh.worker.vllm_plugin import QUIET_NIXL_ENV
 
@@ -57,7 +54,6 @@ _FINISH = {
 # reached clients as an empty answer that looked complete; it is a failure the router migrates.
 _RETRYABLE_ERROR = "error"
 _NO_DISAGGREGATION = "this vLLM worker runs without a KV connector: only prefill and decode workers move KV"
-_CONNECTOR_MOVES_KV = "a vLLM worker's KV moves through vLLM's connector, not the worker's transfer server"
 _MAX_SEED = (1 << 63) - 1
 
 
@@ -148,9 +144,11 @@ def engine_args(argv: Sequence[str], overrides: dict[str, Any]) -> Any:
     return args
 
 
-class VllmEngine(Engine):
-    """Guarantees beyond :class:`Engine`'s: a request cancelled by its caller is aborted in vLLM
+class VllmEngine(StreamingEngine):
+    """Guarantees beyond :class:`StreamingEngine`'s: a request cancelled by its caller is aborted in vLLM
     (its blocks freed); a request vLLM fails ends its queue with an :class:`EngineFailure`."""
+
+    no_transfer_reason = "a vLLM worker's KV moves through vLLM's connector, not the worker's transfer server"
 
     def __init__(
         self,
@@ -167,23 +165,18 @@ class VllmEngine(Engine):
         (an offloading connector's CPU and disk blocks are relayed with their medium)."""
         self._tier_publishers = tier_publishers or {}
         self._tier_translators = {tier: VllmEventTranslator(MEDIUMS_BY_TIER[tier]) for tier in self._tier_publishers}
+        super().__init__(last_event_id)
         self._argv = list(argv)
         self._connector_host = kv_connector_host
         self._overrides = overrides
         self._deliver_events = deliver_events
-        self._last_event_id = last_event_id
         self._llm: Any = None
         self._relay: VllmEventRelay | None = None
-        self._translator = VllmEventTranslator()
-        self._requests: dict[str, asyncio.Task[None]] = {}
         # vLLM's steps as the engine core timed them; the prior is the mock's model until steps arrive
         self.timing_fit = TimingFit(TimingModel())
         # what vLLM's KV connector reports it pulled (bytes, seconds), for the worker's metrics
         self.transfer_stats = TransferStats()
-        self.block_size = 0
         self.max_num_batched_tokens = 0
-        self.num_blocks = 0
-        self.max_model_len = 0
         self.model = ""
         self.connector_backend = ""
         self.kv_bytes_per_block = 0
@@ -260,11 +253,7 @@ class VllmEngine(Engine):
         self.connector_backend = "nixl"
 
     async def stop(self) -> None:
-        for task in list(self._requests.values()):
-            task.cancel()
-        for task in list(self._requests.values()):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self._end_requests()
         if self._llm is not None:
             self._llm.shutdown()
         if self._relay is not None:
@@ -276,23 +265,9 @@ class VllmEngine(Engine):
     ) -> TokenQueue:
         if (hold_on_finish or kv_transfer_params) and not self.connector_backend:
             raise EngineRequestError(_NO_DISAGGREGATION)
-        if spec.request_id in self._requests:
-            raise EngineRequestError(f"request {spec.request_id!r} is already in the engine")
-        if not spec.prompt:
-            raise EngineRequestError("the prompt is empty")
-        if len(spec.prompt) + spec.max_tokens > self.max_model_len:
-            raise EngineRequestError(
-                f"the prompt ({len(spec.prompt)} tokens) plus max_tokens ({spec.max_tokens}) is longer than "
-                f"the model's context of {self.max_model_len} tokens"
-            )
         if hold_on_finish:  # a prefill for another worker: vLLM keeps its blocks for the decode side's pull
             kv_transfer_params = {"do_remote_decode": True}
-        queue = TokenQueue()
-        generate = self._generate(spec, queue, kv_transfer_params)
-        task = asyncio.create_task(generate, name=f"vllm-{spec.request_id}")
-        self._requests[spec.request_id] = task
-        task.add_done_callback(lambda _t: self._requests.pop(spec.request_id, None))
-        return queue
+        return self._run(spec, lambda queue: self._generate(spec, queue, kv_transfer_params))
 
     def _sampling_params(self, spec: EngineRequestSpec, kv_transfer_params: dict[str, Any] | None) -> Any:
         from vllm import SamplingParams
@@ -350,44 +325,9 @@ class VllmEngine(Engine):
             log.error("vLLM request failed", request_id=spec.request_id, error=f"{type(exc).__name__}: {exc}")
             queue.put_nowait(EngineFailure(f"the vLLM engine failed the request: {type(exc).__name__}: {exc}"))
 
-    def abort(self, request_id: str) -> None:
-        task = self._requests.pop(request_id, None)
-        if task is not None and not task.done():
-            task.cancel()
-            log.info("request aborted", request_id=request_id)
-
-    # ---- the worker's own transfer server's hooks: vLLM's connector moves its KV instead ----------
-    def reserve_remote(self, spec: EngineRequestSpec) -> tuple[TransferPlan | None, TokenQueue]:
-        raise EngineRequestError(_CONNECTOR_MOVES_KV)
-
-    def finish_transfer(self, request_id: str, received: bool) -> None:
-        raise EngineRequestError(_CONNECTOR_MOVES_KV)
-
-    def held_slots(self, request_id: str, num_blocks: int) -> list[int]:
-        raise EngineRequestError(_CONNECTOR_MOVES_KV)
-
-    def release_held(self, request_id: str) -> None:
-        return None  # vLLM frees a held prefill's blocks itself, once pulled or expired
-
     # ---- state -------------------------------------------------------------------------------
-    def status(self) -> EngineStatus:
-        return EngineStatus(
-            block_size=self.block_size,
-            total_blocks=self.num_blocks,
-            cached_blocks=len(self._translator),
-            active_blocks=0,  # vLLM does not report it per request; its own metrics have the usage
-            running_requests=len(self._requests),
-            waiting_requests=0,
-            held_prefills=0,
-        )
-
     def fitted_timing(self) -> TimingModel | None:
         return self.timing_fit.model() if self.timing_fit.observations else None
-
-    def dump_kv_state(self) -> tuple[int, list[CachedBlock]]:
-        """The relay's view: every batch received so far has been translated and enqueued (the relay
-        runs on this event loop), so the blocks match the events up to the returned id."""
-        return self._last_event_id(), self._translator.cached_blocks()
 
     def dump_tier_state(self, tier: str) -> tuple[int, list[CachedBlock]] | None:
         """The relay's view of the blocks vLLM offloaded to ``tier`` (``host``: CPU memory, ``disk``)."""
