@@ -51,8 +51,6 @@ from kvmesh.router.sync_messages import ADD, SyncMessage
 
 log = structlog.get_logger(__name__)
 
-# Split requests whose first token is awaited, to measure the split's overhead (a bound for lost reports).
-MAX_SPLITS_TIMED = 10000
 # Assumed when a worker does not advertise its step token budget.
 DEFAULT_MAX_BATCHED_TOKENS = 8192
 
@@ -528,13 +526,14 @@ class Router:
                 request_id, key, record.block_size, block_hashes, prompt_tokens, overlap, expected_output_tokens
             )
 
-    def split_started(self, request_id: str, predicted_prefill_ms: float | None) -> None:
-        """A request was split now: its first token will say what the split added (see split_overhead)."""
+    def split_started(
+        self, request_id: str, predicted_prefill_ms: float | None, decided_at: float | None = None
+    ) -> None:
+        """A tracked request was split at ``decided_at`` (default: now): its first token will say what
+        the split added (see split_overhead). Its free, or its expiry, forgets it."""
         if predicted_prefill_ms is None:
             return
-        if len(self._splits) >= MAX_SPLITS_TIMED:  # reports lost: forget the oldest
-            self._splits.pop(next(iter(self._splits)))
-        self._splits[request_id] = (self.clock(), predicted_prefill_ms)
+        self._splits[request_id] = (self.clock() if decided_at is None else decided_at, predicted_prefill_ms)
 
     def track_first_token(self, request_id: str) -> None:
         split = self._splits.pop(request_id, None)
@@ -569,6 +568,7 @@ class Router:
 
     def expire_stale(self) -> None:
         for key in self.loads.expire(self.clock(), self.config.request_timeout_secs):
+            self._splits.pop(key, None)
             log.warning("forgot a request routed too long ago", request_id=key)
         # also a safety net: a free the queue was not told of waits at most until this runs
         self.on_capacity()

@@ -114,7 +114,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             forced=forced,
         )
         if isinstance(plan, RemotePrefill):
-            self.router.split_started(sent.request_id, plan.predicted_prefill_ms)
+            decided = self.router.clock()
             decode_half = await self.disaggregation.start(sent, plan)
             if decode_half.disaggregated_params:
                 response.disaggregated_params = decode_half.disaggregated_params
@@ -126,6 +126,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             response.dp_rank = sent.routing.dp_rank = rank
         expected = sent.expected_output_tokens if sent.HasField("expected_output_tokens") else 0
         self.router.track_add(sent.request_id, worker, block_hashes, len(sent.token_ids), overlap, expected, rank or 0)
+        if isinstance(plan, RemotePrefill):  # tracked now: its free or its expiry forgets the timing
+            self.router.split_started(sent.request_id, plan.predicted_prefill_ms, decided)
         log.info(
             "routed",
             worker_id=worker.instance_id,
