@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import nats
 import openai
+from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.core.tiny_model import MODEL_DIR
-from kvmesh.common.proto.kvmesh.v1 import common_pb2
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc
 from kvmesh.common.runtime.config import parse_config
 from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.runtime.ports import free_port
@@ -189,17 +191,31 @@ def service_config(config_class: type[ConfigT], argv: list[str]) -> ConfigT:
     return parse_config(config_class, argv, prog=config_class.__name__, description="", environ={})
 
 
+async def registered(nc: NatsClient, namespace: str, component: str) -> list[InstanceRecord]:
+    """The instances of ``component`` registered right now, as a fresh watcher lists them."""
+    watcher = DiscoveryWatcher(nc.jetstream(), namespace, component)
+    await watcher.start()
+    try:
+        return watcher.instances()
+    finally:
+        await watcher.stop()
+
+
+async def indexed_blocks(nc: NatsClient, namespace: str) -> dict[tuple[int, int], int]:
+    """Blocks per (worker, dp rank) that the first registered indexer replica holds."""
+    address = (await registered(nc, namespace, "indexer"))[0].address
+    async with grpc.aio.insecure_channel(address) as channel:
+        status = await indexer_pb2_grpc.IndexerStub(channel).GetStatus(indexer_pb2.IndexerStatusRequest(), timeout=5)
+    return {(w.worker_id, w.dp_rank): w.blocks for w in status.workers}
+
+
 def discovered(nats_url: str, component: str, namespace: str = "default") -> list[InstanceRecord]:
     """The instances of ``component`` registered right now (from a synchronous test)."""
 
     async def read() -> list[InstanceRecord]:
         nc = await nats.connect(nats_url)
         try:
-            watcher = DiscoveryWatcher(nc.jetstream(), namespace, component)
-            await watcher.start()
-            found = watcher.instances()
-            await watcher.stop()
-            return found
+            return await registered(nc, namespace, component)
         finally:
             await nc.close()
 

@@ -12,14 +12,11 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.proto.kvmesh.v1 import (
     common_pb2,
-    indexer_pb2,
-    indexer_pb2_grpc,
     router_pb2,
     router_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
-from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.router import server as router_server
@@ -27,24 +24,11 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
 from tests.integration.test_router_queue import up
-from tests.support import router_generate, running, service_config, wait_until_async
+from tests.support import indexed_blocks, registered, router_generate, running, service_config, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "dp"
 PROMPT = [5] * 256  # 16 blocks of 16 tokens
-
-
-async def indexed_ranks(nc: NatsClient) -> dict[tuple[int, int], int]:
-    """Blocks per (worker, dp rank) that the indexer holds."""
-    watcher = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "indexer")
-    await watcher.start()
-    try:
-        address = watcher.instances()[0].address
-    finally:
-        await watcher.stop()
-    async with grpc.aio.insecure_channel(address) as channel:
-        status = await indexer_pb2_grpc.IndexerStub(channel).GetStatus(indexer_pb2.IndexerStatusRequest(), timeout=5)
-    return {(w.worker_id, w.dp_rank): w.blocks for w in status.workers}
 
 
 async def test_the_router_chooses_a_worker_and_rank_and_each_rank_keeps_its_own_cache(nats_url: str, nc: NatsClient):
@@ -65,10 +49,10 @@ async def test_the_router_chooses_a_worker_and_rank_and_each_rank_keeps_its_own_
         first = (await router_generate(router, "first", PROMPT))[-1]
 
         async def indexed() -> bool:
-            return (await indexed_ranks(nc)).get((worker_id, first.dp_rank), 0) >= 16
+            return (await indexed_blocks(nc, NAMESPACE)).get((worker_id, first.dp_rank), 0) >= 16
 
         await wait_until_async(indexed, what="the rank's events indexed under its own key")
-        ranks = await indexed_ranks(nc)
+        ranks = await indexed_blocks(nc, NAMESPACE)
         assert set(ranks) == {(worker_id, 0), (worker_id, 1)}  # each rank's events apart
         again = (await router_generate(router, "again", PROMPT))[-1]
         assert again.dp_rank == first.dp_rank  # the rank that holds the prefix
@@ -78,10 +62,7 @@ async def test_the_router_chooses_a_worker_and_rank_and_each_rank_keeps_its_own_
             status = await router_pb2_grpc.RouterStub(channel).GetStatus(router_pb2.RouterStatusRequest(), timeout=5)
         assert {(load.worker_id, load.dp_rank) for load in status.loads} == {(worker_id, 0), (worker_id, 1)}
 
-        watcher = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "worker")
-        await watcher.start()
-        record = watcher.instances()[0]
-        await watcher.stop()
+        (record,) = await registered(nc, NAMESPACE, "worker")
         assert record.extra["data_parallel_size"] == 2
         async with grpc.aio.insecure_channel(record.address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)

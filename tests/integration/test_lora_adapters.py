@@ -11,7 +11,6 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, worker_pb2_grpc
-from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.frontend import server as frontend_server
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.gateway import WORKER_ID_HEADER
@@ -21,7 +20,7 @@ from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
-from tests.support import free_port, running, service_config, wait_until_async
+from tests.support import free_port, registered, running, service_config, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "lora"
@@ -29,13 +28,11 @@ PROMPT = "Translate this question into SQL: which customers ordered more than th
 
 
 async def registered_workers(nc: NatsClient, count: int) -> list:
-    watcher = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "worker")
-    await watcher.start()
-    try:
-        await wait_until_async(lambda: len(watcher.instances()) == count, what=f"{count} workers")
-        return watcher.instances()
-    finally:
-        await watcher.stop()
+    async def all_there() -> bool:
+        return len(await registered(nc, NAMESPACE, "worker")) == count
+
+    await wait_until_async(all_there, what=f"{count} workers")
+    return await registered(nc, NAMESPACE, "worker")
 
 
 async def ask(client: openai.AsyncOpenAI, model: str, prompt: str = PROMPT) -> tuple[int, int]:

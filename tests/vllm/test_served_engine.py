@@ -15,14 +15,11 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import grpc
 import httpx
 import openai
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
-from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.frontend import server as frontend_server
 from kvmesh.frontend.config import FrontendConfig
 from kvmesh.frontend.gateway import WORKER_ID_HEADER
@@ -34,7 +31,7 @@ from kvmesh.worker import server as worker_server
 from kvmesh.worker import tiny_llama
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.served_engine import cache_config
-from tests.support import free_port, running, service_config, wait_until, wait_until_async
+from tests.support import free_port, indexed_blocks, registered, running, service_config, wait_until, wait_until_async
 
 pytestmark = [
     pytest.mark.vllm,
@@ -153,24 +150,7 @@ async def mesh(nats_url: str, nc: NatsClient, server: dict[str, str]) -> AsyncIt
 
 
 async def workers(nc: NatsClient) -> list:
-    watcher = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "worker")
-    await watcher.start()
-    try:
-        return watcher.instances()
-    finally:
-        await watcher.stop()
-
-
-async def indexed_blocks(nc: NatsClient) -> int:
-    watcher = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "indexer")
-    await watcher.start()
-    try:
-        address = watcher.instances()[0].address
-    finally:
-        await watcher.stop()
-    async with grpc.aio.insecure_channel(address) as channel:
-        status = await indexer_pb2_grpc.IndexerStub(channel).GetStatus(indexer_pb2.IndexerStatusRequest(), timeout=5)
-    return sum(w.blocks for w in status.workers)
+    return await registered(nc, NAMESPACE, "worker")
 
 
 def running_in_vllm(server: dict[str, str]) -> float:
@@ -191,7 +171,7 @@ async def test_a_worker_fronts_a_running_vllm_server(vllm_server, nats_url: str,
         assert again.usage.prompt_tokens_details.cached_tokens >= BLOCK  # from vLLM's usage
 
         async def indexed() -> bool:  # vLLM's KV events, relayed to JetStream, reach the indexer
-            return await indexed_blocks(nc) >= first.usage.prompt_tokens // BLOCK
+            return sum((await indexed_blocks(nc, NAMESPACE)).values()) >= first.usage.prompt_tokens // BLOCK
 
         await wait_until_async(indexed, timeout=30, what="the server's blocks in the indexer")
 
