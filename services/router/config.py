@@ -68,6 +68,11 @@ class RoutingOptions:
         "ttft", "KV cost model: predicted time to first token, or Dynamo's block formula", choices=COST_MODELS
     )
     kv_overlap_score_weight: float = option(1.0, "weight of prefill work in the KV cost (0: load only)")
+    lora_load_tokens: int = option(
+        1024,
+        "kv mode: the prefill tokens loading a LoRA adapter is worth: a worker that serves the adapter a request "
+        "names but does not hold it loaded now (see the worker's --max-loras) is charged them",
+    )
     router_temperature: float = option(0.0, "softmax temperature over normalised costs (0: pick the minimum)")
     pooled_block_credit: float = option(
         0.9,
@@ -159,6 +164,8 @@ class RoutingOptions:
             raise ConfigError("--eviction-interval-secs and --max-tree-size must be positive")
         if self.kv_overlap_score_weight < 0:
             raise ConfigError("--kv-overlap-score-weight must be >= 0")
+        if self.lora_load_tokens < 0:
+            raise ConfigError("--lora-load-tokens must be >= 0")
         for name in ("pooled_block_credit", "host_block_credit", "disk_block_credit"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be between 0 and 1")

@@ -111,13 +111,16 @@ class RoutingPolicy:
         now: float = 0.0,
         commit: bool = True,
         moe_hosted: Mapping[WorkerKey, float] | None = None,
+        load_tokens: Mapping[WorkerKey, int] | None = None,
     ) -> Decision:
         """Pick a worker (per-request weight / temperature override the defaults when given).
 
         Cache-aware mode needs ``tokens`` (:func:`~kvmesh.common.wire.hashing.token_bytes` of the
         prompt) and ``now`` (seconds); ``commit=False`` keeps it from recording the choice.
         ``moe_hosted``: per worker, the share of the request's MoE experts its cached blocks were
-        computed with; in kv mode it waives that share × ``moe_score_weight`` of the worker's cost."""
+        computed with; in kv mode it waives that share × ``moe_score_weight`` of the worker's cost.
+        ``load_tokens``: per worker, prefill tokens it must spend first (a LoRA adapter to load); kv
+        mode adds them to its prefill."""
         if not workers:
             raise ValueError("no candidate workers")
         if self.mode == "round-robin":
@@ -137,6 +140,8 @@ class RoutingPolicy:
         prefills, decodes = self.active.potential_columns(
             workers, block_hashes, prompt_tokens, overlaps, expected_output_tokens
         )
+        if load_tokens:
+            prefills = [prefill + load_tokens.get(worker, 0) for worker, prefill in zip(workers, prefills, strict=True)]
         weight = self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight
         costs = self.cost_model.costs(workers, prefills, decodes, weight)
         discounts = None

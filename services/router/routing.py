@@ -26,6 +26,7 @@ from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.runtime.misconfiguration import Findings
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes, token_bytes
+from kvmesh.common.wire.lora import must_load
 from kvmesh.common.wire.worker_key import WorkerKey, ranks_of
 from kvmesh.router.approximate_index import ApproximateIndex
 from kvmesh.router.config import RouterConfig
@@ -376,6 +377,7 @@ class Router:
             now=self.clock(),
             commit=commit,
             moe_hosted=moe_hosted_shares(moe, prepared.moe_query),
+            load_tokens=self.adapter_loads(candidates, request),
         )
         chosen = prepared.by_id[decision.worker[0]]
         if commit and not self.config.kv_events:
@@ -385,6 +387,20 @@ class Router:
         elif commit:
             self.predict(chosen, prepared.block_hashes, decision.overlap_blocks, decision.worker[1])
         return Choice(chosen, decision.overlap_blocks, prepared.block_hashes, decision.worker[1])
+
+    def adapter_loads(
+        self, workers: Sequence[InstanceRecord], request: common_pb2.PreprocessedRequest
+    ) -> dict[WorkerKey, int]:
+        """``--lora-load-tokens`` for each (worker, rank) that must load the request's adapter first."""
+        if not request.HasField("lora_name") or not self.config.lora_load_tokens:
+            return {}
+        cost = self.config.lora_load_tokens
+        return {
+            (r.instance_id, rank): cost
+            for r in workers
+            if must_load(r.extra, request.lora_name)
+            for rank in ranks_of(r.extra)
+        }
 
     def has_prefill_workers(self) -> bool:
         """Whether requests may be split now (a prefill worker is registered, or the split is enforced)."""

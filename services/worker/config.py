@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvmesh.common.runtime.config import ConfigError, GrpcEndpointConfig, option
 from kvmesh.common.wire.disagg import default_kv_handoff
 from kvmesh.common.wire.kv_events import parse_moe_placements
-from kvmesh.common.wire.lora import parse_adapters
+from kvmesh.common.wire.lora import adapter_paths
 from kvmesh.worker.vllm_defaults import check_block_size
 
 DEFAULT_MODEL_NAME = "kvmesh-tiny"
@@ -16,15 +17,28 @@ MOCK_DEFAULTS = {"block_size": 16, "num_gpu_blocks": 16384, "max_num_seqs": 256,
 
 
 def check_lora_adapters(options: EngineOptions) -> None:
-    """``--lora-adapters``, for ``kvmesh worker`` and ``kvmesh up`` alike."""
+    """``--lora-adapters``, ``--max-loras`` and ``--lora-load-ms``, for ``kvmesh worker`` and
+    ``kvmesh up`` alike."""
     try:
-        parse_adapters(options.lora_adapters)
+        paths = adapter_paths(options.lora_adapters)
     except ValueError as exc:
         raise ConfigError(f"--lora-adapters: {exc}") from None
-    if options.lora_adapters and options.engine == "vllm":
+    if options.max_loras < 0 or options.lora_load_ms < 0:
+        raise ConfigError("--max-loras and --lora-load-ms must be >= 0")
+    if options.engine == "vllm":
+        missing = [name for name, path in paths.items() if not path]
+        if missing:
+            raise ConfigError(
+                f"--lora-adapters: an in-process vLLM loads each adapter from a directory: NAME=PATH "
+                f"({', '.join(missing)} has none)"
+            )
+        absent = [path for path in paths.values() if path and not Path(path).is_dir()]
+        if absent:
+            raise ConfigError(f"--lora-adapters: no adapter directory at {', '.join(map(str, absent))}")
+    elif options.engine == "served" and any(paths.values()):
         raise ConfigError(
-            "--lora-adapters: an in-process vLLM does not load adapters yet; serve them from a vLLM server "
-            "(--enable-lora --lora-modules NAME=PATH) fronted with --engine served"
+            "--lora-adapters: a served engine loads its adapters itself (vLLM: --lora-modules NAME=PATH); "
+            "give the names it serves them under"
         )
 
 
@@ -89,9 +103,19 @@ class EngineOptions:
     )
     lora_adapters: str = option(
         "",
-        "LoRA adapters this worker serves, comma-separated; a request names one as its model and the router "
-        "sends it only to workers that serve it. The mock engine simulates them (an adapter's KV blocks are its "
-        "own); with --engine served, the names the engine server loaded them under; not yet with --engine vllm",
+        "LoRA adapters this worker serves, comma-separated NAME or NAME=PATH; a request names one as its model "
+        "and the router sends it only to workers that serve it. The mock engine simulates them (an adapter's KV "
+        "blocks are its own); --engine vllm loads each from its PATH (a PEFT directory); with --engine served, "
+        "the names the engine server loaded them under",
+    )
+    max_loras: int = option(
+        0,
+        "LoRA adapters loaded at once (0: all of --lora-adapters); a request for another loads it first, "
+        "evicting the least recently used, and the routers charge a worker that must load an adapter for it "
+        "(--lora-load-tokens). vLLM: its max_loras and max_cpu_loras",
+    )
+    lora_load_ms: float = option(
+        50.0, "the mock engine's simulated time to load a LoRA adapter that is not loaded (see --max-loras)"
     )
 
     engine: str = option(

@@ -26,7 +26,7 @@ from kvmesh.common.wire.kv_events import (
     TIER_DP_RANKS,
     parse_moe_placements,
 )
-from kvmesh.common.wire.lora import ADAPTERS_KEY, parse_adapters
+from kvmesh.common.wire.lora import ADAPTERS_KEY, RESIDENT_KEY, adapter_paths
 from kvmesh.common.wire.worker_key import DATA_PARALLEL_KEY
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.connector_handover import ConnectorHandover
@@ -37,6 +37,7 @@ from kvmesh.worker.kv_buffer import KvBuffer, KvLayout
 from kvmesh.worker.kv_handover import Handover, KvHandover, KvTransfer
 from kvmesh.worker.kv_pool import KvPool
 from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, TransferStats
+from kvmesh.worker.lora_slots import AdapterSlots
 from kvmesh.worker.metrics import TransferView, WorkerMetrics
 from kvmesh.worker.mock_engine import EngineConfig, MockEngine
 from kvmesh.worker.nixl_agent import NixlAgent
@@ -82,15 +83,32 @@ async def advertise_timing_forever(engine: Engine, registration: Registration, p
             await registration.update(dataclasses.replace(record, extra={**record.extra, "timing": constants}))
 
 
+async def advertise_adapters_forever(slots: AdapterSlots, registration: Registration) -> None:
+    """Put the LoRA adapters loaded now into this worker's discovery record whenever they change,
+    for the routers' load charge (only for a worker that cannot hold all it serves at once)."""
+    while True:
+        await slots.changed.wait()
+        slots.changed.clear()
+        record = registration.record
+        await registration.update(dataclasses.replace(record, extra={**record.extra, RESIDENT_KEY: slots.loaded()}))
+
+
 def vllm_overrides(config: WorkerConfig) -> dict[str, object]:
     """The worker's options that are also vLLM engine arguments (None: vLLM's own default)."""
-    return {
+    overrides: dict[str, object] = {
         "block_size": config.block_size,
         "num_gpu_blocks_override": config.num_gpu_blocks,
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "served_model_name": [config.model_name],
     }
+    adapters = adapter_paths(config.lora_adapters)
+    if adapters:
+        # vLLM holds max_cpu_loras adapters loaded and loads others from disk on demand, least
+        # recently used out first: the worker's slots mirror that cache
+        slots = min(config.max_loras or len(adapters), len(adapters))
+        overrides |= {"enable_lora": True, "max_loras": slots, "max_cpu_loras": slots}
+    return overrides
 
 
 async def serve(
@@ -113,10 +131,16 @@ async def serve(
         publisher = await stack.start(publisher_class(js, config.namespace, worker_id, flush_interval_s=flush))
         handover: Handover | None = None
         extra: dict[str, object] = {"engine": config.engine, "kv_handoff": config.resolved_kv_handoff()}
-        adapters = parse_adapters(config.lora_adapters)
+        adapters = adapter_paths(config.lora_adapters)
         ranks: list[Engine] = []  # data-parallel ranks past the first (rank 0 is `engine`)
+        slots: AdapterSlots | None = None
         if adapters:
+            # the mock simulates a load's time; vLLM loads an adapter itself on its first request
+            load_s = config.lora_load_ms / 1000 if config.engine == "mock" else 0.0
+            slots = AdapterSlots(list(adapters), config.max_loras, load_s)
             extra[ADAPTERS_KEY] = list(adapters)
+            if slots.limited:
+                extra[RESIDENT_KEY] = slots.loaded()
         if config.engine == "served":
             assert config.engine_url is not None  # validated
             engine = await stack.start(
@@ -146,6 +170,7 @@ async def serve(
                 lambda: publisher.last_event_id,
                 kv_connector_host=connector_host,
                 tier_publishers=tiers,
+                lora_paths={name: path for name, path in adapters.items() if path},
             )
             engine: Engine = await stack.start(vllm)
             if connector_host is not None:
@@ -198,9 +223,7 @@ async def serve(
         metrics = WorkerMetrics(engine, publisher, transfer_view)
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
-        servicer = WorkerServicer(
-            worker_id, config.model_name, engine, metrics, handover, frozenset(adapters), [engine, *ranks]
-        )
+        servicer = WorkerServicer(worker_id, config.model_name, engine, metrics, handover, slots, [engine, *ranks])
         status = engine.status()
         registration = await stack.grpc_service(
             js,
@@ -217,6 +240,8 @@ async def serve(
         )
         record = registration.record
         stack.task(advertise_timing_forever(engine, registration, config.timing_advertise_secs), "advertise-timing")
+        if slots is not None and slots.limited:
+            stack.task(advertise_adapters_forever(slots, registration), "advertise-adapters")
         log.info(
             "worker ready",
             address=record.address,

@@ -31,6 +31,7 @@ from kvmesh.worker.engine import (
     take_ready,
 )
 from kvmesh.worker.kv_handover import Handover
+from kvmesh.worker.lora_slots import AdapterSlots
 from kvmesh.worker.metrics import WorkerMetrics
 
 log = structlog.get_logger(__name__)
@@ -47,14 +48,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         engine: Engine,
         metrics: WorkerMetrics,
         handover: Handover | None,
-        lora_adapters: frozenset[str] = frozenset(),
+        adapters: AdapterSlots | None = None,
         ranks: Sequence[Engine] = (),
     ) -> None:
         """``engine`` is data-parallel rank 0, which also serves the worker's status, metrics and
-        KV handover; ``ranks``: every rank's engine in rank order (default: ``engine`` alone)."""
+        KV handover; ``ranks``: every rank's engine in rank order (default: ``engine`` alone);
+        ``adapters``: the LoRA adapters this worker serves and which are loaded (None: none served)."""
         self.worker_id = worker_id
         self.model_name = model_name
-        self.lora_adapters = lora_adapters
+        self.adapters = adapters
         self.ranks = list(ranks) or [engine]
         self.engine = engine
         self.metrics = metrics
@@ -75,8 +77,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"this worker serves model {self.model_name!r}, not {request.model!r}",
             )
-        if request.HasField("lora_name") and request.lora_name not in self.lora_adapters:
-            served = ", ".join(sorted(self.lora_adapters)) or "none"
+        served_adapters = self.adapters.adapters if self.adapters is not None else ()
+        if request.HasField("lora_name") and request.lora_name not in served_adapters:
+            served = ", ".join(sorted(served_adapters)) or "none"
             await refuse(
                 context,
                 "worker",
@@ -110,6 +113,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             )
         engine = self.ranks[rank]
         spec = EngineRequestSpec.from_proto(request)
+        if spec.lora_name and self.adapters is not None and await self.adapters.use(spec.lora_name):
+            log.info("LoRA adapter loaded", request_id=request_id, adapter=spec.lora_name)
         prefill = order if isinstance(order, PrefillOrder) else None
         handed_over = False
         try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -158,15 +158,21 @@ class VllmEngine(StreamingEngine):
         last_event_id: Callable[[], int],
         kv_connector_host: str | None = None,
         tier_publishers: dict[str, tuple[Callable[[list[EventData]], None], Callable[[], int]]] | None = None,
+        lora_paths: Mapping[str, str] | None = None,
     ) -> None:
         """``kv_connector_host``: set for prefill and decode workers, which move KV with vLLM's NIXL
         connector; its side channel listens there (on a free port). ``tier_publishers``: per
         offloaded tier (``host``, ``disk``), where its events go and the last event id numbered there
-        (an offloading connector's CPU and disk blocks are relayed with their medium)."""
+        (an offloading connector's CPU and disk blocks are relayed with their medium). ``lora_paths``:
+        each LoRA adapter's directory, by name (vLLM loads one on its first request)."""
         self._tier_publishers = tier_publishers or {}
         self._tier_translators = {tier: VllmEventTranslator(MEDIUMS_BY_TIER[tier]) for tier in self._tier_publishers}
         super().__init__(last_event_id)
         self._argv = list(argv)
+        # vLLM tells adapters apart by a positive integer id as well as their name
+        self._lora_requests = {
+            name: (name, index, path) for index, (name, path) in enumerate((lora_paths or {}).items(), start=1)
+        }
         self._connector_host = kv_connector_host
         self._overrides = overrides
         self._deliver_events = deliver_events
@@ -289,6 +295,16 @@ class VllmEngine(StreamingEngine):
             options["extra_args"] = {"kv_transfer_params": kv_transfer_params}
         return SamplingParams(**options)
 
+    def _lora_request(self, adapter: str | None) -> Any:
+        """vLLM's request for ``adapter`` (None: the base model); the worker refused any adapter it
+        does not serve before this."""
+        if adapter is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        name, lora_id, path = self._lora_requests[adapter]
+        return LoRARequest(name, lora_id, path)
+
     async def _generate(
         self, spec: EngineRequestSpec, queue: TokenQueue, kv_transfer_params: dict[str, Any] | None
     ) -> None:
@@ -297,7 +313,8 @@ class VllmEngine(StreamingEngine):
         try:
             # cancelling this task cancels the generator, which aborts the request in vLLM
             sampling = self._sampling_params(spec, kv_transfer_params)
-            async for output in self._llm.generate(prompt, sampling, spec.request_id):
+            lora = self._lora_request(spec.lora_name)
+            async for output in self._llm.generate(prompt, sampling, spec.request_id, lora_request=lora):
                 cached = output.num_cached_tokens or cached
                 completion = output.outputs[0]
                 tokens = list(completion.token_ids)

@@ -91,3 +91,51 @@ async def test_requests_for_an_adapter_go_to_its_workers_and_never_share_blocks(
                     pass
         assert refused.value.code() == grpc.StatusCode.NOT_FOUND
         assert "does not serve LoRA adapter 'sql'" in refused.value.details()
+
+
+async def test_a_worker_that_must_load_the_adapter_is_charged_for_the_load(nats_url: str, nc: NatsClient):
+    """Two workers serve sql and chat; "few" holds one adapter loaded at a time (--max-loras 1),
+    "all" both. A request for the adapter "few" holds goes anywhere; one for the other goes to "all"
+    (the router charges "few" the load), until a request makes "few" load it and say so."""
+    args = ["--nats-url", nats_url, "--namespace", NAMESPACE]
+    port = free_port()
+    few_args = [*args, "--lora-adapters", "sql,chat", "--max-loras", "1", "--lora-load-ms", "20"]
+    async with (
+        running(worker_server.serve, service_config(WorkerConfig, few_args)),
+        running(worker_server.serve, service_config(WorkerConfig, [*args, "--lora-adapters", "chat,sql"])),
+        running(indexer_server.serve, service_config(IndexerConfig, args)),
+        running(router_server.serve, service_config(RouterConfig, args)),
+        running(frontend_server.serve, service_config(FrontendConfig, [*args, "--http-port", str(port)])),
+        openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        workers = await registered_workers(nc, 2)
+        few = next(w for w in workers if "lora_resident" in w.extra)
+        everything = next(w for w in workers if w is not few)
+        assert few.extra["lora_resident"] == ["sql"]  # the first --max-loras of its adapters start loaded
+        assert "lora_resident" not in everything.extra  # it holds all it serves: nothing to advertise
+
+        async def ready() -> bool:
+            async with httpx.AsyncClient() as http:
+                return (await http.get(f"http://127.0.0.1:{port}/health")).status_code == 200
+
+        await wait_until_async(ready, what="a router known")
+        # distinct prompts, which load balancing alone would spread over both
+        chat = [(await ask(client, "chat", f"chat {i}: " + PROMPT))[0] for i in range(6)]
+        assert set(chat) == {everything.instance_id}  # "few" would have to load chat first
+        sql = [(await ask(client, "sql", f"sql {i}: " + PROMPT))[0] for i in range(8)]
+        assert set(sql) == {few.instance_id, everything.instance_id}  # both hold it: balanced
+
+        # a request sent to "few" for chat loads it there (evicting sql), and its record says so
+        request = common_pb2.PreprocessedRequest(request_id="load-chat", token_ids=[1, 2, 3], lora_name="chat")
+        request.stop.max_tokens = 1
+        async with grpc.aio.insecure_channel(few.address) as channel:
+            answers = [out async for out in worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=10)]
+        assert answers[-1].finish_reason
+
+        async def chat_loaded() -> bool:
+            record = next(w for w in await registered(nc, NAMESPACE, "worker") if w.instance_id == few.instance_id)
+            return record.extra["lora_resident"] == ["chat"]
+
+        await wait_until_async(chat_loaded, what="the worker's record to show chat loaded instead of sql")
+        sql = [(await ask(client, "sql", f"sql again {i}: " + PROMPT))[0] for i in range(6)]
+        assert set(sql) == {everything.instance_id}

@@ -221,3 +221,38 @@ def test_the_block_size_and_cache_of_a_vllm_server_come_from_its_metrics():
     )
     assert cache_config(text)["block_size"] == "32" and cache_config(text)["num_gpu_blocks"] == "2048"
     assert cache_config("vllm:num_requests_running 0.0\n") == {}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lora-adapters", "sql,sql"], "named twice"),
+        (["--lora-adapters", "sql="], "empty path"),
+        (["--lora-adapters", "sql", "--max-loras", "-1"], "--max-loras and --lora-load-ms must be >= 0"),
+        (["--engine", "vllm", "--lora-adapters", "sql,chat=/nowhere"], "NAME=PATH (sql has none)"),
+        (["--engine", "vllm", "--lora-adapters", "chat=/nowhere/at/all"], "no adapter directory at /nowhere/at/all"),
+        (["--engine", "served", "--engine-url", "http://h:1/v1", "--lora-adapters", "a=/x"], "loads its adapters"),
+    ],
+)
+def test_lora_adapter_flags_that_cannot_work_are_refused(flags, message, capsys):
+    from kvmesh.worker.config import WorkerConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, flags, prog="w", description="", environ={})
+    assert message in capsys.readouterr().err
+
+
+def test_a_vllm_worker_with_adapters_enables_vllms_lora_with_its_slots(tmp_path):
+    from kvmesh.worker.config import WorkerConfig
+    from kvmesh.worker.server import vllm_overrides
+
+    adapters = f"a={tmp_path},b={tmp_path},c={tmp_path}"
+    flags = ["--engine", "vllm", "--lora-adapters", adapters, "--max-loras", "2"]
+    config = parse_config(WorkerConfig, flags, prog="w", description="", environ={})
+    assert {k: vllm_overrides(config)[k] for k in ("enable_lora", "max_loras", "max_cpu_loras")} == {
+        "enable_lora": True,
+        "max_loras": 2,
+        "max_cpu_loras": 2,
+    }
+    config = parse_config(WorkerConfig, flags[:4], prog="w", description="", environ={})
+    assert vllm_overrides(config)["max_cpu_loras"] == 3  # no --max-loras: all of them
