@@ -120,7 +120,7 @@ def vllm_cpu_defaults(config: UpConfig) -> list[str]:
     the engines start here (their KV caches share this host's memory), said once in the log."""
     if config.engine != "vllm" or not vllm_defaults.cpu_build():
         return []
-    engines = config.workers + config.prefill_workers
+    engines = (config.workers + config.prefill_workers) * config.data_parallel_size  # a rank is an engine core
     chosen = vllm_defaults.cpu_defaults(config.engine_args, engines, vllm_defaults.available_memory())
     if chosen:
         argv = vllm_defaults.as_argv(chosen)

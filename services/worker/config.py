@@ -48,8 +48,10 @@ def check_data_parallel(options: EngineOptions, role: str = "aggregated") -> Non
     size = options.data_parallel_size
     if size < 1:
         raise ConfigError("--data-parallel-size must be at least 1")
-    if size > 1 and options.engine != "mock":
-        raise ConfigError("--data-parallel-size: only the mock engine simulates ranks so far (not vLLM)")
+    if size > 1 and options.engine not in ("mock", "vllm"):
+        raise ConfigError(
+            "--data-parallel-size: the mock engine simulates ranks and vLLM runs them (not --engine served)"
+        )
     if size > 1 and (role != "aggregated" or getattr(options, "kv_pool", None) or options.host_kv_blocks):
         raise ConfigError(
             "--data-parallel-size above 1 is for aggregated workers without --kv-pool or --host-kv-blocks"
@@ -98,8 +100,9 @@ class EngineOptions:
     data_parallel_size: int = option(
         1,
         "data-parallel ranks this worker runs, each an engine with a KV cache of its own that publishes its events "
-        "as its dp rank; the router chooses a (worker, rank). The mock engine simulates them (aggregated workers, "
-        "without --kv-pool or --host-kv-blocks); not yet with --engine vllm",
+        "as its dp rank; the router chooses a (worker, rank). The mock engine simulates them; with --engine vllm "
+        "they are vLLM's data-parallel engine cores. Aggregated workers only (the mock's without --kv-pool or "
+        "--host-kv-blocks)",
     )
     lora_adapters: str = option(
         "",

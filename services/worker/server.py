@@ -163,6 +163,13 @@ async def serve(
                     publisher_class(js, config.namespace, worker_id, dp_rank=rank, tier=tier, flush_interval_s=flush)
                 )
                 tiers[tier] = (tier_publisher.enqueue, lambda p=tier_publisher: p.last_event_id)
+            # data-parallel ranks past the first: vLLM's engine cores, each one's events as its rank
+            rank_publishers = []
+            for rank in range(1, config.data_parallel_size):
+                rank_publisher = await stack.start(
+                    publisher_class(js, config.namespace, worker_id, dp_rank=rank, flush_interval_s=flush)
+                )
+                rank_publishers.append((rank_publisher.enqueue, lambda p=rank_publisher: p.last_event_id))
             vllm = VllmEngine(
                 config.engine_args,
                 vllm_overrides(config),
@@ -171,8 +178,10 @@ async def serve(
                 kv_connector_host=connector_host,
                 tier_publishers=tiers,
                 lora_paths={name: path for name, path in adapters.items() if path},
+                rank_publishers=rank_publishers,
             )
             engine: Engine = await stack.start(vllm)
+            ranks.extend(vllm.ranks)
             if connector_host is not None:
                 handover = ConnectorHandover(worker_id, vllm, config.kv_transfer_timeout_secs)
                 extra["kv_transfer_backend"] = handover.backend
@@ -206,8 +215,6 @@ async def serve(
                 )
                 rank_kv = KvBuffer(config.mock_shape("num_gpu_blocks"), shape)
                 ranks.append(await stack.start(MockEngineLoop(build_mock_engine(config, rank_kv), rank_publisher)))
-            if config.data_parallel_size > 1:
-                extra[DATA_PARALLEL_KEY] = config.data_parallel_size
             transfer = await start_kv_transfer(stack, config, worker_id, kv, engine)
             handover = KvHandover(worker_id, engine, transfer, config.kv_transfer_timeout_secs)
             extra |= {
@@ -215,6 +222,8 @@ async def serve(
                 "kv_transfer_port": transfer.server.port,
                 "kv_transfer_backend": transfer.backend,
             }
+        if config.data_parallel_size > 1:
+            extra[DATA_PARALLEL_KEY] = config.data_parallel_size
         transfer_view = None
         if isinstance(handover, KvHandover):
             transfer_view = TransferView.of_server(handover.transfer.server)

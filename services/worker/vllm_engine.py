@@ -7,6 +7,11 @@ Engine arguments are vLLM's own (``--model``, ``--max-model-len``, ``--gpu-memor
 KV event publisher is always enabled and relayed to JetStream (:mod:`~kvmesh.worker.vllm_events`).
 With no ``--model``, the random-weight ``kvmesh-tiny`` Llama is built on first use and served.
 
+Data-parallel ranks (``--data-parallel-size N``) are vLLM's own: one ``AsyncLLM`` runs N engine
+cores, each with a KV cache of its own, and a request goes to the rank the router chose
+(``data_parallel_rank``). Each rank publishes its KV events on the configured ports plus its rank;
+the worker relays rank r's as dp rank r (:class:`VllmRank`).
+
 A prefill or decode worker moves KV with vLLM's own NIXL connector (host buffer on a CPU build,
 device buffer on GPUs): a held prefill runs with ``do_remote_decode`` and its last output carries
 vLLM's ``kv_transfer_params``; the decode side submits them with ``do_remote_prefill`` and vLLM pulls
@@ -25,7 +30,7 @@ import structlog
 
 from kvmesh.common.core.timing import TimingModel
 from kvmesh.common.core.timing_fit import TimingFit
-from kvmesh.common.runtime.ports import free_port
+from kvmesh.common.runtime.ports import free_port, free_port_run
 from kvmesh.common.wire.finish_reasons import FinishReason
 from kvmesh.common.wire.kv_events import EventData
 from kvmesh.worker import tiny_llama, vllm_defaults
@@ -114,18 +119,19 @@ class VllmEngineArgsError(ValueError):
     """vLLM's argument parser rejected the engine arguments; the message is its own."""
 
 
-def engine_args(argv: Sequence[str], overrides: dict[str, Any]) -> Any:
+def engine_args(argv: Sequence[str], overrides: dict[str, Any], engines: int = 1) -> Any:
     """``AsyncEngineArgs`` from vLLM's own flags, then the worker's shared options (``overrides``,
-    None entries left to vLLM), prefix caching on, and the tiny model when no ``--model`` is given."""
+    None entries left to vLLM), prefix caching on, and the tiny model when no ``--model`` is given.
+    ``engines``: the engine cores this worker runs (its data-parallel ranks), which share its host."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog="kvmesh worker --engine vllm", exit_on_error=False)
     AsyncEngineArgs.add_cli_args(parser)
     if vllm_defaults.cpu_build():
-        # a worker started alone takes the CPU build's defaults as the only engine on its host
+        # a worker started alone takes the CPU build's defaults as the only worker on its host
         # (`kvmesh up` has chosen them already for the engines it starts: then none is left out)
-        chosen = vllm_defaults.cpu_defaults(argv, 1, vllm_defaults.available_memory())
+        chosen = vllm_defaults.cpu_defaults(argv, engines, vllm_defaults.available_memory())
         if chosen:
             log.info("vLLM's CPU build: chose what was not given", chose=vllm_defaults.describe(chosen))
             argv = [*argv, *vllm_defaults.as_argv(chosen)]
@@ -159,12 +165,15 @@ class VllmEngine(StreamingEngine):
         kv_connector_host: str | None = None,
         tier_publishers: dict[str, tuple[Callable[[list[EventData]], None], Callable[[], int]]] | None = None,
         lora_paths: Mapping[str, str] | None = None,
+        rank_publishers: Sequence[tuple[Callable[[list[EventData]], None], Callable[[], int]]] = (),
     ) -> None:
         """``kv_connector_host``: set for prefill and decode workers, which move KV with vLLM's NIXL
         connector; its side channel listens there (on a free port). ``tier_publishers``: per
         offloaded tier (``host``, ``disk``), where its events go and the last event id numbered there
         (an offloading connector's CPU and disk blocks are relayed with their medium). ``lora_paths``:
-        each LoRA adapter's directory, by name (vLLM loads one on its first request)."""
+        each LoRA adapter's directory, by name (vLLM loads one on its first request).
+        ``rank_publishers``: for data-parallel ranks 1, 2, ..., where each one's events go and the last
+        event id numbered there; vLLM runs ``1 + len(rank_publishers)`` ranks (this engine is rank 0)."""
         self._tier_publishers = tier_publishers or {}
         self._tier_translators = {tier: VllmEventTranslator(MEDIUMS_BY_TIER[tier]) for tier in self._tier_publishers}
         super().__init__(last_event_id)
@@ -186,14 +195,16 @@ class VllmEngine(StreamingEngine):
         self.model = ""
         self.connector_backend = ""
         self.kv_bytes_per_block = 0
+        self.ranks = [VllmRank(self, rank, deliver, last) for rank, (deliver, last) in enumerate(rank_publishers, 1)]
 
     async def start(self) -> None:
         from vllm.config import KVEventsConfig
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = await asyncio.to_thread(engine_args, self._argv, self._overrides)
-        # the engine binds the replay port (and the side channel's) only after loading its model
-        events_port, replay_port = free_port(), free_port()
+        args = await asyncio.to_thread(engine_args, self._argv, self._overrides, 1 + len(self.ranks))
+        # the engine binds the replay port (and the side channel's) only after loading its model;
+        # rank r publishes on each port plus r
+        events_port, replay_port = free_port_run(1 + len(self.ranks)), free_port_run(1 + len(self.ranks))
         # bound before the engine starts, so its publisher's first batch finds us
         self._relay = VllmEventRelay(
             f"tcp://127.0.0.1:{events_port}",
@@ -202,6 +213,15 @@ class VllmEngine(StreamingEngine):
             self._deliver_events,
             {tier: (self._tier_translators[tier], publish) for tier, (publish, _last) in self._tier_publishers.items()},
         )
+        for rank in self.ranks:
+            rank.relay = VllmEventRelay(
+                f"tcp://127.0.0.1:{events_port + rank.rank}",
+                f"tcp://127.0.0.1:{replay_port + rank.rank}",
+                rank.translator,
+                rank.deliver_events,
+            )
+        if self.ranks:
+            args.data_parallel_size = 1 + len(self.ranks)
         args.kv_events_config = KVEventsConfig(
             enable_kv_cache_events=True,
             publisher="zmq",
@@ -211,6 +231,9 @@ class VllmEngine(StreamingEngine):
         if self._connector_host is not None:
             self._configure_connector(args)
         await self._relay.start()
+        for rank in self.ranks:
+            assert rank.relay is not None
+            await rank.relay.start()
         # per-step details (prefill tokens, decoding requests, elapsed ms) feed the timing fit; vLLM's
         # own stat logger would print each of them, so its periodic lines are all it keeps
         args.disable_log_stats = False
@@ -226,6 +249,8 @@ class VllmEngine(StreamingEngine):
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
         self.kv_bytes_per_block = kv_bytes_per_block(config)
         self.model = args.model
+        for rank in self.ranks:  # every rank an engine core of the same shape
+            rank.block_size, rank.num_blocks, rank.max_model_len = self.block_size, self.num_blocks, self.max_model_len
         log.info(
             "vLLM ready",
             model=self.model,
@@ -260,10 +285,15 @@ class VllmEngine(StreamingEngine):
 
     async def stop(self) -> None:
         await self._end_requests()
+        for rank in self.ranks:
+            await rank.stop()
         if self._llm is not None:
             self._llm.shutdown()
         if self._relay is not None:
             await self._relay.stop()
+        for rank in self.ranks:
+            if rank.relay is not None:
+                await rank.relay.stop()
 
     # ---- requests ----------------------------------------------------------------------------
     def submit(
@@ -274,6 +304,10 @@ class VllmEngine(StreamingEngine):
         if hold_on_finish:  # a prefill for another worker: vLLM keeps its blocks for the decode side's pull
             kv_transfer_params = {"do_remote_decode": True}
         return self._run(spec, lambda queue: self._generate(spec, queue, kv_transfer_params))
+
+    def submit_to_rank(self, engine: StreamingEngine, spec: EngineRequestSpec, rank: int) -> TokenQueue:
+        """A whole request on data-parallel rank ``rank``, tracked by ``engine`` (that rank's view)."""
+        return engine._run(spec, lambda queue: self._generate(spec, queue, None, rank))
 
     def _sampling_params(self, spec: EngineRequestSpec, kv_transfer_params: dict[str, Any] | None) -> Any:
         from vllm import SamplingParams
@@ -306,7 +340,7 @@ class VllmEngine(StreamingEngine):
         return LoRARequest(name, lora_id, path)
 
     async def _generate(
-        self, spec: EngineRequestSpec, queue: TokenQueue, kv_transfer_params: dict[str, Any] | None
+        self, spec: EngineRequestSpec, queue: TokenQueue, kv_transfer_params: dict[str, Any] | None, rank: int = 0
     ) -> None:
         prompt = {"prompt_token_ids": list(spec.prompt)}
         cached = 0
@@ -314,7 +348,8 @@ class VllmEngine(StreamingEngine):
             # cancelling this task cancels the generator, which aborts the request in vLLM
             sampling = self._sampling_params(spec, kv_transfer_params)
             lora = self._lora_request(spec.lora_name)
-            async for output in self._llm.generate(prompt, sampling, spec.request_id, lora_request=lora):
+            ranked = {"data_parallel_rank": rank} if self.ranks else {}
+            async for output in self._llm.generate(prompt, sampling, spec.request_id, lora_request=lora, **ranked):
                 cached = output.num_cached_tokens or cached
                 completion = output.outputs[0]
                 tokens = list(completion.token_ids)
@@ -355,3 +390,38 @@ class VllmEngine(StreamingEngine):
     @property
     def relay(self) -> VllmEventRelay | None:
         return self._relay
+
+
+class VllmRank(StreamingEngine):
+    """Data-parallel rank ``rank`` (1 or more) of a :class:`VllmEngine`, as an engine of its own for the
+    worker: its requests run on that rank's engine core, and its cache is what that rank's KV events
+    say (relayed, as dp rank ``rank``, by ``relay``, which the engine starts and stops)."""
+
+    no_transfer_reason = VllmEngine.no_transfer_reason
+
+    def __init__(
+        self,
+        engine: VllmEngine,
+        rank: int,
+        deliver_events: Callable[[list[EventData]], None],
+        last_event_id: Callable[[], int],
+    ) -> None:
+        super().__init__(last_event_id)
+        self.engine = engine
+        self.rank = rank
+        self.deliver_events = deliver_events
+        self.translator = self._translator
+        self.relay: VllmEventRelay | None = None
+
+    async def start(self) -> None:
+        return None  # started with its engine
+
+    async def stop(self) -> None:
+        await self._end_requests()
+
+    def submit(
+        self, spec: EngineRequestSpec, hold_on_finish: bool = False, kv_transfer_params: dict[str, Any] | None = None
+    ) -> TokenQueue:
+        if hold_on_finish or kv_transfer_params:
+            raise EngineRequestError(_NO_DISAGGREGATION)
+        return self.engine.submit_to_rank(self, spec, self.rank)

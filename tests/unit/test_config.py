@@ -256,3 +256,15 @@ def test_a_vllm_worker_with_adapters_enables_vllms_lora_with_its_slots(tmp_path)
     }
     config = parse_config(WorkerConfig, flags[:4], prog="w", description="", environ={})
     assert vllm_overrides(config)["max_cpu_loras"] == 3  # no --max-loras: all of them
+
+
+def test_data_parallel_ranks_are_the_mock_engines_and_vllms(capsys):
+    from kvmesh.worker.config import WorkerConfig
+
+    flags = ["--engine", "vllm", "--data-parallel-size", "2"]
+    config = parse_config(WorkerConfig, flags, prog="w", description="", environ={})
+    assert config.data_parallel_size == 2
+    served = ["--engine", "served", "--engine-url", "http://h:1/v1", "--data-parallel-size", "2"]
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, served, prog="w", description="", environ={})
+    assert "not --engine served" in capsys.readouterr().err

@@ -65,6 +65,23 @@ def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
     raise NoFreePortError(f"no free port between {LOWEST_CANDIDATE} and {high} after {ATTEMPTS} tries")
 
 
+def free_port_run(count: int, host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """The first of ``count`` consecutive ports free now, below the ephemeral range (as
+    :func:`free_port`): for servers that bind a base port plus an offset each (vLLM's data-parallel
+    ranks publish their KV events on the configured port plus their rank)."""
+    rng = rng or random.SystemRandom()
+    high = ephemeral_low() - count
+    if high <= LOWEST_CANDIDATE:
+        raise NoFreePortError(f"the ephemeral port range starts at {high + count}: no ports below it to choose from")
+    for _ in range(ATTEMPTS):
+        base = rng.randint(LOWEST_CANDIDATE, high)
+        if all(is_free(base + offset, host) for offset in range(count)):
+            return base
+    raise NoFreePortError(
+        f"no {count} consecutive free ports between {LOWEST_CANDIDATE} and {high} after {ATTEMPTS} tries"
+    )
+
+
 def pid_listening_on(port: int) -> int:
     """The process with a listening TCP socket on ``port`` (read from /proc; no tools needed)."""
     inodes = set()
