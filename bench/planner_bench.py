@@ -1,131 +1,220 @@
-"""Does the planner meet the SLA with fewer worker-seconds than a fixed fleet? (``kvmesh replay``)
+"""Does the planner keep its SLA with fewer worker-seconds than the fleet an operator would size?
 
-On the shared trace with a time-varying arrival rate (default: a sinusoid, period 500 s, amplitude
-0.7, at arrival speed-up 2), replays every fixed fleet size in a range and the planner with each load
-predictor (workers start 15 s after the planner asks, decisions every 15 s), and prints for each:
-SLA attainment (TTFT ≤ 2 s and mean ITL ≤ 50 ms), worker-seconds, and for the planner the smallest
-fixed fleet reaching at least its attainment and how many worker-seconds fewer the planner used.
-A fleet's attainment moves by a point or more with the router's tie-breaking, and the comparison
-jumps with it from one fixed size to the next: ``--seeds`` repeats everything per seed and prints
-the mean and the least saving. ``--max-workers`` caps the planner, e.g. at the fleet an operator
-would otherwise provision for the peak, and ``--start-workers`` sets the fleet it starts with
-(docs/decisions/0013, "The goal, with the peak provision as the planner's ceiling").
+For each case — a trace (given on the command line, the shared one by default, and with ``--family``
+the variants of :mod:`kvmesh.replay.trace_family`), an arrival profile that starts in its trough or at
+its crest, aggregated or disaggregated — ``kvmesh replay``'s simulator finds the smallest fixed fleet
+whose SLA attainment (TTFT ≤ 2 s and mean ITL ≤ 50 ms) reaches the goal (0.95), then runs the planner
+capped at that fleet (the operator's peak provision, the planner's ceiling) starting small, and
+NVIDIA Dynamo's throughput sizing as the project models it under the same cap. It prints, per case
+and seed: the fleet (and one worker fewer), each planner's attainment, its worker-seconds and the
+share it saved against the fleet. The planner's goal: attainment at least the goal wherever the
+fleet reaches it, with as many worker-seconds saved as that allows.
 
-    python -m bench.planner_bench [--profile sine:period=500,amplitude=0.7] [--fixed 4 8] [--seeds 0 1 2]
-    python -m bench.planner_bench --arrival-speedup-ratio 1 --profile sine:period=1000,amplitude=0.9,phase=500 \
-        --fixed 2 5 --seeds 0 1 2 --start-workers 2 --max-workers 4
+A disaggregated fleet is (prefill, decode): the smallest prefill pool that reaches the goal with a
+generous decode pool, then the smallest decode pool with that prefill pool; the planner is capped
+at each.
+
+    python -m bench.planner_bench                                  # the shared trace, trough first
+    python -m bench.planner_bench TRACE.jsonl --phases trough crest --seeds 0 1 2
+    python -m bench.planner_bench --family --phases trough crest --modes aggregated disaggregated
 """
 
 from __future__ import annotations
 
 import argparse
-from concurrent.futures import ProcessPoolExecutor
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.planner.planner import Planner
-from kvmesh.planner.predictors import PREDICTORS
 from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import read_trace
 from kvmesh.replay.report import sla_attainment
 from kvmesh.replay.simulator import ReplaySimulator
+from kvmesh.replay.trace_family import VARIANTS, write_variant
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+GOAL = 0.95
+PHASES = ("trough", "crest")
+MODES = ("aggregated", "disaggregated")
 
-Result = tuple[str, float, float, int]  # label, SLA attainment, worker-seconds, largest pool
+
+@dataclass(frozen=True)
+class Result:
+    attainment: float
+    worker_seconds: float
+    largest: int  # the most workers it ran at once
 
 
-def replay(setup: tuple[str, dict]) -> Result:
-    """(label, SLA attainment, worker-seconds, largest pool)."""
-    label, options = setup
+def replay(trace: Path, options: dict) -> Result:
+    """One ``kvmesh replay`` of ``trace`` with ``options`` (ReplayConfig fields)."""
     config = ReplayConfig(**options)
     config.validate()
     simulator = ReplaySimulator(config)
     if config.planner:
         profile = profile_mock_engine(simulator.engine_config)
         simulator.attach_planner(Planner(config, profile, disaggregated=config.prefill_workers > 0))
-    records = simulator.run(read_trace(TRACE))
+    records = simulator.run(read_trace(trace))
     end_ms = max(r.last_token_ms for r in records)
     if simulator.fleet is not None:
         seconds = simulator.fleet.worker_seconds(end_ms)
         largest = max(p["workers"] for p in simulator.fleet.timeline)
     else:
-        fleet_size = config.workers + config.prefill_workers
-        seconds, largest = fleet_size * end_ms / 1000, fleet_size
-    return label, sla_attainment(records, config.ttft_target_ms, config.itl_target_ms), seconds, largest
+        size = config.workers + config.prefill_workers
+        seconds, largest = size * end_ms / 1000, size
+    return Result(sla_attainment(records, config.ttft_target_ms, config.itl_target_ms), seconds, largest)
 
 
-def compare(planned: Result, fixed: list[Result]) -> tuple[Result, float] | None:
-    """The smallest fixed fleet whose attainment is at least the planner's, and how many
-    worker-seconds fewer (a share) the planner used; None when no fixed fleet in range reaches it."""
-    match = next((f for f in fixed if f[1] >= planned[1]), None)
-    return None if match is None else (match, 1 - planned[2] / match[2])
+def _replay(job: tuple[Path, dict]) -> Result:
+    return replay(*job)
+
+
+def profile_of(phase: str, period: float, amplitude: float) -> str:
+    """The sinusoidal arrival profile starting at its trough or at its crest."""
+    offset = period * 3 / 4 if phase == "trough" else period / 4
+    return f"sine:period={period:g},amplitude={amplitude:g},phase={offset:g}"
+
+
+class Runs:
+    """Replays on a process pool, each setup run once (the searches ask for some twice)."""
+
+    def __init__(self, pool: Executor) -> None:
+        self._pool = pool
+        self._done: dict[tuple, Future[Result]] = {}
+
+    def run(self, trace: Path, options: dict) -> Result:
+        key = (trace, tuple(sorted(options.items())))
+        if key not in self._done:
+            self._done[key] = self._pool.submit(_replay, (trace, options))
+        return self._done[key].result()
+
+
+def smallest_reaching(reaches: Callable[[int], bool], low: int, high: int) -> int | None:
+    """The smallest n in [low, high] with ``reaches(n)`` (taken as monotone); None when ``high`` does not."""
+    if not reaches(high):
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        if reaches(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high
+
+
+@dataclass(frozen=True)
+class Fleet:
+    prefill: int
+    decode: int  # the aggregated pool when prefill is 0
+
+    def options(self) -> dict:
+        return {"workers": self.decode, "prefill_workers": self.prefill}
+
+    def __str__(self) -> str:
+        return f"{self.prefill}P+{self.decode}D" if self.prefill else str(self.decode)
+
+
+def smallest_fleet(runs: Runs, trace: Path, common: dict, disaggregated: bool, most: int) -> Fleet | None:
+    """The smallest fixed fleet reaching :data:`GOAL` (see the module for a disaggregated one)."""
+
+    def reaches(fleet: Fleet) -> bool:
+        return runs.run(trace, {**common, **fleet.options()}).attainment >= GOAL
+
+    if not disaggregated:
+        size = smallest_reaching(lambda n: reaches(Fleet(0, n)), 1, most)
+        return None if size is None else Fleet(0, size)
+    prefill = smallest_reaching(lambda n: reaches(Fleet(n, most)), 1, most)
+    if prefill is None:
+        return None
+    decode = smallest_reaching(lambda n: reaches(Fleet(prefill, n)), 1, most)
+    return None if decode is None else Fleet(prefill, decode)
+
+
+def planned(fleet: Fleet, start: int, sizing: str, interval: float, startup: float) -> dict:
+    """The planner's options: capped at ``fleet``, starting at ``start`` workers a pool."""
+    options = {
+        "planner": True,
+        "sizing": sizing,
+        "workers": min(start, fleet.decode),
+        "max_workers": fleet.decode,
+        "adjustment_interval": interval,
+        "worker_startup_secs": startup,
+    }
+    if fleet.prefill:
+        options |= {"prefill_workers": min(start, fleet.prefill), "max_prefill_workers": fleet.prefill}
+    return options
+
+
+def case_rows(runs: Runs, args: argparse.Namespace, trace: Path, phase: str, mode: str) -> list[str]:
+    rows = []
+    for seed in args.seeds:
+        common = {
+            "arrival_profile": profile_of(phase, args.period, args.amplitude),
+            "arrival_speedup_ratio": args.arrival_speedup_ratio,
+            "seed": seed,
+        }
+        name = f"{trace.stem} {phase} {mode[:5]} s{seed}"
+        fleet = smallest_fleet(runs, trace, common, mode == "disaggregated", args.most)
+        if fleet is None:
+            rows.append(f"{name:<34} no fleet of at most {args.most} a pool reaches {GOAL}")
+            continue
+        fixed = runs.run(trace, {**common, **fleet.options()})
+        fewer = Fleet(fleet.prefill, fleet.decode - 1)
+        below = runs.run(trace, {**common, **fewer.options()}).attainment if fewer.decode else float("nan")
+        line = f"{name:<34} {fleet!s:>6} {fixed.attainment:6.3f} {below:6.3f} {fixed.worker_seconds:8.0f}"
+        for sizing in args.sizings:
+            result = runs.run(
+                trace, {**common, **planned(fleet, args.start_workers, sizing, args.interval, args.startup)}
+            )
+            saved = 1 - result.worker_seconds / fixed.worker_seconds
+            mark = " " if result.attainment >= GOAL else "!"
+            line += f"   {result.attainment:6.3f}{mark} {result.worker_seconds:8.0f} {saved:6.1%}"
+        rows.append(line)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", default="sine:period=500,amplitude=0.7", help="--arrival-profile of the runs")
-    parser.add_argument("--arrival-speedup-ratio", type=float, default=2.0)
-    parser.add_argument("--fixed", type=int, nargs=2, default=(4, 8), metavar=("LOW", "HIGH"), help="fleet sizes")
+    parser.add_argument("traces", nargs="*", type=Path, help="traces to replay (JSONL; default: the shared trace)")
+    parser.add_argument("--family", action="store_true", help="add the trace family's variants of the first trace")
+    parser.add_argument("--family-seed", type=int, default=0, help="the seed the family's bursty variant is drawn with")
+    parser.add_argument("--phases", nargs="+", default=["trough"], choices=PHASES, help="where the profile starts")
+    parser.add_argument("--modes", nargs="+", default=["aggregated"], choices=MODES)
+    parser.add_argument("--period", type=float, default=1000.0, help="the sinusoidal profile's period (s)")
+    parser.add_argument("--amplitude", type=float, default=0.9, help="the sinusoidal profile's amplitude")
+    parser.add_argument("--arrival-speedup-ratio", type=float, default=1.0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="replay seeds (the router's tie-breaking)")
+    parser.add_argument("--start-workers", type=int, default=1, help="planner: the workers a pool starts with")
     parser.add_argument("--interval", type=float, default=15.0, help="planner: --adjustment-interval")
     parser.add_argument("--startup", type=float, default=15.0, help="planner: --worker-startup-secs")
-    parser.add_argument(
-        "--seeds",
-        type=int,
-        nargs="+",
-        default=[0],
-        help="replay seeds (the router's tie-breaking): one comparison per seed, then their mean",
-    )
-    parser.add_argument("--start-workers", type=int, default=4, help="planner: the workers it starts with (--workers)")
-    parser.add_argument(
-        "--max-workers",
-        type=int,
-        default=16,
-        help="planner: --max-workers, e.g. the fleet an operator would otherwise provision for the peak",
-    )
+    parser.add_argument("--sizings", nargs="+", default=["queue", "dynamo"], choices=["queue", "dynamo"])
+    parser.add_argument("--most", type=int, default=24, help="the largest pool the fleet search tries")
     parser.add_argument("--jobs", type=int, default=2, help="replays run in parallel")
     args = parser.parse_args()
-    setups = []
-    for seed in args.seeds:
-        common = {"arrival_profile": args.profile, "arrival_speedup_ratio": args.arrival_speedup_ratio, "seed": seed}
-        setups += [(f"fixed {n}", {**common, "workers": n}) for n in range(args.fixed[0], args.fixed[1] + 1)]
-        planned = {"planner": True, "workers": args.start_workers, "adjustment_interval": args.interval}
-        planned.update(worker_startup_secs=args.startup, max_workers=args.max_workers)
-        setups += [(f"planner {p}", {**common, **planned, "load_predictor": p}) for p in PREDICTORS]
-        # NVIDIA Dynamo's throughput-based scaling as its planner design describes it, same predictor
-        setups.append(
-            ("dynamo-style constant", {**common, **planned, "load_predictor": "constant", "sizing": "dynamo"})
-        )
-    with ProcessPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(replay, setups))
-    print(f"trace {TRACE.name}, speed-up {args.arrival_speedup_ratio}, arrival profile {args.profile}")
-    print(f"planner: starts with {args.start_workers} workers, at most {args.max_workers}")
-    per_seed = len(results) // len(args.seeds)
-    savings: dict[str, list[float | None]] = {}
-    for i, seed in enumerate(args.seeds):
-        batch = results[i * per_seed : (i + 1) * per_seed]
-        fixed = [r for r in batch if r[0].startswith("fixed")]
-        print(f"\nseed {seed}")
-        print(f"{'setup':<26} {'SLA attainment':>14} {'worker-s':>9} {'max pool':>8}   vs fixed fleet")
-        for result in batch:
-            label, attained, seconds, largest = result
-            line = f"{label:<26} {attained:14.3f} {seconds:9.0f} {largest:8d}"
-            if not label.startswith("fixed"):
-                compared = compare(result, fixed)
-                savings.setdefault(label, []).append(compared[1] if compared else None)
-                if compared is not None:
-                    match, fewer = compared
-                    line += f"   {match[0]} ({match[1]:.3f}, {match[2]:.0f} s): {fewer:.1%} fewer"
-                else:
-                    line += "   no fixed fleet in range reaches it"
-            print(line)
-    if len(args.seeds) > 1:
-        print(f"\nover seeds {' '.join(map(str, args.seeds))}: worker-seconds fewer than the fixed fleet each matched")
-        for label, shares in savings.items():
-            known = [s for s in shares if s is not None]
-            if known:
-                mean = sum(known) / len(known)
-                print(f"{label:<26} mean {mean:.1%}, least {min(known):.1%} ({len(known)} of {len(shares)} matched)")
+    traces = list(args.traces) or [TRACE]
+    with tempfile.TemporaryDirectory(prefix="kvmesh-family-") as scratch:
+        if args.family:
+            traces += [
+                write_variant(traces[0], variant, Path(scratch) / f"{variant}.jsonl", args.family_seed)
+                for variant in VARIANTS
+            ]
+        cases = [(trace, phase, mode) for trace in traces for mode in args.modes for phase in args.phases]
+        with ProcessPoolExecutor(args.jobs) as pool, ThreadPoolExecutor(len(cases)) as searches:
+            runs = Runs(pool)
+            tables = list(searches.map(lambda case: case_rows(runs, args, *case), cases))
+    print(
+        f"speed-up {args.arrival_speedup_ratio}, sine period {args.period:g} s amplitude {args.amplitude:g}; "
+        f"planners start at {args.start_workers} a pool, capped at the fleet; goal {GOAL}"
+    )
+    sizing_heads = "".join(f"   {s:>6}  {'worker-s':>8} {'saved':>6}" for s in args.sizings)
+    print(f"{'case':<34} {'fleet':>6} {'attain':>6} {'1 less':>6} {'worker-s':>8}{sizing_heads}")
+    for rows in tables:
+        for row in rows:
+            print(row)
+    print("(! marks a planner below the goal)")
 
 
 if __name__ == "__main__":

@@ -154,19 +154,20 @@ def decode_throughput_per_worker(profile: EngineProfile, itl_limit_ms: float, co
     return best
 
 
-def dynamo_workers(
+def dynamo_shares(
     profile: EngineProfile,
     forecast: LoadForecast,
     itl_target_ms: float,
     prefill_correction: float,
     decode_correction: float,
-) -> int:
-    """Dynamo's throughput-based scaling: prefill replicas = predicted prefill tokens/s (× the
-    prefill correction when it is below 1) ÷ the profiled prefill tokens/s of one worker at the mean
-    prompt; decode replicas = predicted output tokens/s ÷ the best profiled output tokens/s of one
-    worker at ITL target ÷ decode correction. An aggregated worker does both, so their loads add."""
+) -> tuple[float, float]:
+    """Dynamo's throughput-based scaling, as (prefill replicas, decode replicas) before rounding:
+    prefill = predicted prefill tokens/s (× the prefill correction when it is below 1) ÷ the profiled
+    prefill tokens/s of one worker at the mean prompt; decode = predicted output tokens/s ÷ the best
+    profiled output tokens/s of one worker at ITL target ÷ decode correction. Disaggregated pools
+    round each up; an aggregated worker does both, so its share is their sum."""
     if forecast.request_rate <= 0:
-        return 0
+        return 0.0, 0.0
     prompt = max(forecast.mean_input_tokens, 1.0)
     prefill_rate = forecast.request_rate * prompt * min(1.0, prefill_correction)
     prefill_capacity = prompt / (profile.ttft_ms(prompt) / 1000.0)
@@ -174,4 +175,4 @@ def dynamo_workers(
     decode_capacity = decode_throughput_per_worker(profile, itl_target_ms / decode_correction, context)
     decode_rate = forecast.request_rate * forecast.mean_output_tokens
     decode_share = decode_rate / decode_capacity if decode_capacity > 0 else math.inf
-    return math.ceil(prefill_rate / prefill_capacity + decode_share)
+    return prefill_rate / prefill_capacity, decode_share

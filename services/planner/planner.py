@@ -47,6 +47,7 @@ class PlannerOptions:
     itl_target_ms: float = option(50.0, "mean inter-token latency each request should meet (ms)")
     min_workers: int = option(1, "never fewer workers than this in a pool")
     max_workers: int = option(16, "never more workers than this in a pool")
+    max_prefill_workers: int = option(0, "never more prefill workers than this (0: --max-workers)")
     load_predictor: str = option("constant", "how the next interval's load is predicted", choices=PREDICTORS)
     predictor_window: int = option(3, "intervals the moving average (and Holt-Winters' fallback) looks back")
     season_length: int = option(0, "Holt-Winters: intervals per season (0: trend only)")
@@ -75,11 +76,18 @@ class PlannerOptions:
         choices=SIZINGS,
     )
 
+    @property
+    def prefill_ceiling(self) -> int:
+        """The most prefill workers: ``--max-prefill-workers``, else ``--max-workers``."""
+        return self.max_prefill_workers or self.max_workers
+
     def validate(self) -> None:
         if self.ttft_target_ms <= 0 or self.itl_target_ms <= 0:
             raise ConfigError("--ttft-target-ms and --itl-target-ms must be positive")
         if not 0 <= self.min_workers <= self.max_workers or self.max_workers <= 0:
             raise ConfigError("need 0 <= --min-workers <= --max-workers and --max-workers > 0")
+        if self.max_prefill_workers and self.max_prefill_workers < max(self.min_workers, 1):
+            raise ConfigError("--max-prefill-workers must be 0 (--max-workers) or at least --min-workers and 1")
         if self.adjustment_interval <= 0 or self.worker_startup_secs < 0:
             raise ConfigError("--adjustment-interval must be positive and --worker-startup-secs >= 0")
         if self.predictor_window <= 0 or self.scale_down_intervals <= 0 or self.season_length < 0:
@@ -283,13 +291,19 @@ class Planner:
 
     def _size(self, forecast: LoadForecast, cap_margin: float = 1.0) -> tuple[PoolSizes, float, float]:
         o = self.options
-        if o.sizing == "dynamo" and not self.disaggregated:
-            wanted = capacity.dynamo_workers(
+        if o.sizing == "dynamo":
+            prefill_share, decode_share = capacity.dynamo_shares(
                 self.profile, forecast, o.itl_target_ms, self.ttft_correction, self.itl_correction
             )
-            size = min(max(wanted, o.min_workers), o.max_workers)
-            estimate = capacity.aggregated(self.profile, forecast, size)
-            return PoolSizes(aggregated=size), estimate.ttft_ms, estimate.itl_ms
+            if not self.disaggregated:
+                size = min(max(math.ceil(prefill_share + decode_share), o.min_workers), o.max_workers)
+                estimate = capacity.aggregated(self.profile, forecast, size)
+                return PoolSizes(aggregated=size), estimate.ttft_ms, estimate.itl_ms
+            prefill = min(max(math.ceil(prefill_share), o.min_workers, 1), o.prefill_ceiling)
+            decode = min(max(math.ceil(decode_share), o.min_workers, 1), o.max_workers)
+            p = capacity.prefill_pool(self.profile, forecast, prefill)
+            d = capacity.decode_pool(self.profile, forecast, decode)
+            return PoolSizes(prefill=prefill, decode=decode), p.ttft_ms, d.itl_ms
         ttft_limit = o.ttft_target_ms * o.ttft_headroom / self.ttft_correction
         itl_limit = o.itl_target_ms * o.itl_headroom / self.itl_correction
         cap = self.utilisation_cap * cap_margin
@@ -304,8 +318,8 @@ class Planner:
         prefill, p = capacity.smallest_pool(
             lambda n: capacity.prefill_pool(self.profile, forecast, n),
             lambda e: e.ttft_ms <= ttft_limit and e.utilisation <= cap,
-            o.min_workers,
-            o.max_workers,
+            max(o.min_workers, 1),
+            o.prefill_ceiling,
         )
         decode, d = capacity.smallest_pool(
             lambda n: capacity.decode_pool(self.profile, forecast, n),

@@ -53,15 +53,17 @@ def test_disaggregated_pools_each_answer_for_their_own_target():
 
 
 def test_dynamo_style_sizing_grows_with_the_load_and_follows_its_corrections():
-    light = capacity.dynamo_workers(PROFILE, LOAD, itl_target_ms=50, prefill_correction=1, decode_correction=1)
-    heavy = capacity.dynamo_workers(
-        PROFILE, LoadForecast(12.0, 8000, 150, 0.3), itl_target_ms=50, prefill_correction=1, decode_correction=1
-    )
+    def workers(load: LoadForecast, prefill_correction: float = 1.0) -> float:
+        return sum(capacity.dynamo_shares(PROFILE, load, 50, prefill_correction, decode_correction=1))
+
+    heavy_load = LoadForecast(12.0, 8000, 150, 0.3)
+    light, heavy = workers(LOAD), workers(heavy_load)
     assert 0 < light < heavy
     # prefix hits (TTFT below profile: correction < 1) lower the prefill load; slow decode raises the rest
-    cached = capacity.dynamo_workers(
-        PROFILE, LoadForecast(12.0, 8000, 150, 0.3), itl_target_ms=50, prefill_correction=0.3, decode_correction=1
-    )
-    assert cached < heavy
+    assert workers(heavy_load, prefill_correction=0.3) < heavy
     # a correction above 1 never raises the prefill load (Dynamo caps it at 1)
-    assert capacity.dynamo_workers(PROFILE, LOAD, 50, prefill_correction=3.0, decode_correction=1) == light
+    assert workers(LOAD, prefill_correction=3.0) == light
+    # the decode share alone grows with the output tokens asked for
+    prefill, decode = capacity.dynamo_shares(PROFILE, heavy_load, 50, 1, 1)
+    longer = capacity.dynamo_shares(PROFILE, LoadForecast(12.0, 8000, 300, 0.3), 50, 1, 1)
+    assert longer[0] == prefill and longer[1] > decode
