@@ -22,7 +22,10 @@ at each.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import tempfile
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -79,17 +82,32 @@ def profile_of(phase: str, period: float, amplitude: float) -> str:
 
 
 class Runs:
-    """Replays on a process pool, each setup run once (the searches ask for some twice)."""
+    """Replays on a process pool, each setup run once (the searches ask for some twice). With a
+    ``cache`` file, fixed fleets' results are kept there between runs, keyed by the trace's content
+    and the options (they do not depend on the planner, which is what one iterates on)."""
 
-    def __init__(self, pool: Executor) -> None:
+    def __init__(self, pool: Executor, cache: Path | None = None) -> None:
         self._pool = pool
         self._done: dict[tuple, Future[Result]] = {}
+        self._cache_path = cache
+        self._cache: dict[str, list] = json.loads(cache.read_text()) if cache and cache.is_file() else {}
+        self._lock = threading.Lock()
 
     def run(self, trace: Path, options: dict) -> Result:
-        key = (trace, tuple(sorted(options.items())))
-        if key not in self._done:
-            self._done[key] = self._pool.submit(_replay, (trace, options))
-        return self._done[key].result()
+        digest = hashlib.sha256(trace.read_bytes()).hexdigest()[:16]
+        key = json.dumps([digest, sorted(options.items())])
+        with self._lock:
+            if key in self._cache:
+                return Result(*self._cache[key])
+            if key not in self._done:
+                self._done[key] = self._pool.submit(_replay, (trace, options))
+            future = self._done[key]
+        result = future.result()
+        if self._cache_path is not None and not options.get("planner"):
+            with self._lock:
+                self._cache[key] = [result.attainment, result.worker_seconds, result.largest]
+                self._cache_path.write_text(json.dumps(self._cache))
+        return result
 
 
 def smallest_reaching(reaches: Callable[[int], bool], low: int, high: int) -> int | None:
@@ -193,6 +211,7 @@ def main() -> None:
     parser.add_argument("--sizings", nargs="+", default=["queue", "dynamo"], choices=["queue", "dynamo"])
     parser.add_argument("--most", type=int, default=24, help="the largest pool the fleet search tries")
     parser.add_argument("--jobs", type=int, default=2, help="replays run in parallel")
+    parser.add_argument("--cache", type=Path, help="a JSON file keeping fixed fleets' results between runs")
     args = parser.parse_args()
     traces = list(args.traces) or [TRACE]
     with tempfile.TemporaryDirectory(prefix="kvmesh-family-") as scratch:
@@ -203,7 +222,7 @@ def main() -> None:
             ]
         cases = [(trace, phase, mode) for trace in traces for mode in args.modes for phase in args.phases]
         with ProcessPoolExecutor(args.jobs) as pool, ThreadPoolExecutor(len(cases)) as searches:
-            runs = Runs(pool)
+            runs = Runs(pool, args.cache)
             tables = list(searches.map(lambda case: case_rows(runs, args, *case), cases))
     print(
         f"speed-up {args.arrival_speedup_ratio}, sine period {args.period:g} s amplitude {args.amplitude:g}; "
