@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import tempfile
 import threading
 from collections.abc import Callable
@@ -135,11 +136,11 @@ class Fleet:
         return f"{self.prefill}P+{self.decode}D" if self.prefill else str(self.decode)
 
 
-def smallest_fleet(runs: Runs, trace: Path, common: dict, disaggregated: bool, most: int) -> Fleet | None:
-    """The smallest fixed fleet reaching :data:`GOAL` (see the module for a disaggregated one)."""
+def smallest_fleet(runs: Runs, trace: Path, common: dict, disaggregated: bool, most: int, goal: float) -> Fleet | None:
+    """The smallest fixed fleet reaching ``goal`` (see the module for a disaggregated one)."""
 
     def reaches(fleet: Fleet) -> bool:
-        return runs.run(trace, {**common, **fleet.options()}).attainment >= GOAL
+        return runs.run(trace, {**common, **fleet.options()}).attainment >= goal
 
     if not disaggregated:
         size = smallest_reaching(lambda n: reaches(Fleet(0, n)), 1, most)
@@ -152,7 +153,8 @@ def smallest_fleet(runs: Runs, trace: Path, common: dict, disaggregated: bool, m
 
 
 def planned(fleet: Fleet, start: int, sizing: str, interval: float, startup: float) -> dict:
-    """The planner's options: capped at ``fleet``, starting at ``start`` workers a pool."""
+    """The planner's options: capped at ``fleet``, starting at ``start`` workers a pool (0: the fleet)."""
+    start = start or max(fleet.prefill, fleet.decode)
     options = {
         "planner": True,
         "sizing": sizing,
@@ -175,20 +177,27 @@ def case_rows(runs: Runs, args: argparse.Namespace, trace: Path, phase: str, mod
             "seed": seed,
         }
         name = f"{trace.stem} {phase} {mode[:5]} s{seed}"
-        fleet = smallest_fleet(runs, trace, common, mode == "disaggregated", args.most)
+        disaggregated = mode == "disaggregated"
+        largest = Fleet(args.most if disaggregated else 0, args.most)
+        best = runs.run(trace, {**common, **largest.options()}).attainment
+        # where no fleet reaches the goal (a prefill alone outlasts the target), the goal is what the
+        # largest fleet reaches, less a point: the planner must still keep what a fleet can
+        goal = GOAL if best >= GOAL else math.floor((best - 0.01) * 1000) / 1000
+        fleet = smallest_fleet(runs, trace, common, disaggregated, args.most, goal)
         if fleet is None:
-            rows.append(f"{name:<34} no fleet of at most {args.most} a pool reaches {GOAL}")
+            rows.append(f"{name:<46} no fleet of at most {args.most} a pool reaches {goal}")
             continue
+        name += "" if goal == GOAL else f" (goal {goal})"
         fixed = runs.run(trace, {**common, **fleet.options()})
         fewer = Fleet(fleet.prefill, fleet.decode - 1)
         below = runs.run(trace, {**common, **fewer.options()}).attainment if fewer.decode else float("nan")
-        line = f"{name:<34} {fleet!s:>6} {fixed.attainment:6.3f} {below:6.3f} {fixed.worker_seconds:8.0f}"
+        line = f"{name:<46} {fleet!s:>6} {fixed.attainment:6.3f} {below:6.3f} {fixed.worker_seconds:8.0f}"
         for sizing in args.sizings:
             result = runs.run(
                 trace, {**common, **planned(fleet, args.start_workers, sizing, args.interval, args.startup)}
             )
             saved = 1 - result.worker_seconds / fixed.worker_seconds
-            mark = " " if result.attainment >= GOAL else "!"
+            mark = "-" if goal < GOAL else (" " if result.attainment >= goal else "!")
             line += f"   {result.attainment:6.3f}{mark} {result.worker_seconds:8.0f} {saved:6.1%}"
         rows.append(line)
     return rows
@@ -205,7 +214,13 @@ def main() -> None:
     parser.add_argument("--amplitude", type=float, default=0.9, help="the sinusoidal profile's amplitude")
     parser.add_argument("--arrival-speedup-ratio", type=float, default=1.0)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="replay seeds (the router's tie-breaking)")
-    parser.add_argument("--start-workers", type=int, default=1, help="planner: the workers a pool starts with")
+    parser.add_argument(
+        "--start-workers",
+        type=int,
+        default=0,
+        help="planner: the workers a pool starts with (0: the fleet it is capped at, as an operator starting "
+        "a planner on a running fleet; it shrinks once it has measured headroom)",
+    )
     parser.add_argument("--interval", type=float, default=15.0, help="planner: --adjustment-interval")
     parser.add_argument("--startup", type=float, default=15.0, help="planner: --worker-startup-secs")
     parser.add_argument("--sizings", nargs="+", default=["queue", "dynamo"], choices=["queue", "dynamo"])
@@ -226,14 +241,17 @@ def main() -> None:
             tables = list(searches.map(lambda case: case_rows(runs, args, *case), cases))
     print(
         f"speed-up {args.arrival_speedup_ratio}, sine period {args.period:g} s amplitude {args.amplitude:g}; "
-        f"planners start at {args.start_workers} a pool, capped at the fleet; goal {GOAL}"
+        f"planners start at {args.start_workers or 'the fleet'} a pool, capped at the fleet; goal {GOAL}"
     )
     sizing_heads = "".join(f"   {s:>6}  {'worker-s':>8} {'saved':>6}" for s in args.sizings)
-    print(f"{'case':<34} {'fleet':>6} {'attain':>6} {'1 less':>6} {'worker-s':>8}{sizing_heads}")
+    print(f"{'case':<46} {'fleet':>6} {'attain':>6} {'1 less':>6} {'worker-s':>8}{sizing_heads}")
     for rows in tables:
         for row in rows:
             print(row)
-    print("(! marks a planner below the goal)")
+    print(
+        f"(! marks a planner below {GOAL} where the fleet reaches it; - a case where no fleet does: its fleet is "
+        "the smallest within 0.01 of the largest's attainment, a reference without a pass mark)"
+    )
 
 
 if __name__ == "__main__":

@@ -29,9 +29,10 @@ MAX_UTILISATION = 0.95  # beyond this the queue model says "unbounded": never pl
 
 @dataclass(frozen=True)
 class Estimate:
-    ttft_ms: float
+    ttft_ms: float  # mean
     itl_ms: float
     utilisation: float
+    ttft_attainment: float = 1.0  # predicted share of requests within the TTFT target asked about
 
     @property
     def stable(self) -> bool:
@@ -53,19 +54,45 @@ def _decode_fixed_point(profile: EngineProfile, rate_per_worker: float, forecast
 QUANTILES = 32  # points of the prompt-length distribution the prefill moments average over
 
 
-def prefill_moments(profile: EngineProfile, forecast: LoadForecast) -> tuple[float, float]:
-    """E[P] and E[P²] of the prefill time over the uncached prompt lengths (ms, ms²)."""
+def prefill_times(profile: EngineProfile, forecast: LoadForecast) -> list[float]:
+    """The prefill time (ms) at evenly spaced quantiles of the uncached prompt lengths: the observed
+    quantiles where the forecast has them, else a gamma distribution with the forecast's mean and
+    cv² (a single point without a cv²)."""
+    if forecast.uncached_quantiles:
+        return [profile.ttft_ms(float(n)) for n in forecast.uncached_quantiles]
     mean = forecast.mean_uncached_tokens
     cv2 = forecast.input_tokens_cv2
     if mean <= 0 or cv2 <= 0:
-        single = profile.ttft_ms(mean)
-        return single, single * single
+        return [profile.ttft_ms(mean)]
     from scipy.stats import gamma  # scipy comes with statsmodels
 
     shape, scale = 1.0 / cv2, mean * cv2
     lengths = gamma.ppf([(i + 0.5) / QUANTILES for i in range(QUANTILES)], shape, scale=scale)
-    times = [profile.ttft_ms(float(n)) for n in lengths]
+    return [profile.ttft_ms(float(n)) for n in lengths]
+
+
+def prefill_moments(profile: EngineProfile, forecast: LoadForecast) -> tuple[float, float]:
+    """E[P] and E[P²] of the prefill time over the uncached prompt lengths (ms, ms²)."""
+    times = prefill_times(profile, forecast)
     return sum(times) / len(times), sum(t * t for t in times) / len(times)
+
+
+def ttft_attainment(own_ms: list[float], wait_ms: float, rho: float, target_ms: float) -> float:
+    """The share of requests whose wait plus own time (``own_ms``: one per quantile of the requests)
+    is within ``target_ms``. The M/G/1 wait is 0 with probability 1 − ρ and otherwise taken as
+    exponential with mean E[W]/ρ (the usual approximation of its tail), so that a request of own
+    time t meets the target with probability 1 − ρ·exp(−(target − t)·ρ/E[W])."""
+    if not own_ms or math.isinf(target_ms):
+        return 1.0
+    met = 0.0
+    for own in own_ms:
+        if own > target_ms:
+            continue
+        if rho <= 0 or wait_ms <= 0:
+            met += 1.0
+        else:
+            met += 1.0 - rho * math.exp(-(target_ms - own) * rho / wait_ms)
+    return met / len(own_ms)
 
 
 def _wait_ms(rate_per_worker: float, rho: float, second_moment: float) -> float:
@@ -73,34 +100,45 @@ def _wait_ms(rate_per_worker: float, rho: float, second_moment: float) -> float:
     return rate_per_worker * second_moment / 1000 / (2 * (1 - rho))
 
 
-def aggregated(profile: EngineProfile, forecast: LoadForecast, workers: int) -> Estimate:
-    """What ``workers`` aggregated workers would give."""
+def aggregated(
+    profile: EngineProfile, forecast: LoadForecast, workers: int, ttft_target_ms: float = math.inf
+) -> Estimate:
+    """What ``workers`` aggregated workers would give (and the share within ``ttft_target_ms``)."""
     if forecast.request_rate <= 0:
         return Estimate(prefill_moments(profile, forecast)[0], profile.itl_ms(1, 0), 0.0)
     if workers <= 0:
         return Estimate(math.inf, math.inf, math.inf)
     per_worker = forecast.request_rate / workers
-    prefill, prefill_square = prefill_moments(profile, forecast)
+    times = prefill_times(profile, forecast)
+    prefill, prefill_square = sum(times) / len(times), sum(t * t for t in times) / len(times)
     rho = per_worker * prefill / 1000
     if rho >= MAX_UTILISATION:
-        return Estimate(math.inf, math.inf, rho)
+        return Estimate(math.inf, math.inf, rho, 0.0)
     itl = _decode_fixed_point(profile, per_worker, forecast, rho)
     budget = profile.max_num_batched_tokens  # 0: unknown (a live profile); its TTFTs hold the chunks
     chunks = max(1, math.ceil(forecast.mean_uncached_tokens / budget)) if budget > 0 else 1
     decode_share = itl * (1 - rho)  # d(c): the decode cost each prefill chunk's step also carries
     wait = _wait_ms(per_worker, rho, prefill_square)
-    return Estimate(wait + prefill + chunks * decode_share, itl, rho)
+    # each quantile's own time: its prefill and a decode step's share per chunk (as the mean's)
+    own = [t + chunks * decode_share * (t / prefill if prefill > 0 else 1.0) for t in times]
+    attained = ttft_attainment(own, wait, rho, ttft_target_ms)
+    return Estimate(wait + prefill + chunks * decode_share, itl, rho, attained)
 
 
-def prefill_pool(profile: EngineProfile, forecast: LoadForecast, workers: int) -> Estimate:
+def prefill_pool(
+    profile: EngineProfile, forecast: LoadForecast, workers: int, ttft_target_ms: float = math.inf
+) -> Estimate:
+    """What ``workers`` prefill workers would give (and the share within ``ttft_target_ms``)."""
     if workers <= 0:
-        return Estimate(math.inf, 0.0, math.inf)
+        return Estimate(math.inf, 0.0, math.inf, 0.0)
     per_worker = forecast.request_rate / workers
-    prefill, prefill_square = prefill_moments(profile, forecast)
+    times = prefill_times(profile, forecast)
+    prefill, prefill_square = sum(times) / len(times), sum(t * t for t in times) / len(times)
     rho = per_worker * prefill / 1000
     if rho >= MAX_UTILISATION:
-        return Estimate(math.inf, 0.0, rho)
-    return Estimate(prefill + _wait_ms(per_worker, rho, prefill_square), 0.0, rho)
+        return Estimate(math.inf, 0.0, rho, 0.0)
+    wait = _wait_ms(per_worker, rho, prefill_square)
+    return Estimate(prefill + wait, 0.0, rho, ttft_attainment(times, wait, rho, ttft_target_ms))
 
 
 def decode_pool(profile: EngineProfile, forecast: LoadForecast, workers: int) -> Estimate:
@@ -113,14 +151,17 @@ def decode_pool(profile: EngineProfile, forecast: LoadForecast, workers: int) ->
     return Estimate(0.0, itl, memory)
 
 
-# when no size meets the limits, more workers than this close to the best achievable buy nothing
+# when no size meets the limits, more workers than this close to the best achievable buy nothing:
+# means within 5%, and the share within the TTFT target within half a point
 DIMINISHING_RETURNS = 1.05
+ATTAINMENT_GIVEN_UP = 0.005
 
 
 def smallest_pool(estimate, meets, low: int, high: int) -> tuple[int, Estimate]:
     """The smallest size in [low, high] whose estimate ``meets`` the targets. When none does (the
-    limits ask for less than a prefill alone takes), the smallest size within 5% of the best that
-    ``high`` workers would give: adding workers cannot buy what the engine cannot do."""
+    limits ask for less than a prefill alone takes), the smallest size within 5% of the means and
+    half a point of the TTFT attainment that ``high`` workers would give: adding workers cannot buy
+    what the engine cannot do."""
     sizes = range(max(low, 0), high + 1)
     estimates = [(size, estimate(size)) for size in sizes]
     for size, result in estimates:
@@ -132,6 +173,7 @@ def smallest_pool(estimate, meets, low: int, high: int) -> tuple[int, Estimate]:
             result.stable
             and result.ttft_ms <= best.ttft_ms * DIMINISHING_RETURNS
             and result.itl_ms <= best.itl_ms * DIMINISHING_RETURNS
+            and result.ttft_attainment >= best.ttft_attainment - ATTAINMENT_GIVEN_UP
         ):
             return size, result
     return estimates[-1]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.common.core.stats import percentile
@@ -33,6 +33,12 @@ class IntervalObservation:
     # share of the requests finished in the interval that met both targets (None: none finished)
     sla_attainment: float | None = None
     finished: int = 0  # requests that ended in the interval
+    # shares of the finished requests that met the TTFT target, and the ITL target, each alone
+    ttft_attainment: float | None = None
+    itl_attainment: float | None = None
+    # the uncached prompt lengths' distribution (the prefill work each finished request brought):
+    # UNCACHED_QUANTILES evenly spaced quantiles, empty when none finished
+    uncached_quantiles: tuple[float, ...] = ()
     # each worker's load as the routers predicted it, averaged over the interval (live: their
     # reports on kvmesh.<ns>.metrics.router; replay: its router's tracker at the interval's end)
     worker_loads: tuple[WorkerLoad, ...] = ()
@@ -41,7 +47,8 @@ class IntervalObservation:
     def from_dict(cls, data: dict) -> IntervalObservation:
         """The inverse of ``dataclasses.asdict`` (what the planner's SQLite state stores)."""
         loads = tuple(WorkerLoad(**load) for load in data.get("worker_loads", ()))
-        return cls(**{**data, "worker_loads": loads})
+        quantiles = tuple(data.get("uncached_quantiles", ()))
+        return cls(**{**data, "worker_loads": loads, "uncached_quantiles": quantiles})
 
     @property
     def backlog_growth(self) -> int:
@@ -62,16 +69,33 @@ class LoadForecast:
     mean_output_tokens: float
     prefix_hit_fraction: float
     input_tokens_cv2: float = 0.0
+    # the uncached prompt lengths' quantiles (see IntervalObservation); empty: a gamma distribution
+    # with the mean uncached length and input_tokens_cv2 stands in
+    uncached_quantiles: tuple[float, ...] = ()
 
     @property
     def mean_uncached_tokens(self) -> float:
         return self.mean_input_tokens * (1.0 - self.prefix_hit_fraction)
 
 
+UNCACHED_QUANTILES = 16
+
+
 def met_targets(sample: RequestSample, ttft_target_ms: float, itl_target_ms: float) -> bool:
     """Whether one request met both targets (one with a single token has no inter-token latency)."""
-    itl_ok = math.isnan(sample.itl_ms) or sample.itl_ms <= itl_target_ms
-    return sample.ttft_ms <= ttft_target_ms and itl_ok
+    return sample.ttft_ms <= ttft_target_ms and met_itl(sample, itl_target_ms)
+
+
+def met_itl(sample: RequestSample, itl_target_ms: float) -> bool:
+    return math.isnan(sample.itl_ms) or sample.itl_ms <= itl_target_ms
+
+
+def quantiles(values: Sequence[float], count: int = UNCACHED_QUANTILES) -> tuple[float, ...]:
+    """``count`` evenly spaced quantiles of ``values`` (the (i + ½)/count ones); empty for none."""
+    ordered = sorted(values)
+    if not ordered:
+        return ()
+    return tuple(float(ordered[min(len(ordered) - 1, int((i + 0.5) / count * len(ordered)))]) for i in range(count))
 
 
 def observe_interval(
@@ -94,6 +118,9 @@ def observe_interval(
     def quantile(values: Sequence[float], q: float) -> float:
         value = percentile(values, q)
         return 0.0 if math.isnan(value) else value
+
+    def share(met: Callable[[RequestSample], bool]) -> float | None:
+        return sum(map(met, samples)) / len(samples) if samples else None
 
     lengths = [s.input_tokens for s in samples]
     mean_length = mean(lengths)
@@ -118,7 +145,8 @@ def observe_interval(
         workers=workers,
         worker_loads=tuple(worker_loads),
         finished=len(samples),
-        sla_attainment=(
-            sum(met_targets(s, ttft_target_ms, itl_target_ms) for s in samples) / len(samples) if samples else None
-        ),
+        sla_attainment=share(lambda s: met_targets(s, ttft_target_ms, itl_target_ms)),
+        ttft_attainment=share(lambda s: s.ttft_ms <= ttft_target_ms),
+        itl_attainment=share(lambda s: met_itl(s, itl_target_ms)),
+        uncached_quantiles=quantiles([max(0, s.input_tokens - s.cached_tokens) for s in samples]),
     )

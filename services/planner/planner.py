@@ -37,6 +37,10 @@ SIZINGS = ("queue", "dynamo")
 BACKLOG_DRAIN_INTERVALS = 2  # a backlog is planned to drain within this many intervals
 FORECAST_TOLERANCE = 0.25  # an interval whose rate was forecast closer than this teaches the cap
 MIN_FINISHED_FOR_FEEDBACK = 10
+# headroom is measured over at least this many finished requests (the recent intervals back until
+# they add up to it): fewer say too little about a 0.95 goal
+HEADROOM_REQUESTS = 40
+KEPT_OBSERVATIONS = 64
 
 
 @dataclass
@@ -161,6 +165,9 @@ class Planner:
     _last_pools: PoolSizes | None = field(default=None, init=False)
     _last_forecast: LoadForecast | None = field(default=None, init=False)
     _backlog: float = field(default=0.0, init=False)
+    _recent_quantiles: list[tuple[float, ...]] = field(default_factory=list, init=False)
+    _recent_observations: list[IntervalObservation] = field(default_factory=list, init=False)
+    _grown_at: dict[str, float] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         o = self.options
@@ -186,11 +193,16 @@ class Planner:
         forecast = self.forecast()
         load = self._with_backlog(forecast)
         wanted, ttft, itl = self._size(load)
+        now = observation.start_s + observation.duration_s
+        wanted = self._grow_on_missed_goal(observation, wanted, current, now)
         target = self._hysteresis(self._deadband(wanted, current, load), current)
+        for pool in POOLS:
+            if getattr(target, pool) > getattr(current, pool):
+                self._grown_at[pool] = now
         self._last_pools = target
         self._last_forecast = forecast
         return Decision(
-            observation.start_s + observation.duration_s,
+            now,
             forecast,
             wanted,
             target,
@@ -213,6 +225,8 @@ class Planner:
             mean_output_tokens=max(1.0, s.output_tokens.predict()),
             prefix_hit_fraction=min(max(s.prefix_hit.predict(), 0.0), 1.0),
             input_tokens_cv2=max(0.0, s.input_cv2.predict()),
+            # the recent intervals' quantiles, averaged point by point (a shape, as the means above)
+            uncached_quantiles=tuple(sum(points) / len(points) for points in zip(*self._recent_quantiles, strict=True)),
         )
 
     # ---- steps -----------------------------------------------------------------------------------
@@ -224,6 +238,10 @@ class Planner:
             s.output_tokens.observe(observation.mean_output_tokens)
             s.prefix_hit.observe(observation.prefix_hit_fraction)
             s.input_cv2.observe(observation.input_tokens_cv2)
+        if observation.uncached_quantiles:
+            window = self.options.predictor_window
+            self._recent_quantiles = [*self._recent_quantiles, observation.uncached_quantiles][-window:]
+        self._recent_observations = [*self._recent_observations, observation][-KEPT_OBSERVATIONS:]
 
     def _correct(self, observation: IntervalObservation, current: PoolSizes) -> None:
         """Move the corrections toward observed ÷ modelled for the interval just seen."""
@@ -306,18 +324,26 @@ class Planner:
             return PoolSizes(prefill=prefill, decode=decode), p.ttft_ms, d.itl_ms
         ttft_limit = o.ttft_target_ms * o.ttft_headroom / self.ttft_correction
         itl_limit = o.itl_target_ms * o.itl_headroom / self.itl_correction
+        # the TTFT target as the model's times reach it (they are corrected by observed ÷ modelled)
+        target = o.ttft_target_ms / self.ttft_correction
+        goal = o.attainment_goal
         cap = self.utilisation_cap * cap_margin
         if not self.disaggregated:
             size, estimate = capacity.smallest_pool(
-                lambda n: capacity.aggregated(self.profile, forecast, n),
-                lambda e: e.ttft_ms <= ttft_limit and e.itl_ms <= itl_limit and e.utilisation <= cap,
+                lambda n: capacity.aggregated(self.profile, forecast, n, target),
+                lambda e: (
+                    e.ttft_ms <= ttft_limit
+                    and e.itl_ms <= itl_limit
+                    and e.utilisation <= cap
+                    and e.ttft_attainment >= goal
+                ),
                 o.min_workers,
                 o.max_workers,
             )
             return PoolSizes(aggregated=size), estimate.ttft_ms, estimate.itl_ms
         prefill, p = capacity.smallest_pool(
-            lambda n: capacity.prefill_pool(self.profile, forecast, n),
-            lambda e: e.ttft_ms <= ttft_limit and e.utilisation <= cap,
+            lambda n: capacity.prefill_pool(self.profile, forecast, n, target),
+            lambda e: e.ttft_ms <= ttft_limit and e.utilisation <= cap and e.ttft_attainment >= goal,
             max(o.min_workers, 1),
             o.prefill_ceiling,
         )
@@ -328,6 +354,66 @@ class Planner:
             o.max_workers,
         )
         return PoolSizes(prefill=prefill, decode=decode), p.ttft_ms, d.itl_ms
+
+    def _grow_on_missed_goal(
+        self, observation: IntervalObservation, wanted: PoolSizes, current: PoolSizes, now: float
+    ) -> PoolSizes:
+        """SLA first: when the interval just measured missed the attainment goal, the pool at fault
+        grows by one whatever the model says (aggregated: the pool; disaggregated: the prefill pool
+        for TTFT misses, the decode pool for ITL misses). Not again before a worker it added has
+        joined and served a whole interval, which is when its effect can be measured."""
+        o = self.options
+        if o.sizing != "queue" or not self._measured(observation):
+            return wanted
+        assert observation.sla_attainment is not None
+        if observation.sla_attainment >= o.attainment_goal:
+            return wanted
+        if self.disaggregated:
+            at_fault = [
+                pool
+                for pool, share in (("prefill", observation.ttft_attainment), ("decode", observation.itl_attainment))
+                if share is not None and share < o.attainment_goal
+            ]
+        else:
+            at_fault = ["aggregated"]
+        settle = o.worker_startup_secs + o.adjustment_interval
+        grown = {}
+        for pool in at_fault:
+            ceiling = o.prefill_ceiling if pool == "prefill" else o.max_workers
+            if now - self._grown_at.get(pool, -math.inf) >= settle:
+                grown[pool] = min(max(getattr(wanted, pool), getattr(current, pool) + 1), ceiling)
+        return dataclasses.replace(wanted, **grown)
+
+    @staticmethod
+    def _measured(observation: IntervalObservation) -> bool:
+        """Whether enough requests finished in the interval for its attainment to say something."""
+        return observation.sla_attainment is not None and observation.finished >= MIN_FINISHED_FOR_FEEDBACK
+
+    def _measured_window(self) -> list[IntervalObservation]:
+        """The recent intervals, newest first, back until their finished requests add up to
+        ``HEADROOM_REQUESTS`` (and at least ``scale_down_intervals`` of them); empty when all of
+        them together have fewer."""
+        window, finished = [], 0
+        for observation in reversed(self._recent_observations):
+            window.append(observation)
+            finished += observation.finished
+            if finished >= HEADROOM_REQUESTS and len(window) >= self.options.scale_down_intervals:
+                return window
+        return []
+
+    def _headroom_measured(self) -> bool:
+        """Whether attainment was measured above the goal (+ slack) over the recent requests,
+        pooled (:meth:`_measured_window`), with no interval of them measured below the goal: a pool
+        shrinks only then. Nothing measured yet is no headroom (the model's word is not enough)."""
+        window = self._measured_window()
+        if not window:
+            return False
+        goal = self.options.attainment_goal
+        met = sum((o.sla_attainment or 0.0) * o.finished for o in window)
+        pooled = met / sum(o.finished for o in window)
+        return pooled >= goal + ATTAINMENT_SLACK and all(
+            (o.sla_attainment or 0.0) >= goal for o in window if self._measured(o)
+        )
 
     def _deadband(self, wanted: PoolSizes, current: PoolSizes, load: LoadForecast) -> PoolSizes:
         """A pool that would shrink shrinks only to the size a stricter cap (× ``shrink_margin``)
@@ -349,7 +435,7 @@ class Planner:
             now, want = getattr(current, name), getattr(wanted, name)
             if want >= now:
                 return want
-            if not full:
+            if not full or (self.options.sizing == "queue" and not self._headroom_measured()):
                 return now
             # shrink only if every recent interval asked for less, to the most they asked for
             most = max(getattr(w, name) for w in self._recent_wanted)

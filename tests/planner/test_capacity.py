@@ -67,3 +67,28 @@ def test_dynamo_style_sizing_grows_with_the_load_and_follows_its_corrections():
     prefill, decode = capacity.dynamo_shares(PROFILE, heavy_load, 50, 1, 1)
     longer = capacity.dynamo_shares(PROFILE, LoadForecast(12.0, 8000, 300, 0.3), 50, 1, 1)
     assert longer[0] == prefill and longer[1] > decode
+
+
+def test_the_share_within_the_ttft_target_comes_from_the_prompt_lengths_distribution():
+    # the same mean uncached length (5600 tokens), once even and once with a long tail
+    even = LoadForecast(4.0, 8000, 150, 0.3, uncached_quantiles=(5600.0,) * 16)
+    tail = LoadForecast(4.0, 8000, 150, 0.3, uncached_quantiles=(2000.0,) * 14 + (30800.0,) * 2)
+    target = 2 * PROFILE.ttft_ms(5600)
+    for n in (2, 4):
+        assert capacity.aggregated(PROFILE, tail, n, target).ttft_attainment < (
+            capacity.aggregated(PROFILE, even, n, target).ttft_attainment
+        )
+    shares = [capacity.aggregated(PROFILE, tail, n, target).ttft_attainment for n in (2, 3, 4, 8)]
+    assert all(a <= b for a, b in itertools.pairwise(shares)) and shares[0] < shares[-1]
+    # a prompt whose prefill alone outlasts the target never meets it, whatever the pool
+    beyond = PROFILE.ttft_ms(30800) * 0.9
+    assert capacity.prefill_pool(PROFILE, tail, 64, beyond).ttft_attainment <= 14 / 16
+    assert capacity.aggregated(PROFILE, even, 4).ttft_attainment == 1.0  # no target asked about
+
+
+def test_the_waiting_share_follows_the_queue():
+    assert capacity.ttft_attainment([100.0] * 4, wait_ms=0.0, rho=0.0, target_ms=150.0) == 1.0
+    assert capacity.ttft_attainment([100.0, 200.0], wait_ms=0.0, rho=0.0, target_ms=150.0) == 0.5
+    busy = capacity.ttft_attainment([100.0], wait_ms=200.0, rho=0.8, target_ms=150.0)
+    calm = capacity.ttft_attainment([100.0], wait_ms=20.0, rho=0.2, target_ms=150.0)
+    assert 0 < busy < calm < 1

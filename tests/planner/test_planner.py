@@ -124,3 +124,57 @@ def test_a_planner_resumed_from_its_state_file_decides_as_if_it_never_stopped(tm
 
     expected, resumed = asyncio.run(run())
     assert resumed == expected
+
+
+def measured(start: float, attainment: float, finished: int = 40, **fields) -> IntervalObservation:
+    """A quiet interval (the model asks for one worker) whose requests met the goal ``attainment`` of the time."""
+    observation = dataclasses.replace(interval(start, 1.0, attainment=attainment), finished=finished, requests=finished)
+    return dataclasses.replace(observation, **fields)
+
+
+def test_a_missed_goal_grows_the_pool_whatever_the_model_says_then_waits_to_see_it_work():
+    planner = Planner(options(adjustment_interval=10.0, worker_startup_secs=10.0), PROFILE)
+    pools = PoolSizes(aggregated=3)
+    missed = planner.step(measured(0, 0.8), pools)
+    assert missed.wanted.aggregated == 4 and missed.target.aggregated == 4
+    # the worker it added has not joined and served an interval yet: another miss adds none
+    again = planner.step(measured(10, 0.8), missed.target)
+    assert again.target.aggregated == 4
+    later = planner.step(measured(20, 0.8), again.target)
+    assert later.target.aggregated == 5
+    # a miss measured on too few requests says nothing
+    assert planner.step(measured(30, 0.5, finished=3), later.target).target.aggregated == 5
+
+
+def test_a_pool_shrinks_only_with_headroom_measured():
+    def after(*observations: IntervalObservation) -> int:
+        planner = Planner(options(), PROFILE)
+        pools = PoolSizes(aggregated=4)
+        for observation in observations:
+            pools = planner.step(observation, pools).target
+        return pools.aggregated
+
+    assert after(measured(0, 1.0), measured(10, 1.0)) < 4  # measured well above the goal: shrinks
+    assert after(measured(0, 0.96), measured(10, 0.96)) == 4  # met, but without the slack above it
+    assert after(measured(0, 1.0, finished=5), measured(10, 1.0, finished=5)) == 4  # too few to tell
+    assert after(*(measured(i * 10, 1.0, finished=5) for i in range(8))) < 4  # enough of them, pooled
+
+
+def test_a_disaggregated_miss_grows_the_pool_at_fault():
+    planner = Planner(options(), PROFILE, disaggregated=True)
+    pools = PoolSizes(prefill=2, decode=2)
+    slow_first_tokens = measured(0, 0.8, ttft_attainment=0.8, itl_attainment=1.0)
+    decision = planner.step(slow_first_tokens, pools)
+    assert decision.target.prefill == 3 and decision.target.decode == 2
+    planner = Planner(options(), PROFILE, disaggregated=True)
+    slow_tokens = measured(0, 0.8, ttft_attainment=1.0, itl_attainment=0.8)
+    decision = planner.step(slow_tokens, pools)
+    assert decision.target.prefill == 2 and decision.target.decode == 3
+
+
+def test_the_prefill_pool_has_a_ceiling_of_its_own():
+    planner = Planner(options(max_workers=6, max_prefill_workers=2), PROFILE, disaggregated=True)
+    decision = planner.step(interval(0, 500.0), PoolSizes(prefill=1, decode=1))
+    assert decision.target.prefill == 2 and decision.target.decode == 6
+    with pytest.raises(ValueError, match="max-prefill-workers"):
+        options(min_workers=3, max_prefill_workers=2).validate()

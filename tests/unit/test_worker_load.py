@@ -73,3 +73,17 @@ def test_the_observation_keeps_the_worker_loads_through_the_state_file(tmp_path)
     (stored,) = asyncio.run(round_trip())
     assert stored.observation == observation
     assert dataclasses.asdict(stored.observation)["worker_loads"][0]["kv_tokens"] == 2048.0
+
+
+def test_an_interval_measures_each_target_apart_and_the_uncached_lengths_distribution():
+    from kvmesh.common.wire.frontend_load import RequestSample
+
+    samples = [RequestSample(1000 * (i + 1), 10, 500, ttft_ms=100.0 * i, itl_ms=10.0) for i in range(20)]
+    samples[0] = RequestSample(1000, 10, 0, ttft_ms=50.0, itl_ms=90.0)  # one slow token stream
+    observation = observe_interval(20, samples, 0.0, 10.0, ttft_target_ms=1000.0, itl_target_ms=50.0)
+    assert observation.ttft_attainment == 11 / 20  # TTFTs 0, 100, ..., 1000 ms
+    assert observation.itl_attainment == 19 / 20
+    assert observation.sla_attainment == 10 / 20
+    assert len(observation.uncached_quantiles) == 16
+    assert observation.uncached_quantiles[0] == 1000 and observation.uncached_quantiles[-1] == 19500
+    assert list(observation.uncached_quantiles) == sorted(observation.uncached_quantiles)
