@@ -10,9 +10,9 @@ and seed: the fleet (and one worker fewer), each planner's attainment, its worke
 share it saved against the fleet. The planner's goal: attainment at least the goal wherever the
 fleet reaches it, with as many worker-seconds saved as that allows.
 
-A disaggregated fleet is (prefill, decode): the smallest prefill pool that reaches the goal with a
-generous decode pool, then the smallest decode pool with that prefill pool; the planner is capped
-at each.
+A disaggregated fleet is (prefill, decode): the smallest prefill pool P that reaches the goal with a
+generous decode pool, then for P, P + 1 and P + 2 the smallest decode pool reaching it, the smallest
+total of those; the planner is capped at each pool.
 
     python -m bench.planner_bench                                  # the shared trace, trough first
     python -m bench.planner_bench TRACE.jsonl --phases trough crest --seeds 0 1 2
@@ -145,11 +145,17 @@ def smallest_fleet(runs: Runs, trace: Path, common: dict, disaggregated: bool, m
     if not disaggregated:
         size = smallest_reaching(lambda n: reaches(Fleet(0, n)), 1, most)
         return None if size is None else Fleet(0, size)
-    prefill = smallest_reaching(lambda n: reaches(Fleet(n, most)), 1, most)
-    if prefill is None:
+    least = smallest_reaching(lambda n: reaches(Fleet(n, most)), 1, most)
+    if least is None:
         return None
-    decode = smallest_reaching(lambda n: reaches(Fleet(prefill, n)), 1, most)
-    return None if decode is None else Fleet(prefill, decode)
+    # the least prefill pool may need a large decode pool to make up for it (local prefills on the
+    # decode workers): one or two more prefill workers can make a smaller fleet
+    fleets = []
+    for prefill in range(least, min(least + 2, most) + 1):
+        decode = smallest_reaching(lambda n, p=prefill: reaches(Fleet(p, n)), 1, most)
+        if decode is not None:
+            fleets.append(Fleet(prefill, decode))
+    return min(fleets, key=lambda f: (f.prefill + f.decode, f.prefill), default=None)
 
 
 def planned(fleet: Fleet, start: int, sizing: str, interval: float, startup: float) -> dict:

@@ -19,6 +19,7 @@ The model speaks of means; the planner corrects it with what it observes (see pl
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.common.core.engine_profile import EngineProfile
@@ -149,6 +150,21 @@ def decode_pool(profile: EngineProfile, forecast: LoadForecast, workers: int) ->
     context = forecast.mean_input_tokens + forecast.mean_output_tokens
     memory = concurrency * context / profile.capacity_tokens  # KV cache share the sequences hold
     return Estimate(0.0, itl, memory)
+
+
+def rate_served(meets: Callable[[float], bool], rate: float, steps: int = 20) -> float:
+    """The largest request rate in [0, ``rate``] at which ``meets(rate)`` holds (taken as monotone:
+    a pool that meets its limits at a rate meets them at any lower one), by bisection."""
+    if meets(rate):
+        return rate
+    low, high = 0.0, rate
+    for _ in range(steps):
+        middle = (low + high) / 2
+        if meets(middle):
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 # when no size meets the limits, more workers than this close to the best achievable buy nothing:

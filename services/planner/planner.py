@@ -40,6 +40,7 @@ MIN_FINISHED_FOR_FEEDBACK = 10
 # headroom is measured over at least this many finished requests (the recent intervals back until
 # they add up to it): fewer say too little about a 0.95 goal
 HEADROOM_REQUESTS = 40
+SHRINK_HEADROOM = 0.03  # a pool shrinks only where the attainment was measured this far above the goal
 KEPT_OBSERVATIONS = 64
 
 
@@ -168,6 +169,7 @@ class Planner:
     _recent_quantiles: list[tuple[float, ...]] = field(default_factory=list, init=False)
     _recent_observations: list[IntervalObservation] = field(default_factory=list, init=False)
     _grown_at: dict[str, float] = field(default_factory=dict, init=False)
+    _resized_at: float = field(default=-math.inf, init=False)  # the last decision that changed a pool
 
     def __post_init__(self) -> None:
         o = self.options
@@ -199,6 +201,8 @@ class Planner:
         for pool in POOLS:
             if getattr(target, pool) > getattr(current, pool):
                 self._grown_at[pool] = now
+        if target != current:
+            self._resized_at = now
         self._last_pools = target
         self._last_forecast = forecast
         return Decision(
@@ -341,9 +345,13 @@ class Planner:
                 o.max_workers,
             )
             return PoolSizes(aggregated=size), estimate.ttft_ms, estimate.itl_ms
+
+        def prefill_meets(e: capacity.Estimate) -> bool:
+            return e.ttft_ms <= ttft_limit and e.utilisation <= cap and e.ttft_attainment >= goal
+
         prefill, p = capacity.smallest_pool(
             lambda n: capacity.prefill_pool(self.profile, forecast, n, target),
-            lambda e: e.ttft_ms <= ttft_limit and e.utilisation <= cap and e.ttft_attainment >= goal,
+            prefill_meets,
             max(o.min_workers, 1),
             o.prefill_ceiling,
         )
@@ -353,6 +361,21 @@ class Planner:
             o.min_workers,
             o.max_workers,
         )
+        if not (p.stable and prefill_meets(p)):
+            # the prefill pool at its ceiling cannot take the load: the router prefills the rest on
+            # the decode workers (a split that does not pay stays local), so the decode pool is
+            # sized as an aggregated pool for that overflow as well
+            served = capacity.rate_served(lambda rate: prefill_meets(capacity.prefill_pool(
+                self.profile, dataclasses.replace(forecast, request_rate=rate), prefill, target
+            )), forecast.request_rate)  # fmt: skip
+            overflow = dataclasses.replace(forecast, request_rate=forecast.request_rate - served)
+            local, d = capacity.smallest_pool(
+                lambda n: capacity.aggregated(self.profile, overflow, n, target),
+                lambda e: e.ttft_ms <= ttft_limit and e.itl_ms <= itl_limit and e.ttft_attainment >= goal,
+                o.min_workers,
+                o.max_workers,
+            )
+            decode = max(decode, local)
         return PoolSizes(prefill=prefill, decode=decode), p.ttft_ms, d.itl_ms
 
     def _grow_on_missed_goal(
@@ -361,7 +384,7 @@ class Planner:
         """SLA first: when the interval just measured missed the attainment goal, the pool at fault
         grows by one whatever the model says (aggregated: the pool; disaggregated: the prefill pool
         for TTFT misses, the decode pool for ITL misses). Not again before a worker it added has
-        joined and served a whole interval, which is when its effect can be measured."""
+        joined (``worker_startup_secs``): until then more misses are the same shortfall."""
         o = self.options
         if o.sizing != "queue" or not self._measured(observation):
             return wanted
@@ -376,7 +399,7 @@ class Planner:
             ]
         else:
             at_fault = ["aggregated"]
-        settle = o.worker_startup_secs + o.adjustment_interval
+        settle = o.worker_startup_secs
         grown = {}
         for pool in at_fault:
             ceiling = o.prefill_ceiling if pool == "prefill" else o.max_workers
@@ -389,31 +412,45 @@ class Planner:
         """Whether enough requests finished in the interval for its attainment to say something."""
         return observation.sla_attainment is not None and observation.finished >= MIN_FINISHED_FOR_FEEDBACK
 
-    def _measured_window(self) -> list[IntervalObservation]:
-        """The recent intervals, newest first, back until their finished requests add up to
-        ``HEADROOM_REQUESTS`` (and at least ``scale_down_intervals`` of them); empty when all of
-        them together have fewer."""
-        window, finished = [], 0
+    def _headroom_measured(self) -> bool:
+        """Whether the intervals since the pools last changed measured attainment above the goal (+
+        ``SHRINK_HEADROOM``): pooled over the newest of them back until ``HEADROOM_REQUESTS`` finished (at least
+        ``scale_down_intervals`` intervals), none of them measured below the goal. A pool shrinks
+        only then. Too few requests since the change is no headroom (the model's word is not
+        enough), unless nothing arrived at all in the last intervals: an idle fleet has it."""
+        intervals = self.options.scale_down_intervals
+        window: list[IntervalObservation] = []
+        finished = 0
         for observation in reversed(self._recent_observations):
+            if observation.start_s < self._resized_at:
+                break  # measured on other pools than these
             window.append(observation)
             finished += observation.finished
-            if finished >= HEADROOM_REQUESTS and len(window) >= self.options.scale_down_intervals:
-                return window
-        return []
-
-    def _headroom_measured(self) -> bool:
-        """Whether attainment was measured above the goal (+ slack) over the recent requests,
-        pooled (:meth:`_measured_window`), with no interval of them measured below the goal: a pool
-        shrinks only then. Nothing measured yet is no headroom (the model's word is not enough)."""
-        window = self._measured_window()
-        if not window:
+            if finished >= HEADROOM_REQUESTS and len(window) >= intervals:
+                break
+        if len(window) < intervals:
             return False
+        if finished < HEADROOM_REQUESTS:
+            return not self._backlog and all(o.requests == 0 for o in window[:intervals])
         goal = self.options.attainment_goal
-        met = sum((o.sla_attainment or 0.0) * o.finished for o in window)
-        pooled = met / sum(o.finished for o in window)
-        return pooled >= goal + ATTAINMENT_SLACK and all(
+        pooled = sum((o.sla_attainment or 0.0) * o.finished for o in window) / finished
+        return pooled >= goal + SHRINK_HEADROOM and all(
             (o.sla_attainment or 0.0) >= goal for o in window if self._measured(o)
         )
+
+    def _room_for_one_less(self, size: int) -> bool:
+        """Whether the latencies measured in the last interval, scaled by the square of the load each
+        worker of a pool of ``size`` would gain if one left (``size / (size - 1)``), stay within the
+        targets: its TTFT p90 and ITL p90. Headroom measured at two workers says little about one,
+        which carries twice the load, and a queue's waits grow faster than its load."""
+        if size <= 1:
+            return False
+        last = next((o for o in reversed(self._recent_observations) if o.finished), None)
+        if last is None:
+            return True  # nothing ran: an idle fleet has the room
+        gain = (size / (size - 1)) ** 2  # a queue's waits grow faster than its load: squared, as a margin
+        o = self.options
+        return last.ttft_p90_ms * gain <= o.ttft_target_ms and last.itl_p90_ms * gain <= o.itl_target_ms
 
     def _deadband(self, wanted: PoolSizes, current: PoolSizes, load: LoadForecast) -> PoolSizes:
         """A pool that would shrink shrinks only to the size a stricter cap (× ``shrink_margin``)
@@ -435,10 +472,13 @@ class Planner:
             now, want = getattr(current, name), getattr(wanted, name)
             if want >= now:
                 return want
-            if not full or (self.options.sizing == "queue" and not self._headroom_measured()):
+            if not full:
                 return now
-            # shrink only if every recent interval asked for less, to the most they asked for
+            if self.options.sizing == "queue" and not (self._headroom_measured() and self._room_for_one_less(now)):
+                return now
+            # shrink only if every recent interval asked for less, to the most they asked for, and
+            # by one worker a decision: headroom measured at n says nothing of n - 2
             most = max(getattr(w, name) for w in self._recent_wanted)
-            return most if most < now else now
+            return max(most, now - 1) if most < now else now
 
         return PoolSizes(pool("aggregated"), pool("prefill"), pool("decode"))

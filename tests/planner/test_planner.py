@@ -36,10 +36,18 @@ def test_a_pool_grows_with_the_load_at_once_and_shrinks_only_after_enough_quiet_
     low = planner.step(interval(0, 1.0), PoolSizes(aggregated=1)).target.aggregated
     high = planner.step(interval(10, 12.0), PoolSizes(aggregated=low)).target.aggregated
     assert high > low
-    first_quiet = planner.step(interval(20, 1.0), PoolSizes(aggregated=high))
-    assert first_quiet.wanted.aggregated < high and first_quiet.target.aggregated == high  # not yet
-    second_quiet = planner.step(interval(30, 1.0), PoolSizes(aggregated=high))
-    assert second_quiet.target.aggregated < high
+    pools = PoolSizes(aggregated=high)
+
+    def quiet(start: float) -> IntervalObservation:  # one request a second, forty finished: measured
+        return dataclasses.replace(interval(start, 1.0), finished=40)
+
+    first_quiet = planner.step(quiet(20), pools)
+    assert first_quiet.wanted.aggregated == 1 and first_quiet.target == pools  # not yet
+    second_quiet = planner.step(quiet(30), pools)
+    assert second_quiet.target.aggregated == high - 1  # one worker a decision
+    # headroom is measured anew at the smaller pool before it shrinks again
+    assert planner.step(quiet(40), second_quiet.target).target == second_quiet.target
+    assert planner.step(quiet(50), second_quiet.target).target.aggregated == high - 2
 
 
 def test_a_pool_shrinks_only_as_far_as_the_stricter_shrink_cap_allows():
@@ -48,7 +56,7 @@ def test_a_pool_shrinks_only_as_far_as_the_stricter_shrink_cap_allows():
         planner = Planner(options(shrink_margin=margin), PROFILE)
         crest = planner.step(interval(0, 12.0), PoolSizes(aggregated=1)).target
         pools = crest
-        for i in range(1, 4):
+        for i in range(1, 8):
             pools = planner.step(interval(i * 10, drop_to), pools).target
         return crest.aggregated, pools.aggregated
 
@@ -133,11 +141,11 @@ def measured(start: float, attainment: float, finished: int = 40, **fields) -> I
 
 
 def test_a_missed_goal_grows_the_pool_whatever_the_model_says_then_waits_to_see_it_work():
-    planner = Planner(options(adjustment_interval=10.0, worker_startup_secs=10.0), PROFILE)
+    planner = Planner(options(adjustment_interval=10.0, worker_startup_secs=20.0), PROFILE)
     pools = PoolSizes(aggregated=3)
     missed = planner.step(measured(0, 0.8), pools)
     assert missed.wanted.aggregated == 4 and missed.target.aggregated == 4
-    # the worker it added has not joined and served an interval yet: another miss adds none
+    # the worker it added has not joined yet (20 s): another miss adds none
     again = planner.step(measured(10, 0.8), missed.target)
     assert again.target.aggregated == 4
     later = planner.step(measured(20, 0.8), again.target)
@@ -178,3 +186,26 @@ def test_the_prefill_pool_has_a_ceiling_of_its_own():
     assert decision.target.prefill == 2 and decision.target.decode == 6
     with pytest.raises(ValueError, match="max-prefill-workers"):
         options(min_workers=3, max_prefill_workers=2).validate()
+
+
+def test_a_pool_keeps_a_worker_whose_loss_the_measured_latencies_could_not_bear():
+    def after(ttft_p90_ms: float) -> int:
+        planner = Planner(options(), PROFILE)
+        pools = PoolSizes(aggregated=2)
+        for i in range(3):
+            observation = dataclasses.replace(interval(i * 10, 1.0), finished=40, ttft_p90_ms=ttft_p90_ms)
+            pools = planner.step(observation, pools).target
+        return pools.aggregated
+
+    # one of two workers gone doubles the other's load: its TTFT p90 must leave room for that (squared)
+    assert after(ttft_p90_ms=300.0) == 1
+    assert after(ttft_p90_ms=700.0) == 2
+
+
+def test_a_prefill_pool_at_its_ceiling_leaves_the_rest_of_the_prefills_to_the_decode_pool():
+    def decode_pool(prefill_ceiling: int) -> int:
+        planner = Planner(options(max_workers=12, max_prefill_workers=prefill_ceiling), PROFILE, disaggregated=True)
+        return planner.step(interval(0, 20.0), PoolSizes(prefill=1, decode=1)).target.decode
+
+    roomy, capped = decode_pool(12), decode_pool(1)
+    assert capped > roomy  # the decode workers prefill what the one prefill worker cannot
