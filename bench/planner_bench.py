@@ -191,13 +191,13 @@ def case_rows(runs: Runs, args: argparse.Namespace, trace: Path, phase: str, mod
         goal = GOAL if best >= GOAL else math.floor((best - 0.01) * 1000) / 1000
         fleet = smallest_fleet(runs, trace, common, disaggregated, args.most, goal)
         if fleet is None:
-            rows.append(f"{name:<46} no fleet of at most {args.most} a pool reaches {goal}")
+            rows.append(f"{name:<48} no fleet of at most {args.most} a pool reaches {goal}")
             continue
         name += "" if goal == GOAL else f" (goal {goal})"
         fixed = runs.run(trace, {**common, **fleet.options()})
         fewer = Fleet(fleet.prefill, fleet.decode - 1)
         below = runs.run(trace, {**common, **fewer.options()}).attainment if fewer.decode else float("nan")
-        line = f"{name:<46} {fleet!s:>6} {fixed.attainment:6.3f} {below:6.3f} {fixed.worker_seconds:8.0f}"
+        line = f"{name:<48} {fleet!s:>8} {fixed.attainment:6.3f} {below:6.3f} {fixed.worker_seconds:8.0f}"
         for sizing in args.sizings:
             result = runs.run(
                 trace, {**common, **planned(fleet, args.start_workers, sizing, args.interval, args.startup)}
@@ -250,7 +250,7 @@ def main() -> None:
         f"planners start at {args.start_workers or 'the fleet'} a pool, capped at the fleet; goal {GOAL}"
     )
     sizing_heads = "".join(f"   {s:>6}  {'worker-s':>8} {'saved':>6}" for s in args.sizings)
-    print(f"{'case':<46} {'fleet':>6} {'attain':>6} {'1 less':>6} {'worker-s':>8}{sizing_heads}")
+    print(f"{'case':<48} {'fleet':>8} {'attain':>6} {'1 less':>6} {'worker-s':>8}{sizing_heads}")
     for rows in tables:
         for row in rows:
             print(row)
