@@ -419,6 +419,9 @@ class Planner:
         only then. Too few requests since the change is no headroom (the model's word is not
         enough), unless nothing arrived at all in the last intervals: an idle fleet has it."""
         intervals = self.options.scale_down_intervals
+        newest = self._recent_observations[-intervals:]
+        if len(newest) == intervals and not self._backlog and all(o.requests == 0 for o in newest):
+            return True  # nothing arrived: an idle fleet has the headroom, whatever came before
         window: list[IntervalObservation] = []
         finished = 0
         for observation in reversed(self._recent_observations):
@@ -431,7 +434,7 @@ class Planner:
         if len(window) < intervals:
             return False
         if finished < HEADROOM_REQUESTS:
-            return not self._backlog and all(o.requests == 0 for o in window[:intervals])
+            return False
         goal = self.options.attainment_goal
         pooled = sum((o.sla_attainment or 0.0) * o.finished for o in window) / finished
         return pooled >= goal + SHRINK_HEADROOM and all(
@@ -445,9 +448,11 @@ class Planner:
         which carries twice the load, and a queue's waits grow faster than its load."""
         if size <= 1:
             return False
-        last = next((o for o in reversed(self._recent_observations) if o.finished), None)
-        if last is None:
-            return True  # nothing ran: an idle fleet has the room
+        if not self._recent_observations:
+            return False
+        last = self._recent_observations[-1]
+        if not last.finished:
+            return not last.requests and not self._backlog  # idle: the room is there
         gain = (size / (size - 1)) ** 2  # a queue's waits grow faster than its load: squared, as a margin
         o = self.options
         return last.ttft_p90_ms * gain <= o.ttft_target_ms and last.itl_p90_ms * gain <= o.itl_target_ms

@@ -329,11 +329,8 @@ class VllmEngine(StreamingEngine):
             options["extra_args"] = {"kv_transfer_params": kv_transfer_params}
         return SamplingParams(**options)
 
-    def _lora_request(self, adapter: str | None) -> Any:
-        """vLLM's request for ``adapter`` (None: the base model); the worker refused any adapter it
-        does not serve before this."""
-        if adapter is None:
-            return None
+    def _lora_request(self, adapter: str) -> Any:
+        """vLLM's request for ``adapter``; the worker refused any adapter it does not serve before this."""
         from vllm.lora.request import LoRARequest
 
         name, lora_id, path = self._lora_requests[adapter]
@@ -347,9 +344,13 @@ class VllmEngine(StreamingEngine):
         try:
             # cancelling this task cancels the generator, which aborts the request in vLLM
             sampling = self._sampling_params(spec, kv_transfer_params)
-            lora = self._lora_request(spec.lora_name)
-            ranked = {"data_parallel_rank": rank} if self.ranks else {}
-            async for output in self._llm.generate(prompt, sampling, spec.request_id, lora_request=lora, **ranked):
+            # only what is set: vLLM's defaults otherwise (an engine client without LoRA or ranks)
+            extra: dict[str, Any] = {}
+            if spec.lora_name is not None:
+                extra["lora_request"] = self._lora_request(spec.lora_name)
+            if self.ranks:
+                extra["data_parallel_rank"] = rank
+            async for output in self._llm.generate(prompt, sampling, spec.request_id, **extra):
                 cached = output.num_cached_tokens or cached
                 completion = output.outputs[0]
                 tokens = list(completion.token_ids)
