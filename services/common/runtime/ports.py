@@ -54,15 +54,7 @@ def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
     Random rather than sequential, so two workers starting at once rarely pick the same one.
     Raises :class:`NoFreePortError` when the range below the ephemeral ports is too small or full.
     """
-    rng = rng or random.SystemRandom()
-    high = ephemeral_low() - 1
-    if high <= LOWEST_CANDIDATE:
-        raise NoFreePortError(f"the ephemeral port range starts at {high + 1}: no ports below it to choose from")
-    for _ in range(ATTEMPTS):
-        port = rng.randint(LOWEST_CANDIDATE, high)
-        if is_free(port, host):
-            return port
-    raise NoFreePortError(f"no free port between {LOWEST_CANDIDATE} and {high} after {ATTEMPTS} tries")
+    return free_port_run(1, host, rng)
 
 
 def free_port_run(count: int, host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
@@ -77,9 +69,8 @@ def free_port_run(count: int, host: str = "127.0.0.1", rng: random.Random | None
         base = rng.randint(LOWEST_CANDIDATE, high)
         if all(is_free(base + offset, host) for offset in range(count)):
             return base
-    raise NoFreePortError(
-        f"no {count} consecutive free ports between {LOWEST_CANDIDATE} and {high} after {ATTEMPTS} tries"
-    )
+    what = "free port" if count == 1 else f"{count} consecutive free ports"
+    raise NoFreePortError(f"no {what} between {LOWEST_CANDIDATE} and {high} after {ATTEMPTS} tries")
 
 
 def pid_listening_on(port: int) -> int:
