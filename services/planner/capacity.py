@@ -74,7 +74,11 @@ def prefill_times(profile: EngineProfile, forecast: LoadForecast) -> list[float]
 
 def prefill_moments(profile: EngineProfile, forecast: LoadForecast) -> tuple[float, float]:
     """E[P] and E[P²] of the prefill time over the uncached prompt lengths (ms, ms²)."""
-    times = prefill_times(profile, forecast)
+    return _moments(prefill_times(profile, forecast))
+
+
+def _moments(times: list[float]) -> tuple[float, float]:
+    """The mean and the mean square of ``times``."""
     return sum(times) / len(times), sum(t * t for t in times) / len(times)
 
 
@@ -111,7 +115,7 @@ def aggregated(
         return Estimate(math.inf, math.inf, math.inf)
     per_worker = forecast.request_rate / workers
     times = prefill_times(profile, forecast)
-    prefill, prefill_square = sum(times) / len(times), sum(t * t for t in times) / len(times)
+    prefill, prefill_square = _moments(times)
     rho = per_worker * prefill / 1000
     if rho >= MAX_UTILISATION:
         return Estimate(math.inf, math.inf, rho, 0.0)
@@ -134,7 +138,7 @@ def prefill_pool(
         return Estimate(math.inf, 0.0, math.inf, 0.0)
     per_worker = forecast.request_rate / workers
     times = prefill_times(profile, forecast)
-    prefill, prefill_square = sum(times) / len(times), sum(t * t for t in times) / len(times)
+    prefill, prefill_square = _moments(times)
     rho = per_worker * prefill / 1000
     if rho >= MAX_UTILISATION:
         return Estimate(math.inf, 0.0, rho, 0.0)
