@@ -133,6 +133,11 @@ async def serve(
         extra: dict[str, object] = {"engine": config.engine, "kv_handoff": config.resolved_kv_handoff()}
         adapters = adapter_paths(config.lora_adapters)
         ranks: list[Engine] = []  # data-parallel ranks past the first (rank 0 is `engine`)
+        # their KV events go out as their own dp ranks, whichever engine runs them
+        rank_publishers = [
+            await stack.start(publisher_class(js, config.namespace, worker_id, dp_rank=rank, flush_interval_s=flush))
+            for rank in range(1, config.data_parallel_size)
+        ]
         slots: AdapterSlots | None = None
         if adapters:
             # the mock simulates a load's time; vLLM loads an adapter itself on its first request
@@ -163,13 +168,6 @@ async def serve(
                     publisher_class(js, config.namespace, worker_id, dp_rank=rank, tier=tier, flush_interval_s=flush)
                 )
                 tiers[tier] = (tier_publisher.enqueue, lambda p=tier_publisher: p.last_event_id)
-            # data-parallel ranks past the first: vLLM's engine cores, each one's events as its rank
-            rank_publishers = []
-            for rank in range(1, config.data_parallel_size):
-                rank_publisher = await stack.start(
-                    publisher_class(js, config.namespace, worker_id, dp_rank=rank, flush_interval_s=flush)
-                )
-                rank_publishers.append((rank_publisher.enqueue, lambda p=rank_publisher: p.last_event_id))
             vllm = VllmEngine(
                 config.engine_args,
                 vllm_overrides(config),
@@ -178,7 +176,8 @@ async def serve(
                 kv_connector_host=connector_host,
                 tier_publishers=tiers,
                 lora_paths={name: path for name, path in adapters.items() if path},
-                rank_publishers=rank_publishers,
+                # vLLM's engine cores past the first, each one's events as its rank
+                rank_publishers=[(p.enqueue, lambda p=p: p.last_event_id) for p in rank_publishers],
             )
             engine: Engine = await stack.start(vllm)
             ranks.extend(vllm.ranks)
@@ -209,10 +208,7 @@ async def serve(
                 MockEngineLoop(build_mock_engine(config, kv), publisher, pool, pool_publisher, host_publisher)
             )
             # data-parallel ranks past the first: an engine each, its KV its own, its events as its rank
-            for rank in range(1, config.data_parallel_size):
-                rank_publisher = await stack.start(
-                    publisher_class(js, config.namespace, worker_id, dp_rank=rank, flush_interval_s=flush)
-                )
+            for rank_publisher in rank_publishers:
                 rank_kv = KvBuffer(config.mock_shape("num_gpu_blocks"), shape)
                 ranks.append(await stack.start(MockEngineLoop(build_mock_engine(config, rank_kv), rank_publisher)))
             transfer = await start_kv_transfer(stack, config, worker_id, kv, engine)
