@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
-from kvmesh.common.wire.lora import adapter_paths, must_load, parse_adapters
+from kvmesh.common.wire.lora import adapter_paths, must_load
 from kvmesh.worker.lora_slots import AdapterSlots
 
 
 def test_adapters_are_named_alone_or_with_their_directory():
     assert adapter_paths(" sql=/a/sql , chat ") == {"sql": "/a/sql", "chat": None}
-    assert parse_adapters("sql=/a/sql,chat") == ("sql", "chat")
+    assert tuple(adapter_paths("sql=/a/sql,chat")) == ("sql", "chat")  # in the order given
     with pytest.raises(ValueError, match="bad LoRA adapter name"):
         adapter_paths("=/a")
 

@@ -21,12 +21,6 @@ RESIDENT_KEY = "lora_resident"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
 
 
-def parse_adapters(text: str) -> tuple[str, ...]:
-    """Adapter names from a comma-separated list of ``NAME`` or ``NAME=PATH``; ValueError naming a
-    bad or repeated one."""
-    return tuple(adapter_paths(text))
-
-
 def adapter_paths(text: str) -> dict[str, str | None]:
     """``NAME`` or ``NAME=PATH`` entries of a comma-separated list, in order: each name's path (None
     where none is given); ValueError naming a bad or repeated name, or an empty path."""
