@@ -414,8 +414,8 @@ class Planner:
 
     def _headroom_measured(self) -> bool:
         """Whether the intervals since the pools last changed measured attainment above the goal (+
-        ``SHRINK_HEADROOM``): pooled over the newest of them back until ``HEADROOM_REQUESTS`` finished (at least
-        ``scale_down_intervals`` intervals), none of them measured below the goal. A pool shrinks
+        ``SHRINK_HEADROOM``): pooled over the newest of them back until ``HEADROOM_REQUESTS``
+        finished (at least ``scale_down_intervals`` intervals), none of them measured below the goal. A pool shrinks
         only then. Too few requests since the change is no headroom (the model's word is not
         enough), unless nothing arrived at all in the last intervals: an idle fleet has it."""
         intervals = self.options.scale_down_intervals
@@ -431,9 +431,7 @@ class Planner:
             finished += observation.finished
             if finished >= HEADROOM_REQUESTS and len(window) >= intervals:
                 break
-        if len(window) < intervals:
-            return False
-        if finished < HEADROOM_REQUESTS:
+        if len(window) < intervals or finished < HEADROOM_REQUESTS:
             return False
         goal = self.options.attainment_goal
         pooled = sum((o.sla_attainment or 0.0) * o.finished for o in window) / finished
@@ -446,9 +444,7 @@ class Planner:
         worker of a pool of ``size`` would gain if one left (``size / (size - 1)``), stay within the
         targets: its TTFT p90 and ITL p90. Headroom measured at two workers says little about one,
         which carries twice the load, and a queue's waits grow faster than its load."""
-        if size <= 1:
-            return False
-        if not self._recent_observations:
+        if size <= 1 or not self._recent_observations:
             return False
         last = self._recent_observations[-1]
         if not last.finished:
