@@ -3,10 +3,13 @@
 Each interval it (1) feeds the observation to its predictors, (2) predicts the next interval's rate,
 prompt and output lengths and prefix hits, (3) corrects its performance model by how far the last
 interval's observed TTFT / ITL were from what the model says for that interval's load and fleet, and
-(4) sizes each pool as the smallest that meets the targets, then (5) applies a deadband and
-hysteresis: it grows at once; it shrinks only to a size that meets a stricter utilisation cap, and
-only after ``scale_down_intervals`` intervals in a row asked for less, to the largest size those
-intervals asked for.
+(4) sizes each pool as the smallest that meets the targets, then (5) puts the SLA first (decision
+38): it grows at once, and grows the pool at fault by one whenever an interval measured attainment
+below the goal, whatever the model says; it shrinks one worker a decision, only to a size that meets a
+stricter utilisation cap, only after ``scale_down_intervals`` intervals in a row asked for less, only
+with headroom measured (not predicted) since the pools last changed, and only while the requests
+finished within ``--attainment-window`` met the goal with room to spare (a shrink spends some: the
+worker that leaves takes its cached prefixes along).
 
 The model speaks of means, the SLA of each request; what lies between (requests whose few decode
 steps meet a long prefill chunk, a cache that holds less in a smaller fleet) is learned from the
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from kvmesh.common.core.engine_profile import EngineProfile
@@ -41,6 +45,10 @@ MIN_FINISHED_FOR_FEEDBACK = 10
 # they add up to it): fewer say too little about a 0.95 goal
 HEADROOM_REQUESTS = 40
 SHRINK_HEADROOM = 0.03  # a pool shrinks only where the attainment was measured this far above the goal
+# a pool shrinks only while the attainment over --attainment-window is this far above the goal: a
+# shrink spends some of it (a removed worker takes its cached prefixes along), and a window that
+# has none to spend must not pay for savings with misses
+BUDGET_MARGIN = 0.01
 KEPT_OBSERVATIONS = 64
 
 
@@ -66,6 +74,11 @@ class PlannerOptions:
     )
     itl_headroom: float = option(0.8, "plan for this share of --itl-target-ms")
     attainment_goal: float = option(0.95, "share of requests that should meet both targets")
+    attainment_window: float = option(
+        3600.0,
+        "seconds over which the goal is kept (the SLA's window): pools shrink only while the requests "
+        "finished in it met the goal with room to spare",
+    )
     utilisation_cap: float = option(
         0.5, "starting cap on a worker's planned prefill utilisation (then learned from the attainment)"
     )
@@ -101,6 +114,8 @@ class PlannerOptions:
             raise ConfigError("--ttft-headroom and --itl-headroom must be in (0, 1]")
         if not 0 < self.attainment_goal <= 1:
             raise ConfigError("--attainment-goal must be in (0, 1]")
+        if self.attainment_window <= 0:
+            raise ConfigError("--attainment-window must be positive (seconds)")
         low, high = UTILISATION_CAP_BOUNDS
         if not low <= self.utilisation_cap <= high:
             raise ConfigError(f"--utilisation-cap must be in [{low}, {high}]")
@@ -152,7 +167,8 @@ class _Series:
 @dataclass
 class Planner:
     """Guarantees: targets stay within [min_workers, max_workers] per pool; a pool never shrinks
-    before ``scale_down_intervals`` intervals in a row asked for fewer; the same observations give
+    before ``scale_down_intervals`` intervals in a row asked for fewer, nor while the attainment over
+    ``attainment_window`` is below the goal + ``BUDGET_MARGIN``; the same observations give
     the same decisions (a restarted planner replays its stored observations to resume)."""
 
     options: PlannerOptions
@@ -168,6 +184,8 @@ class Planner:
     _backlog: float = field(default=0.0, init=False)
     _recent_quantiles: list[tuple[float, ...]] = field(default_factory=list, init=False)
     _recent_observations: list[IntervalObservation] = field(default_factory=list, init=False)
+    # (end of interval, requests that met both targets, requests finished) over --attainment-window
+    _window: deque[tuple[float, float, int]] = field(default_factory=deque, init=False)
     _grown_at: dict[str, float] = field(default_factory=dict, init=False)
     _resized_at: float = field(default=-math.inf, init=False)  # the last decision that changed a pool
 
@@ -246,6 +264,16 @@ class Planner:
             window = self.options.predictor_window
             self._recent_quantiles = [*self._recent_quantiles, observation.uncached_quantiles][-window:]
         self._recent_observations = [*self._recent_observations, observation][-KEPT_OBSERVATIONS:]
+        end = observation.start_s + observation.duration_s
+        if observation.finished and observation.sla_attainment is not None:
+            self._window.append((end, observation.sla_attainment * observation.finished, observation.finished))
+        while self._window and self._window[0][0] <= end - self.options.attainment_window:
+            self._window.popleft()
+
+    def window_attainment(self) -> float | None:
+        """The attainment of the requests finished within ``--attainment-window`` (None: none)."""
+        finished = sum(n for _, _, n in self._window)
+        return sum(met for _, met, _ in self._window) / finished if finished else None
 
     def _correct(self, observation: IntervalObservation, current: PoolSizes) -> None:
         """Move the corrections toward observed ÷ modelled for the interval just seen."""
@@ -416,7 +444,8 @@ class Planner:
         """Whether the intervals since the pools last changed measured attainment above the goal (+
         ``SHRINK_HEADROOM``): pooled over the newest of them back until ``HEADROOM_REQUESTS``
         finished (at least ``scale_down_intervals`` intervals), none of them measured below the goal. A pool shrinks
-        only then. Too few requests since the change is no headroom (the model's word is not
+        only then, and only while the SLA's window (``window_attainment``) is ``BUDGET_MARGIN`` above
+        the goal. Too few requests since the change is no headroom (the model's word is not
         enough), unless nothing arrived at all in the last intervals: an idle fleet has it."""
         intervals = self.options.scale_down_intervals
         newest = self._recent_observations[-intervals:]
@@ -434,6 +463,9 @@ class Planner:
         if len(window) < intervals or finished < HEADROOM_REQUESTS:
             return False
         goal = self.options.attainment_goal
+        budget = self.window_attainment()
+        if budget is not None and budget < goal + BUDGET_MARGIN:
+            return False  # the SLA's window has no misses to spare for a shrink
         pooled = sum((o.sla_attainment or 0.0) * o.finished for o in window) / finished
         return pooled >= goal + SHRINK_HEADROOM and all(
             (o.sla_attainment or 0.0) >= goal for o in window if self._measured(o)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import socket
 import time
@@ -182,7 +183,9 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
         nc = await stack.nats(config, "kvmesh-planner")
         state = await stack.enter_async_context(PlannerState(config.state_db))
         planner = Planner(config, profile, disaggregated=config.disaggregated)
-        history = await state.recent(RESUME_STEPS)
+        # enough steps for the predictors and for the SLA's window (its misses decide shrinks)
+        window_steps = math.ceil(config.attainment_window / config.adjustment_interval)
+        history = await state.recent(max(RESUME_STEPS, window_steps))
         last = resume(planner, history)
         if last is not None:
             log.info("resumed", steps=len(history), pools=last.target.total, utilisation_cap=last.utilisation_cap)

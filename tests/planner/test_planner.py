@@ -168,6 +168,31 @@ def test_a_pool_shrinks_only_with_headroom_measured():
     assert after(*(measured(i * 10, 1.0, finished=5) for i in range(8))) < 4  # enough of them, pooled
 
 
+def test_a_pool_does_not_shrink_while_the_sla_window_has_no_misses_to_spare():
+    def shrinks_after(misses_at: float, window: float) -> bool:
+        """Whether a pool at its ceiling shrinks after misses at ``misses_at`` then quiet, met intervals."""
+        planner = Planner(options(max_workers=4, attainment_window=window), PROFILE)
+        pools = PoolSizes(aggregated=4)
+        # a crest the ceiling could not carry: 120 requests at 0.8 (it cannot grow past 4)
+        for start in (misses_at, misses_at + 10, misses_at + 20):
+            pools = planner.step(measured(start, 0.8), pools).target
+        assert pools.aggregated == 4
+        # then headroom measured: 200 requests all met; the window holds 120 × 0.8 + 200 = 296 of 320
+        for start in range(100, 150, 10):
+            pools = planner.step(measured(start, 1.0), pools).target
+        return pools.aggregated < 4
+
+    assert not shrinks_after(misses_at=0.0, window=3600.0)  # 0.925 over the window: below 0.95 + margin
+    assert shrinks_after(misses_at=0.0, window=100.0)  # the misses have left the window
+    planner = Planner(options(attainment_window=60.0), PROFILE)
+    assert planner.window_attainment() is None
+    planner.step(measured(0, 0.5), PoolSizes(aggregated=4))
+    planner.step(measured(10, 1.0, finished=120), PoolSizes(aggregated=4))
+    assert planner.window_attainment() == pytest.approx((20 + 120) / 160)
+    with pytest.raises(ValueError, match="attainment-window"):
+        options(attainment_window=0).validate()
+
+
 def test_a_disaggregated_miss_grows_the_pool_at_fault():
     planner = Planner(options(), PROFILE, disaggregated=True)
     pools = PoolSizes(prefill=2, decode=2)
