@@ -83,7 +83,12 @@ def write_variant(source: Path, variant: str, out: Path, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvmesh.replay.trace_family", description=__doc__.splitlines()[0])
+    # the module's rules are the help: which variant changes what, and how
+    parser = argparse.ArgumentParser(
+        prog="python -m kvmesh.replay.trace_family",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("source", type=Path, help="the trace to derive from (JSONL, the shared trace's format)")
     parser.add_argument("out_dir", type=Path, help="where the variants go, one <variant>.jsonl each")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
