@@ -29,7 +29,7 @@ def render(steps: list[StoredStep]) -> str:
         return "no decisions recorded yet"
     header = (
         f"{'at':>9} {'rate':>6} {'→ pred':>7} {'ISL':>6} {'hit':>5} {'TTFT p90':>9} {'ITL p90':>8} "
-        f"{'SLA':>5} {'pools now':>10} {'wanted':>8} {'set':>8} {'cap':>5}"
+        f"{'SLA':>5} {'window':>6} {'pools now':>10} {'wanted':>8} {'set':>8} {'cap':>5}"
     )
     lines = [header]
     for step in steps:
@@ -39,9 +39,10 @@ def render(steps: list[StoredStep]) -> str:
             return str(p.aggregated) if not (p.prefill or p.decode) else f"{p.prefill}P+{p.decode}D"
 
         attained = "-" if o.sla_attainment is None else f"{o.sla_attainment:.2f}"
+        window = "-" if d.window_attainment is None else f"{d.window_attainment:.3f}"
         lines.append(
             f"{when(d.at_s):>9} {o.request_rate:6.2f} {d.forecast.request_rate:7.2f} {o.mean_input_tokens:6.0f} "
-            f"{o.prefix_hit_fraction:5.2f} {o.ttft_p90_ms:9.0f} {o.itl_p90_ms:8.1f} {attained:>5} "
+            f"{o.prefix_hit_fraction:5.2f} {o.ttft_p90_ms:9.0f} {o.itl_p90_ms:8.1f} {attained:>5} {window:>6} "
             f"{pools(d.current):>10} {pools(d.wanted):>8} {pools(d.target):>8} {d.utilisation_cap:5.2f}"
         )
     return "\n".join(lines)

@@ -149,6 +149,8 @@ class Decision:
     ttft_correction: float
     itl_correction: float
     utilisation_cap: float
+    # the attainment over --attainment-window after this interval (None: nothing finished in it)
+    window_attainment: float | None = None
 
     @property
     def changes(self) -> bool:
@@ -234,6 +236,7 @@ class Planner:
             self.ttft_correction,
             self.itl_correction,
             self.utilisation_cap,
+            self.window_attainment(),
         )
 
     def forecast(self) -> LoadForecast:

@@ -256,6 +256,8 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
                 observed_rate=round(observation.request_rate, 3),
                 finished=len(samples),
                 attainment=observation.sla_attainment,
+                # the SLA's window: pools shrink only while it is above the goal with room to spare
+                window_attainment=decision.window_attainment,
                 predicted_rate=round(decision.forecast.request_rate, 3),
                 workers=pools_text(current),
                 registered=pools_text(registered),

@@ -48,6 +48,7 @@ def decision_from_dict(data: dict[str, Any]) -> Decision:
         ttft_correction=data["ttft_correction"],
         itl_correction=data["itl_correction"],
         utilisation_cap=data["utilisation_cap"],
+        window_attainment=data.get("window_attainment"),  # absent from steps stored before it was
     )
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from kvmesh.planner.load import IntervalObservation
 from kvmesh.planner.planner import Planner, PlannerOptions, PoolSizes
-from kvmesh.planner.state import PlannerState, resume
+from kvmesh.planner.state import PlannerState, decision_from_dict, decision_to_dict, resume
 from kvmesh.profiler.mock import profile_mock_engine
 
 PROFILE = profile_mock_engine()
@@ -132,6 +132,17 @@ def test_a_planner_resumed_from_its_state_file_decides_as_if_it_never_stopped(tm
 
     expected, resumed = asyncio.run(run())
     assert resumed == expected
+
+
+def test_a_stored_decision_keeps_the_sla_window_and_older_ones_without_it_still_load():
+    planner = Planner(options(), PROFILE)
+    planner.step(interval(0, 2.0, attainment=0.9), PoolSizes(aggregated=2))
+    decision = planner.step(interval(10, 2.0, attainment=1.0), PoolSizes(aggregated=2))
+    assert decision.window_attainment == pytest.approx(0.95)
+    stored = decision_to_dict(decision)
+    assert decision_from_dict(stored) == decision
+    del stored["window_attainment"]  # a step recorded before the window was
+    assert decision_from_dict(stored).window_attainment is None
 
 
 def measured(start: float, attainment: float, finished: int = 40, **fields) -> IntervalObservation:

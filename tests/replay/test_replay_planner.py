@@ -78,6 +78,9 @@ def test_cli_reports_sla_worker_seconds_and_the_timeline_and_records_history(tmp
     assert planner_cli.main(["history", "--state-db", str(state), "--limit", "3"]) == 0
     history = capsys.readouterr().out.splitlines()
     assert history[0].split()[:2] == ["at", "rate"] and len(history) == 4
+    # each step shows the SLA window's attainment, a share (what decides whether a pool may shrink)
+    assert history[0].split()[-6:] == ["window", "pools", "now", "wanted", "set", "cap"]
+    assert all(0 <= float(line.split()[-5]) <= 1 for line in history[1:])
 
 
 def test_a_fixed_fleet_reports_its_worker_seconds_too(capsys):
