@@ -103,6 +103,9 @@ class PlannerMetrics:
         self.observed_rate = gauge("observed_request_rate", "requests/s the last interval")
         self.predicted_rate = gauge("predicted_request_rate", "requests/s predicted for the interval sized for")
         self.attainment = gauge("sla_attainment", "share of the last interval's finished requests meeting both targets")
+        self.window_attainment = gauge(
+            "window_sla_attainment", "share of the requests finished within --attainment-window meeting both targets"
+        )
         self.current = gauge("workers", "workers in the pool when the planner decided", ["pool"])
         self.wanted = gauge("wanted_workers", "workers the model asked for", ["pool"])
         self.target = gauge("target_workers", "workers the planner set (after hysteresis)", ["pool"])
@@ -123,6 +126,8 @@ class PlannerMetrics:
         self.predicted_rate.set(decision.forecast.request_rate)
         if attainment is not None:
             self.attainment.set(attainment)
+        if decision.window_attainment is not None:
+            self.window_attainment.set(decision.window_attainment)
         for pool in POOLS:
             self.current.labels(pool).set(getattr(decision.current, pool))
             self.wanted.labels(pool).set(getattr(decision.wanted, pool))

@@ -145,6 +145,21 @@ def test_a_stored_decision_keeps_the_sla_window_and_older_ones_without_it_still_
     assert decision_from_dict(stored).window_attainment is None
 
 
+def test_the_planner_exports_the_sla_window_it_shrinks_by():
+    from prometheus_client import generate_latest
+
+    from kvmesh.planner.service import PlannerMetrics
+
+    planner = Planner(options(), PROFILE)
+    planner.step(interval(0, 2.0, attainment=0.9), PoolSizes(aggregated=2))
+    decision = planner.step(interval(10, 2.0, attainment=1.0), PoolSizes(aggregated=2))
+    metrics = PlannerMetrics()
+    metrics.record(decision, 2.0, 1.0)
+    exported = generate_latest(metrics.registry).decode()
+    assert "kvmesh_planner_window_sla_attainment 0.95" in exported
+    assert "kvmesh_planner_sla_attainment 1.0" in exported
+
+
 def measured(start: float, attainment: float, finished: int = 40, **fields) -> IntervalObservation:
     """A quiet interval (the model asks for one worker) whose requests met the goal ``attainment`` of the time."""
     observation = dataclasses.replace(interval(start, 1.0, attainment=attainment), finished=finished, requests=finished)
