@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvmesh.common.core.engine_profile import EngineProfile
@@ -50,6 +51,16 @@ SHRINK_HEADROOM = 0.03  # a pool shrinks only where the attainment was measured 
 # has none to spend must not pay for savings with misses
 BUDGET_MARGIN = 0.01
 KEPT_OBSERVATIONS = 64
+
+
+def pooled_attainment(observations: Iterable[IntervalObservation]) -> float | None:
+    """The attainment of all the requests the intervals finished, pooled: each interval weighs by
+    its finished requests (None: none finished)."""
+    met = finished = 0.0
+    for observation in observations:
+        met += (observation.sla_attainment or 0.0) * observation.finished
+        finished += observation.finished
+    return met / finished if finished else None
 
 
 @dataclass
@@ -186,8 +197,8 @@ class Planner:
     _backlog: float = field(default=0.0, init=False)
     _recent_quantiles: list[tuple[float, ...]] = field(default_factory=list, init=False)
     _recent_observations: list[IntervalObservation] = field(default_factory=list, init=False)
-    # (end of interval, requests that met both targets, requests finished) over --attainment-window
-    _window: deque[tuple[float, float, int]] = field(default_factory=deque, init=False)
+    # the intervals whose requests finished within --attainment-window, oldest first
+    _window: deque[IntervalObservation] = field(default_factory=deque, init=False)
     _grown_at: dict[str, float] = field(default_factory=dict, init=False)
     _resized_at: float = field(default=-math.inf, init=False)  # the last decision that changed a pool
 
@@ -267,16 +278,15 @@ class Planner:
             window = self.options.predictor_window
             self._recent_quantiles = [*self._recent_quantiles, observation.uncached_quantiles][-window:]
         self._recent_observations = [*self._recent_observations, observation][-KEPT_OBSERVATIONS:]
-        end = observation.start_s + observation.duration_s
         if observation.finished and observation.sla_attainment is not None:
-            self._window.append((end, observation.sla_attainment * observation.finished, observation.finished))
-        while self._window and self._window[0][0] <= end - self.options.attainment_window:
+            self._window.append(observation)
+        since = observation.start_s + observation.duration_s - self.options.attainment_window
+        while self._window and self._window[0].start_s + self._window[0].duration_s <= since:
             self._window.popleft()
 
     def window_attainment(self) -> float | None:
         """The attainment of the requests finished within ``--attainment-window`` (None: none)."""
-        finished = sum(n for _, _, n in self._window)
-        return sum(met for _, met, _ in self._window) / finished if finished else None
+        return pooled_attainment(self._window)
 
     def _correct(self, observation: IntervalObservation, current: PoolSizes) -> None:
         """Move the corrections toward observed ÷ modelled for the interval just seen."""
@@ -469,9 +479,11 @@ class Planner:
         budget = self.window_attainment()
         if budget is not None and budget < goal + BUDGET_MARGIN:
             return False  # the SLA's window has no misses to spare for a shrink
-        pooled = sum((o.sla_attainment or 0.0) * o.finished for o in window) / finished
-        return pooled >= goal + SHRINK_HEADROOM and all(
-            (o.sla_attainment or 0.0) >= goal for o in window if self._measured(o)
+        pooled = pooled_attainment(window)
+        return (
+            pooled is not None
+            and pooled >= goal + SHRINK_HEADROOM
+            and all((o.sla_attainment or 0.0) >= goal for o in window if self._measured(o))
         )
 
     def _room_for_one_less(self, size: int) -> bool:
