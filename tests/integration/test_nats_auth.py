@@ -19,7 +19,7 @@ from kvmesh.common.runtime.nats_server import EmbeddedNatsServer
 from kvmesh.devtools.mesh_process import MeshProcess
 from tests.certificates import make_certificates
 from tests.nats_jwt import operator_setup
-from tests.support import wait_until_async
+from tests.support import registered, wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -136,18 +136,72 @@ async def test_tls_and_mutual_tls(tmp_path: Path):
         server.stop()
 
 
-async def test_a_creds_file_against_a_server_in_operator_mode(tmp_path: Path):
+@pytest.fixture
+async def operator_mode_server(tmp_path: Path):
+    """A nats-server in operator (JWT) mode and the path of a user ``.creds`` file it accepts."""
     setup = operator_setup(tmp_path)
-    user = NatsCredentials(creds_file=str(setup.creds_file))
-    server = await EmbeddedNatsServer(server_args=["-c", str(setup.server_config)], credentials=user).start()
+    credentials = NatsCredentials(creds_file=str(setup.creds_file))
+    server = await EmbeddedNatsServer(server_args=["-c", str(setup.server_config)], credentials=credentials).start()
+    yield server, setup.creds_file
+    server.stop()
+
+
+async def test_a_creds_file_from_the_environment_in_operator_mode(operator_mode_server):
+    server, creds_file = operator_mode_server
+    assert run(["kvmesh", "inspect", "worker", "--nats-url", server.url]).returncode != 0
+    ok = run(["kvmesh", "inspect", "worker", "--nats-url", server.url], {"KVMESH_NATS_CREDS": str(creds_file)})
+    assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.parametrize("service", ["indexer", "router", "worker", "frontend"])
+async def test_a_service_without_the_creds_file_is_refused_in_operator_mode(operator_mode_server, service):
+    server, _creds_file = operator_mode_server
+    refused = run([f"kvmesh.{service}", "--nats-url", server.url])
+    assert refused.returncode != 0
+    assert f"cannot connect to NATS at {server.url}" in refused.stderr and "uthoriz" in refused.stderr
+
+
+async def test_the_nats_creds_flag_reaches_every_service_of_kvmesh_up_and_a_standalone_worker(
+    operator_mode_server,
+):
+    """``--nats-creds`` on the command line, no environment: `kvmesh up` hands it to its indexer,
+    router, worker, frontend and planner, and they serve; a worker started alone with the flag joins."""
+    server, creds_file = operator_mode_server
+    credentials = NatsCredentials(creds_file=str(creds_file))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_NATS_")}
+    assert clean == dict(os.environ), "this test's own environment must carry no NATS credentials"
+    mesh = MeshProcess(
+        *("--nats-url", server.url, "--nats-creds", str(creds_file), "--workers", "1", "--planner"),
+        *("--min-workers", "1", "--max-workers", "2"),
+    ).start()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.worker", "--nats-url", server.url, "--nats-creds", str(creds_file)],
+        env={**clean, "PYTHONUNBUFFERED": "1"},
+    )
     try:
-        assert run(["kvmesh", "inspect", "worker", "--nats-url", server.url]).returncode != 0
-        ok = run(
-            ["kvmesh", "inspect", "worker", "--nats-url", server.url], {"KVMESH_NATS_CREDS": str(setup.creds_file)}
+        answer = openai.OpenAI(base_url=mesh.api, api_key="unused", max_retries=0).completions.create(
+            model="kvmesh-tiny", prompt="authenticated by a JWT", max_tokens=3
         )
-        assert ok.returncode == 0, ok.stderr
+        assert answer.usage.completion_tokens == 3
+        nc = await nats.connect(server.url, **credentials.connect_options())
+        try:
+            for component in ("indexer", "router"):
+                assert await registered(nc, "default", component), f"no {component} registered"
+            # the planner registers nowhere; it says when it has taken its lease in NATS
+            await wait_until_async(
+                lambda: any("planner ready" in line for line in mesh.output), timeout=30, what="the planner"
+            )
+
+            async def both_workers() -> bool:
+                return len(await registered(nc, "default", "worker")) == 2
+
+            await wait_until_async(both_workers, timeout=30, what="the standalone worker registered")
+        finally:
+            await nc.close()
     finally:
-        server.stop()
+        worker.terminate()
+        assert worker.wait(timeout=30) == 0
+        assert mesh.stop() == 0
 
 
 def test_a_missing_credentials_file_is_a_clear_error():

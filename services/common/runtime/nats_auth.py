@@ -14,17 +14,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["NatsCredentials"]
+from kvmesh.common.runtime.config import env_var_name
 
-_ENV = {
-    "user": "KVMESH_NATS_USER",
-    "password": "KVMESH_NATS_PASSWORD",
-    "token": "KVMESH_NATS_TOKEN",
-    "creds_file": "KVMESH_NATS_CREDS",
-    "tls_ca": "KVMESH_NATS_TLS_CA",
-    "tls_cert": "KVMESH_NATS_TLS_CERT",
-    "tls_key": "KVMESH_NATS_TLS_KEY",
+__all__ = ["OPTIONS", "NatsCredentials"]
+
+# Each credential's service option (``CommonConfig``): the one declaration of its name. The flag
+# (``--nats-creds``) and the environment variable (``KVMESH_NATS_CREDS``) both derive from it, so a
+# field here can never again look for an option that does not exist (``creds_file`` once looked for
+# ``nats_creds_file`` and every service dropped ``--nats-creds`` without a word).
+OPTIONS = {
+    "user": "nats_user",
+    "password": "nats_password",
+    "token": "nats_token",
+    "creds_file": "nats_creds",
+    "tls_ca": "nats_tls_ca",
+    "tls_cert": "nats_tls_cert",
+    "tls_key": "nats_tls_key",
 }
+_ENV = {name: env_var_name(option) for name, option in OPTIONS.items()}
 
 
 @dataclass(frozen=True)
@@ -43,8 +50,10 @@ class NatsCredentials:
 
     @classmethod
     def from_config(cls, config: Any) -> NatsCredentials:
-        """From a service's options (``nats_user``, ``nats_password``, ...)."""
-        return cls(**{f.name: getattr(config, f"nats_{f.name}", None) for f in fields(cls)})
+        """From a service's options (``nats_user``, ``nats_password``, ``nats_creds``, ...: see
+        :data:`OPTIONS`). A config without one of them is a programming error and raises
+        ``AttributeError``: a credential is never silently dropped."""
+        return cls(**{name: getattr(config, option) for name, option in OPTIONS.items()})
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> NatsCredentials:
