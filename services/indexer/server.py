@@ -16,8 +16,8 @@ import structlog
 from nats.js import JetStreamContext
 from prometheus_client import Histogram
 
+from kvmesh.common.core.index_answer import answer_query
 from kvmesh.common.core.prefix_index import PrefixIndex
-from kvmesh.common.core.tier_credits import offloaded_blocks
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh.common.rpc.grpc_errors import refuse
 from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord, new_instance_id
@@ -28,7 +28,6 @@ from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
 from kvmesh.common.runtime.metrics import MetricsEndpoint
 from kvmesh.common.runtime.service import ServiceStack, service_main
 from kvmesh.common.wire.hashing import block_set_digest, sequence_hashes
-from kvmesh.common.wire.kv_events import POOL_DP_RANK, PSEUDO_DP_RANKS
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.indexer.consumer import EventStreamConsumer
@@ -97,57 +96,32 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             raise QueryRefused(f"query longer than {MAX_QUERY_BLOCKS} blocks")
         started = time.perf_counter()
         sequence = request.sequence_hashes or sequence_hashes(request.local_hashes)
-        matched = self.index.find_matches_by_sequence(sequence)
-        alignment: dict[tuple[int, int], tuple[int, int]] = {}
-        if request.moe_query:  # a dense model's query pays nothing for MoE
-            experts = {(e.layer, e.expert) for e in request.moe_query}
-            alignment = self.index.moe_alignment(sequence, matched, experts)
-        pooled = self._pooled_blocks(matched)
-        host, disk = offloaded_blocks(matched)
-        sizes = self.index.tree_sizes()
-        extra = (pooled.keys() | host.keys() | disk.keys()) - sizes.keys()
-        if extra:  # a worker that caches nothing on its device yet can still read the pool or its host tier
-            sizes = {**dict.fromkeys(extra, 0), **sizes}
+        experts = {(e.layer, e.expert) for e in request.moe_query}  # a dense model's query pays nothing for MoE
+        answer = answer_query(self.index, sequence, experts, self._pool_of)
         self.query_latency.observe(time.perf_counter() - started)
         response = indexer_pb2.FindMatchesResponse() if into is None else into
         add = response.workers.add
-        for key, size in sizes.items():
-            if key[1] in PSEUDO_DP_RANKS:
-                continue
-            aligned, hosted = alignment.get(key, (0, 0))
+        for key, size in answer.tree_sizes.items():
+            aligned, hosted = answer.moe.get(key, (0, 0))
             add(
                 worker_id=key[0],
                 dp_rank=key[1],
-                matched_blocks=matched.get(key, 0),
+                matched_blocks=answer.matched.get(key, 0),
                 total_blocks=size,
                 moe_aligned_blocks=aligned,
                 moe_hosted_experts=hosted,
-                pooled_blocks=pooled.get(key, 0),
-                host_blocks=host.get(key, 0),
-                disk_blocks=disk.get(key, 0),
+                pooled_blocks=answer.pooled.get(key, 0),
+                host_blocks=answer.host.get(key, 0),
+                disk_blocks=answer.disk.get(key, 0),
             )
         response.applied_sequence = self.consumer.applied_sequence
         return response
 
-    def _pooled_blocks(self, matched: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
-        """Per worker that reads a KV pool: the query's blocks past its own match that a segment of
-        that pool holds (the longest prefix any of the pool's writers wrote)."""
-        segments = {writer: blocks for (writer, rank), blocks in matched.items() if rank == POOL_DP_RANK and blocks}
-        if self.workers is None or not segments:  # the usual case: no pool, nothing more to do
+    def _pool_of(self) -> dict[int, str]:
+        """The KV pool each discovered worker reads (most read none)."""
+        if self.workers is None:
             return {}
-        pool_of = {r.instance_id: r.extra.get("kv_pool") for r in self.workers.instances() if r.extra.get("kv_pool")}
-        best: dict[str, int] = {}
-        for writer, blocks in segments.items():
-            pool = pool_of.get(writer)
-            if pool is not None and blocks > best.get(pool, 0):
-                best[pool] = blocks
-        if not best:
-            return {}
-        return {
-            (worker, 0): best[pool] - matched.get((worker, 0), 0)
-            for worker, pool in pool_of.items()
-            if best.get(pool, 0) > matched.get((worker, 0), 0)
-        }
+        return {r.instance_id: r.extra["kv_pool"] for r in self.workers.instances() if r.extra.get("kv_pool")}
 
     async def GetStatus(
         self, request: indexer_pb2.IndexerStatusRequest, context: grpc.aio.ServicerContext

@@ -61,7 +61,13 @@ class Disaggregation:
         record = plan.prefill
         router = self._router
         router.track_add(
-            prefill_half.request_id, record, plan.block_hashes, len(request.token_ids), plan.prefill_overlap, 0
+            prefill_half.request_id,
+            record,
+            plan.block_hashes,
+            len(request.token_ids),
+            plan.prefill_overlap,
+            0,
+            plan.prefill_rank,
         )
         stub = worker_pb2_grpc.WorkerStub(self._channels.get(record.address))
         job = PrefillJob(record.instance_id, stub, prefill_half, lambda: router.track_free(prefill_half.request_id))

@@ -10,10 +10,10 @@ import asyncio
 import random
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import structlog
 
+from kvmesh.common.core.index_answer import EMPTY_ANSWER, IndexAnswer
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc
 from kvmesh.common.rpc.channels import ChannelPool
 from kvmesh.common.rpc.query_streams import QueryKind, QueryStreamBroken, QueryStreams
@@ -21,18 +21,6 @@ from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.wire.worker_key import WorkerKey
 
 log = structlog.get_logger(__name__)
-
-
-class CacheView(NamedTuple):
-    """What the caches hold for one request: matched prefix blocks and tree size per worker, and
-    with a MoE query (aligned matched blocks, queried experts hosted) per worker that has any."""
-
-    matched: dict[WorkerKey, int]
-    tree_sizes: dict[WorkerKey, int]
-    moe: dict[WorkerKey, tuple[int, int]] = {}
-    pooled: dict[WorkerKey, int] = {}  # blocks past the match a worker can import from its KV pool
-    host: dict[WorkerKey, int] = {}  # blocks past the match a worker holds offloaded in host memory
-    disk: dict[WorkerKey, int] = {}  # ... and past those, on disk
 
 
 class QueryRefusedByIndexer(ValueError):
@@ -80,7 +68,7 @@ class IndexerClient:
 
     async def find_matches(
         self, block_hashes: Sequence[int], moe_query: Sequence[common_pb2.MoeExpert] = ()
-    ) -> CacheView:
+    ) -> IndexAnswer:
         replicas = self._indexers.instances() if self._indexers else []
         self._rng.shuffle(replicas)
         query = indexer_pb2.FindMatchesRequest(sequence_hashes=block_hashes, moe_query=moe_query)
@@ -103,11 +91,11 @@ class IndexerClient:
             pooled = {(w.worker_id, w.dp_rank): w.pooled_blocks for w in response.workers if w.pooled_blocks}
             host = {(w.worker_id, w.dp_rank): w.host_blocks for w in response.workers if w.host_blocks}
             disk = {(w.worker_id, w.dp_rank): w.disk_blocks for w in response.workers if w.disk_blocks}
-            return CacheView(matched, sizes, moe, pooled, host, disk)
+            return IndexAnswer(matched, sizes, moe, pooled, host, disk)
         if self.load_only_since is None:  # said once, until a replica answers again
             self.load_only_since = self._clock()
             log.warning("no indexer answered; routing on load alone until one does", replicas=len(replicas))
-        return CacheView({}, {})
+        return EMPTY_ANSWER
 
     def _answered(self) -> None:
         self.last_answer_at = self._clock()

@@ -27,13 +27,16 @@ log = structlog.get_logger(__name__)
 
 @dataclass
 class RemotePrefill:
-    """The request prefills on ``prefill`` and decodes on ``decode``."""
+    """The request prefills on ``prefill`` (its rank ``prefill_rank``) and decodes on ``decode``
+    (its rank ``decode_rank``)."""
 
     prefill: InstanceRecord
     prefill_overlap: int
     decode: InstanceRecord
     block_hashes: list[int]
     predicted_prefill_ms: float | None = None  # on the prefill worker, to its first token
+    prefill_rank: int = 0
+    decode_rank: int = 0
 
 
 @dataclass
@@ -44,6 +47,7 @@ class LocalPrefill:
     overlap: int
     block_hashes: list[int]
     reason: str
+    decode_rank: int = 0
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Sequence
 
 import structlog
@@ -19,6 +20,7 @@ from kvmesh.common.runtime.heap import freeze_startup_heap
 from kvmesh.common.runtime.metrics import MetricsEndpoint
 from kvmesh.common.runtime.service import ServiceStack, service_main
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.fleet_checks import FleetChecks
 from kvmesh.router.indexer_client import IndexerClient
 from kvmesh.router.load_reports import publish_worker_loads_forever
 from kvmesh.router.metrics import RouterMetrics
@@ -89,11 +91,22 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         indexer_client = IndexerClient(indexers, channels, config.indexer_timeout_ms / 1000, rng)
         indexer_clients.append(indexer_client)
         stack.push_async_callback(indexer_client.close)  # before the channels, like the sessions
-        router = Router(config, workers, indexer_client, router_id=str(instance_id), rng=rng)
+        # the metrics read the router's picture and sync, which exist once the router does
+        metrics = RouterMetrics(lambda: router.loads.pictures(), lambda: len(router.sync.peers()) if router.sync else 0)
+        queue = RouterQueue(config.queue_config(), metrics.queue, time.monotonic)
+        router = Router(
+            config,
+            workers,
+            indexer_client,
+            router_id=str(instance_id),
+            rng=rng,
+            checks=FleetChecks(metrics.findings, config.kv_events, time.monotonic),
+            on_capacity=queue.capacity_freed,
+        )
         routers.append(router)
         if config.router_replica_sync:
             sync = ReplicaSync(nc, config.namespace, router.router_id, router.apply_remote, router.forget_router)
-            router.sync = await stack.start(sync)
+            router.share_with(await stack.start(sync))
         stack.task(expire_forever(router), "expire-requests")
         stack.task(
             publish_worker_loads_forever(
@@ -101,7 +114,6 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
             ),
             "publish-worker-loads",
         )
-        metrics = RouterMetrics(router.loads.pictures, lambda: len(router.sync.peers()) if router.sync else 0)
         split_overhead = Gauge(
             "kvmesh_router_split_overhead_ms",
             "what a prefill/decode split adds to time to first token beyond its prefill, as measured (docs/decisions/"
@@ -111,7 +123,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         split_overhead.set_function(lambda: router.split_overhead.estimate(router.clock()))
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
-        servicer = RouterServicer(router, channels, sessions, metrics)
+        servicer = RouterServicer(router, channels, sessions, metrics, queue)
         stack.task(nudge_queue_forever(servicer.queue), "nudge-queue")
         stack.task(check_fleet_forever(router, indexers), "check-fleet")
         stack.callback(servicer.disaggregation.close)

@@ -28,7 +28,6 @@ from kvmesh.common.rpc.tasks import cancel_and_wait
 from kvmesh.common.wire.request_reports import END, FIRST_TOKEN
 from kvmesh.common.wire.requests import with_disaggregated_params
 from kvmesh.router.disaggregation import Disaggregation
-from kvmesh.router.fleet_checks import FleetChecks
 from kvmesh.router.handoffs import Handoffs
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
@@ -50,18 +49,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         router: Router,
         channels: ChannelPool,
         sessions: StreamSessions,
-        metrics: RouterMetrics | None = None,
+        metrics: RouterMetrics,
+        queue: RouterQueue,
     ) -> None:
-        """``sessions``: this replica's ``GenerateMany`` streams to the workers, which carry its handoffs."""
+        """``sessions``: this replica's ``GenerateMany`` streams to the workers, which carry its
+        handoffs; ``queue``: where requests wait while every worker is busy (the one the router
+        tells when capacity frees)."""
         self.router = router
         self.channels = channels
         self.sessions = sessions
-        self.metrics = metrics or RouterMetrics(router.loads.pictures, lambda: 0)
+        self.metrics = metrics
         self.reports = ReportListener(router, self.metrics)  # what the frontends tell us
         self.disaggregation = Disaggregation(router, channels, self.metrics)
-        self.queue = RouterQueue(router.config.queue_config(), self.metrics.queue, router.clock)
-        router.on_capacity = self.queue.capacity_freed
-        router.checks = FleetChecks(self.metrics.findings, router.config.kv_events, router.clock)
+        self.queue = queue
 
     async def Route(
         self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
@@ -102,9 +102,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 rank = choice.dp_rank
             elif isinstance(plan, LocalPrefill):
                 worker, overlap, block_hashes = plan.decode, plan.overlap, plan.block_hashes
+                rank = plan.decode_rank
                 self.metrics.prefills.labels("local", plan.reason).inc()
             else:
-                worker, block_hashes = plan.decode, plan.block_hashes
+                worker, block_hashes, rank = plan.decode, plan.block_hashes, plan.decode_rank
                 overlap = len(block_hashes)  # its KV arrives: only the tail is computed there
         response = router_pb2.RouteResponse(
             worker_id=worker.instance_id,

@@ -13,7 +13,7 @@ from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.indexer_client import IndexerClient
 from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
-from kvmesh.router.routing import Router, RoutingError
+from kvmesh.router.routing import RouteInput, Router, RoutingError
 from kvmesh.router.split_overhead import SplitOverhead
 
 MODEL = "kvmesh-tiny"
@@ -106,12 +106,31 @@ async def test_the_router_adopts_each_workers_advertised_timing_and_forgets_a_de
     mesh = router({1: "aggregated", 2: "aggregated"})
     slow = as_constants(scaled(TimingModel(), 2.0))
     mesh.workers.get(2).extra["timing"] = slow
-    prepared = mesh.prepare(request(64))
-    cost = prepared.policy.cost_model
+    prepared = mesh.prepare(RouteInput.of(request(64)))
+    cost = mesh.chooser.policy(prepared.candidates[0]).cost_model
     assert cost.timing((2, 0)) == from_constants(slow)
     assert cost.timing((1, 0)) == TimingModel()  # nothing advertised: the prior
     mesh.worker_left(mesh.workers.get(2))
     assert cost.timing((2, 0)) == TimingModel()
+
+
+def test_every_data_parallel_rank_is_costed_with_its_own_fitted_timing_and_forgotten_with_its_worker():
+    from kvmesh.common.core.timing import TimingModel, as_constants, from_constants, scaled
+
+    mesh = router({1: "aggregated", 2: "aggregated"})
+    ranked = mesh.workers.get(2)
+    slow, slower = as_constants(scaled(TimingModel(), 2.0)), as_constants(scaled(TimingModel(), 3.0))
+    ranked.extra.update({"data_parallel_size": 3, "timing": slow, "timing_by_rank": {"1": slower}})
+    prepared = mesh.prepare(RouteInput.of(request(64)))
+    cost = mesh.chooser.policy(prepared.candidates[0]).cost_model
+    # rank 1 advertises its own fit; ranks 0 and 2 the worker's
+    assert [cost.timing((2, rank)) for rank in range(3)] == [
+        from_constants(slow),
+        from_constants(slower),
+        from_constants(slow),
+    ]
+    mesh.worker_left(ranked)
+    assert all(cost.timing((2, rank)) == TimingModel() for rank in range(3))
 
 
 async def test_a_prefill_workers_advertised_timing_is_adopted_when_prefills_are_placed():
@@ -122,7 +141,8 @@ async def test_a_prefill_workers_advertised_timing_is_adopted_when_prefills_are_
     mesh.workers.get(3).extra["timing"] = slow
     plan = await mesh.plan_prefill(request(2000))
     assert isinstance(plan, RemotePrefill)
-    assert mesh.prepare(request(64)).policy.cost_model.timing((3, 0)) == from_constants(slow)
+    prepared = mesh.prepare(RouteInput.of(request(64)))
+    assert mesh.chooser.policy(prepared.candidates[0]).cost_model.timing((3, 0)) == from_constants(slow)
 
 
 async def test_a_split_is_made_only_where_it_is_predicted_to_pay():

@@ -3,10 +3,10 @@ match by tier and the router's credit of it with its options."""
 
 from __future__ import annotations
 
+from kvmesh.common.core.index_answer import IndexAnswer
 from kvmesh.common.core.tier_credits import credited_matches, offloaded_blocks
 from kvmesh.common.wire.kv_events import DISK_DP_RANK, HOST_DP_RANK
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.indexer_client import CacheView
 
 
 def test_the_host_tier_counts_past_the_device_match_and_the_disk_past_both():
@@ -20,6 +20,6 @@ def test_the_host_tier_counts_past_the_device_match_and_the_disk_past_both():
 
 def test_the_router_credits_each_tier_and_takes_the_better_of_host_and_pool():
     config = RouterConfig(host_block_credit=0.75, disk_block_credit=0.25, pooled_block_credit=0.9)
-    view = CacheView({(1, 0): 4, (2, 0): 0}, {}, pooled={(2, 0): 4}, host={(1, 0): 8, (2, 0): 4}, disk={(1, 0): 4})
+    view = IndexAnswer({(1, 0): 4, (2, 0): 0}, {}, pooled={(2, 0): 4}, host={(1, 0): 8, (2, 0): 4}, disk={(1, 0): 4})
     credited = credited_matches(view.matched, config.tier_credits(), pooled=view.pooled, host=view.host, disk=view.disk)
     assert credited == {(1, 0): 4 + 6 + 1, (2, 0): round(0.9 * 4)}

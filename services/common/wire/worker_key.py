@@ -1,20 +1,35 @@
-"""How every service names one engine instance: ``(worker_id, dp_rank)``.
+"""How every service names one engine instance: a :class:`WorkerKey`, (worker, data-parallel rank).
 
-A worker process may run several data-parallel ranks, each with its own KV cache; the prefix index,
-the router's load picture and its cost function all key on the pair.
+A worker process may run several data-parallel ranks, each an engine core with its own KV cache; the
+prefix index, the router's load picture, its cost function and its fitted step times all key on the
+pair. A storage tier (host memory, disk, a KV pool) is not a rank: it is a field of its own
+(:class:`~kvmesh.common.wire.kv_events.StorageTier`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-WorkerKey = tuple[int, int]
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
 
 # A worker's discovery record says how many data-parallel ranks it runs under this key (absent: one).
 DATA_PARALLEL_KEY = "data_parallel_size"
 
 
+class WorkerKey(NamedTuple):
+    """One engine instance: ``worker_id``'s data-parallel rank ``dp_rank``.
+
+    A tuple, so a key read off the wire as ``(worker_id, dp_rank)`` finds the same entry: equal
+    pairs hash and compare alike whichever way they were built."""
+
+    worker_id: int
+    dp_rank: int = 0
+
+
 def ranks_of(extra: Mapping[str, Any]) -> range:
     """The data-parallel ranks a worker's discovery record (its ``extra``) advertises: 0..size-1."""
     return range(max(1, int(extra.get(DATA_PARALLEL_KEY) or 1)))
+
+
+def keys_of(worker_id: int, extra: Mapping[str, Any]) -> Iterator[WorkerKey]:
+    """Every engine instance of one worker, from its discovery record's ``extra``."""
+    return (WorkerKey(worker_id, rank) for rank in ranks_of(extra))
