@@ -3,6 +3,7 @@ included) and the record it keeps of each replayed request."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -10,7 +11,7 @@ from kvmesh.common.runtime.config import ConfigError, option
 from kvmesh.common.wire.frontend_load import RequestSample
 from kvmesh.planner.planner import PlannerOptions
 from kvmesh.replay.arrival_profile import parse_arrival_profile
-from kvmesh.router.config import RoutingOptions
+from kvmesh.router.config import RouterConfig, RoutingOptions
 from kvmesh.router.policy import POLICY_MODES
 from kvmesh.router.request_queue import PRIORITY_CLASSES
 
@@ -29,6 +30,17 @@ def parse_mix(text: str) -> dict[str, float]:
     if any(v < 0 for v in shares.values()) or abs(sum(shares.values()) - 1.0) > 1e-6:
         raise ValueError("the shares must be >= 0 and sum to 1")
     return shares
+
+
+# The router's options a replay cannot model, and why: each is refused when set (at its default it
+# changes nothing). Every other routing option takes effect in the replay as in the router
+# (tests/replay/test_replay_routing_options.py shows each one change a decision).
+REFUSED_OPTIONS = {
+    "lora_load_tokens": "a Mooncake trace names no LoRA adapter, so no worker ever loads one",
+    "pooled_block_credit": "the replay's workers share no KV pool",
+    "disk_block_credit": "the replay's workers have no disk tier (--host-kv-blocks gives them a host tier)",
+    "moe_score_weight": "a Mooncake trace carries no MoE query",
+}
 
 
 # A step's KV events reach a live mesh's index this long after the step ends: 5.4 ms median (6.3 ms
@@ -104,6 +116,10 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
     def validate(self) -> None:
         RoutingOptions.validate(self)
         PlannerOptions.validate(self)
+        defaults = {f.name: f.default for f in dataclasses.fields(RoutingOptions)}
+        for name, why in REFUSED_OPTIONS.items():
+            if getattr(self, name) != defaults[name]:
+                raise ConfigError(f"--{name.replace('_', '-')} has no effect in a replay: {why}")
         parse_arrival_profile(self.arrival_profile)
         if self.router_mode not in REPLAY_MODES:
             raise ConfigError(f"--router-mode must be one of {', '.join(REPLAY_MODES)} in a replay")
@@ -139,7 +155,8 @@ class RequestRecord:
     arrival_ms: float
     input_length: int
     output_length: int
-    worker: int = -1
+    worker: int = -1  # its (decode) worker
+    prefill_worker: int = -1  # with prefill workers: the one that prefilled it remotely (-1: none)
     cached_tokens: int = 0
     first_token_ms: float = math.nan
     last_token_ms: float = math.nan
@@ -166,3 +183,9 @@ class RequestRecord:
     def sample(self) -> RequestSample:
         """This request as a frontend would report it to the planner."""
         return RequestSample(self.input_length, self.tokens, self.cached_tokens, self.ttft_ms, self.tpot_ms)
+
+
+def router_config(config: ReplayConfig) -> RouterConfig:
+    """The router configuration a replay routes with: its routing options, a live router's defaults
+    for the rest (KV events on, approximate mode off, no disaggregation enforced)."""
+    return RouterConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(RoutingOptions)})

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.common.wire.worker_load import WorkerLoad
 from kvmesh.planner.load import IntervalObservation, observe_interval
 from kvmesh.planner.planner import POOLS
@@ -58,6 +59,51 @@ class VirtualFleet:
 
     def worker_seconds(self, end_ms: float) -> float:
         return sum(w.seconds(end_ms) for w in self.workers)
+
+
+# The model the replay's requests and workers name (one model: the router's model filter passes all).
+REPLAY_MODEL = "replay"
+
+
+class RoutableWorkers:
+    """The replay's discovery: the workers the router may send requests to now, as the registered
+    records a live router's watcher lists (in the order they joined)."""
+
+    def __init__(self, block_size: int, capacity_blocks: int, max_num_batched_tokens: int) -> None:
+        self._shape = (block_size, capacity_blocks, {"max_num_batched_tokens": max_num_batched_tokens})
+        self._records: dict[int, InstanceRecord] = {}
+
+    def record(self, index: int, role: str) -> InstanceRecord:
+        """The record worker ``index`` registers with in pool ``role``."""
+        block_size, capacity, extra = self._shape
+        return InstanceRecord(
+            "worker",
+            index,
+            "",
+            role=role,
+            model=REPLAY_MODEL,
+            block_size=block_size,
+            capacity_blocks=capacity,
+            extra=dict(extra),
+        )
+
+    def join(self, index: int, role: str) -> None:
+        self._records[index] = self.record(index, role)
+
+    def leave(self, index: int) -> InstanceRecord | None:
+        return self._records.pop(index, None)
+
+    def instances(self) -> list[InstanceRecord]:
+        return list(self._records.values())
+
+    def get(self, instance_id: int) -> InstanceRecord | None:
+        return self._records.get(instance_id)
+
+    def of_role(self, *roles: str) -> list[InstanceRecord]:
+        return [r for r in self._records.values() if r.role in roles]
+
+    def __contains__(self, index: int) -> bool:
+        return index in self._records
 
 
 @dataclass

@@ -114,13 +114,16 @@ def test_pd_pairing_in_the_replay_uses_a_mode_per_pool(tmp_path):
         prefill_policy="cache-aware",
         decode_policy="round-robin",
         disagg_min_uncached_tokens=0,
+        disagg_split_when="always",
     )
     simulator = ReplaySimulator(config)
     records = simulator.run(trace)
     assert [r.worker for r in records] == [0, 1, 0, 1, 0, 1]  # decode: in turn
     assert all(r.kv_source == "remote" for r in records)
     # prefill: the repeated prompt stays on the prefill worker that first took it
-    assert len(simulator.prefill_policy.cache_aware.tree.sizes()) == 1
+    assert {r.prefill_worker for r in records} == {records[0].prefill_worker}
+    (cache_aware,) = [p for p in simulator.router.chooser.policies() if p.mode == "cache-aware"]
+    assert len(cache_aware.cache_aware.tree.sizes()) == 1
 
 
 def test_percentile_interpolates_like_numpy():
@@ -210,6 +213,7 @@ def test_remote_prefill_timeline_is_prefill_then_transfer_then_one_decode_step(t
         disagg_min_uncached_tokens=128,
         kv_bytes_per_token=1000,
         kv_transfer_gbps=1.0,
+        disagg_split_when="always",  # an idle fleet: a split gains nothing, and would not be made
     )
     simulator = ReplaySimulator(config)
     (record,) = simulator.run(trace)
@@ -240,7 +244,9 @@ def test_disaggregation_trades_ttft_for_decode_tail_latency_on_the_shared_trace(
     prefills three aggregated workers share, so TTFT grows. Both are the published trade-off."""
     trace = shared_trace[:1000]
     aggregated = summarise(ReplaySimulator(ReplayConfig(workers=3)).run(trace))
-    split = summarise(ReplaySimulator(ReplayConfig(workers=2, prefill_workers=1)).run(trace))
+    split = summarise(
+        ReplaySimulator(ReplayConfig(workers=2, prefill_workers=1, disagg_split_when="always")).run(trace)
+    )
     assert split["completed"] == aggregated["completed"] == 1000
     assert split["prefills"]["remote"] > 0
     assert split["itl_ms"]["p99"] < aggregated["itl_ms"]["p99"] / 2

@@ -107,8 +107,8 @@ def test_a_disaggregated_replay_sizes_the_prefill_and_decode_pools_apart():
     assert max(p["prefill"] - p["decode"] for p in timeline) > 0
     started = {w.index: w.role for w in simulator.fleet.workers}
     assert set(started.values()) == {"prefill", "decode"}
-    assert all(started[w] == "prefill" for w, _ in simulator._prefill_workers)
-    assert all(started[w] == "decode" for w, _ in simulator._workers)
+    assert all(started[r.instance_id] == "prefill" for r in simulator.workers.of_role("prefill"))
+    assert all(started[r.instance_id] == "decode" for r in simulator.workers.of_role("decode"))
 
 
 def test_a_disaggregated_replay_needs_a_disaggregated_planner():

@@ -1,0 +1,152 @@
+"""Every routing option ``kvmesh replay`` accepts changes a routing decision there, on a case built
+for it, and every option it cannot model is refused with a line saying why. The replay runs the
+router's own pipeline, so an option that took effect in the service and not here would make the
+replay's figures a claim about another router. A routing option added without a case here fails
+the first test."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from kvmesh.common.runtime.config import ConfigError
+from kvmesh.replay.config import REFUSED_OPTIONS, ReplayConfig
+from kvmesh.replay.mooncake_trace import TraceRequest
+from kvmesh.replay.simulator import ReplaySimulator
+from kvmesh.router.config import RoutingOptions
+
+# small engines and blocks: every case replays in milliseconds
+SMALL = {"block_size": 16, "trace_block_size": 32, "num_blocks": 4096, "max_num_batched_tokens": 1024}
+
+
+def groups_trace(
+    requests: int, groups: int, gap_ms: float, shared: int = 6, unique: int = 2, output: int = 8
+) -> list[TraceRequest]:
+    """``requests`` requests in ``groups`` prefix groups (``shared`` trace blocks in common, then
+    ``unique`` of their own), one every ``gap_ms``."""
+    trace = []
+    for i in range(requests):
+        group = i % groups
+        prefix = tuple(range(group * 1000, group * 1000 + shared))
+        own = tuple(range(100_000 + i * unique, 100_000 + (i + 1) * unique))
+        trace.append(TraceRequest(i * gap_ms, (shared + unique) * 32, output, prefix + own))
+    return trace
+
+
+def siblings_trace(requests: int = 64, groups: int = 16, siblings: int = 4, shared: int = 30) -> list[TraceRequest]:
+    """Bursts of ``siblings`` requests 1 ms apart sharing a ``shared``-block prefix, every 50 ms:
+    the later siblings arrive before the first's KV events can reach the index."""
+    trace = []
+    for i in range(requests):
+        group = (i // siblings) % groups
+        prefix = tuple(range(group * 1000, group * 1000 + shared))
+        at = (i // siblings) * 50.0 + (i % siblings) * 1.0
+        trace.append(TraceRequest(at, (shared + 2) * 32, 8, (*prefix, 100_000 + 2 * i, 100_001 + 2 * i)))
+    return trace
+
+
+def partial_matches_trace() -> list[TraceRequest]:
+    """Pairs whose second request shares 2 of its first 5 trace blocks: 40% of its prompt is cached
+    where the first went, between cache-aware's default threshold (30%) and 50%."""
+    trace = []
+    for i in range(24):
+        base = i * 100
+        first = tuple(range(base, base + 5))
+        second = (base, base + 1, *range(base + 50, base + 53))
+        trace.append(TraceRequest(i * 400.0, 160, 4, first))
+        trace.append(TraceRequest(i * 400.0 + 200, 160, 4, second))
+    return trace
+
+
+@dataclass
+class Case:
+    """A replay (its options and trace) whose decisions the option's ``changed`` value changes."""
+
+    changed: Any
+    trace: Callable[[], list[TraceRequest]]
+    base: dict[str, Any] = field(default_factory=dict)
+
+
+PD = {"workers": 2, "prefill_workers": 2, "disagg_min_uncached_tokens": 0}
+# a fleet of 4 under load, 8 prefix groups arriving faster than it serves them
+LOADED = lambda: groups_trace(160, 8, 4.0)  # noqa: E731
+CACHE_AWARE = {"router_mode": "cache-aware", "workers": 4}
+QUEUED = {"workers": 2, "active_prefill_tokens_threshold": 256}
+# a device cache that holds one request: earlier prefixes live on in each worker's host tier
+HOST_TIER = {"num_blocks": 32, "host_kv_blocks": 4096, "workers": 2}
+
+CASES: dict[str, Case] = {
+    "router_mode": Case("round-robin", LOADED, {"workers": 4}),
+    "prefill_policy": Case("round-robin", LOADED, {**PD, "disagg_split_when": "always"}),
+    "decode_policy": Case("round-robin", LOADED, {**PD, "disagg_split_when": "always"}),
+    "cache_threshold": Case(0.5, partial_matches_trace, CACHE_AWARE),
+    "balance_abs_threshold": Case(0, lambda: groups_trace(160, 2, 2.0), {**CACHE_AWARE, "balance_rel_threshold": 1.0}),
+    "balance_rel_threshold": Case(1.0, lambda: groups_trace(160, 2, 2.0), {**CACHE_AWARE, "balance_abs_threshold": 0}),
+    "eviction_interval_secs": Case(0.05, lambda: groups_trace(80, 8, 50.0), {**CACHE_AWARE, "max_tree_size": 64}),
+    "max_tree_size": Case(64, lambda: groups_trace(80, 8, 50.0), {**CACHE_AWARE, "eviction_interval_secs": 0.05}),
+    "cache_miss_policy": Case("least-loaded", lambda: groups_trace(80, 80, 5.0), CACHE_AWARE),
+    "kv_cost": Case("blocks", LOADED, {"workers": 4}),
+    "kv_overlap_score_weight": Case(0.0, LOADED, {"workers": 4}),
+    "router_temperature": Case(5.0, LOADED, {"workers": 4}),
+    "host_block_credit": Case(0.0, lambda: groups_trace(60, 6, 500.0, shared=8), HOST_TIER),
+    "router_predicted_ttl_secs": Case(0.0, siblings_trace, {"workers": 4}),
+    "track_active_blocks": Case(False, LOADED, {"workers": 4}),
+    # one prefix group: kv piles it onto few workers until their predicted load (outputs included) tells
+    "router_track_output_blocks": Case(
+        True, lambda: groups_trace(160, 1, 4.0, output=400), {"workers": 4, "kv_cost": "blocks"}
+    ),
+    "disagg_min_uncached_tokens": Case(10_000, LOADED, {**PD, "disagg_split_when": "always"}),
+    "disagg_split_when": Case("always", LOADED, {**PD}),
+    "disagg_split_overhead_ms": Case(10_000.0, LOADED, {**PD}),
+    "prefill_queue_limit_tokens": Case(512, LOADED, {**PD, "disagg_split_when": "always"}),
+    "active_decode_blocks_threshold": Case(40, LOADED, {"workers": 2}),
+    "active_prefill_tokens_threshold": Case(256, LOADED, {"workers": 2}),
+    "router_queue_size": Case(2, LOADED, QUEUED),
+    "router_queue_timeout_secs": Case(0.05, LOADED, QUEUED),
+    "router_queue_policy": Case("spf", lambda: groups_trace(160, 8, 4.0, unique=5), QUEUED),
+    "router_queue_shares": Case(
+        "high=1,normal=1,low=1", LOADED, {**QUEUED, "priority_mix": "high=0.2,normal=0.5,low=0.3"}
+    ),
+}
+
+
+def routing_options() -> list[str]:
+    return [f.name for f in dataclasses.fields(RoutingOptions)]
+
+
+def decisions(config: ReplayConfig, trace: list[TraceRequest]) -> list[tuple]:
+    """Where each request went and how: its worker, its prefill worker and KV source, whether and
+    how long it waited in the router queue."""
+    records = ReplaySimulator(config).run(trace)
+    return [(r.worker, r.prefill_worker, r.kv_source, r.refused, round(r.queued_ms, 3)) for r in records]
+
+
+def test_every_routing_option_has_a_case_or_a_refusal():
+    assert set(CASES) | set(REFUSED_OPTIONS) == set(routing_options())
+    assert not set(CASES) & set(REFUSED_OPTIONS)
+
+
+@pytest.mark.parametrize("option", sorted(CASES))
+def test_the_option_changes_a_decision_in_the_replay(option):
+    case = CASES[option]
+    base = ReplayConfig(**{**SMALL, **case.base})
+    assert getattr(base, option) != case.changed, "the case must change the option"
+    changed = dataclasses.replace(base, **{option: case.changed})
+    for config in (base, changed):
+        config.validate()
+    trace = case.trace()
+    assert decisions(base, trace) != decisions(changed, trace)
+
+
+@pytest.mark.parametrize("option", sorted(REFUSED_OPTIONS))
+def test_an_option_the_replay_cannot_model_is_refused_saying_why(option):
+    default = next(f.default for f in dataclasses.fields(RoutingOptions) if f.name == option)
+    ReplayConfig(**SMALL).validate()  # at its default it is accepted: it changes nothing
+    with pytest.raises(ConfigError) as refused:
+        ReplayConfig(**SMALL, **{option: default / 2 if isinstance(default, float) else default + 1}).validate()
+    assert f"--{option.replace('_', '-')} has no effect in a replay" in str(refused.value)
+    assert REFUSED_OPTIONS[option] in str(refused.value)
