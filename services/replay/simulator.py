@@ -405,7 +405,7 @@ class ReplaySimulator:
         self.router.track_add(
             request_id, plan.decode, prepared.block_hashes, record.input_length, len(prepared.block_hashes), expected
         )
-        self.router.split_started(request_id, plan.predicted_prefill_ms)
+        self.router.picture.split_started(request_id, plan.predicted_prefill_ms, self.now_ms / 1000.0)
         self._awaiting_kv[prefill_id] = (request_id, decode, prompt, record.output_length, hashes)
         return prefill
 
@@ -423,7 +423,7 @@ class ReplaySimulator:
     def _prefill_finished(self, prefill_id: str, prefill: int, cached_tokens: int, now: float, by_id) -> int:
         """A remote prefill ended: reserve the decode side and start the transfer (or prefill there)."""
         request_id, decode, prompt, output_length, hashes = self._awaiting_kv.pop(prefill_id)
-        self.router.track_free(prefill_id)
+        self.router.picture.free(prefill_id)
         by_id[request_id].cached_tokens = cached_tokens
         engine = self.engines[decode]
         plan = engine.add_remote_prefill(EngineRequestSpec(request_id, prompt, output_length), block_hashes=hashes)
@@ -463,12 +463,12 @@ class ReplaySimulator:
                 record.first_token_ms = now
                 if record.kv_source != "remote":
                     record.cached_tokens = output.cached_tokens
-                self.router.track_first_token(output.request_id)
+                self.router.picture.first_token(output.request_id)
             else:
                 record.inter_token_ms.append(now - record.last_token_ms)
             record.tokens += 1
             record.last_token_ms = now
             if output.finish_reason is not None:
-                self.router.track_free(output.request_id)
+                self.router.picture.free(output.request_id)
                 del by_id[output.request_id]
         return woken

@@ -70,7 +70,7 @@ class Disaggregation:
             plan.prefill_rank,
         )
         stub = worker_pb2_grpc.WorkerStub(self._channels.get(record.address))
-        job = PrefillJob(record.instance_id, stub, prefill_half, lambda: router.track_free(prefill_half.request_id))
+        job = PrefillJob(record.instance_id, stub, prefill_half, lambda: router.picture.free(prefill_half.request_id))
         job.task.add_done_callback(lambda _task: self._prefill_ended(request.request_id, job))
         self._jobs[request.request_id] = job
         allow_local = not config.enforce_disagg

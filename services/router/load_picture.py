@@ -13,9 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from kvmesh.common.proto.kvmesh.v1 import router_pb2
 from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.common.wire.worker_key import WorkerKey, keys_of
 from kvmesh.router.active_sequences import ActiveSequences
+from kvmesh.router.cache_view import CacheView
+from kvmesh.router.candidates import Prepared
 from kvmesh.router.config import RoutingOptions
 from kvmesh.router.eligibility import BusyThresholds, not_busy
 from kvmesh.router.load_tracker import LoadTracker
@@ -173,6 +176,49 @@ class LoadPicture:
         # also a safety net: a free the queue was not told of waits at most until this runs
         self.on_capacity()
         return expired
+
+    # ---- what it shows ---------------------------------------------------------------------
+    def potential_loads(self, prepared: Prepared, view: CacheView) -> list[router_pb2.WorkerLoad]:
+        """Each candidate rank's load now and if ``prepared`` were added to it."""
+        active = self.sequences(prepared.block_size)
+        loads = []
+        expected = prepared.request.expected_output_tokens
+        for load in active.potential_loads(
+            prepared.keys, prepared.block_hashes, prepared.prompt_tokens, view.matched, expected
+        ):
+            now_prefill, now_decode = active.load(load.worker)
+            loads.append(
+                router_pb2.WorkerLoad(
+                    worker_id=load.worker[0],
+                    dp_rank=load.worker[1],
+                    overlap_blocks=view.matched.get(load.worker, 0),
+                    potential_prefill_tokens=load.prefill_tokens,
+                    potential_decode_blocks=load.decode_blocks,
+                    active_prefill_tokens=now_prefill,
+                    active_decode_blocks=now_decode,
+                )
+            )
+        return loads
+
+    def loads_of(self, workers: Sequence[InstanceRecord]) -> list[router_pb2.WorkerLoad]:
+        """Every rank of ``workers`` with its predicted load now (zero for one with nothing in
+        flight), and any load still recorded for a worker that has left."""
+
+        def load(worker: WorkerKey, prefill: int, decode: int) -> router_pb2.WorkerLoad:
+            return router_pb2.WorkerLoad(
+                worker_id=worker[0], dp_rank=worker[1], active_prefill_tokens=prefill, active_decode_blocks=decode
+            )
+
+        loads = {
+            key: load(key, *self.sequences(r.block_size).load(key))
+            for r in workers
+            for key in keys_of(r.instance_id, r.extra)
+        }
+        for picture in self.loads.pictures():
+            for worker in picture.workers():
+                if worker not in loads:
+                    loads[worker] = load(worker, *picture.load(worker))
+        return sorted(loads.values(), key=lambda entry: (entry.worker_id, entry.dp_rank))
 
     def sequences(self, block_size: int) -> ActiveSequences:
         return self.loads.sequences(block_size)

@@ -52,6 +52,6 @@ class ReportListener:
             return
         self.applied += 1
         if report.kind == FIRST_TOKEN:
-            router.track_first_token(report.request_id)
+            router.picture.first_token(report.request_id)
         else:
-            router.track_free(report.request_id)
+            router.picture.free(report.request_id)

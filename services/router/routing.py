@@ -1,19 +1,13 @@
-"""The routing pipeline of one router replica, and the load picture it leaves behind.
+"""The routing pipeline of one router replica: four stages, a module each, strung together.
 
-One decision walks four stages, each a module of its own:
-
-1. candidates and eligibility (:mod:`~kvmesh.router.candidates`): which workers may take the
-   request, its block hashes;
+1. candidates (:mod:`~kvmesh.router.candidates`): the workers that may take the request;
 2. the cache view (:mod:`~kvmesh.router.cache_view`): an index's answer, tier credits, predictions;
 3. the cost and the choice (:mod:`~kvmesh.router.choice`): a worker, or a prefill and a decode;
-4. the load picture and admission (:mod:`~kvmesh.router.load_picture`): the busy thresholds before
-   the choice, the request counted after it.
+4. the load picture (:mod:`~kvmesh.router.load_picture`): admission before, the count after.
 
-:class:`Router` strings them together. Its synchronous steps (:meth:`~Router.prepare`,
-:meth:`~Router.decide`, :meth:`~Router.place`) are all of the decision but the index's answer:
-``kvmesh replay`` drives them in virtual time with its own index's answer, the service
-(:meth:`~Router.choose`, :meth:`~Router.plan_prefill`) with the indexer replicas'. Time comes from
-the clock it is given.
+The synchronous steps (:meth:`~Router.prepare`, :meth:`~Router.decide`, :meth:`~Router.place`) are
+the whole decision but the index's answer: ``kvmesh replay`` drives them with its own index's, the
+service (:meth:`~Router.choose`, :meth:`~Router.plan_prefill`) with the indexer replicas'.
 """
 
 from __future__ import annotations
@@ -30,7 +24,7 @@ from kvmesh.common.core.timing import TimingModel
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
 from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.common.runtime.misconfiguration import Findings
-from kvmesh.common.wire.worker_key import WorkerKey, keys_of
+from kvmesh.common.wire.worker_key import WorkerKey
 from kvmesh.router.cache_view import NO_VIEW, CacheView, CacheViews
 from kvmesh.router.candidates import Candidates, Prepared, RouteInput, RoutingError, WorkerDirectory
 from kvmesh.router.choice import Choice, Chooser
@@ -231,50 +225,13 @@ class Router:
         return self.place(prepared, pool, answer)
 
     async def potential_loads(self, request: common_pb2.PreprocessedRequest) -> list[router_pb2.WorkerLoad]:
+        """Each candidate's load if ``request`` were added to it (the ``PotentialLoads`` query)."""
         prepared = self.prepare(RouteInput.of(request))
-        view = self.view(prepared, await self.answer(prepared))
-        active = self.picture.sequences(prepared.block_size)
-        loads = []
-        for load in active.potential_loads(
-            prepared.keys,
-            prepared.block_hashes,
-            prepared.prompt_tokens,
-            view.matched,
-            prepared.request.expected_output_tokens,
-        ):
-            now_prefill, now_decode = active.load(load.worker)
-            loads.append(
-                router_pb2.WorkerLoad(
-                    worker_id=load.worker[0],
-                    dp_rank=load.worker[1],
-                    overlap_blocks=view.matched.get(load.worker, 0),
-                    potential_prefill_tokens=load.prefill_tokens,
-                    potential_decode_blocks=load.decode_blocks,
-                    active_prefill_tokens=now_prefill,
-                    active_decode_blocks=now_decode,
-                )
-            )
-        return loads
+        return self.picture.potential_loads(prepared, self.view(prepared, await self.answer(prepared)))
 
     def load_by_worker(self) -> list[router_pb2.WorkerLoad]:
-        """Every registered worker's predicted load now (zero for one with nothing in flight), and
-        any load still recorded for a worker that has left."""
-
-        def load(worker: WorkerKey, prefill: int, decode: int) -> router_pb2.WorkerLoad:
-            return router_pb2.WorkerLoad(
-                worker_id=worker[0], dp_rank=worker[1], active_prefill_tokens=prefill, active_decode_blocks=decode
-            )
-
-        loads = {
-            key: load(key, *self.picture.sequences(r.block_size).load(key))
-            for r in self.workers.instances()
-            for key in keys_of(r.instance_id, r.extra)
-        }
-        for picture in self.loads.pictures():
-            for worker in picture.workers():
-                if worker not in loads:
-                    loads[worker] = load(worker, *picture.load(worker))
-        return sorted(loads.values(), key=lambda entry: (entry.worker_id, entry.dp_rank))
+        """Every registered worker's predicted load now (see :meth:`LoadPicture.loads_of`)."""
+        return self.picture.loads_of(self.workers.instances())
 
     # ---- the load picture, shared with the other replicas ----------------------------------
     def track_add(
@@ -295,19 +252,6 @@ class Router:
             request_id, key, record.block_size, block_hashes, prompt_tokens, overlap, expected_output_tokens, now
         )
 
-    def split_started(
-        self, request_id: str, predicted_prefill_ms: float | None, decided_at: float | None = None
-    ) -> None:
-        """A tracked request was split at ``decided_at`` (default: now): its first token will say what
-        the split added (see split_overhead)."""
-        self.picture.split_started(request_id, predicted_prefill_ms, self.clock() if decided_at is None else decided_at)
-
-    def track_first_token(self, request_id: str) -> None:
-        self.picture.first_token(request_id)
-
-    def track_free(self, request_id: str) -> None:
-        self.picture.free(request_id)
-
     def apply_remote(self, message: SyncMessage) -> None:
         """Another replica's request event (an ``add`` for a worker we do not know is ignored)."""
         record = self.workers.get(message.worker_id) if message.kind == ADD else None
@@ -317,10 +261,6 @@ class Router:
             self.cache_views.predict(key, record.block_size, message.block_hashes, message.overlap_blocks)
         if message.kind != ADD:
             self.picture.on_capacity()
-
-    def forget_router(self, router_id: str) -> None:
-        """A replica went silent: drop every request it had told us about."""
-        self.picture.forget_router(router_id)
 
     def expire_stale(self) -> None:
         for key in self.picture.expire(self.config.request_timeout_secs):

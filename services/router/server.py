@@ -105,7 +105,9 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         )
         routers.append(router)
         if config.router_replica_sync:
-            sync = ReplicaSync(nc, config.namespace, router.router_id, router.apply_remote, router.forget_router)
+            sync = ReplicaSync(
+                nc, config.namespace, router.router_id, router.apply_remote, router.picture.forget_router
+            )
             router.share_with(await stack.start(sync))
         stack.task(expire_forever(router), "expire-requests")
         stack.task(

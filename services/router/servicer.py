@@ -128,7 +128,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         expected = sent.expected_output_tokens if sent.HasField("expected_output_tokens") else 0
         self.router.track_add(sent.request_id, worker, block_hashes, len(sent.token_ids), overlap, expected, rank or 0)
         if isinstance(plan, RemotePrefill):  # tracked now: its free or its expiry forgets the timing
-            self.router.split_started(sent.request_id, plan.predicted_prefill_ms, decided)
+            self.router.picture.split_started(sent.request_id, plan.predicted_prefill_ms, decided)
         log.info(
             "routed",
             worker_id=worker.instance_id,

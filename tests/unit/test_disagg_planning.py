@@ -96,7 +96,7 @@ async def test_prefill_pool_without_capacity_falls_back_or_refuses_when_enforced
         else:
             plan = await mesh.plan_prefill(request(2000))
             assert isinstance(plan, LocalPrefill) and plan.reason == "no_prefill_capacity"
-        mesh.track_free("queued")
+        mesh.picture.free("queued")
         assert isinstance(await mesh.plan_prefill(request(2000)), RemotePrefill)
 
 
@@ -157,12 +157,12 @@ async def test_a_split_is_made_only_where_it_is_predicted_to_pay():
     decode = mesh.workers.get(1)
     for i in range(40):  # 40 long decodes on the decode worker: each prefill step there carries them
         mesh.track_add(f"decoding-{i}", decode, list(range(i * 1000, i * 1000 + 200)), 16, 0, 2000)
-        mesh.track_first_token(f"decoding-{i}")
+        mesh.picture.first_token(f"decoding-{i}")
     busy = await mesh.plan_prefill(request(2000))
     assert isinstance(busy, RemotePrefill) and busy.predicted_prefill_ms is not None
     # the splits measured so far each added 10 s: no gain left
     for i in range(5):
-        mesh.split_started(f"slow-{i}", 0.0)
+        mesh.picture.split_started(f"slow-{i}", 0.0, mesh.clock())
         mesh.split_overhead.observe(10_000.0, mesh.clock())
     assert isinstance(await mesh.plan_prefill(request(2000)), LocalPrefill)
 
@@ -186,11 +186,11 @@ def test_the_router_measures_a_splits_overhead_from_its_first_token():
         IndexerClient(None, ChannelPool(), 0.5, random.Random(1)),
         clock=lambda: now[0],
     )
-    mesh.split_started("split", predicted_prefill_ms=40.0)
+    mesh.picture.split_started("split", 40.0, mesh.clock())
     now[0] += 0.25  # its first token came 250 ms after the decision, its prefill predicted at 40
-    mesh.track_first_token("split")
+    mesh.picture.first_token("split")
     assert mesh.split_overhead.samples == 1 and mesh.split_overhead.estimate(now[0]) == pytest.approx(210.0)
-    mesh.split_started("lost", predicted_prefill_ms=40.0)
-    mesh.track_free("lost")  # ended before a first token (failed, cancelled): no sample
-    mesh.track_first_token("lost")
+    mesh.picture.split_started("lost", 40.0, mesh.clock())
+    mesh.picture.free("lost")  # ended before a first token (failed, cancelled): no sample
+    mesh.picture.first_token("lost")
     assert mesh.split_overhead.samples == 1
