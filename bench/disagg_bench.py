@@ -10,9 +10,9 @@ Serving: ``kvmesh up`` (mock workers at ``--speedup-ratio``) loaded by ``kvmesh 
 first ``--limit`` requests of the trace at ``--request-rate`` requests/s; TTFT, inter-token
 latency, throughput, and where the prefills ran (the router's metrics).
 
-Replay: the same comparison in virtual time through ``kvmesh replay``'s simulator (the router's
-``place_prefill`` and the mock engine, no processes): 3 aggregated vs 1 prefill + 2 decode, and
-6 vs 2 + 4, on the whole trace.
+Replay: the same comparison in virtual time through ``kvmesh replay``'s simulator (the router's own
+pipeline and the mock engine, no processes): 3 aggregated vs 1 prefill + 2 decode, and 6 vs 2 + 4,
+each split fleet under ``--disagg-split-when always`` and ``gain``, on the whole trace.
 
     python -m bench.disagg_bench [--part transfer|serving|replay|all] [--limit 120] [--request-rate 2]
 """
@@ -183,29 +183,43 @@ def serving_part(args: argparse.Namespace) -> None:
 
 # ---- the same comparison in virtual time -----------------------------------------------------------
 def replay_part(args: argparse.Namespace) -> None:
-    """``kvmesh replay``'s engine and router in virtual time: no CPU contention, Dynamo's timing model,
-    a modelled model (128 KiB of KV per token) over a 25 GB/s link."""
+    """``kvmesh replay``'s engine and the router's own pipeline in virtual time: no CPU contention,
+    Dynamo's timing model, a modelled model (128 KiB of KV per token) over a 25 GB/s link. Each
+    disaggregated fleet runs under both split rules: ``always`` (every request the thresholds allow)
+    and ``gain`` (the default: only where the split is predicted to cost less, decode stall counted)."""
+    from kvmesh.replay.cli import fleet_summary
     from kvmesh.replay.config import ReplayConfig
     from kvmesh.replay.mooncake_trace import read_trace
     from kvmesh.replay.report import summarise
     from kvmesh.replay.simulator import ReplaySimulator
 
-    trace = read_trace(args.trace)
-    setups = [("3 aggregated", 3, 0), ("1 prefill + 2 decode", 2, 1), ("6 aggregated", 6, 0), ("2P + 4D", 4, 2)]
-    print(f"\nReplay in virtual time of all {len(trace)} trace requests (64-token blocks, Dynamo's timing model)")
+    trace = read_trace(args.trace)[: args.replay_limit]
+    setups = [
+        ("3 aggregated", 3, 0, "gain"),
+        ("1P + 2D, always", 2, 1, "always"),
+        ("1P + 2D, gain", 2, 1, "gain"),
+        ("6 aggregated", 6, 0, "gain"),
+        ("2P + 4D, always", 4, 2, "always"),
+        ("2P + 4D, gain", 4, 2, "gain"),
+    ]
+    print(f"\nReplay in virtual time of {len(trace)} trace requests (64-token blocks, Dynamo's timing model)")
     print(
-        f"{'speed-up':>8} {'setup':22} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL mean':>9} {'p99':>8} "
-        f"{'TPOT mean':>9} {'tok/s':>8}  prefills"
+        f"{'speed-up':>8} {'setup':18} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>7} {'worker-s':>9}  prefills"
     )
     for speedup in args.replay_speedups:
-        for label, workers, prefill in setups:
-            config = ReplayConfig(workers=workers, prefill_workers=prefill, arrival_speedup_ratio=speedup)
-            summary = summarise(ReplaySimulator(config).run(trace))
-            ttft, itl, tpot = summary["ttft_ms"], summary["itl_ms"], summary["tpot_ms"]
+        for label, workers, prefill, split_when in setups:
+            config = ReplayConfig(
+                workers=workers, prefill_workers=prefill, arrival_speedup_ratio=speedup, disagg_split_when=split_when
+            )
+            simulator = ReplaySimulator(config)
+            records = simulator.run(trace)
+            summary = summarise(records)
+            cost = fleet_summary(simulator, records, config)["worker_seconds"]
+            ttft, itl = summary["ttft_ms"], summary["itl_ms"]
             print(
-                f"{speedup:>8} {label:22} {ttft['p50']:9.1f} {ttft['p90']:8.1f} {ttft['p99']:8.1f} "
-                f"{itl['mean']:9.2f} {itl['p99']:8.2f} {tpot['mean']:9.2f} {summary['output_tokens_per_s']:8.1f}  "
-                f"{summary.get('prefills', '')}"
+                f"{speedup:>8} {label:18} {ttft['p50']:9.1f} {ttft['p99']:8.1f} {itl['p50']:8.2f} {itl['p99']:7.2f} "
+                f"{cost:9.0f}  {summary.get('prefills', '')}",
+                flush=True,
             )
 
 
@@ -215,6 +229,7 @@ def main() -> None:
     parser.add_argument(
         "--replay-speedups", type=float, nargs="+", default=[1.0, 2.0], help="replay: trace arrival speed-ups"
     )
+    parser.add_argument("--replay-limit", type=int, default=None, help="replay: only the first N trace requests")
     parser.add_argument("--rounds", type=int, default=5, help="transfer: pulls per backend")
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--limit", type=int, default=120, help="serving: trace requests to send")

@@ -39,6 +39,7 @@ class _Request:
 @dataclass(slots=True)
 class _WorkerLoad:
     requests: int = 0
+    prefilling: int = 0  # requests whose prefill is still queued or running
     prefill_tokens: int = 0
     own_blocks: int = 0
     block_refs: dict[int, int] = field(default_factory=dict)
@@ -115,6 +116,7 @@ class ActiveSequences:
         self._requests[request_id] = request
         load = self._loads.setdefault(worker, _WorkerLoad())
         load.requests += 1
+        load.prefilling += prefill > 0
         load.prefill_tokens += prefill
         load.own_blocks += request.own_blocks
         for h in request.block_hashes:
@@ -124,7 +126,9 @@ class ActiveSequences:
         request = self._requests.get(request_id)
         if request is None or request.prefill_tokens == 0:
             return
-        self._loads[request.worker].prefill_tokens -= request.prefill_tokens
+        load = self._loads[request.worker]
+        load.prefill_tokens -= request.prefill_tokens
+        load.prefilling -= 1
         request.prefill_tokens = 0
 
     def add_output(self, request_id: str, tokens: int) -> None:
@@ -146,6 +150,7 @@ class ActiveSequences:
             return
         load = self._loads[request.worker]
         load.requests -= 1
+        load.prefilling -= request.prefill_tokens > 0
         load.prefill_tokens -= request.prefill_tokens
         load.own_blocks -= request.own_blocks
         for h in request.block_hashes:
@@ -182,6 +187,12 @@ class ActiveSequences:
         """Requests in flight on ``worker`` (what SGLang's router calls a worker's load)."""
         load = self._loads.get(worker)
         return load.requests if load is not None else 0
+
+    def decoding(self, worker: WorkerKey) -> int:
+        """Requests on ``worker`` past their prefill: each step it spends on another prefill delays
+        their next tokens."""
+        load = self._loads.get(worker)
+        return load.requests - load.prefilling if load is not None else 0
 
     def potential_loads(
         self,

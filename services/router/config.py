@@ -107,8 +107,9 @@ class RoutingOptions:
     disagg_split_when: str = option(
         "gain",
         "gain: split a request into a remote prefill and a decode only when the prefill worker's predicted time to "
-        "first token plus the split's measured overhead beats a local prefill's (the ttft cost model; docs/"
-        "decisions/0037); always: whenever the rules above allow it",
+        "first token plus the split's measured overhead beats what a local prefill costs: its first token plus the "
+        "stall it puts on the requests decoding there (the ttft cost model; docs/decisions/0037, 0039); always: "
+        "whenever the rules above allow it",
         choices=("gain", "always"),
     )
     disagg_split_overhead_ms: float = option(

@@ -11,8 +11,10 @@ Active only while a prefill-role worker for the request's model is registered. P
    since its cache no longer decides how much prefill it does;
 3. given the measured overhead of a split (``split_overhead_ms``, :mod:`~kvmesh.router.split_overhead`)
    and the ``ttft`` cost model, the request prefills remotely only if the prefill worker's predicted
-   time to its first token plus that overhead is below the decode worker's own prediction for a
-   local prefill (else local, reason ``no_gain``).
+   time to its first token plus that overhead is below what a local prefill costs: the decode
+   worker's own prediction of the request's first token, plus the stall the prefill's steps put on
+   every request decoding there (each waits that long for its next token; docs/decisions/0039).
+   Else local, reason ``no_gain``.
 
 With ``--prefill-policy`` / ``--decode-policy`` (SGLang's PD pairing) each pool is chosen in its
 own mode. Step 1 needs the decode worker's cached overlap, which only a ``kv`` decode policy knows;
@@ -103,9 +105,12 @@ def place_prefill(
     prefill_overlap = overlaps.get(prefill.worker, prefill.overlap_blocks)
     remote_ms = predicted_ttft_ms(prefill_policy, prefill.worker, prompt_tokens - prefill_overlap * policy.block_size)
     if split_overhead_ms is not None and local is not None and not enforce and remote_ms is not None:
-        local_ms = predicted_ttft_ms(policy, local.worker, prompt_tokens - local.overlap_blocks * policy.block_size)
-        if local_ms is not None and not split_pays(local_ms, remote_ms, split_overhead_ms):
-            return Placement(local.worker, None, local.overlap_blocks, "no_gain")
+        uncached = prompt_tokens - local.overlap_blocks * policy.block_size
+        local_ms = predicted_ttft_ms(policy, local.worker, uncached)
+        if local_ms is not None:
+            local_ms += decode_stall_ms(policy, local.worker, uncached)
+            if not split_pays(local_ms, remote_ms, split_overhead_ms):
+                return Placement(local.worker, None, local.overlap_blocks, "no_gain")
     decode = policy.choose(decode_workers, *args, 0.0, temperature, expected_output_tokens, **context)
     return Placement(decode.worker, prefill.worker, prefill_overlap, predicted_prefill_ms=remote_ms)
 
@@ -118,3 +123,14 @@ def predicted_ttft_ms(policy: RoutingPolicy, worker: WorkerKey, uncached_tokens:
         return None
     prefill_tokens, decode_blocks = policy.active.load(worker)
     return model.cost(Candidate(worker, prefill_tokens + max(0, uncached_tokens), decode_blocks), 1.0)
+
+
+def decode_stall_ms(policy: RoutingPolicy, worker: WorkerKey, uncached_tokens: int) -> float:
+    """What prefilling ``uncached_tokens`` on ``worker`` costs the requests decoding there, in
+    request-milliseconds: each step that carries a chunk of it delays every one of them by that
+    chunk's prefill time (the ``ttft`` model's prefill time of the tokens alone). 0 with another
+    cost model, or with nothing decoding there."""
+    decoding = policy.active.decoding(worker)
+    if policy.cost_model.name != "ttft" or not decoding or uncached_tokens <= 0:
+        return 0.0
+    return decoding * policy.cost_model.cost(Candidate(worker, uncached_tokens, 0), 1.0)

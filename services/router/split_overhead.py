@@ -49,6 +49,7 @@ class SplitOverhead:
         self.samples += 1
 
 
-def split_pays(local_ttft_ms: float, remote_prefill_ms: float, overhead_ms: float) -> bool:
-    """Whether a remote prefill is predicted to give the first token sooner than a local one."""
-    return remote_prefill_ms + overhead_ms < local_ttft_ms
+def split_pays(local_cost_ms: float, remote_prefill_ms: float, overhead_ms: float) -> bool:
+    """Whether a remote prefill (its first token, plus the split's overhead) is predicted to cost less
+    than a local one (its first token, plus the stall it puts on the decode worker's requests)."""
+    return remote_prefill_ms + overhead_ms < local_cost_ms

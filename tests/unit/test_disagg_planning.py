@@ -167,6 +167,37 @@ async def test_a_split_is_made_only_where_it_is_predicted_to_pay():
     assert isinstance(await mesh.plan_prefill(request(2000)), LocalPrefill)
 
 
+async def test_a_split_counts_the_stall_a_local_prefill_puts_on_the_decode_workers_requests():
+    """The decode worker decodes 8 requests that hold no blocks (so a local prefill's own first
+    token is no later there) and the split's overhead outweighs the prefill worker's lead. By the
+    first token alone the request stays local; counting the 8 requests that would each wait through
+    its prefill steps, the split pays."""
+    from kvmesh.router.prefill_placement import decode_stall_ms, predicted_ttft_ms
+
+    def decoding_mesh(overhead_ms: float, decoding: int) -> Router:
+        mesh = router(
+            {1: "decode", 3: "prefill"},
+            disagg_split_when="gain",
+            router_predicted_ttl_secs=0,
+            disagg_split_overhead_ms=overhead_ms,
+        )
+        for i in range(decoding):
+            mesh.track_add(f"decoding-{i}", mesh.workers.get(1), [], 8, 0, 0)
+            mesh.picture.first_token(f"decoding-{i}")
+        return mesh
+
+    probe = decoding_mesh(0.0, 8)
+    policy = probe.chooser.policy(probe.workers.get(1))
+    local = predicted_ttft_ms(policy, (1, 0), 2000)
+    stall = decode_stall_ms(policy, (1, 0), 2000)
+    remote = predicted_ttft_ms(policy, (3, 0), 2000)
+    assert stall == pytest.approx(8 * remote)  # the same prefill, idle workers: 8 requests wait through it
+    overhead = local - remote + stall / 2  # more than the first token gains, less than the stall
+    assert isinstance(await decoding_mesh(overhead, 8).plan_prefill(request(2000)), RemotePrefill)
+    idle = await decoding_mesh(overhead, 0).plan_prefill(request(2000))
+    assert isinstance(idle, LocalPrefill) and idle.reason == "no_gain"
+
+
 def test_the_split_overhead_is_measured_and_drifts_back_to_its_prior_without_samples():
     overhead = SplitOverhead(prior_ms=5.0, weight=0.5, half_life_s=10.0)
     assert overhead.estimate(0.0) == 5.0
