@@ -34,9 +34,9 @@ from bench.live_load import run_load
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.process import connect_nats
 from kvmesh.devtools.mesh_process import MeshProcess
-from kvmesh.worker.kv_buffer import KvBuffer
-from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer
-from kvmesh.worker.nixl_agent import NixlAgent, nixl_available
+from kvmesh.worker.kv_transfer.kv_buffer import KvBuffer
+from kvmesh.worker.kv_transfer.nixl_agent import NixlAgent, nixl_available
+from kvmesh.worker.kv_transfer.transport import KvTransferClient, KvTransferServer
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_BYTES = 256 << 10  # 256 KiB blocks: 64 MiB is 256 of them

@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvmesh.loadgen.cli", "load an OpenAI-compatible endpoint and report latency, throughput, cache hits"),
     "gen-protos": ("kvmesh.devtools.protogen", "regenerate the Python gRPC code from protos/"),
     "build-tiny-model": (
-        "kvmesh.worker.tiny_llama",
+        "kvmesh.worker.engines.vllm.tiny_llama",
         "build the random-weight kvmesh-tiny Llama for `kvmesh worker --engine vllm --model DIR`",
     ),
 }

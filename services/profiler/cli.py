@@ -13,7 +13,7 @@ from kvmesh.common.core.timing import TimingModel
 from kvmesh.common.runtime.structured_logging import configure_logging
 from kvmesh.profiler.live import profile_worker
 from kvmesh.profiler.mock import profile_mock_engine
-from kvmesh.worker.mock_engine import EngineConfig
+from kvmesh.worker.engines.mock.mock_engine import EngineConfig
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from kvmesh.common.core.engine_profile import DecodePoint, EngineProfile, PrefillPoint
 from kvmesh.common.core.timing import TimingModel
 from kvmesh.worker.engine import EngineRequestSpec
-from kvmesh.worker.mock_engine import EngineConfig, MockEngine
+from kvmesh.worker.engines.mock.mock_engine import EngineConfig, MockEngine
 
 PREFILL_TOKENS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 CONCURRENCY = (1, 8, 32, 64, 128, 256)

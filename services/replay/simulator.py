@@ -45,7 +45,7 @@ from kvmesh.router.prefill_job import LocalPrefill
 from kvmesh.router.request_queue import AllWorkersBusy, Waiting, WaitingRequests
 from kvmesh.router.routing import Router
 from kvmesh.worker.engine import EngineRequestSpec
-from kvmesh.worker.mock_engine import EngineConfig, MockEngine, StepResult
+from kvmesh.worker.engines.mock.mock_engine import EngineConfig, MockEngine, StepResult
 
 
 class ReplaySimulator:

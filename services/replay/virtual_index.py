@@ -16,7 +16,7 @@ from kvmesh.common.core.index_answer import IndexAnswer, answer_query
 from kvmesh.common.core.prefix_index import PrefixIndex
 from kvmesh.common.wire.kv_events import KvEventBatch
 from kvmesh.common.wire.worker_key import WorkerKey
-from kvmesh.worker.mock_engine import MockEngine
+from kvmesh.worker.engines.mock.mock_engine import MockEngine
 
 
 class VirtualIndex:

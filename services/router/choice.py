@@ -196,7 +196,7 @@ class Chooser:
         placement = place_prefill(
             decode_policy,
             decode_keys,
-            [WorkerKey(r.instance_id, 0) for r in pool],  # a worker's KV handover is its first rank's
+            [WorkerKey(r.instance_id, 0) for r in pool],  # a worker's KV handoff is its first rank's
             prepared.block_hashes,
             prepared.prompt_tokens,
             view.matched,

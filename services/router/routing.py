@@ -158,7 +158,7 @@ class Router:
         except AllWorkersBusy as busy:
             busy.uncached_tokens = view.uncached_tokens(prepared)
             raise
-        # a split request runs on each worker's first rank: a worker's KV handover is its rank 0's
+        # a split request runs on each worker's first rank: a worker's KV handoff is its rank 0's
         keys = [WorkerKey(worker_id, 0) for worker_id in dict.fromkeys(key.worker_id for key in admitted)]
         block_size, enforce = prepared.block_size, self.config.enforce_disagg
         try:

@@ -11,7 +11,7 @@ from kvmesh.indexer.config import SnapshotOptions
 from kvmesh.planner.planner import PlannerOptions
 from kvmesh.router.config import RouterOptions
 from kvmesh.worker.config import EngineOptions, check_data_parallel, check_host_tier, check_lora_adapters
-from kvmesh.worker.vllm_defaults import check_block_size
+from kvmesh.worker.engines.vllm.vllm_defaults import check_block_size
 
 
 @dataclass

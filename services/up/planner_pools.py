@@ -17,7 +17,7 @@ from kvmesh.planner.planner import PlannerOptions
 from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.up.config import UpConfig
 from kvmesh.up.processes import ServiceProcess, common_args, worker_process
-from kvmesh.worker.mock_engine import EngineConfig
+from kvmesh.worker.engines.mock.mock_engine import EngineConfig
 from kvmesh.worker_pool import WorkerPool, WorkerPools
 
 log = structlog.get_logger(__name__)

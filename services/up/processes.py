@@ -23,8 +23,8 @@ from kvmesh.frontend.config import HttpApiOptions
 from kvmesh.indexer.config import SnapshotOptions
 from kvmesh.router.config import RouterOptions
 from kvmesh.up.config import UpConfig
-from kvmesh.worker import vllm_defaults
 from kvmesh.worker.config import EngineOptions
+from kvmesh.worker.engines.vllm import vllm_defaults
 
 log = structlog.get_logger(__name__)
 

@@ -29,7 +29,7 @@ from kvmesh.common.runtime.structured_logging import configure_logging
 from kvmesh.up.config import UpConfig
 from kvmesh.up.planner_pools import plan_planner, serve_worker_pool
 from kvmesh.up.processes import ServiceProcess, kv_pool_directory, plan_services
-from kvmesh.worker.vllm_defaults import require_vllm
+from kvmesh.worker.engines.vllm.vllm_defaults import require_vllm
 from kvmesh.worker_pool import WorkerPools
 
 log = structlog.get_logger(__name__)

@@ -9,7 +9,7 @@ from kvmesh.common.runtime.config import ConfigError, GrpcEndpointConfig, option
 from kvmesh.common.wire.disagg import default_kv_handoff
 from kvmesh.common.wire.kv_events import parse_moe_placements
 from kvmesh.common.wire.lora import adapter_paths
-from kvmesh.worker.vllm_defaults import check_block_size
+from kvmesh.worker.engines.vllm.vllm_defaults import check_block_size
 
 DEFAULT_MODEL_NAME = "kvmesh-tiny"
 # The mock engine's shape where a flag is not given (vLLM picks its own).
@@ -264,7 +264,7 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
     def resolved_transfer_backend(self) -> str:
         """The backend this worker uses. Aggregated workers never serve a prefill for another worker,
         so ``auto`` spares them NIXL's start-up; they can still receive KV over TCP."""
-        from kvmesh.worker.nixl_agent import nixl_available
+        from kvmesh.worker.kv_transfer.nixl_agent import nixl_available
 
         if self.kv_transfer_backend == "nixl":
             if not nixl_available():

@@ -4,7 +4,7 @@ The worker's gRPC servicer talks to an :class:`Engine` only: it submits a reques
 (:class:`EngineRequestSpec`) and reads its tokens from a queue, reserves memory for a prompt whose
 KV arrives from another worker, hands a finished prefill's KV over, aborts, and reads
 :class:`EngineStatus` and the cached blocks for ``GetStatus``, ``DumpKvState`` and the metrics.
-The mock engine (:class:`~kvmesh.worker.engine_loop.MockEngineLoop`) implements it; a real engine
+The mock engine (:class:`~kvmesh.worker.engines.mock.engine_loop.MockEngineLoop`) implements it; a real engine
 slots in beside it without touching the server.
 """
 

@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 from kvmesh.common.core.timing import as_constants
 from kvmesh.worker.engine import Engine
 from kvmesh.worker.event_publisher import KvEventPublisher
-from kvmesh.worker.kv_transfer import KvTransferServer, TransferStats
+from kvmesh.worker.kv_transfer.transport import KvTransferServer, TransferStats
 
 
 class _EngineCollector(Collector):

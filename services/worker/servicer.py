@@ -3,7 +3,7 @@
 A request may carry ``disaggregated_params`` (:mod:`kvmesh.common.wire.disagg`): a
 :class:`~kvmesh.common.wire.disagg.PrefillOrder` makes this worker prefill and then hold the prompt's KV
 for a decode worker; a :class:`~kvmesh.common.wire.disagg.DecodeOrder` makes it pull the prompt's KV from
-a prefill worker before decoding (see :mod:`~kvmesh.worker.kv_handover`).
+a prefill worker before decoding (see :mod:`~kvmesh.worker.kv_transfer.handoff`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kvmesh.worker.engine import (
     TokenOutput,
     take_ready,
 )
-from kvmesh.worker.kv_handover import Handover
+from kvmesh.worker.kv_transfer.handoff import KvHandoff
 from kvmesh.worker.lora_slots import AdapterSlots
 from kvmesh.worker.metrics import WorkerMetrics
 
@@ -47,12 +47,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         model_name: str,
         engine: Engine,
         metrics: WorkerMetrics,
-        handover: Handover | None,
+        handoff: KvHandoff | None,
         adapters: AdapterSlots | None = None,
         ranks: Sequence[Engine] = (),
     ) -> None:
         """``engine`` is data-parallel rank 0, which also serves the worker's status, metrics and
-        KV handover; ``ranks``: every rank's engine in rank order (default: ``engine`` alone);
+        KV handoff; ``ranks``: every rank's engine in rank order (default: ``engine`` alone);
         ``adapters``: the LoRA adapters this worker serves and which are loaded (None: none served)."""
         self.worker_id = worker_id
         self.model_name = model_name
@@ -60,7 +60,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.ranks = list(ranks) or [engine]
         self.engine = engine
         self.metrics = metrics
-        self.handover = handover
+        self.handoff = handoff
         # each frontend's attached GenerateMany stream, where routers' handoffs for it are served
         self.attachments = Attachments()
 
@@ -96,7 +96,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 await refuse(
                     context, "worker", grpc.StatusCode.INVALID_ARGUMENT, f"a request cannot carry {order.kind!r} params"
                 )
-        if order is not None and self.handover is None:
+        if order is not None and self.handoff is None:
             await refuse(
                 context,
                 "worker",
@@ -116,12 +116,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if spec.lora_name and self.adapters is not None and await self.adapters.use(spec.lora_name):
             log.info("LoRA adapter loaded", request_id=request_id, adapter=spec.lora_name)
         prefill = order if isinstance(order, PrefillOrder) else None
-        handed_over = False
+        handed_off = False
         try:
             source: KvSource | None = None
             try:
                 if isinstance(order, DecodeOrder):
-                    queue, source = await self.handover.receive(spec, order)
+                    queue, source = await self.handoff.receive(spec, order)
                 else:
                     queue = engine.submit(spec, hold_on_finish=prefill is not None)
             except (EngineRequestError, StatusError) as exc:
@@ -163,8 +163,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     yield message
                     continue
                 if prefill is not None:
-                    message.disaggregated_params = disagg.encode(self.handover.hand_over(spec, prefill, output))
-                    handed_over = True
+                    message.disaggregated_params = disagg.encode(self.handoff.hand_off(spec, prefill, output))
+                    handed_off = True
                 self._count_finished(spec, output, completion)
                 yield message
                 log.info(
@@ -175,9 +175,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 )
                 return
         finally:
-            if prefill is not None and not handed_over:
-                self.handover.prefill_failed(prefill, "the prefill did not finish")
-            if not handed_over:
+            if prefill is not None and not handed_off:
+                self.handoff.prefill_failed(prefill, "the prefill did not finish")
+            if not handed_off:
                 # Runs on normal end too, where it is a no-op; on cancellation it frees the blocks.
                 engine.abort(request_id)
 
@@ -257,7 +257,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.WorkerStatusRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStatus:
         status = self.engine.status()
-        handover = self.handover
+        handoff = self.handoff
         return worker_pb2.WorkerStatus(
             worker_id=self.worker_id,
             model=self.model_name,
@@ -267,7 +267,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             active_blocks=status.active_blocks,
             running_requests=status.running_requests,
             waiting_requests=status.waiting_requests,
-            kv_transfer_backend=handover.backend if handover else "",
-            kv_transfers_in_flight=handover.transfers_in_flight() if handover else 0,
+            kv_transfer_backend=handoff.backend if handoff else "",
+            kv_transfers_in_flight=handoff.transfers_in_flight() if handoff else 0,
             held_prefills=status.held_prefills,
         )

@@ -21,7 +21,7 @@ from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.common.wire import disagg
 from kvmesh.devtools.mesh_process import MeshProcess
 from kvmesh.frontend.gateway import WORKER_ID_HEADER
-from kvmesh.worker.nixl_agent import nixl_available
+from kvmesh.worker.kv_transfer.nixl_agent import nixl_available
 from tests.e2e.conftest import descendants, start_mesh
 from tests.support import discovered, wait_until
 

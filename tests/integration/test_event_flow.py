@@ -15,8 +15,8 @@ from kvmesh.common.wire import names
 from kvmesh.common.wire.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, decode_batch, encode_batch
 from kvmesh.indexer import consumer as consumer_module
 from kvmesh.indexer.consumer import EventStreamConsumer
+from kvmesh.worker.engines.mock.mock_engine import EngineConfig, EngineRequestSpec, MockEngine
 from kvmesh.worker.event_publisher import KvEventPublisher
-from kvmesh.worker.mock_engine import EngineConfig, EngineRequestSpec, MockEngine
 from tests.support import wait_until_async
 
 pytestmark = pytest.mark.integration

@@ -119,7 +119,7 @@ def test_every_container_agrees_with_kvmesh(kustomization: str, tmp_path: Path):
             )
         if vllm_args:
             pytest.importorskip("vllm")
-            from kvmesh.worker.vllm_engine import engine_args
+            from kvmesh.worker.engines.vllm.vllm_engine import engine_args
 
             assert engine_args(vllm_args, {}).model == "/models/model"
         fields = {env_var_name(name) for name in config_class.__dataclass_fields__}

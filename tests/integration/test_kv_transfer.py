@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from kvmesh.worker.kv_buffer import KvBuffer, KvLayout
-from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, TransferError
-from kvmesh.worker.mock_engine import EngineConfig, EngineRequestSpec, MockEngine, transferable_blocks
-from kvmesh.worker.nixl_agent import NixlAgent, nixl_available
+from kvmesh.worker.engines.mock.mock_engine import EngineConfig, EngineRequestSpec, MockEngine, transferable_blocks
+from kvmesh.worker.kv_transfer.kv_buffer import KvBuffer, KvLayout
+from kvmesh.worker.kv_transfer.nixl_agent import NixlAgent, nixl_available
+from kvmesh.worker.kv_transfer.transport import KvTransferClient, KvTransferServer, TransferError
 from tests.support import wait_until_async
 
 BLOCK = 16

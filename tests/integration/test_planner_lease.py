@@ -19,7 +19,7 @@ from kvmesh.common.rpc.tasks import cancel_and_wait
 from kvmesh.common.runtime.lease import Lease
 from kvmesh.common.wire import names
 from kvmesh.profiler.mock import profile_mock_engine
-from kvmesh.worker.mock_engine import EngineConfig
+from kvmesh.worker.engines.mock.mock_engine import EngineConfig
 from tests.support import service_process, wait_until_async
 
 pytestmark = pytest.mark.integration

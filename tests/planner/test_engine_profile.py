@@ -5,7 +5,7 @@ import pytest
 from kvmesh.common.core.engine_profile import EngineProfile, ProfileError
 from kvmesh.common.core.timing import TimingModel
 from kvmesh.profiler.mock import profile_mock_engine
-from kvmesh.worker.mock_engine import EngineConfig
+from kvmesh.worker.engines.mock.mock_engine import EngineConfig
 
 CONFIG = EngineConfig(timing=TimingModel())
 

@@ -1,7 +1,7 @@
 import pytest
 
 from kvmesh.common.wire.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
-from kvmesh.worker.block_manager import BlockManager, OutOfBlocksError
+from kvmesh.worker.engines.mock.block_manager import BlockManager, OutOfBlocksError
 
 
 def fill(bm: BlockManager, hashes: list[int], parent: int | None = None):

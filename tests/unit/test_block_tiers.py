@@ -23,10 +23,10 @@ from kvmesh.common.wire.kv_events import (
 )
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.worker.engine import EngineRequestSpec
-from kvmesh.worker.kv_buffer import KvBuffer, KvLayout
-from kvmesh.worker.kv_pool import KvPool
-from kvmesh.worker.mock_engine import EngineConfig, MockEngine
-from kvmesh.worker.pool_writer import PoolWriter
+from kvmesh.worker.engines.mock.mock_engine import EngineConfig, MockEngine
+from kvmesh.worker.kv_transfer.kv_buffer import KvBuffer, KvLayout
+from kvmesh.worker.kv_transfer.kv_pool import KvPool
+from kvmesh.worker.kv_transfer.pool_writer import PoolWriter
 
 POOL = (7, POOL_DP_RANK)
 PROMPT = list(range(100, 100 + 16 * 6))  # six full blocks of 16

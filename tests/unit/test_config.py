@@ -113,7 +113,7 @@ def test_vllm_engine_arguments_pass_through_without_being_mistaken_for_the_worke
 
 def test_the_mock_keeps_its_shape_defaults_while_vllm_gets_none():
     from kvmesh.worker.config import WorkerConfig
-    from kvmesh.worker.server import vllm_overrides
+    from kvmesh.worker.engines.vllm.setup import vllm_overrides
 
     config = parse_config(WorkerConfig, [], prog="w", description="", environ={})
     assert (config.mock_shape("block_size"), config.mock_shape("num_gpu_blocks")) == (16, 16384)
@@ -213,7 +213,7 @@ def test_a_served_engine_configuration_and_kvmesh_up_pointing_elsewhere(capsys):
 
 
 def test_the_block_size_and_cache_of_a_vllm_server_come_from_its_metrics():
-    from kvmesh.worker.served_engine import cache_config
+    from kvmesh.worker.engines.served.served_engine import cache_config
 
     text = (
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
@@ -244,7 +244,7 @@ def test_lora_adapter_flags_that_cannot_work_are_refused(flags, message, capsys)
 
 def test_a_vllm_worker_with_adapters_enables_vllms_lora_with_its_slots(tmp_path):
     from kvmesh.worker.config import WorkerConfig
-    from kvmesh.worker.server import vllm_overrides
+    from kvmesh.worker.engines.vllm.setup import vllm_overrides
 
     adapters = f"a={tmp_path},b={tmp_path},c={tmp_path}"
     flags = ["--engine", "vllm", "--lora-adapters", adapters, "--max-loras", "2"]

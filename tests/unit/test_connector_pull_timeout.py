@@ -1,7 +1,7 @@
 """A vLLM decode request whose KV pull brings nothing in time is aborted in the engine and prefilled
 locally (or refused under --enforce-disagg), instead of waiting for ever; a pull that brings its
 first token in time is left alone. The engine here is a stand-in that queues what it is told to:
-what is tested is the handover's decision, not vLLM."""
+what is tested is the handoff's decision, not vLLM."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.wire.disagg import DecodeOrder
-from kvmesh.worker.connector_handover import ConnectorHandover
 from kvmesh.worker.engine import EngineRequestSpec, TokenOutput, TokenQueue
+from kvmesh.worker.kv_transfer.connector_handoff import ConnectorHandoff
 
 PARAMS = {"remote_engine_id": "e1", "remote_block_ids": [[1, 2, 3]]}
 
@@ -48,7 +48,7 @@ SPEC = EngineRequestSpec("r1", [1, 2, 3], 4)
 
 async def test_a_pull_that_arrives_is_left_alone():
     engine = StandInEngine(pulls_arrive=True)
-    queue, source = await ConnectorHandover(1, engine, pull_timeout_s=5).receive(SPEC, order(True))  # type: ignore[arg-type]
+    queue, source = await ConnectorHandoff(1, engine, pull_timeout_s=5).receive(SPEC, order(True))  # type: ignore[arg-type]
     assert source.source == "remote" and source.cached_tokens == 32 and source.blocks == 3
     assert engine.submitted == [("r1", True)] and engine.aborted == []
     assert (await queue.get()).token_id == 7
@@ -56,7 +56,7 @@ async def test_a_pull_that_arrives_is_left_alone():
 
 async def test_a_pull_that_brings_nothing_in_time_prefills_locally():
     engine = StandInEngine(pulls_arrive=False)
-    queue, source = await ConnectorHandover(1, engine, pull_timeout_s=0.05).receive(SPEC, order(True))  # type: ignore[arg-type]
+    queue, source = await ConnectorHandoff(1, engine, pull_timeout_s=0.05).receive(SPEC, order(True))  # type: ignore[arg-type]
     assert source.source == "local" and source.reason == "transfer_failed"
     assert engine.submitted == [("r1", True), ("r1", False)] and engine.aborted == ["r1"]
     assert (await queue.get()).token_id == 7
@@ -65,5 +65,5 @@ async def test_a_pull_that_brings_nothing_in_time_prefills_locally():
 async def test_without_local_prefill_a_pull_that_brings_nothing_is_refused():
     engine = StandInEngine(pulls_arrive=False)
     with pytest.raises(StatusError, match="brought nothing"):
-        await ConnectorHandover(1, engine, pull_timeout_s=0.05).receive(SPEC, order(False))  # type: ignore[arg-type]
+        await ConnectorHandoff(1, engine, pull_timeout_s=0.05).receive(SPEC, order(False))  # type: ignore[arg-type]
     assert engine.aborted == ["r1"] and engine.submitted == [("r1", True)]

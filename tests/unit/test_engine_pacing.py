@@ -12,8 +12,8 @@ import uvloop
 
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.engine import EngineRequestSpec, TokenOutput
-from kvmesh.worker.engine_loop import SCHEDULE_SLACK_S, MockEngineLoop
-from kvmesh.worker.server import build_mock_engine
+from kvmesh.worker.engines.mock.engine_loop import SCHEDULE_SLACK_S, MockEngineLoop
+from kvmesh.worker.engines.mock.setup import build_mock_engine
 
 
 async def served_against_model(speedup: float, clients: int, requests: int) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""The mock engine's host tier (kvmesh.worker.host_tier): evicted blocks are offloaded with the
+"""The mock engine's host tier (kvmesh.worker.engines.mock.host_tier): evicted blocks are offloaded with the
 ancestors they need, reloaded for a later request at a cost, and described exactly by tier-``host``
 events that an index applies as the worker's host dp rank."""
 
@@ -9,8 +9,8 @@ import pytest
 from kvmesh.common.core.prefix_index import PrefixIndex
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
 from kvmesh.common.wire.kv_events import HOST_DP_RANK, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch
-from kvmesh.worker.host_tier import HostTier
-from kvmesh.worker.mock_engine import EngineConfig, EngineRequestSpec, MockEngine
+from kvmesh.worker.engines.mock.host_tier import HostTier
+from kvmesh.worker.engines.mock.mock_engine import EngineConfig, EngineRequestSpec, MockEngine
 from tests.unit.test_mock_engine import run_to_completion
 
 PROMPT = list(range(100))  # 6 full blocks of 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvmesh.worker.kv_pool import PROBE_SLOTS, KvPool, PoolSegment
+from kvmesh.worker.kv_transfer.kv_pool import PROBE_SLOTS, KvPool, PoolSegment
 
 BLOCK = 256
 

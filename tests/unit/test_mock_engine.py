@@ -2,7 +2,13 @@ import pytest
 
 from kvmesh.common.core.timing import TimingModel
 from kvmesh.common.wire.kv_events import BlocksRemoved, BlocksStored
-from kvmesh.worker.mock_engine import EngineConfig, EngineRequestError, EngineRequestSpec, FinishReason, MockEngine
+from kvmesh.worker.engines.mock.mock_engine import (
+    EngineConfig,
+    EngineRequestError,
+    EngineRequestSpec,
+    FinishReason,
+    MockEngine,
+)
 
 
 def run_to_completion(engine: MockEngine, limit: int = 10_000):

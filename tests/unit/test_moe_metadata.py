@@ -20,7 +20,7 @@ from kvmesh.common.wire.kv_events import (
     parse_moe_placements,
 )
 from kvmesh.indexer import snapshot
-from kvmesh.worker.block_manager import BlockManager
+from kvmesh.worker.engines.mock.block_manager import BlockManager
 
 MOE = ((0, 3, 0), (1, 7, 1))
 W1, W2 = (1, 0), (2, 0)

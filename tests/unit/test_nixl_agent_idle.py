@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from kvmesh.worker import nixl_agent
+from kvmesh.worker.kv_transfer import nixl_agent
 
 pytestmark = pytest.mark.skipif(not nixl_agent.nixl_available(), reason="NIXL is not installed (the nixl extra)")
 

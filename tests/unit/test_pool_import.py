@@ -6,8 +6,8 @@ until the next gap makes the indexer ask for a dump)."""
 from __future__ import annotations
 
 from kvmesh.common.wire.kv_events import BlocksRemoved, BlocksStored
-from kvmesh.worker.kv_buffer import KvBuffer
-from kvmesh.worker.kv_cache_manager import KvCacheManager
+from kvmesh.worker.engines.mock.kv_cache_manager import KvCacheManager
+from kvmesh.worker.kv_transfer.kv_buffer import KvBuffer
 
 BLOCK_BYTES = 64
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.common.runtime.config import parse_config
-from kvmesh.worker import vllm_defaults
-from kvmesh.worker.vllm_defaults import GIB, KV_BYTES_CAP, MIB, as_argv, cpu_defaults, missing_piece
+from kvmesh.worker.engines.vllm import vllm_defaults
+from kvmesh.worker.engines.vllm.vllm_defaults import GIB, KV_BYTES_CAP, MIB, as_argv, cpu_defaults, missing_piece
 
 AVAILABLE = 20 * GIB
 

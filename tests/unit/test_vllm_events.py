@@ -12,7 +12,7 @@ import pytest
 from kvmesh.common.runtime.ports import free_port
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
 from kvmesh.common.wire.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
-from kvmesh.worker.vllm_events import MEDIUMS_BY_TIER, VllmEventRelay, VllmEventTranslator, decode_batch
+from kvmesh.worker.engines.vllm.vllm_events import MEDIUMS_BY_TIER, VllmEventRelay, VllmEventTranslator, decode_batch
 from tests.support import wait_until_async
 
 BLOCK = 4
@@ -165,8 +165,8 @@ async def test_the_relay_delivers_in_order_and_recovers_a_gap_from_the_replay_so
 
 
 def test_vllms_connector_stats_become_the_workers_transfer_counters():
-    from kvmesh.worker.kv_transfer import TransferStats
-    from kvmesh.worker.vllm_engine import record_connector_stats
+    from kvmesh.worker.engines.vllm.vllm_engine import record_connector_stats
+    from kvmesh.worker.kv_transfer.transport import TransferStats
 
     stats = TransferStats()
     record_connector_stats({"transfer_duration": [0.002, 0.003], "bytes_transferred": [4096, 8192]}, stats)

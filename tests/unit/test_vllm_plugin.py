@@ -9,7 +9,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from kvmesh.worker import vllm_plugin
+from kvmesh.worker.engines.vllm import vllm_plugin
 
 needs_vllm_and_nixl = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None,

@@ -7,7 +7,7 @@ import pytest
 
 from kvmesh.common.wire import disagg
 from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvReady, KvSource, PrefillOrder
-from kvmesh.worker.transfer_messages import (
+from kvmesh.worker.kv_transfer.messages import (
     PullDone,
     PullGranted,
     PullRefused,

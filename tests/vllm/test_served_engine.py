@@ -28,9 +28,9 @@ from kvmesh.indexer.config import IndexerConfig
 from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server
-from kvmesh.worker import tiny_llama
 from kvmesh.worker.config import WorkerConfig
-from kvmesh.worker.served_engine import cache_config
+from kvmesh.worker.engines.served.served_engine import cache_config
+from kvmesh.worker.engines.vllm import tiny_llama
 from tests.support import free_port, indexed_blocks, registered, running, service_config, wait_until, wait_until_async
 from tests.vllm.lora_adapter import tiny_lora
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from kvmesh.devtools.mesh_process import MeshProcess
-from kvmesh.worker import tiny_llama
+from kvmesh.worker.engines.vllm import tiny_llama
 from tests.support import wait_until
 from tests.vllm.lora_adapter import tiny_lora
 

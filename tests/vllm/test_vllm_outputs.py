@@ -40,7 +40,7 @@ class ScriptedEngineClient:
 
 
 async def run(outputs: list[SimpleNamespace]) -> list[TokenOutput | EngineFailure]:
-    from kvmesh.worker.vllm_engine import VllmEngine
+    from kvmesh.worker.engines.vllm.vllm_engine import VllmEngine
 
     engine = VllmEngine([], {}, deliver_events=lambda events: None, last_event_id=lambda: 0)
     engine._llm = ScriptedEngineClient(outputs)

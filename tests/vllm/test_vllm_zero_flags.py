@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from kvmesh.devtools.mesh_process import MeshProcess
-from kvmesh.worker import vllm_defaults
+from kvmesh.worker.engines.vllm import vllm_defaults
 
 pytestmark = [
     pytest.mark.vllm,

@@ -9,8 +9,8 @@ import time
 import types
 from typing import Any
 
-from kvmesh.worker.kv_buffer import KvBuffer, contiguous_runs
-from kvmesh.worker.transfer_messages import TransferError
+from kvmesh.worker.kv_transfer.kv_buffer import KvBuffer, contiguous_runs
+from kvmesh.worker.kv_transfer.messages import TransferError
 
 # How long NIXL's progress thread waits between polls when nothing moves (µs). NIXL's Python API
 # fixes it at 0, and the thread then spins a whole core per worker even while idle (two prefill and

@@ -14,7 +14,7 @@ What the worker needs of such a server, and where it comes from:
   given; the context length from ``/v1/models``;
 - the server's KV events come from its ZMQ publisher (``--engine-kv-events``: the endpoint it
   binds, as ``--kv-events-config`` set it), gaps from its replay socket, relayed to JetStream as for
-  an in-process vLLM (:class:`~kvmesh.worker.vllm_events.VllmEventRelay`);
+  an in-process vLLM (:class:`~kvmesh.worker.engines.vllm.vllm_events.VllmEventRelay`);
 - a request naming a LoRA adapter asks the server for it by name (vLLM: ``--enable-lora
   --lora-modules NAME=PATH``; the worker advertises the names given to ``--lora-adapters``).
 
@@ -42,8 +42,8 @@ from kvmesh.worker.engine import (
     TokenOutput,
     TokenQueue,
 )
-from kvmesh.worker.streaming_engine import StreamingEngine
-from kvmesh.worker.vllm_events import VllmEventRelay
+from kvmesh.worker.engines.streaming_engine import StreamingEngine
+from kvmesh.worker.engines.vllm.vllm_events import VllmEventRelay
 
 log = structlog.get_logger(__name__)
 

@@ -1,8 +1,8 @@
 """A worker's half of prefill/decode disaggregation, over any :class:`Engine`.
 
-On a prefill worker, a finished prefill's KV is held and announced (:meth:`KvHandover.hand_over`);
+On a prefill worker, a finished prefill's KV is held and announced (:meth:`TransferHandoff.hand_off`);
 on a decode worker, the prompt's KV is pulled into reserved blocks, retried once, or the request
-falls back to a local prefill when the router allowed it (:meth:`KvHandover.receive`).
+falls back to a local prefill when the router allowed it (:meth:`TransferHandoff.receive`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import structlog
 from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.wire.disagg import DecodeOrder, KvReady, KvSource, PrefillOrder
 from kvmesh.worker.engine import Engine, EngineRequestSpec, TokenOutput, TokenQueue, transferable_blocks
-from kvmesh.worker.kv_transfer import KvTransferClient, KvTransferServer, TransferError, TransferStats
+from kvmesh.worker.kv_transfer.transport import KvTransferClient, KvTransferServer, TransferError, TransferStats
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +41,7 @@ class KvTransfer:
         return self.server.stats
 
 
-class Handover(Protocol):
+class KvHandoff(Protocol):
     """A worker's half of disaggregation, whoever moves the bytes (the worker's transfer server, or
     the engine's own connector)."""
 
@@ -50,7 +50,7 @@ class Handover(Protocol):
 
     def transfers_in_flight(self) -> int: ...
 
-    def hand_over(self, spec: EngineRequestSpec, order: PrefillOrder, last: TokenOutput) -> KvReady:
+    def hand_off(self, spec: EngineRequestSpec, order: PrefillOrder, last: TokenOutput) -> KvReady:
         """The prefill finished (``last`` is its final output): where its KV waits."""
         ...
 
@@ -62,7 +62,7 @@ class Handover(Protocol):
         ...
 
 
-class KvHandover:
+class TransferHandoff:
     """Moves prompts' KV between this worker's engine and other workers' over the worker's own
     transfer server and client (the mock engine's blocks)."""
 
@@ -81,7 +81,7 @@ class KvHandover:
     def transfers_in_flight(self) -> int:
         return self.transfer.stats.in_flight
 
-    def hand_over(self, spec: EngineRequestSpec, order: PrefillOrder, last: TokenOutput) -> KvReady:
+    def hand_off(self, spec: EngineRequestSpec, order: PrefillOrder, last: TokenOutput) -> KvReady:
         """The prefill is done: hold its transferable blocks for the room, say where they are."""
         count = transferable_blocks(len(spec.prompt), self.engine.block_size)
         slots = self.engine.held_slots(spec.request_id, count)

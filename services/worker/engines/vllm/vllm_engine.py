@@ -4,7 +4,7 @@ Engine arguments are vLLM's own (``--model``, ``--max-model-len``, ``--gpu-memor
 ``--tensor-parallel-size``, ...), parsed by vLLM's own argument parser; the worker's
 ``--block-size``, ``--num-gpu-blocks-override``, ``--max-num-seqs`` and
 ``--max-num-batched-tokens`` are handed to vLLM when given. Prefix caching is always on, and vLLM's
-KV event publisher is always enabled and relayed to JetStream (:mod:`~kvmesh.worker.vllm_events`).
+KV event publisher is always enabled and relayed to JetStream (:mod:`~kvmesh.worker.engines.vllm.vllm_events`).
 With no ``--model``, the random-weight ``kvmesh-tiny`` Llama is built on first use and served.
 
 Data-parallel ranks (``--data-parallel-size N``) are vLLM's own: one ``AsyncLLM`` runs N engine
@@ -15,7 +15,7 @@ the worker relays rank r's as dp rank r (:class:`VllmRank`).
 A prefill or decode worker moves KV with vLLM's own NIXL connector (host buffer on a CPU build,
 device buffer on GPUs): a held prefill runs with ``do_remote_decode`` and its last output carries
 vLLM's ``kv_transfer_params``; the decode side submits them with ``do_remote_prefill`` and vLLM pulls
-the blocks (see :class:`~kvmesh.worker.connector_handover.ConnectorHandover`).
+the blocks (see :class:`~kvmesh.worker.kv_transfer.connector_handoff.ConnectorHandoff`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from kvmesh.common.core.timing_fit import TimingFit
 from kvmesh.common.runtime.ports import free_port, free_port_run
 from kvmesh.common.wire.finish_reasons import FinishReason
 from kvmesh.common.wire.kv_events import EventData
-from kvmesh.worker import tiny_llama, vllm_defaults
 from kvmesh.worker.engine import (
     CachedBlock,
     EngineFailure,
@@ -42,10 +41,11 @@ from kvmesh.worker.engine import (
     TokenOutput,
     TokenQueue,
 )
-from kvmesh.worker.kv_transfer import TransferStats
-from kvmesh.worker.streaming_engine import StreamingEngine
-from kvmesh.worker.vllm_events import MEDIUMS_BY_TIER, VllmEventRelay, VllmEventTranslator
-from kvmesh.worker.vllm_plugin import QUIET_NIXL_ENV
+from kvmesh.worker.engines.streaming_engine import StreamingEngine
+from kvmesh.worker.engines.vllm import tiny_llama, vllm_defaults
+from kvmesh.worker.engines.vllm.vllm_events import MEDIUMS_BY_TIER, VllmEventRelay, VllmEventTranslator
+from kvmesh.worker.engines.vllm.vllm_plugin import QUIET_NIXL_ENV
+from kvmesh.worker.kv_transfer.transport import TransferStats
 
 log = structlog.get_logger(__name__)
 

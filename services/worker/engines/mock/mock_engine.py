@@ -37,7 +37,6 @@ from kvmesh.common.core.timing import TimingModel
 from kvmesh.common.wire.finish_reasons import FinishReason
 from kvmesh.common.wire.hashing import blocks_needed, hash_block_tokens
 from kvmesh.common.wire.kv_events import EventData, MoePlacement
-from kvmesh.worker.block_manager import BlockManager, KvBlock
 from kvmesh.worker.engine import (
     EngineRequestError,
     EngineRequestSpec,
@@ -45,8 +44,10 @@ from kvmesh.worker.engine import (
     TransferPlan,
     transferable_blocks,
 )
-from kvmesh.worker.kv_buffer import KvBuffer
-from kvmesh.worker.kv_cache_manager import KvCacheManager
+from kvmesh.worker.engines.mock.block_manager import BlockManager
+from kvmesh.worker.engines.mock.kv_cache_manager import KvCacheManager
+from kvmesh.worker.engines.mock.request import EngineRequest
+from kvmesh.worker.kv_transfer.kv_buffer import KvBuffer
 
 __all__ = [
     "EngineConfig",
@@ -78,41 +79,6 @@ class EngineConfig:
     # a host tier of this many blocks takes evicted blocks (0: none); reloading one costs this per token
     host_blocks: int = 0
     host_reload_ms_per_token: float = 0.002
-
-
-@dataclass(eq=False)
-class EngineRequest:
-    """One sequence inside the engine: its tokens, its blocks and how far its KV is computed."""
-
-    request_id: str
-    prompt: Sequence[int]
-    max_tokens: int
-    stop_token_ids: frozenset[int] = frozenset()
-    seed: int = 0
-    lora_name: str | None = None
-    output: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    blocks: list[KvBlock] = field(default_factory=list)
-    num_registered: int = 0
-    cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
-    prompt_key: int = 0
-    local_hashes: list[int] = field(default_factory=list)
-    seq_hashes: list[int] = field(default_factory=list)
-    # Keep the blocks referenced after the last token (a prefill whose KV another worker will pull).
-    hold_on_finish: bool = False
-    reloaded_blocks: int = 0  # blocks its admission reloaded from the host tier (paid in that step)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    @property
-    def num_pending(self) -> int:
-        return self.num_tokens - self.num_computed
-
-    def token_at(self, index: int) -> int:
-        n = len(self.prompt)
-        return self.prompt[index] if index < n else self.output[index - n]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A sequence's KV memory in the mock engine: which blocks it holds, what it finds cached, what it
 registers (sans-I/O).
 
-The scheduler (:class:`~kvmesh.worker.mock_engine.MockEngine`) decides *who* runs; this class
+The scheduler (:class:`~kvmesh.worker.engines.mock.mock_engine.MockEngine`) decides *who* runs; this class
 decides whether the memory is there and keeps each sequence's block table, on top of the
 :class:`BlockManager` pool (prefix cache, reference counts, eviction, KV events). As in vLLM, the
 KV cache manager is its own class beside the scheduler, not inside it.
@@ -10,17 +10,14 @@ KV cache manager is its own class beside the scheduler, not inside it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kvmesh.common.wire.hashing import blocks_needed, hash_block_tokens, local_block_hashes, lora_seed, sequence_hashes
 from kvmesh.common.wire.kv_events import EventData, MoePlacement
-from kvmesh.worker.block_manager import BlockManager, KvBlock
 from kvmesh.worker.engine import EngineRequestError, TransferPlan, transferable_blocks
-from kvmesh.worker.host_tier import ChainBlock, HostTier
-from kvmesh.worker.kv_buffer import KvBuffer
-
-if TYPE_CHECKING:
-    from kvmesh.worker.mock_engine import EngineRequest
+from kvmesh.worker.engines.mock.block_manager import BlockManager, KvBlock
+from kvmesh.worker.engines.mock.host_tier import ChainBlock, HostTier
+from kvmesh.worker.engines.mock.request import EngineRequest
+from kvmesh.worker.kv_transfer.kv_buffer import KvBuffer
 
 
 class KvCacheManager:

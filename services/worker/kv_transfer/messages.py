@@ -1,5 +1,5 @@
 """The control messages of a KV pull, typed (each travels as one msgpack map in a length-prefixed
-frame, see :mod:`~kvmesh.worker.kv_transfer`).
+frame, see :mod:`~kvmesh.worker.kv_transfer.transport`).
 
 A pull is one conversation: the decode worker sends a :class:`PullRequest`; the prefill worker
 answers :class:`PullGranted` (then the bytes move) or :class:`PullRefused`; the decode worker closes

@@ -29,9 +29,8 @@ from typing import Any
 import msgpack
 import structlog
 
-from kvmesh.worker.kv_buffer import KvBuffer
-from kvmesh.worker.nixl_agent import NixlAgent
-from kvmesh.worker.transfer_messages import (
+from kvmesh.worker.kv_transfer.kv_buffer import KvBuffer
+from kvmesh.worker.kv_transfer.messages import (
     PullDone,
     PullGranted,
     PullRefused,
@@ -39,6 +38,7 @@ from kvmesh.worker.transfer_messages import (
     TransferError,
     answer_from_frame,
 )
+from kvmesh.worker.kv_transfer.nixl_agent import NixlAgent
 
 log = structlog.get_logger(__name__)
 

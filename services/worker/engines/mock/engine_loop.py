@@ -23,10 +23,10 @@ from kvmesh.worker.engine import (
     TokenQueue,
     TransferPlan,
 )
+from kvmesh.worker.engines.mock.mock_engine import MockEngine, StepResult
 from kvmesh.worker.event_publisher import KvEventPublisher
-from kvmesh.worker.kv_pool import KvPool
-from kvmesh.worker.mock_engine import MockEngine, StepResult
-from kvmesh.worker.pool_writer import PoolWriter
+from kvmesh.worker.kv_transfer.kv_pool import KvPool
+from kvmesh.worker.kv_transfer.pool_writer import PoolWriter
 
 log = structlog.get_logger(__name__)
 

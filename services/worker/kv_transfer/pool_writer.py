@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from kvmesh.common.wire.kv_events import IN_TRANSIT_TIER, BlocksRemoved, BlocksStored, EventData, StoredBlock
 from kvmesh.worker.engine import CachedBlock
+from kvmesh.worker.engines.mock.kv_cache_manager import KvCacheManager
 from kvmesh.worker.event_publisher import KvEventPublisher
-from kvmesh.worker.kv_cache_manager import KvCacheManager
-from kvmesh.worker.kv_pool import KvPool
+from kvmesh.worker.kv_transfer.kv_pool import KvPool
 
 
 @dataclass(frozen=True, slots=True)

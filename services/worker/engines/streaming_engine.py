@@ -1,8 +1,9 @@
 """What an engine that runs elsewhere shares, whether in-process vLLM's ``AsyncLLM`` or an engine
-server behind HTTP (:mod:`~kvmesh.worker.vllm_engine`, :mod:`~kvmesh.worker.served_engine`): each
-request is an asyncio task streaming the engine's outputs into its queue, the engine's cache is what
-its KV events (translated by a :class:`~kvmesh.worker.vllm_events.VllmEventTranslator`) say, and its
-KV never moves through the worker's own transfer server.
+server behind HTTP (:mod:`~kvmesh.worker.engines.vllm.vllm_engine`,
+:mod:`~kvmesh.worker.engines.served.served_engine`): each request is an asyncio task streaming the
+engine's outputs into its queue, the engine's cache is what its KV events (translated by a
+:class:`~kvmesh.worker.engines.vllm.vllm_events.VllmEventTranslator`) say, and its KV never moves
+through the worker's own transfer server.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kvmesh.worker.engine import (
     TokenQueue,
     TransferPlan,
 )
-from kvmesh.worker.vllm_events import VllmEventTranslator
+from kvmesh.worker.engines.vllm.vllm_events import VllmEventTranslator
 
 log = structlog.get_logger(__name__)
 

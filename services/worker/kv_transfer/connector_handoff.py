@@ -20,7 +20,7 @@ import structlog
 from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.wire.disagg import DecodeOrder, KvReady, KvSource, PrefillOrder
 from kvmesh.worker.engine import EngineRequestSpec, TokenOutput, TokenQueue
-from kvmesh.worker.vllm_engine import VllmEngine
+from kvmesh.worker.engines.vllm.vllm_engine import VllmEngine
 
 log = structlog.get_logger(__name__)
 
@@ -31,7 +31,7 @@ def held_blocks(params: dict[str, Any]) -> int:
     return len(groups[0]) if groups and isinstance(groups[0], list) else len(groups)
 
 
-class ConnectorHandover:
+class ConnectorHandoff:
     """Guarantees: a decode request never pulls without parameters; with none (or unreadable ones)
     it prefills locally when the router allowed it and is refused otherwise. A pull that has not
     brought the first token within ``pull_timeout_s`` is aborted in the engine and the request
@@ -52,7 +52,7 @@ class ConnectorHandover:
     def transfers_in_flight(self) -> int:
         return 0  # vLLM's connector does not report its pulls to us
 
-    def hand_over(self, spec: EngineRequestSpec, order: PrefillOrder, last: TokenOutput) -> KvReady:
+    def hand_off(self, spec: EngineRequestSpec, order: PrefillOrder, last: TokenOutput) -> KvReady:
         params = last.kv_transfer_params or {}
         return KvReady(
             room=order.room,
