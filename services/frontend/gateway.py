@@ -42,7 +42,6 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, type[OpenAIError]] = {
 # Refusals a client may retry later: each carries Retry-After (the router's advice, else this).
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 DEFAULT_RETRY_AFTER_SECS = 1
-PRIORITY_HEADER = "x-kvmesh-priority"
 
 
 WORKER_ID_HEADER = "x-kvmesh-worker-id"
@@ -159,7 +158,7 @@ class Frontend:
             request.sampling.seed = body.seed & 0xFFFFFFFFFFFFFFFF
         priority = priority or (body.kvmesh.priority if body.kvmesh is not None else None)
         if priority:
-            request.routing.priority = priority
+            request.routing.priority = str(priority)
         if body.kvmesh is not None:
             if body.kvmesh.worker_id is not None:
                 request.routing.worker_id = body.kvmesh.worker_id

@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from kvmesh.common.wire.priority import Priority
+
 UINT32_MAX = 2**32 - 1
-Priority = Literal["high", "normal", "low"]  # the router queue's classes (kvmesh.router.request_queue)
-PRIORITIES: tuple[str, ...] = ("high", "normal", "low")
 UINT64_MAX = 2**64 - 1
 INT64_MIN = -(2**63)
 

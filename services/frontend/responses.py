@@ -12,11 +12,12 @@ import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from kvmesh.common.wire.priority import PRIORITY_HEADER, parse_priority
 from kvmesh.frontend.answer_chunks import AnswerChunks, sse_event
 from kvmesh.frontend.errors import BadRequestError, OpenAIError, UpstreamError
 from kvmesh.frontend.event_stream import EventStreamResponse
-from kvmesh.frontend.gateway import PRIORITY_HEADER, WORKER_ID_HEADER, Frontend, UsageCounter
-from kvmesh.frontend.protocol import PRIORITIES, ChatCompletionRequest, CompletionRequest
+from kvmesh.frontend.gateway import WORKER_ID_HEADER, Frontend, UsageCounter
+from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
 
 log = structlog.get_logger(__name__)
 
@@ -38,10 +39,11 @@ async def respond(
     cancels the request everywhere (router, worker, engine): a streaming response stops when the
     server cannot write to it; a non-streaming one watches the connection while it waits."""
     priority = http_request.headers.get(PRIORITY_HEADER)
-    if priority is not None and priority not in PRIORITIES:
-        raise BadRequestError(
-            f"{PRIORITY_HEADER} must be one of {', '.join(PRIORITIES)}, not {priority!r}", param=PRIORITY_HEADER
-        )
+    if priority is not None:
+        try:
+            parse_priority(priority)
+        except ValueError as exc:
+            raise BadRequestError(f"{PRIORITY_HEADER}: {exc}", param=PRIORITY_HEADER) from None
     if body.stream:
         return await _respond(frontend, body, token_ids, chat, priority)
     answer = asyncio.create_task(_respond(frontend, body, token_ids, chat, priority))

@@ -13,6 +13,7 @@ import openai
 from kvmesh.common.core.tiny_model import MODEL_DIR, MODEL_NAME
 from kvmesh.common.runtime.run_file import default_namespace, read_run_record
 from kvmesh.common.runtime.structured_logging import configure_logging
+from kvmesh.common.wire.priority import parse_mix
 from kvmesh.frontend.tokenizer import ModelTokenizer
 from kvmesh.loadgen.report import build_report, compare, write_outputs
 from kvmesh.loadgen.runner import LoadRunner
@@ -24,7 +25,6 @@ from kvmesh.loadgen.workload import (
     synthetic_workload,
     trace_workload,
 )
-from kvmesh.replay.config import parse_mix
 from kvmesh.replay.mooncake_trace import TraceError, read_trace
 
 DEFAULT_API = "http://127.0.0.1:8000/v1"

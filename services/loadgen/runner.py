@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 
 import openai
 
+from kvmesh.common.wire.priority import PRIORITY_HEADER  # kvmesh's; other servers ignore it
 from kvmesh.loadgen.workload import BenchRequest
-
-PRIORITY_HEADER = "x-kvmesh-priority"  # the router queue's class (kvmesh's; other servers ignore it)
 
 
 @dataclass

@@ -9,27 +9,14 @@ from dataclasses import dataclass, field
 
 from kvmesh.common.runtime.config import ConfigError, option
 from kvmesh.common.wire.frontend_load import RequestSample
+from kvmesh.common.wire.priority import parse_mix
 from kvmesh.planner.planner import PlannerOptions
 from kvmesh.replay.arrival_profile import parse_arrival_profile
 from kvmesh.router.config import RouterConfig, RoutingOptions
 from kvmesh.router.policy import POLICY_MODES
-from kvmesh.router.request_queue import PRIORITY_CLASSES
 
 # the modes a replay can simulate (``direct`` needs a caller that names the worker)
 REPLAY_MODES = POLICY_MODES
-
-
-def parse_mix(text: str) -> dict[str, float]:
-    """``high=0.2,normal=0.5,low=0.3`` as a share per priority class (shares summing to 1)."""
-    shares: dict[str, float] = {}
-    for part in text.split(","):
-        name, sep, value = part.strip().partition("=")
-        if not sep or name not in PRIORITY_CLASSES or name in shares:
-            raise ValueError(f"{part.strip()!r}: expected <class>=<share>, each class once, of {PRIORITY_CLASSES}")
-        shares[name] = float(value)
-    if any(v < 0 for v in shares.values()) or abs(sum(shares.values()) - 1.0) > 1e-6:
-        raise ValueError("the shares must be >= 0 and sum to 1")
-    return shares
 
 
 # The router's options a replay cannot model, and why: each is refused when set (at its default it

@@ -32,11 +32,12 @@ from kvmesh.common.core.timing import TimingModel, scaled
 from kvmesh.common.core.timing_fit import TimingFit
 from kvmesh.common.wire.hashing import sequence_hashes
 from kvmesh.common.wire.kv_events import HOST_DP_RANK, HOST_TIER, KvEvent, KvEventBatch
+from kvmesh.common.wire.priority import parse_mix
 from kvmesh.common.wire.worker_key import WorkerKey
 from kvmesh.planner.load import IntervalObservation
 from kvmesh.planner.planner import POOLS, Decision, Planner, PoolSizes
 from kvmesh.replay.arrival_profile import parse_arrival_profile
-from kvmesh.replay.config import ReplayConfig, RequestRecord, parse_mix, router_config
+from kvmesh.replay.config import ReplayConfig, RequestRecord, router_config
 from kvmesh.replay.fleet import REPLAY_MODEL, IntervalRecorder, RoutableWorkers, VirtualFleet
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
 from kvmesh.replay.virtual_index import VirtualIndex

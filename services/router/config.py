@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 from kvmesh.common.core.tier_credits import TierCredits
 from kvmesh.common.runtime.config import ConfigError, GrpcEndpointConfig, option
+from kvmesh.common.wire.priority import parse_shares
 from kvmesh.router.cache_aware import MISS_POLICIES, CacheAwareOptions
 from kvmesh.router.policy import POLICY_MODES
-from kvmesh.router.request_queue import DEFAULT_SHARES, QUEUE_POLICIES, QueueConfig, parse_shares
+from kvmesh.router.request_queue import DEFAULT_SHARES, QUEUE_POLICIES, QueueConfig
 from kvmesh.router.scheduler import COST_MODELS
 
 ROUTER_MODES = (*POLICY_MODES, "direct")

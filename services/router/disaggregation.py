@@ -76,8 +76,8 @@ class Disaggregation:
         allow_local = not config.enforce_disagg
         # the prefill worker says how its engine meets decode workers (a worker that does not say:
         # its engine's own way)
-        handoff = record.extra.get("kv_handoff") or default_kv_handoff(str(record.extra.get("engine", "mock")))
-        if handoff == "bootstrap":
+        kv_handoff = record.extra.get("kv_handoff") or default_kv_handoff(str(record.extra.get("engine", "mock")))
+        if kv_handoff == "bootstrap":
             return decode_request(request, bootstrap_order(record, room, allow_local))
         result = await job.result()
         if result is None:

@@ -73,14 +73,14 @@ class RouterMetrics:
             ["backend"],
             registry=self.registry,
         )
-        self.handoffs = Counter(
-            "kvmesh_router_handoffs",
-            "requests sent on to their worker for a frontend (sent), and handoffs that failed: refused by the "
+        self.forwards = Counter(
+            "kvmesh_router_forwards",
+            "requests sent on to their worker for a frontend (sent), and forwards that failed: refused by the "
             "worker (the frontend submitted it itself) or lost (it moved on); docs/decisions/0030",
             ["result"],
             registry=self.registry,
         )
-        self.handoffs_sent = self.handoffs.labels("sent")  # once per request: the child looked up once
+        self.forwards_sent = self.forwards.labels("sent")  # once per request: the child looked up once
         self.queue = QueueMetrics(self.registry)
         self.findings = Findings(self.registry)  # misconfigurations (kvmesh.router.fleet_checks)
         self.registry.register(_LoadCollector(pictures, peers))
@@ -95,8 +95,8 @@ class RouterMetrics:
         self.requests.labels(outcome).inc()
         self.outcomes.record(outcome)
 
-    def handoff_failed(self, lost: bool) -> None:
-        self.handoffs.labels("lost" if lost else "refused").inc()
+    def forward_failed(self, lost: bool) -> None:
+        self.forwards.labels("lost" if lost else "refused").inc()
 
 
 class QueueMetrics(QueueListener):

@@ -30,9 +30,8 @@ from typing import TypeVar
 import grpc
 
 from kvmesh.common.rpc.status_error import StatusError
+from kvmesh.common.wire.priority import Priority, parse_shares
 
-PRIORITY_CLASSES = ("high", "normal", "low")
-DEFAULT_CLASS = "normal"
 QUEUE_POLICIES = ("fcfs", "spf")
 DEFAULT_SHARES = "high=6,normal=3,low=1"
 # admissions counted over this window to estimate how soon a refused request may come back
@@ -57,26 +56,6 @@ class QueueRefusal(StatusError):
     def __init__(self, code: grpc.StatusCode, details: str, retry_after_secs: int) -> None:
         super().__init__(code, details)
         self.retry_after_secs = retry_after_secs
-
-
-def parse_shares(text: str) -> dict[str, float]:
-    """``high=6,normal=3,low=1`` as a share per class (every class named once, each positive)."""
-    shares: dict[str, float] = {}
-    for part in text.split(","):
-        name, sep, value = part.strip().partition("=")
-        if not sep or name not in PRIORITY_CLASSES:
-            raise ValueError(f"{part.strip()!r}: expected <class>=<share>, class one of {', '.join(PRIORITY_CLASSES)}")
-        try:
-            share = float(value)
-        except ValueError:
-            raise ValueError(f"{part.strip()!r}: the share must be a number") from None
-        if share <= 0 or name in shares:
-            raise ValueError(f"{part.strip()!r}: each class once, with a share above 0")
-        shares[name] = share
-    missing = set(PRIORITY_CLASSES) - set(shares)
-    if missing:
-        raise ValueError(f"no share for {', '.join(sorted(missing))}")
-    return shares
 
 
 @dataclass(frozen=True)
@@ -118,8 +97,8 @@ class WaitingRequests:
 
     def __init__(self, config: QueueConfig) -> None:
         self.config = config
-        self.waiting: dict[str, list[Waiting]] = {p: [] for p in PRIORITY_CLASSES}
-        self.passes = dict.fromkeys(PRIORITY_CLASSES, 0.0)  # stride scheduling's virtual time per class
+        self.waiting: dict[str, list[Waiting]] = {p: [] for p in Priority}
+        self.passes = dict.fromkeys(Priority, 0.0)  # stride scheduling's virtual time per class
         self.granted: Waiting | None = None
         self.freed_since_grant = False
 
@@ -145,7 +124,7 @@ class WaitingRequests:
         active = [p for p, w in self.waiting.items() if w]
         if not active:
             return None
-        priority = min(active, key=lambda p: (self.passes[p], PRIORITY_CLASSES.index(p)))
+        priority = min(active, key=lambda p: (self.passes[p], list(Priority).index(p)))
         return min(self.waiting[priority], key=lambda w: w.key(self.config.policy))
 
     def charge(self, entry: Waiting) -> None:
@@ -185,8 +164,6 @@ class RouterQueue:
         """``attempt()``'s result, once a try is admitted; it raises :class:`AllWorkersBusy` while
         no worker can take the request. Raises :class:`QueueRefusal` when the queue is full or the
         deadline passes first."""
-        if priority not in PRIORITY_CLASSES:
-            raise ValueError(f"unknown priority class {priority!r}")
         queue = self._models.get(model)
         uncached_tokens = prompt_tokens  # unknown until a try reads the overlap
         if not self.enabled or queue is None or not len(queue):

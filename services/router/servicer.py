@@ -25,14 +25,15 @@ from kvmesh.common.rpc.multiplexed import RequestContext, ending_of
 from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.rpc.stream_sessions import StreamSessions
 from kvmesh.common.rpc.tasks import cancel_and_wait
+from kvmesh.common.wire.priority import Priority, parse_priority
 from kvmesh.common.wire.request_reports import END, FIRST_TOKEN
 from kvmesh.common.wire.requests import with_disaggregated_params
 from kvmesh.router.disaggregation import Disaggregation
-from kvmesh.router.handoffs import Handoffs
+from kvmesh.router.forwards import Forwards
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
 from kvmesh.router.report_listener import ReportListener
-from kvmesh.router.request_queue import DEFAULT_CLASS, PRIORITY_CLASSES, QueueRefusal, RouterQueue
+from kvmesh.router.request_queue import QueueRefusal, RouterQueue
 from kvmesh.router.routing import Router
 
 log = structlog.get_logger(__name__)
@@ -41,7 +42,7 @@ log = structlog.get_logger(__name__)
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Guarantees: every request routed is counted in the load picture until its end is reported
     (or ``--request-timeout-secs`` passes, for a report that was lost); a request is handed on at
-    most once, and its caller gets an answer only when the handoff did not happen or failed; a
+    most once, and its caller gets an answer only when the forward did not happen or failed; a
     refusal answers its own query with a gRPC status, never the stream."""
 
     def __init__(
@@ -53,7 +54,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         queue: RouterQueue,
     ) -> None:
         """``sessions``: this replica's ``GenerateMany`` streams to the workers, which carry its
-        handoffs; ``queue``: where requests wait while every worker is busy (the one the router
+        forwards; ``queue``: where requests wait while every worker is busy (the one the router
         tells when capacity frees)."""
         self.router = router
         self.channels = channels
@@ -78,7 +79,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             try:
                 return await self.queue.route(
                     sent.model,
-                    sent.routing.priority or DEFAULT_CLASS,
+                    parse_priority(sent.routing.priority),  # checked above
                     lambda: self._plan(sent, request.migration),
                     len(sent.token_ids),
                 )
@@ -123,7 +124,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 overlap = 0  # sync path, prefill failed: the decode worker prefills itself
         response.overlap_blocks = overlap
         if rank is not None:
-            # the rank rides on the request itself too, for the handoff that sends it on from here
+            # the rank rides on the request itself too, for the forward that sends it on from here
             response.dp_rank = sent.routing.dp_rank = rank
         expected = sent.expected_output_tokens if sent.HasField("expected_output_tokens") else 0
         self.router.track_add(sent.request_id, worker, block_hashes, len(sent.token_ids), overlap, expected, rank or 0)
@@ -143,21 +144,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request_iterator: AsyncIterator[router_pb2.RouteQueries], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.RouteAnswers]:
         """:meth:`Route` for each query of the stream, concurrently (a query waits on the indexer);
-        a query that asks for a handoff (``handoff_to``) is sent on to its worker and answered only
+        a query that asks for a forward (``forward_to``) is sent on to its worker and answered only
         if that fails; other answers go out as soon as they are decided, with the others then
         ready. A refusal answers its query only; the stream goes on (docs/decisions/0024), and ends
         once the caller has closed its side and every query is answered. The caller's reports on
         the requests it routed here ride on the same stream (:mod:`kvmesh.router.report_listener`)."""
         answers: BatchQueue[router_pb2.RouteAnswer | None] = BatchQueue()  # None: the caller is done
         running: set[asyncio.Task[None]] = set()
-        handoffs = Handoffs(answers, self.metrics.handoff_failed)  # handed on, not yet known to run
+        forwards = Forwards(answers, self.metrics.forward_failed)  # handed on, not yet known to run
 
         async def answer(query: router_pb2.RouteQuery) -> None:
             reply = router_pb2.RouteAnswer(query_id=query.query_id)
             try:
                 response = await self.Route(query.request, RequestContext())
-                if query.request.handoff_to and self._handoff(query.request, response, reply, handoffs):
-                    return  # answered only if the handoff fails
+                if query.request.forward_to and self._forward(query.request, response, reply, forwards):
+                    return  # answered only if the forward fails
                 reply.response.CopyFrom(response)
             except Exception as exc:  # a refusal or a bug answers this query, not the stream
                 reply.refused.CopyFrom(ending_of(exc, query.request.request.request_id))
@@ -168,7 +169,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 async for message in request_iterator:
                     if message.reports:
                         for report in self.reports.apply_message(message.reports):
-                            handoffs.settle(report.request_id)  # its first token or its end: it ran
+                            forwards.settle(report.request_id)  # its first token or its end: it ran
                             if report.kind == FIRST_TOKEN and report.kv_source:
                                 self.disaggregation.first_token(report.request_id, report.kv_source)
                             elif report.kind == END:
@@ -193,15 +194,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if len(replies) < len(ready):
                     return
         finally:
-            handoffs.settle_all()
+            forwards.settle_all()
             await cancel_and_wait(reader, *running)
 
-    def _handoff(
+    def _forward(
         self,
         query: router_pb2.RouteRequest,
         response: router_pb2.RouteResponse,
         reply: router_pb2.RouteAnswer,
-        handoffs: Handoffs,
+        forwards: Forwards,
     ) -> bool:
         """Send the routed request on to its worker, to be served on the stream the caller's frontend
         attached there (docs/decisions/0030); whether it was sent. Not for a request that never
@@ -214,11 +215,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if response.disaggregated_params:
             request = with_disaggregated_params(request, response.disaggregated_params)
         try:
-            failed = session.handoff(request, query.handoff_to)
+            failed = session.forward(request, query.forward_to)
         except grpc.aio.AioRpcError:
             return False
-        handoffs.watch(request.request_id, session, failed, response, reply)
-        self.metrics.handoffs_sent.inc()
+        forwards.watch(request.request_id, session, failed, response, reply)
+        self.metrics.forwards_sent.inc()
         return True
 
     def _forced(self, request: common_pb2.PreprocessedRequest) -> bool:
@@ -236,12 +237,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "disaggregated_params is set by the router itself; send the request without it",
             )
-        if request.routing.priority and request.routing.priority not in PRIORITY_CLASSES:
-            await self._refuse(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"unknown priority {request.routing.priority!r}; use one of {', '.join(PRIORITY_CLASSES)}",
-            )
+        try:
+            parse_priority(request.routing.priority)
+        except ValueError as exc:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.request_id in self.router.loads:
             # its load would be counted twice and freed once; a worker stream carries one request per id
             await self._refuse(
@@ -297,7 +296,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             recent_outcomes=outcomes.recent(),
             total_outcomes=outcomes.totals(),
             migrations=self.metrics.migrations_total,
-            queued={p: self.queue.depth(priority=p) for p in PRIORITY_CLASSES},
+            queued={p: self.queue.depth(priority=p) for p in Priority},
             misconfigurations=self.metrics.findings.messages(),
         )
 

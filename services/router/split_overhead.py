@@ -3,7 +3,7 @@ the router measures it, for the decision to split only where that pays (docs/dec
 
 A split request's first token comes after: the prefill on the prefill worker (which the router
 predicts like any prefill, from that worker's learned step times), then the KV transfer, the
-handoff to the decode worker, and the decode side noticing the KV and running its first step. The
+forward to the decode worker, and the decode side noticing the KV and running its first step. The
 router cannot predict the second part from first principles (on vLLM's CPU build it was most of a
 split: the connector's handshake and polling, not the bytes), so it measures it: for each request it
 split, the time from its decision to the reported first token, less the prefill it predicted.

@@ -61,7 +61,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
         self.metrics = metrics
         self.handoff = handoff
-        # each frontend's attached GenerateMany stream, where routers' handoffs for it are served
+        # each frontend's attached GenerateMany stream, where routers' forwards for it are served
         self.attachments = Attachments()
 
     async def Generate(

@@ -92,12 +92,12 @@ def test_same_long_prompt_lands_on_the_same_worker_and_reuses_its_cache(kv_mesh)
     assert second.usage.prompt_tokens_details.cached_tokens >= 8 * BLOCK
 
 
-def handoffs(mesh) -> dict[str, float]:
-    """The router's kvmesh_router_handoffs_total samples by result."""
+def forwards(mesh) -> dict[str, float]:
+    """The router's kvmesh_router_forwards_total samples by result."""
     address = discovered(mesh.nats_url, "router")[0].extra["metrics"]
     counts = dict.fromkeys(("sent", "refused", "lost"), 0.0)
     for line in httpx.get(f"http://{address}/metrics", timeout=10).text.splitlines():
-        match = re.match(r'kvmesh_router_handoffs_total\{result="(\w+)"\} (\S+)', line)
+        match = re.match(r'kvmesh_router_forwards_total\{result="(\w+)"\} (\S+)', line)
         if match:
             counts[match.group(1)] = float(match.group(2))
     return counts
@@ -106,11 +106,11 @@ def handoffs(mesh) -> dict[str, float]:
 def test_the_router_hands_requests_on_to_their_workers(kv_mesh):
     """The router sends each request on to its worker; only the first to a worker the frontend has
     no stream to yet is refused there, and the frontend submits that one itself."""
-    before = handoffs(kv_mesh)
+    before = forwards(kv_mesh)
     for i in range(4):  # two workers: one of them gets a second request, after its stream is attached
-        answer, _ = chat(kv_mesh, f"handoff {i}: " + LONG_PROMPT, max_tokens=3)
+        answer, _ = chat(kv_mesh, f"forward {i}: " + LONG_PROMPT, max_tokens=3)
         assert answer.usage.completion_tokens == 3
-    after = handoffs(kv_mesh)
+    after = forwards(kv_mesh)
     sent, refused = after["sent"] - before["sent"], after["refused"] - before["refused"]
     # each try is sent on (the very first to a router goes the usual way: its migration limit is
     # not known yet); at most one per worker is refused, so at least one ran as handed on

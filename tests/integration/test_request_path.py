@@ -22,7 +22,7 @@ class RecordingRouters:
     def __init__(self, worker_address: str) -> None:
         self.worker_address = worker_address
         self.calls: list[tuple[str, ...]] = []
-        self.migration_limits: dict[str, int] = {}  # none known: no handoff is asked for
+        self.migration_limits: dict[str, int] = {}  # none known: no forward is asked for
 
     def pick(self, avoid: frozenset[str] = frozenset()) -> str:
         return "router-1"

@@ -167,6 +167,18 @@ async def queued(address: str, priority: str, count: int) -> bool:
     return status.queued.get(priority, 0) == count
 
 
+async def grpc_route_with_priority(address: str, priority: str) -> grpc.aio.AioRpcError:
+    """The router's refusal of a ``Route`` call whose request names ``priority``."""
+    request = router_pb2.RouteRequest()
+    request.request.request_id, request.request.model = "priority-check", MODEL
+    request.request.token_ids.extend(range(8))
+    request.request.routing.priority = priority
+    async with grpc.aio.insecure_channel(address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await router_pb2_grpc.RouterStub(channel).Route(request, timeout=10)
+    return refused.value
+
+
 async def hold_the_worker(client: openai.AsyncOpenAI):
     """A streamed completion that keeps the worker over a small threshold until it is closed."""
     stream = await client.completions.create(model=MODEL, prompt="x" * 200, max_tokens=3000, stream=True)
@@ -193,10 +205,20 @@ async def test_overload_refusals_are_openai_errors_with_retry_after(nats_url: st
 
 async def test_the_priority_header_and_body_field_put_a_request_ahead_of_the_low_class(nats_url: str, nc: NatsClient):
     async with facade(nats_url, nc, "priority", "--active-decode-blocks-threshold", "4") as (client, _http, router):
-        with pytest.raises(openai.BadRequestError, match="x-kvmesh-priority"):
+        # one validation at each boundary, one message: the header and the body over HTTP, gRPC's field
+        with pytest.raises(
+            openai.BadRequestError, match="x-kvmesh-priority: unknown priority 'urgent'; use one of high"
+        ):
             await client.completions.create(
                 model=MODEL, prompt="p", max_tokens=2, extra_headers={"x-kvmesh-priority": "urgent"}
             )
+        with pytest.raises(openai.BadRequestError, match="priority"):
+            await client.completions.create(
+                model=MODEL, prompt="p", max_tokens=2, extra_body={"kvmesh": {"priority": "x"}}
+            )
+        refused = await grpc_route_with_priority(router, "urgent")
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "unknown priority 'urgent'; use one of high, normal, low" in refused.details()
         hog = await hold_the_worker(client)
         first_tokens: dict[str, float] = {}
 

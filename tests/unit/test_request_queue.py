@@ -11,12 +11,12 @@ import asyncio
 import grpc
 import pytest
 
+from kvmesh.common.wire.priority import parse_shares
 from kvmesh.router.request_queue import (
     AllWorkersBusy,
     QueueConfig,
     QueueRefusal,
     RouterQueue,
-    parse_shares,
 )
 
 

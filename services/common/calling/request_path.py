@@ -21,7 +21,7 @@ from kvmesh.common.calling.router_client import RouterClient, route_failure, rou
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
 from kvmesh.common.rpc.channels import ChannelPool
 from kvmesh.common.rpc.grpc_errors import NO_WORKER, call_error, error_origin, is_transport_failure
-from kvmesh.common.rpc.stream_sessions import HandoffTable, Inbox, StreamSession, StreamSessions, open_worker_stream
+from kvmesh.common.rpc.stream_sessions import ForwardTable, Inbox, StreamSession, StreamSessions, open_worker_stream
 from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.wire.request_reports import END, FIRST_TOKEN, RequestReport
 from kvmesh.common.wire.requests import DEFAULT_MAX_TOKENS, AnswerUsage, continue_request, with_disaggregated_params
@@ -51,7 +51,7 @@ class RequestPath:
 
     A router replica plans each try (``RouteMany``, over this caller's stream to it) and hands it
     on to its worker, which serves it on this caller's ``GenerateMany`` stream there (attached as
-    :attr:`caller_id`); the router answers only when the handoff did not happen or failed, and
+    :attr:`caller_id`); the router answers only when the forward did not happen or failed, and
     the try is then submitted here, with the parameters of a split request. The first token and
     the end of each try are reported to that replica on the same ``RouteMany`` stream.
 
@@ -70,9 +70,9 @@ class RequestPath:
     def __init__(self, routers: RouterClient) -> None:
         self.routers = routers
         self._channels = ChannelPool()
-        self._handoffs = HandoffTable()
+        self._forwards = ForwardTable()
         self.caller_id = uuid.uuid4().hex
-        self._sessions = StreamSessions(self._channels, open_worker_stream, self._handoffs, self.caller_id)
+        self._sessions = StreamSessions(self._channels, open_worker_stream, self._forwards, self.caller_id)
 
     async def generate(self, request: common_pb2.PreprocessedRequest) -> AsyncIterator[common_pb2.GenerateOutput]:
         """The request's outputs, the last with its finish reason. Raises ``grpc.aio.AioRpcError``
@@ -138,8 +138,8 @@ class RequestPath:
         before it answered."""
         claimed: tuple[StreamSession, Inbox] | None = None
         try:
-            if self._may_handoff(sent, migration, router_address):
-                route, claimed = await self._handoff(router_address, sent)
+            if self._may_forward(sent, migration, router_address):
+                route, claimed = await self._forward(router_address, sent)
             else:
                 route = await self._route(router_address, route_request(sent, migration=migration))
         except grpc.aio.AioRpcError as exc:
@@ -161,15 +161,15 @@ class RequestPath:
             if claimed is not None:
                 session, inbox = claimed
                 stream = session.generate(sent, inbox)
-            elif route.handoff_lost:
-                stream = _lost_handoff(route, self._sessions.open_session(route.worker_address), sent.request_id)
+            elif route.forward_lost:
+                stream = _lost_forward(route, self._sessions.open_session(route.worker_address), sent.request_id)
             else:
                 stream = self._sessions.generate(route.worker_address, sent)
             async with contextlib.aclosing(stream) as outputs:
                 async for output in outputs:
                     if first:
                         first = False
-                        route.worker_id = output.worker_id  # a claimed handoff learns it here
+                        route.worker_id = output.worker_id  # a claimed forward learns it here
                         kv_source = output.disaggregated_params
                         report = RequestReport(FIRST_TOKEN, sent.request_id, kv_source=kv_source)
                         self.routers.report(router_address, report)
@@ -217,7 +217,7 @@ class RequestPath:
             return
         raise _Migrate
 
-    def _may_handoff(self, request: common_pb2.PreprocessedRequest, migration: int, router_address: str) -> bool:
+    def _may_forward(self, request: common_pb2.PreprocessedRequest, migration: int, router_address: str) -> bool:
         """A first try, not forced to a worker (the frontend must know that before any answer),
         to a router whose migration limit is known (its answers carry it)."""
         return (
@@ -226,20 +226,20 @@ class RequestPath:
             and router_address in self.routers.migration_limits
         )
 
-    async def _handoff(
+    async def _forward(
         self, router_address: str, sent: common_pb2.PreprocessedRequest
     ) -> tuple[router_pb2.RouteResponse, tuple[StreamSession, Inbox] | None]:
-        """Route ``sent`` with a handoff: the router sends it on to the worker, and its first item
+        """Route ``sent`` with a forward: the router sends it on to the worker, and its first item
         comes on this frontend's stream there, which claims it; or the router answers, because
-        the handoff failed or did not happen. Returns the route (for a claimed request: its
+        the forward failed or did not happen. Returns the route (for a claimed request: its
         worker's address and the router's migration limit) and the claiming session, if any."""
         request_id = sent.request_id
-        expectation = self._handoffs.expect(request_id)
-        query = route_request(sent, handoff_to=self.caller_id)
+        expectation = self._forwards.expect(request_id)
+        query = route_request(sent, forward_to=self.caller_id)
         try:
             answer = self.routers.ask_route(router_address, query)
         except BaseException:
-            self._handoffs.forget(request_id)
+            self._forwards.forget(request_id)
             raise
         decided = expectation.decided
         answer.add_done_callback(functools.partial(_answered, decided))
@@ -250,11 +250,11 @@ class RequestPath:
             decided.add_done_callback(functools.partial(self._abandon, router_address, request_id, answer))
             raise
         if session is not None:
-            answer.cancel()  # an answer now could only say the handoff was lost after it ran
+            answer.cancel()  # an answer now could only say the forward was lost after it ran
             limit = self.routers.migration_limits[router_address]
             route = router_pb2.RouteResponse(worker_address=session.address, migration_limit=limit)
             return route, (session, expectation.inbox)
-        self._handoffs.forget(request_id)
+        self._forwards.forget(request_id)
         error = answer.exception()
         if error is not None:
             failure = route_failure(error)
@@ -273,16 +273,16 @@ class RequestPath:
         answer: asyncio.Future[router_pb2.RouteResponse],
         decided: asyncio.Future[StreamSession | None],
     ) -> None:
-        """A handoff whose client left, once it is decided: cancelled where it runs, and reported
+        """A forward whose client left, once it is decided: cancelled where it runs, and reported
         ended to the router that counted it."""
-        self._handoffs.forget(request_id)
+        self._forwards.forget(request_id)
         session = decided.result()
         if session is not None:
             answer.cancel()
             session.abandon(request_id)
             self.routers.report(router_address, RequestReport(END, request_id, outcome="cancelled"))
             return
-        if not answer.cancelled() and answer.exception() is None and answer.result().handoff_lost:
+        if not answer.cancelled() and answer.exception() is None and answer.result().forward_lost:
             self._sessions.cancel_everywhere(request_id)
         self._release(router_address, request_id, answer)
 
@@ -304,9 +304,9 @@ class RequestPath:
             raise
 
     @property
-    def expected_handoffs(self) -> int:
-        """Handoffs asked for and not yet decided (for tests and inspection)."""
-        return len(self._handoffs)
+    def expected_forwards(self) -> int:
+        """Forwards asked for and not yet decided (for tests and inspection)."""
+        return len(self._forwards)
 
     def watch(self, js: JetStreamContext, namespace: str) -> DiscoveryWatcher:
         """Follow the workers in discovery (start the returned watcher): a worker that leaves has its
@@ -332,19 +332,19 @@ def is_no_worker_refusal(error: grpc.aio.AioRpcError) -> bool:
 
 
 def _answered(decided: asyncio.Future[StreamSession | None], _answer: asyncio.Future[router_pb2.RouteResponse]) -> None:
-    """A handoff's route answer came (or its stream broke) before any output: the answer decides."""
+    """A forward's route answer came (or its stream broke) before any output: the answer decides."""
     if not decided.done():
         decided.set_result(None)
 
 
-async def _lost_handoff(
+async def _lost_forward(
     route: router_pb2.RouteResponse, session: StreamSession | None, request_id: str
 ) -> AsyncIterator[common_pb2.GenerateOutput]:
-    """A handoff the router lost track of: it may be running on its worker, so it is cancelled
+    """A forward the router lost track of: it may be running on its worker, so it is cancelled
     there, and the try fails as a broken worker stream does (the request moves on)."""
     if session is not None:
         session.abandon(request_id)
-    raise call_error(grpc.StatusCode.UNAVAILABLE, f"the handoff to worker {route.worker_id} was lost")
+    raise call_error(grpc.StatusCode.UNAVAILABLE, f"the forward to worker {route.worker_id} was lost")
     yield  # an async generator, like the worker streams it stands in for
 
 

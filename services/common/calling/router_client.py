@@ -69,7 +69,7 @@ class RouterClient:
         self._channels = ChannelPool()
         self._routes = QueryStreams(ROUTE_QUERIES, self._channels)
         self._counter = itertools.count()
-        # each replica's --migration-limit, from its last answer (a handoff needs it before any)
+        # each replica's --migration-limit, from its last answer (a forward needs it before any)
         self.migration_limits: dict[str, int] = {}
 
     def watch(self, js: JetStreamContext, namespace: str) -> DiscoveryWatcher:
@@ -113,7 +113,7 @@ class RouterClient:
         self.migration_limits[address] = response.migration_limit
 
     def ask_route(self, address: str, query: router_pb2.RouteRequest) -> asyncio.Future[router_pb2.RouteResponse]:
-        """:meth:`route`'s answer as a future, for a query that may never be answered (a handoff,
+        """:meth:`route`'s answer as a future, for a query that may never be answered (a forward,
         docs/decisions/0030): cancel it once the answer no longer matters. It fails with
         :class:`~kvmesh.common.rpc.query_streams.QueryStreamBroken` when the stream breaks first
         (:func:`route_failure` turns that into the call's UNAVAILABLE)."""

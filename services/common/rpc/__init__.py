@@ -6,8 +6,8 @@
 - ``status_error`` — one error type for "this call fails with this gRPC status".
 - ``grpc_io``, ``grpc_tls``, ``grpc_streams`` — gRPC core's I/O choice, TLS credentials, stream helpers.
 - ``query_streams`` — request/answer calls over one stream per peer (``RouteMany``, ``FindMatchesMany``).
-- ``stream_sessions`` — a caller's ``Worker.GenerateMany`` stream per worker, handoffs claimed from it.
-- ``multiplexed`` — the worker's side of ``GenerateMany`` (many requests, attached callers, handoffs).
+- ``stream_sessions`` — a caller's ``Worker.GenerateMany`` stream per worker, forwards claimed from it.
+- ``multiplexed`` — the worker's side of ``GenerateMany`` (many requests, attached callers, forwards).
 - ``message_builder``, ``batch_queue``, ``tasks`` — the next message built in place; a queue taken whole;
   background tasks cancelled and awaited.
 """

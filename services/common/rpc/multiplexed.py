@@ -60,7 +60,7 @@ def ending_of(error: Exception, request_id: str) -> common_pb2.RequestEnd:
 
 
 class Attachments:
-    """Which ``GenerateMany`` stream serves each frontend's handoffs: the one it attached last,
+    """Which ``GenerateMany`` stream serves each frontend's forwards: the one it attached last,
     while that stream is open (docs/decisions/0030)."""
 
     def __init__(self) -> None:
@@ -85,7 +85,7 @@ class RequestMultiplexer:
 
     With ``attachments`` (a worker's), a frontend may attach its stream, and a router may hand a
     request on to be served on that frontend's stream: the router's stream then hears only of a
-    handoff that failed, refused (no stream from that frontend) or cut short (that stream ended
+    forward that failed, refused (no stream from that frontend) or cut short (that stream ended
     while the request ran), each as the request's end item on the router's stream."""
 
     def __init__(self, generate_one: GenerateOne, service: str, attachments: Attachments | None = None) -> None:
@@ -152,8 +152,8 @@ class RequestMultiplexer:
                 for command in message.commands:
                     if command.HasField("submit"):
                         self._submit(command.submit)
-                    elif command.HasField("handoff"):
-                        self._handoff(command.handoff)
+                    elif command.HasField("forward"):
+                        self._forward(command.forward)
                     elif command.HasField("attach"):
                         self._attach(command.attach)
                     else:
@@ -189,16 +189,16 @@ class RequestMultiplexer:
             self._attachments.attach(frontend_id, self)
             self._attached_as = frontend_id
 
-    def _handoff(self, handoff: common_pb2.Handoff) -> None:
-        request = handoff.request
-        target = self._attachments.stream_of(handoff.frontend_id) if self._attachments is not None else None
+    def _forward(self, forward: common_pb2.Forward) -> None:
+        request = forward.request
+        target = self._attachments.stream_of(forward.frontend_id) if self._attachments is not None else None
         if target is None or target.closed:
-            details = f"no stream from frontend {handoff.frontend_id!r} is attached here"
+            details = f"no stream from frontend {forward.frontend_id!r} is attached here"
             self.end(request.request_id, grpc.StatusCode.FAILED_PRECONDITION, details, self._service)
             return
-        target.take_handoff(request, self)
+        target.take_forward(request, self)
 
-    def take_handoff(self, request: common_pb2.PreprocessedRequest, origin: RequestMultiplexer) -> None:
+    def take_forward(self, request: common_pb2.PreprocessedRequest, origin: RequestMultiplexer) -> None:
         """Serve ``request``, handed on from the stream ``origin``, as if submitted here; ``origin``
         is told if this stream ends before the request does."""
         if self._submit(request):

@@ -1,5 +1,5 @@
 """One ``Worker.GenerateMany`` stream per worker, shared by every request sent there: a router's
-(which carries its handoffs) and a caller's (a frontend's, where the requests handed on to it are
+(which carries its forwards) and a caller's (a frontend's, where the requests handed on to it are
 served).
 
 A request's outputs come out of :meth:`StreamSession.generate` exactly as they would from its own
@@ -38,7 +38,7 @@ def open_worker_stream(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
 Inbox = BatchQueue[common_pb2.StreamItem | BaseException]
 
 
-class HandoffExpectation:
+class ForwardExpectation:
     """A request that a router may hand on to a worker for this frontend (docs/decisions/0030).
     :attr:`decided` resolves with the session that the request's first item came in on, unless
     the caller decides first (the router answered): whichever comes first wins."""
@@ -51,15 +51,15 @@ class HandoffExpectation:
         self.decided: asyncio.Future[StreamSession | None] = asyncio.get_running_loop().create_future()
 
 
-class HandoffTable:
+class ForwardTable:
     """The requests this frontend expects to be handed on, shared by its sessions to the workers:
     a session that reads an item for a request it was not given claims it here."""
 
     def __init__(self) -> None:
-        self._expected: dict[str, HandoffExpectation] = {}
+        self._expected: dict[str, ForwardExpectation] = {}
 
-    def expect(self, request_id: str) -> HandoffExpectation:
-        expectation = self._expected[request_id] = HandoffExpectation(request_id)
+    def expect(self, request_id: str) -> ForwardExpectation:
+        expectation = self._expected[request_id] = ForwardExpectation(request_id)
         return expectation
 
     def forget(self, request_id: str) -> None:
@@ -81,16 +81,16 @@ class StreamSession:
     once (finished, refused, failed or cancelled); a request the consumer stops reading is cancelled
     at the peer; once broken, the session takes no new request (:attr:`broken`).
 
-    Handoffs (docs/decisions/0030): a frontend's session ``attach``es its stream and claims, from
+    Forwards (docs/decisions/0030): a frontend's session ``attach``es its stream and claims, from
     ``expected``, the requests that routers hand on to it; an output for a request that no one here
-    waits for is cancelled at the peer. A router's session sends handoffs (:meth:`handoff`) and
+    waits for is cancelled at the peer. A router's session sends forwards (:meth:`forward`) and
     hears back only of those that failed."""
 
     def __init__(
         self,
         call: grpc.aio.StreamStreamCall,
         address: str,
-        expected: HandoffTable | None = None,
+        expected: ForwardTable | None = None,
         attach_as: str | None = None,
     ) -> None:
         self.address = address
@@ -143,7 +143,7 @@ class StreamSession:
             self._break(exc)
 
     def _unexpected(self, item: common_pb2.StreamItem) -> Inbox | None:
-        """Where an item for a request not submitted on this session goes: a handoff's failure to
+        """Where an item for a request not submitted on this session goes: a forward's failure to
         the router that sent it, a handed-on request's first item to the frontend's expectation
         (the request is this session's from then on); None to drop it. The end item of a finished
         request comes this way too, and is dropped."""
@@ -235,24 +235,24 @@ class StreamSession:
         if self.broken is None:
             self._commands.add().cancel = request_id
 
-    def handoff(
+    def forward(
         self, request: common_pb2.PreprocessedRequest, frontend_id: str
     ) -> asyncio.Future[common_pb2.RequestEnd]:
         """Send ``request`` to the peer, to be served on the stream ``frontend_id`` attached there.
-        The future resolves with the end item the peer sends back if the handoff fails (refused:
+        The future resolves with the end item the peer sends back if the forward fails (refused:
         no such stream; cut short: that stream ended first), or fails with this session's break;
         :meth:`settle` it once the request is known to run (its first token was reported)."""
         if self.broken is not None:
             raise self.broken
         failed: asyncio.Future[common_pb2.RequestEnd] = asyncio.get_running_loop().create_future()
         self._handed_on[request.request_id] = failed
-        handoff = self._commands.add().handoff
-        handoff.frontend_id = frontend_id
-        handoff.request.CopyFrom(request)
+        forward = self._commands.add().forward
+        forward.frontend_id = frontend_id
+        forward.request.CopyFrom(request)
         return failed
 
     def settle(self, request_id: str) -> None:
-        """The handoff of ``request_id`` runs, or no longer matters: stop watching for its failure."""
+        """The forward of ``request_id`` runs, or no longer matters: stop watching for its failure."""
         self._handed_on.pop(request_id, None)
 
     async def close(self) -> None:
@@ -269,10 +269,10 @@ class StreamSessions:
         self,
         channels: ChannelPool,
         open_stream: OpenStream,
-        expected: HandoffTable | None = None,
+        expected: ForwardTable | None = None,
         attach_as: str | None = None,
     ) -> None:
-        """``expected`` and ``attach_as``: a frontend's sessions that take handoffs (each stream is
+        """``expected`` and ``attach_as``: a frontend's sessions that take forwards (each stream is
         attached as ``attach_as`` and claims requests from ``expected``)."""
         self._channels = channels
         self._open_stream = open_stream
@@ -296,7 +296,7 @@ class StreamSessions:
         return session if session is not None and session.broken is None else None
 
     def cancel_everywhere(self, request_id: str) -> None:
-        """Cancel ``request_id`` on every open session: a handoff whose worker is not known may be
+        """Cancel ``request_id`` on every open session: a forward whose worker is not known may be
         running on any of them (a peer that does not hold it ignores the cancel)."""
         for session in self._sessions.values():
             session.abandon(request_id)  # a broken one sends nothing

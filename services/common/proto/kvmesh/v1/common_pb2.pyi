@@ -121,18 +121,18 @@ class GenerateOutput(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., disaggregated_params: _Optional[bytes] = ..., worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ...) -> None: ...
 
 class GenerateCommand(_message.Message):
-    __slots__ = ("submit", "cancel", "attach", "handoff")
+    __slots__ = ("submit", "cancel", "attach", "forward")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     ATTACH_FIELD_NUMBER: _ClassVar[int]
-    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
     submit: PreprocessedRequest
     cancel: str
     attach: str
-    handoff: Handoff
-    def __init__(self, submit: _Optional[_Union[PreprocessedRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., attach: _Optional[str] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ...) -> None: ...
+    forward: Forward
+    def __init__(self, submit: _Optional[_Union[PreprocessedRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., attach: _Optional[str] = ..., forward: _Optional[_Union[Forward, _Mapping]] = ...) -> None: ...
 
-class Handoff(_message.Message):
+class Forward(_message.Message):
     __slots__ = ("request", "frontend_id")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]

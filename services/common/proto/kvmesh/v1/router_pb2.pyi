@@ -22,24 +22,24 @@ class RoutingQuery(_message.Message):
     def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ..., router_config_override: _Optional[_Union[_common_pb2.RouterConfigOverride, _Mapping]] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request", "migration", "handoff_to")
+    __slots__ = ("request", "migration", "forward_to")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_FIELD_NUMBER: _ClassVar[int]
-    HANDOFF_TO_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_TO_FIELD_NUMBER: _ClassVar[int]
     request: _common_pb2.PreprocessedRequest
     migration: int
-    handoff_to: str
-    def __init__(self, request: _Optional[_Union[_common_pb2.PreprocessedRequest, _Mapping]] = ..., migration: _Optional[int] = ..., handoff_to: _Optional[str] = ...) -> None: ...
+    forward_to: str
+    def __init__(self, request: _Optional[_Union[_common_pb2.PreprocessedRequest, _Mapping]] = ..., migration: _Optional[int] = ..., forward_to: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker_id", "worker_address", "overlap_blocks", "router_id", "migration_limit", "forced", "handoff_lost", "disaggregated_params", "dp_rank")
+    __slots__ = ("worker_id", "worker_address", "overlap_blocks", "router_id", "migration_limit", "forced", "forward_lost", "disaggregated_params", "dp_rank")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_LIMIT_FIELD_NUMBER: _ClassVar[int]
     FORCED_FIELD_NUMBER: _ClassVar[int]
-    HANDOFF_LOST_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_LOST_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_PARAMS_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
@@ -48,10 +48,10 @@ class RouteResponse(_message.Message):
     router_id: str
     migration_limit: int
     forced: bool
-    handoff_lost: bool
+    forward_lost: bool
     disaggregated_params: bytes
     dp_rank: int
-    def __init__(self, worker_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., router_id: _Optional[str] = ..., migration_limit: _Optional[int] = ..., forced: _Optional[bool] = ..., handoff_lost: _Optional[bool] = ..., disaggregated_params: _Optional[bytes] = ..., dp_rank: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[int] = ..., worker_address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., router_id: _Optional[str] = ..., migration_limit: _Optional[int] = ..., forced: _Optional[bool] = ..., forward_lost: _Optional[bool] = ..., disaggregated_params: _Optional[bytes] = ..., dp_rank: _Optional[int] = ...) -> None: ...
 
 class RouteQuery(_message.Message):
     __slots__ = ("query_id", "request")

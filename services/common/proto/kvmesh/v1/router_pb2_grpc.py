@@ -71,7 +71,7 @@ class RouterServicer:
     def RouteMany(self, request_iterator, context):
         """The one request path: each message carries every query the caller has ready and its reports on
         the requests this replica routed for it (first token, end of each try). A query that names
-        `handoff_to` is handed on to its worker and answered only if that fails; any other is answered
+        `forward_to` is handed on to its worker and answered only if that fails; any other is answered
         as soon as it is decided, with what Route would answer or refuse (docs/decisions/0024, 0030).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

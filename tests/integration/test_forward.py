@@ -1,6 +1,6 @@
-"""Handoffs (docs/decisions/0030) against a real worker process over real gRPC: the worker serves a
+"""Forwards (docs/decisions/0030) against a real worker process over real gRPC: the worker serves a
 request a router hands on to the stream a frontend attached, and tells the router only of a
-handoff that failed; the frontend's direct path, driven by a scripted router peer that hands on
+forward that failed; the frontend's direct path, driven by a scripted router peer that hands on
 through a real router-side session, claims handed-on requests, submits a refused one itself,
 cancels and moves on a lost one, and stops what it no longer waits for at the worker."""
 
@@ -31,8 +31,8 @@ ENDLESS = 200_000
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 
-def handoff(frontend_id: str, sent: common_pb2.PreprocessedRequest) -> common_pb2.GenerateCommands:
-    command = common_pb2.GenerateCommand(handoff=common_pb2.Handoff(request=sent, frontend_id=frontend_id))
+def forward(frontend_id: str, sent: common_pb2.PreprocessedRequest) -> common_pb2.GenerateCommands:
+    command = common_pb2.GenerateCommand(forward=common_pb2.Forward(request=sent, frontend_id=frontend_id))
     return common_pb2.GenerateCommands(commands=[command])
 
 
@@ -55,7 +55,7 @@ async def running_requests(stub: worker_pb2_grpc.WorkerStub) -> int:
     return (await stub.GetStatus(worker_pb2.WorkerStatusRequest())).running_requests
 
 
-async def test_a_worker_serves_a_handoff_on_the_attached_stream_and_tells_the_router_only_of_failures(
+async def test_a_worker_serves_a_forward_on_the_attached_stream_and_tells_the_router_only_of_failures(
     nc: NatsClient, nats_url: str
 ):
     async with (
@@ -64,20 +64,20 @@ async def test_a_worker_serves_a_handoff_on_the_attached_stream_and_tells_the_ro
     ):
         stub = worker_pb2_grpc.WorkerStub(channel)
         router = stub.GenerateMany()
-        await router.write(handoff("front-1", request("h0", 0, 4)))
+        await router.write(forward("front-1", request("h0", 0, 4)))
         assert await read_until_end(router, "h0") == (0, REFUSED)  # no stream from front-1 yet
 
         frontend = stub.GenerateMany()
         await frontend.write(attach("front-1"))
         await frontend.write(submit(request("s1", 0, 2)))  # answered after the attach: the stream is attached
         assert await read_until_end(frontend, "s1") == (2, 0)
-        await router.write(handoff("front-1", request("h1", 100, 4)))
+        await router.write(forward("front-1", request("h1", 100, 4)))
         assert await read_until_end(frontend, "h1") == (4, 0)  # served on the frontend's stream
-        await router.write(handoff("front-2", request("h2", 200, 4)))
+        await router.write(forward("front-2", request("h2", 200, 4)))
         assert await read_until_end(router, "h2") == (0, REFUSED)  # and nothing of h1 came before it here
 
         # the frontend's stream ends while a handed-on request runs: the router hears it was cut short
-        await router.write(handoff("front-1", request("h3", 300, ENDLESS)))
+        await router.write(forward("front-1", request("h3", 300, ENDLESS)))
         first = (await frontend.read()).items[0]
         assert first.request_id == "h3" and first.HasField("output")
         frontend.cancel()
@@ -91,8 +91,8 @@ async def _zero(stub: worker_pb2_grpc.WorkerStub) -> bool:
 
 
 class ScriptedRouter(router_pb2_grpc.RouterServicer):
-    """Routes every request to one real worker. A query without a handoff is answered at once; one
-    with a handoff is handled by ``script`` (a query's request id → what to do), by default handed
+    """Routes every request to one real worker. A query without a forward is answered at once; one
+    with a forward is handled by ``script`` (a query's request id → what to do), by default handed
     on through a real router-side session and never answered unless the worker says it failed."""
 
     def __init__(self, worker_address: str) -> None:
@@ -101,8 +101,8 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
         self.queries: list[router_pb2.RouteRequest] = []
         self.reports: list[RequestReport] = []
         self.script: dict[str, str] = {}
-        self.refused: list[str] = []  # handoffs the worker refused (no stream from that frontend)
-        self.handoff_delay = 0.0
+        self.refused: list[str] = []  # forwards the worker refused (no stream from that frontend)
+        self.forward_delay = 0.0
 
     def response(self, **fields) -> router_pb2.RouteResponse:
         return router_pb2.RouteResponse(worker_id=1, worker_address=self.worker_address, migration_limit=3, **fields)
@@ -116,16 +116,16 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
         async def handle(query: router_pb2.RouteQuery) -> None:
             routed = query.request
             action = self.script.get(routed.request.request_id, "hand on")
-            if not routed.handoff_to:
+            if not routed.forward_to:
                 action = "answer"
             if action in ("hand on", "lost", "break"):
-                await asyncio.sleep(self.handoff_delay)
+                await asyncio.sleep(self.forward_delay)
                 handed = routed.request
                 if action != "hand on":  # what is lost or left behind runs until it is cancelled
                     handed = common_pb2.PreprocessedRequest()
                     handed.CopyFrom(routed.request)
                     handed.stop.max_tokens = ENDLESS
-                failed = self.sessions.get(self.worker_address).handoff(handed, routed.handoff_to)
+                failed = self.sessions.get(self.worker_address).forward(handed, routed.forward_to)
                 if action == "break":
                     await answers.put("break")
                     return
@@ -135,7 +135,7 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
                         return
                     self.refused.append(routed.request.request_id)
             lost = action == "lost"
-            answer = router_pb2.RouteAnswer(query_id=query.query_id, response=self.response(handoff_lost=lost))
+            answer = router_pb2.RouteAnswer(query_id=query.query_id, response=self.response(forward_lost=lost))
             await answers.put(answer)
 
         async def read() -> None:
@@ -179,7 +179,7 @@ async def answer_of(direct: RequestPath, sent: common_pb2.PreprocessedRequest, r
 
 @pytest.fixture
 async def handing_on(nc: NatsClient, nats_url: str):
-    """(worker stub, scripted router, its address, a handoff direct path); the path has served one
+    """(worker stub, scripted router, its address, a forward direct path); the path has served one
     request already, answered by the router (it learns the router's migration limit that way) and
     submitted by itself, so its stream to the worker is attached."""
     async with one_worker(nc, nats_url, "--speedup-ratio", "5") as (address, _):
@@ -190,7 +190,7 @@ async def handing_on(nc: NatsClient, nats_url: str):
         async with grpc.aio.insecure_channel(address) as channel:
             try:
                 assert len(await answer_of(direct, request("warm", 0, 2), router_address)) == 2
-                assert not router.queries[0].handoff_to  # no limit known yet: routed the usual way
+                assert not router.queries[0].forward_to  # no limit known yet: routed the usual way
                 yield worker_pb2_grpc.WorkerStub(channel), router, router_address, direct
             finally:
                 await direct.close()
@@ -202,34 +202,34 @@ async def handing_on(nc: NatsClient, nats_url: str):
 async def test_a_handed_on_request_is_claimed_from_the_frontends_own_stream(handing_on):
     _stub, router, router_address, direct = handing_on
     assert len(await answer_of(direct, request("h1", 100, 6), router_address)) == 6
-    assert router.queries[-1].handoff_to == direct.caller_id
+    assert router.queries[-1].forward_to == direct.caller_id
     await wait_until_async(lambda: bool(router.ends("h1")), what="the end reported")
     kinds = [(r.kind, r.outcome) for r in router.reports if r.request_id == "h1"]
     # a first-token report that would leave with the end is dropped (decision 19)
     assert kinds in ([(FIRST_TOKEN, ""), (END, "completed")], [(END, "completed")])
-    assert direct.expected_handoffs == 0
+    assert direct.expected_forwards == 0
 
 
-async def test_a_lost_handoff_is_cancelled_at_its_worker_and_moves_on(handing_on):
+async def test_a_lost_forward_is_cancelled_at_its_worker_and_moves_on(handing_on):
     stub, router, router_address, direct = handing_on
     router.script["lost"] = "lost"  # handed on, and answered lost at once: it may be running
     assert len(await answer_of(direct, request("lost", 100, 20), router_address)) == 20
     assert [(r.outcome, r.failed_worker_id) for r in router.ends("lost")] == [("migrated", 1)]
-    assert router.queries[-1].migration == 1 and not router.queries[-1].handoff_to
+    assert router.queries[-1].migration == 1 and not router.queries[-1].forward_to
     await wait_until_async(lambda: _zero(stub), what="the lost try cancelled at the worker")
     assert not router.ends("lost")[0].output_tokens
 
 
-async def test_a_router_stream_that_breaks_before_the_first_output_fails_over_and_stops_the_handoff(handing_on):
+async def test_a_router_stream_that_breaks_before_the_first_output_fails_over_and_stops_the_forward(handing_on):
     stub, router, router_address, direct = handing_on
     router.script["b1"] = "break"
     # the path fails over to another router replica; with none left, the one replica is asked
     # again (on a new stream), and the try handed on before the break is stopped where it ran
     assert len(await answer_of(direct, request("b1", 100, 20), router_address)) == 20
     asked = [q for q in router.queries if q.request.request_id.startswith("b1")]
-    assert len(asked) == 2 and asked[0].handoff_to
-    assert direct.expected_handoffs == 0
-    await wait_until_async(lambda: _zero(stub), what="the handoff cancelled wherever it ran")
+    assert len(asked) == 2 and asked[0].forward_to
+    assert direct.expected_forwards == 0
+    await wait_until_async(lambda: _zero(stub), what="the forward cancelled wherever it ran")
 
 
 async def test_a_replica_that_breaks_every_try_fails_the_request_at_the_failover_limit(handing_on):
@@ -246,15 +246,15 @@ async def test_a_replica_that_breaks_every_try_fails_the_request_at_the_failover
 async def test_an_output_no_one_waits_for_is_cancelled_at_the_worker(handing_on):
     stub, router, _router_address, direct = handing_on
     session = router.sessions.get(router.worker_address)
-    failed = session.handoff(request("stray", 100, ENDLESS), direct.caller_id)  # this frontend never asked
+    failed = session.forward(request("stray", 100, ENDLESS), direct.caller_id)  # this frontend never asked
     await wait_until_async(lambda: _zero(stub), what="the stray request cancelled at the worker")
     assert not failed.done()  # served on the frontend's stream, not refused
 
 
-async def test_a_client_that_leaves_before_the_first_output_stops_the_handoff_and_frees_its_load(handing_on):
+async def test_a_client_that_leaves_before_the_first_output_stops_the_forward_and_frees_its_load(handing_on):
     stub, router, router_address, direct = handing_on
     router.script["gone"] = "lost"  # handed on late, and then answered lost: both after the client left
-    router.handoff_delay = 0.3
+    router.forward_delay = 0.3
     task = asyncio.ensure_future(answer_of(direct, request("gone", 100, ENDLESS), router_address))
     await wait_until_async(lambda: any(q.request.request_id == "gone" for q in router.queries), what="routed")
     task.cancel()
@@ -262,21 +262,21 @@ async def test_a_client_that_leaves_before_the_first_output_stops_the_handoff_an
         await task
     await wait_until_async(lambda: bool(router.ends("gone")), timeout=5, what="the end reported")
     assert [r.outcome for r in router.ends("gone")] == ["cancelled"]
-    await wait_until_async(lambda: _zero(stub), what="the late handoff cancelled at the worker")
-    assert direct.expected_handoffs == 0
+    await wait_until_async(lambda: _zero(stub), what="the late forward cancelled at the worker")
+    assert direct.expected_forwards == 0
 
 
-async def test_a_handoff_the_worker_refuses_is_submitted_by_the_frontend_itself(handing_on):
+async def test_a_forward_the_worker_refuses_is_submitted_by_the_frontend_itself(handing_on):
     _stub, router, router_address, _ = handing_on
     routers = RouterClient(fixed_address=router_address)
     routers.note_route(router_address, router.response())  # the limit is known, no worker stream is open
     fresh = RequestPath(routers)
     try:
         assert len(await answer_of(fresh, request("r1", 100, 6), router_address)) == 6
-        assert router.queries[-1].handoff_to == fresh.caller_id  # asked for, refused, then submitted
+        assert router.queries[-1].forward_to == fresh.caller_id  # asked for, refused, then submitted
         assert len(await answer_of(fresh, request("r2", 200, 6), router_address)) == 6  # now attached
-        assert router.queries[-1].handoff_to == fresh.caller_id
-        assert router.refused == ["r1"] and fresh.expected_handoffs == 0
+        assert router.queries[-1].forward_to == fresh.caller_id
+        assert router.refused == ["r1"] and fresh.expected_forwards == 0
     finally:
         await fresh.close()
         await routers.close()

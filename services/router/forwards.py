@@ -3,12 +3,12 @@ run (docs/decisions/0030).
 
 A handed-on request's route query gets no answer while all goes well: the frontend learns the
 worker from the first output, which comes on its own stream to that worker. The router answers
-only when the handoff fails, and must then tell the frontend which of two things happened:
+only when the forward fails, and must then tell the frontend which of two things happened:
 
 - the worker refused it (no stream from that frontend is attached there): the answer is the
   ordinary route answer, and the frontend submits the request to that worker itself;
 - it may or may not have run (the router's stream to the worker broke, or the frontend's stream
-  there ended while it ran): the answer is marked ``handoff_lost``, and the frontend cancels it
+  there ended while it ran): the answer is marked ``forward_lost``, and the frontend cancels it
   there and moves it on, as it does when its own stream to a worker breaks.
 
 The frontend's first-token or end report settles a request (it runs, or ran), as does the end of
@@ -27,17 +27,17 @@ from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
 from kvmesh.common.rpc.batch_queue import BatchQueue
 from kvmesh.common.rpc.stream_sessions import StreamSession
 
-REFUSED = grpc.StatusCode.FAILED_PRECONDITION.value[0]  # the worker's refusal of a handoff
+REFUSED = grpc.StatusCode.FAILED_PRECONDITION.value[0]  # the worker's refusal of a forward
 
 
-class Handoffs:
-    """One ``RouteMany`` stream's handoffs in flight. Guarantees: each is answered at most once,
+class Forwards:
+    """One ``RouteMany`` stream's forwards in flight. Guarantees: each is answered at most once,
     and only if it failed before it was settled."""
 
     def __init__(
         self, answers: BatchQueue[router_pb2.RouteAnswer | None], on_failed: Callable[[bool], None] | None = None
     ) -> None:
-        """``on_failed``: told of each failed handoff, whether it was lost (else refused)."""
+        """``on_failed``: told of each failed forward, whether it was lost (else refused)."""
         self._answers = answers
         self._on_failed = on_failed
         self._watching: dict[str, tuple[StreamSession, asyncio.Future[common_pb2.RequestEnd]]] = {}
@@ -50,7 +50,7 @@ class Handoffs:
         response: router_pb2.RouteResponse,
         reply: router_pb2.RouteAnswer,
     ) -> None:
-        """Answer ``reply`` with ``response`` if ``failed`` (from :meth:`StreamSession.handoff`)
+        """Answer ``reply`` with ``response`` if ``failed`` (from :meth:`StreamSession.forward`)
         resolves before ``request_id`` is settled."""
         self._watching[request_id] = (session, failed)
         failed.add_done_callback(functools.partial(self._failed, request_id, response, reply))
@@ -80,8 +80,8 @@ class Handoffs:
             return  # settled: it runs
         self._watching.pop(request_id, None)
         broken = failed.exception() is not None
-        response.handoff_lost = broken or failed.result().code != REFUSED
+        response.forward_lost = broken or failed.result().code != REFUSED
         if self._on_failed is not None:
-            self._on_failed(response.handoff_lost)
+            self._on_failed(response.forward_lost)
         reply.response.CopyFrom(response)
         self._answers.add(reply)

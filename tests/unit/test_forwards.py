@@ -1,4 +1,4 @@
-"""The router's record of one frontend's handoffs (kvmesh.router.handoffs): a handoff is answered
+"""The router's record of one frontend's forwards (kvmesh.router.forwards): a forward is answered
 only if it fails before it is settled, as the ordinary route answer when the worker refused it and
 marked lost otherwise, and never twice."""
 
@@ -12,11 +12,11 @@ import pytest
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2
 from kvmesh.common.rpc.batch_queue import BatchQueue
 from kvmesh.common.rpc.grpc_errors import call_error
-from kvmesh.router.handoffs import Handoffs
+from kvmesh.router.forwards import Forwards
 
 
 class FakeSession:
-    """What Handoffs needs of a StreamSession: ``settle``, recorded."""
+    """What Forwards needs of a StreamSession: ``settle``, recorded."""
 
     def __init__(self) -> None:
         self.settled: list[str] = []
@@ -29,10 +29,10 @@ def end(code: grpc.StatusCode) -> common_pb2.RequestEnd:
     return common_pb2.RequestEnd(code=code.value[0])
 
 
-async def watched(handoffs: Handoffs, request_id: str, session: FakeSession) -> asyncio.Future:
+async def watched(forwards: Forwards, request_id: str, session: FakeSession) -> asyncio.Future:
     failed = asyncio.get_running_loop().create_future()
     response = router_pb2.RouteResponse(worker_id=7, worker_address="w:1", migration_limit=3)
-    handoffs.watch(request_id, session, failed, response, router_pb2.RouteAnswer(query_id=len(handoffs) + 1))
+    forwards.watch(request_id, session, failed, response, router_pb2.RouteAnswer(query_id=len(forwards) + 1))
     return failed
 
 
@@ -49,36 +49,36 @@ async def answers_now(queue: BatchQueue) -> list[router_pb2.RouteAnswer]:
         (call_error(grpc.StatusCode.UNAVAILABLE, "stream to the worker broke"), True),
     ],
 )
-async def test_a_failed_handoff_is_answered_once_refused_or_lost(failure, lost):
+async def test_a_failed_forward_is_answered_once_refused_or_lost(failure, lost):
     answers: BatchQueue = BatchQueue()
-    handoffs = Handoffs(answers)
+    forwards = Forwards(answers)
     session = FakeSession()
-    failed = await watched(handoffs, "r1", session)
+    failed = await watched(forwards, "r1", session)
     if isinstance(failure, BaseException):
         failed.set_exception(failure)
     else:
         failed.set_result(failure)
     (answer,) = await answers_now(answers)
-    assert answer.response.worker_id == 7 and answer.response.handoff_lost is lost
-    handoffs.settle("r1")  # a report after the answer changes nothing
-    assert await answers_now(answers) == [] and len(handoffs) == 0
+    assert answer.response.worker_id == 7 and answer.response.forward_lost is lost
+    forwards.settle("r1")  # a report after the answer changes nothing
+    assert await answers_now(answers) == [] and len(forwards) == 0
 
 
-async def test_a_settled_handoff_is_never_answered():
+async def test_a_settled_forward_is_never_answered():
     answers: BatchQueue = BatchQueue()
-    handoffs = Handoffs(answers)
+    forwards = Forwards(answers)
     session = FakeSession()
-    failed = await watched(handoffs, "r1", session)
-    handoffs.settle("r1")
+    failed = await watched(forwards, "r1", session)
+    forwards.settle("r1")
     assert failed.cancelled() and session.settled == ["r1"]
     assert await answers_now(answers) == []
 
 
-async def test_the_end_of_the_stream_settles_every_handoff():
+async def test_the_end_of_the_stream_settles_every_forward():
     answers: BatchQueue = BatchQueue()
-    handoffs = Handoffs(answers)
+    forwards = Forwards(answers)
     session = FakeSession()
-    futures = [await watched(handoffs, f"r{i}", session) for i in range(3)]
-    handoffs.settle_all()
+    futures = [await watched(forwards, f"r{i}", session) for i in range(3)]
+    forwards.settle_all()
     assert all(f.cancelled() for f in futures) and sorted(session.settled) == ["r0", "r1", "r2"]
-    assert len(handoffs) == 0 and await answers_now(answers) == []
+    assert len(forwards) == 0 and await answers_now(answers) == []
