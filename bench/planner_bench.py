@@ -27,7 +27,6 @@ import json
 import math
 import tempfile
 import threading
-from collections.abc import Callable
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 from kvmesh.planner.planner import Planner
 from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.replay.config import ReplayConfig
+from kvmesh.replay.fleet_search import Fleet, planned, profile_of, smallest_fleet
 from kvmesh.replay.mooncake_trace import read_trace
 from kvmesh.replay.report import sla_attainment
 from kvmesh.replay.simulator import ReplaySimulator
@@ -76,12 +76,6 @@ def _replay(job: tuple[Path, dict]) -> Result:
     return replay(*job)
 
 
-def profile_of(phase: str, period: float, amplitude: float) -> str:
-    """The sinusoidal arrival profile starting at its trough or at its crest."""
-    offset = period * 3 / 4 if phase == "trough" else period / 4
-    return f"sine:period={period:g},amplitude={amplitude:g},phase={offset:g}"
-
-
 class Runs:
     """Replays on a process pool, each setup run once (the searches ask for some twice). With a
     ``cache`` file, fixed fleets' results are kept there between runs, keyed by the trace's content
@@ -111,69 +105,6 @@ class Runs:
         return result
 
 
-def smallest_reaching(reaches: Callable[[int], bool], low: int, high: int) -> int | None:
-    """The smallest n in [low, high] with ``reaches(n)`` (taken as monotone); None when ``high`` does not."""
-    if not reaches(high):
-        return None
-    while low < high:
-        middle = (low + high) // 2
-        if reaches(middle):
-            high = middle
-        else:
-            low = middle + 1
-    return high
-
-
-@dataclass(frozen=True)
-class Fleet:
-    prefill: int
-    decode: int  # the aggregated pool when prefill is 0
-
-    def options(self) -> dict:
-        return {"workers": self.decode, "prefill_workers": self.prefill}
-
-    def __str__(self) -> str:
-        return f"{self.prefill}P+{self.decode}D" if self.prefill else str(self.decode)
-
-
-def smallest_fleet(runs: Runs, trace: Path, common: dict, disaggregated: bool, most: int, goal: float) -> Fleet | None:
-    """The smallest fixed fleet reaching ``goal`` (see the module for a disaggregated one)."""
-
-    def reaches(fleet: Fleet) -> bool:
-        return runs.run(trace, {**common, **fleet.options()}).attainment >= goal
-
-    if not disaggregated:
-        size = smallest_reaching(lambda n: reaches(Fleet(0, n)), 1, most)
-        return None if size is None else Fleet(0, size)
-    least = smallest_reaching(lambda n: reaches(Fleet(n, most)), 1, most)
-    if least is None:
-        return None
-    # the least prefill pool may need a large decode pool to make up for it (local prefills on the
-    # decode workers): one or two more prefill workers can make a smaller fleet
-    fleets = []
-    for prefill in range(least, min(least + 2, most) + 1):
-        decode = smallest_reaching(lambda n, p=prefill: reaches(Fleet(p, n)), 1, most)
-        if decode is not None:
-            fleets.append(Fleet(prefill, decode))
-    return min(fleets, key=lambda f: (f.prefill + f.decode, f.prefill), default=None)
-
-
-def planned(fleet: Fleet, start: int, sizing: str, interval: float, startup: float) -> dict:
-    """The planner's options: capped at ``fleet``, starting at ``start`` workers a pool (0: the fleet)."""
-    start = start or max(fleet.prefill, fleet.decode)
-    options = {
-        "planner": True,
-        "sizing": sizing,
-        "workers": min(start, fleet.decode),
-        "max_workers": fleet.decode,
-        "adjustment_interval": interval,
-        "worker_startup_secs": startup,
-    }
-    if fleet.prefill:
-        options |= {"prefill_workers": min(start, fleet.prefill), "max_prefill_workers": fleet.prefill}
-    return options
-
-
 def case_rows(runs: Runs, args: argparse.Namespace, trace: Path, phase: str, mode: str) -> list[str]:
     rows = []
     for seed in args.seeds:
@@ -189,7 +120,12 @@ def case_rows(runs: Runs, args: argparse.Namespace, trace: Path, phase: str, mod
         # where no fleet reaches the goal (a prefill alone outlasts the target), the goal is what the
         # largest fleet reaches, less a point: the planner must still keep what a fleet can
         goal = GOAL if best >= GOAL else math.floor((best - 0.01) * 1000) / 1000
-        fleet = smallest_fleet(runs, trace, common, disaggregated, args.most, goal)
+        fleet = smallest_fleet(
+            lambda f, common=common: runs.run(trace, {**common, **f.options()}).attainment,
+            disaggregated,
+            args.most,
+            goal,
+        )
         if fleet is None:
             rows.append(f"{name:<48} no fleet of at most {args.most} a pool reaches {goal}")
             continue

@@ -26,8 +26,9 @@ import math
 from concurrent.futures import ProcessPoolExecutor
 
 from bench.planner_bench import TRACE
+from kvmesh.planner.decision import Decision, PoolSizes
 from kvmesh.planner.load import IntervalObservation
-from kvmesh.planner.planner import Decision, Planner, PoolSizes
+from kvmesh.planner.planner import Planner
 from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import read_trace

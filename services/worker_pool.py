@@ -19,7 +19,7 @@ from typing import Protocol
 
 import structlog
 
-from kvmesh.planner.planner import POOLS as ROLES
+from kvmesh.planner.decision import POOLS as ROLES
 
 log = structlog.get_logger(__name__)
 

@@ -5,7 +5,8 @@
 - ``rpc/`` — gRPC servers, channels, errors, and the streams the request path rides.
 - ``runtime/`` — config, service lifecycle, the NATS connection, discovery, metrics, logging.
 - ``calling/`` — the request path as a caller walks it (``request_path``, ``router_client``).
-- ``proto/`` — the generated gRPC code (``kvmesh gen-protos``); ``models/`` — the bundled tokenizer.
+- ``proto/`` — the generated gRPC code (``kvmesh gen-protos``).
+- ``models/`` — the bundled ``kvmesh-tiny`` tokenizer and chat template.
 
 Each subpackage's ``__init__`` lists its modules, one line each.
 """

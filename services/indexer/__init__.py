@@ -1,1 +1,9 @@
-"""Indexer replicas: the prefix index (sans-I/O core) fed from the JetStream event stream."""
+"""Indexer replicas: the prefix index (sans-I/O core) fed from the JetStream event stream.
+
+- ``server`` — ``kvmesh indexer``: the index answering ``kvmesh.v1.Indexer``, and what runs around it.
+- ``consumer`` — the durable pull consumer that applies the stream's events in order.
+- ``standing_pull`` — following a durable pull consumer with standing pull requests.
+- ``recovery`` — a gap in a worker's event ids: ask the worker for its state.
+- ``snapshot`` — index snapshots in the object store, one replica at a time; the purge they allow.
+- ``config``, ``metrics`` — the indexer's options; its Prometheus metrics.
+"""

@@ -1,1 +1,7 @@
-"""``kvmesh bench``: a live load generator for any OpenAI-compatible endpoint."""
+"""``kvmesh bench``: a live load generator for any OpenAI-compatible endpoint.
+
+- ``cli`` — the command: a trace or a shared-prefix workload, at a rate or a concurrency.
+- ``workload`` — what it sends: prompts from a Mooncake trace, or a synthetic shared-prefix set.
+- ``runner`` — sends it, streaming, and times every token.
+- ``report`` — the JSON report and its plots.
+"""

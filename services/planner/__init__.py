@@ -1,5 +1,15 @@
 """The planner (DESIGN §8): sizes the worker pools to meet TTFT / ITL targets at the least cost.
 
-Sans-I/O core (``load``, ``predictors``, ``capacity``, ``planner``) driven by the live service and by
-``kvmesh replay --planner`` alike; ``state`` keeps its history in SQLite.
+Its sans-I/O core is driven by the live service and by ``kvmesh replay --planner`` alike.
+
+- ``planner`` — the decision loop: an observation in, a decision out.
+- ``options`` — what it aims for and how it decides, for every command that runs it.
+- ``decision`` — the pools' sizes, and a decision with what led to it.
+- ``load`` — what it observes of one interval, and what it predicts for the next.
+- ``predictors`` — load predictors from past intervals.
+- ``capacity`` — the performance model: the smallest pools that meet the SLA under a load.
+- ``service`` — ``kvmesh planner run``: observe, decide, act, every interval.
+- ``connectors`` — how decisions reach the fleet (``local``, ``compose``, the replay's virtual one).
+- ``state`` — its memory: every step in SQLite.
+- ``cli`` — ``kvmesh planner run|history``.
 """

@@ -27,7 +27,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.wire import names
-from kvmesh.planner.planner import POOLS, PoolSizes
+from kvmesh.planner.decision import POOLS, PoolSizes
 
 CONNECTORS = ("local", "compose", "no-operation")
 

@@ -33,8 +33,10 @@ from kvmesh.common.wire import names
 from kvmesh.common.wire.frontend_load import LoadReport, LoadReportError
 from kvmesh.common.wire.worker_load import RouterLoadReport, WorkerLoad, WorkerLoadError, merge_router_reports
 from kvmesh.planner.connectors import CONNECTORS, ConnectorError, make_connector
+from kvmesh.planner.decision import POOLS, Decision, PoolSizes
 from kvmesh.planner.load import observe_interval
-from kvmesh.planner.planner import POOLS, Decision, Planner, PlannerOptions, PoolSizes
+from kvmesh.planner.options import PlannerOptions
+from kvmesh.planner.planner import Planner
 from kvmesh.planner.state import RESUME_STEPS, PlannerState, resume
 
 log = structlog.get_logger(__name__)

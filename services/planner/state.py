@@ -18,8 +18,9 @@ from typing import Any
 
 import aiosqlite
 
+from kvmesh.planner.decision import Decision, PoolSizes
 from kvmesh.planner.load import IntervalObservation, LoadForecast
-from kvmesh.planner.planner import Decision, Planner, PoolSizes
+from kvmesh.planner.planner import Planner
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS steps (

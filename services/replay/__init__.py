@@ -1,1 +1,15 @@
-"""``kvmesh replay``: the real routing, indexing and mock-engine code driven in virtual time."""
+"""``kvmesh replay``: the router's routing pipeline, the prefix index and the mock engine driven in
+virtual time.
+
+- ``cli`` — the command: a JSON summary, a CSV per request, the planner's timeline.
+- ``simulator`` — the event loop: arrivals, steps, KV transfers, the router queue, the planner.
+- ``queue_door`` — the router queue at the door: route now, wait, or be refused.
+- ``virtual_index`` — what the indexer replicas would answer, events delayed as on a live mesh.
+- ``fleet`` — the replay's discovery and its virtual connector: workers that join, drain, stop.
+- ``fleet_search`` — the smallest fixed fleet reaching an SLA goal, and a planner capped at one.
+- ``config`` — its options (the router's and the planner's included) and its per-request record.
+- ``report`` — the summary figures.
+- ``mooncake_trace`` — Mooncake-format traces and the prompts they stand for.
+- ``arrival_profile`` — a trace's arrival rate reshaped over time.
+- ``burst_trace``, ``trace_family`` — traces derived from the shared one by written rules.
+"""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from kvmesh.common.runtime.config import ConfigError, option
 from kvmesh.common.wire.frontend_load import RequestSample
 from kvmesh.common.wire.priority import parse_mix
-from kvmesh.planner.planner import PlannerOptions
+from kvmesh.planner.options import PlannerOptions
 from kvmesh.replay.arrival_profile import parse_arrival_profile
 from kvmesh.router.config import RouterConfig, RoutingOptions
 from kvmesh.router.policy import POLICY_MODES

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.common.wire.worker_load import WorkerLoad
+from kvmesh.planner.decision import POOLS
 from kvmesh.planner.load import IntervalObservation, observe_interval
-from kvmesh.planner.planner import POOLS
 
 
 @dataclass

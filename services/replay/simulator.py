@@ -34,16 +34,18 @@ from kvmesh.common.wire.hashing import sequence_hashes
 from kvmesh.common.wire.kv_events import HOST_DP_RANK, HOST_TIER, KvEvent, KvEventBatch
 from kvmesh.common.wire.priority import parse_mix
 from kvmesh.common.wire.worker_key import WorkerKey
+from kvmesh.planner.decision import POOLS, Decision, PoolSizes
 from kvmesh.planner.load import IntervalObservation
-from kvmesh.planner.planner import POOLS, Decision, Planner, PoolSizes
+from kvmesh.planner.planner import Planner
 from kvmesh.replay.arrival_profile import parse_arrival_profile
 from kvmesh.replay.config import ReplayConfig, RequestRecord, router_config
 from kvmesh.replay.fleet import REPLAY_MODEL, IntervalRecorder, RoutableWorkers, VirtualFleet
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
+from kvmesh.replay.queue_door import QueueDoor
 from kvmesh.replay.virtual_index import VirtualIndex
 from kvmesh.router.candidates import Prepared, RouteInput
 from kvmesh.router.prefill_job import LocalPrefill
-from kvmesh.router.request_queue import AllWorkersBusy, Waiting, WaitingRequests
+from kvmesh.router.request_queue import AllWorkersBusy
 from kvmesh.router.routing import Router
 from kvmesh.worker.engine import EngineRequestSpec
 from kvmesh.worker.engines.mock.mock_engine import EngineConfig, MockEngine, StepResult
@@ -83,9 +85,7 @@ class ReplaySimulator:
         )
         self.index = VirtualIndex(config.kv_event_delay_ms)
         # the router queue (--active-*-threshold, --router-queue-*), as the live router keeps it
-        queue_config = config.queue_config()
-        self.queue = WaitingRequests(queue_config) if queue_config.size > 0 else None
-        self._queue_order = itertools.count()
+        self.queue = QueueDoor(config.queue_config(), self._all_busy, self._uncached_tokens)
         self._fits = [TimingFit(prior) for _ in range(total)] if config.router_timing == "learned" else []
         if config.router_timing == "exact":
             for w, engine in enumerate(self.engines):
@@ -143,6 +143,7 @@ class ReplaySimulator:
             for record in records:
                 record.priority = draw.choices(list(mix), weights=list(mix.values()))[0]
         self.records = records
+        self._trace = trace
         if self.planner is not None:
             self._schedule("tick", self.config.adjustment_interval * 1000.0)
         by_id: dict[str, RequestRecord] = {}
@@ -186,7 +187,8 @@ class ReplaySimulator:
                 elif worker not in in_flight:
                     self._stop_if_drained(worker, now)
                 # capacity freed: waiting requests get their turn
-                for routed in self._dispatch(now, trace, by_id):
+                for waited in self.queue.release(now):
+                    routed = self._route(waited, trace[waited.index], by_id, now)
                     if routed not in in_flight:
                         start_step(routed, now)
                 continue
@@ -194,12 +196,12 @@ class ReplaySimulator:
             request = trace[next_arrival]
             next_arrival += 1
             self.now_ms = record.arrival_ms
-            if not self._admit_now(record, request):
+            if not self.queue.admit_now(record):
                 continue  # waits in the router queue, or was refused
             worker = self._route(record, request, by_id)
             if worker not in in_flight:
                 start_step(worker, record.arrival_ms)
-        if self.queue is not None and len(self.queue):
+        if len(self.queue):
             raise RuntimeError(f"{len(self.queue)} requests were left in the router queue")
         return records
 
@@ -212,55 +214,12 @@ class ReplaySimulator:
             return True
         return False
 
-    def _admit_now(self, record: RequestRecord, request: TraceRequest) -> bool:
-        """Whether an arriving request routes at once; else it waits (or is refused, queue full),
-        behind any already waiting, as the live router's queue does."""
-        if self.queue is None or (not len(self.queue) and not self._all_busy()):
-            if self.queue is None and self._all_busy():
-                record.refused = "busy"  # no queue: refused at once
-                return False
-            return True
-        self._expire_waiting(record.arrival_ms)
-        if len(self.queue.waiting[record.priority]) >= self.queue.config.size:
-            record.refused = "full"
-            return False
-        # shortest-prefill-first's key: the prompt past the longest cached prefix the router's view
-        # holds, as the live router's queue takes it from the decision it could not make
-        prepared = self._prepare(request)
+    def _uncached_tokens(self, record: RequestRecord) -> int:
+        """A request's prompt past the longest cached prefix the router's view holds now."""
+        prepared = self._prepare(self._trace[record.index])
         split = bool(self.config.prefill_workers)
         view = self.router.view(prepared, self._answer(prepared, split), split=split, exact=self.config.oracle_index)
-        uncached = view.uncached_tokens(prepared)
-        self.queue.add(Waiting(next(self._queue_order), record.priority, uncached, record.arrival_ms, payload=record))
-        return False
-
-    def _expire_waiting(self, now: float) -> None:
-        assert self.queue is not None
-        deadline = self.queue.config.timeout_s * 1000.0
-        for waiting in list(self.queue.waiting.values()):
-            for entry in list(waiting):
-                if now - entry.enqueued_at >= deadline:
-                    self.queue.remove(entry)
-                    record = entry.payload
-                    assert isinstance(record, RequestRecord)
-                    record.refused, record.queued_ms = "timeout", now - entry.enqueued_at
-
-    def _dispatch(self, now: float, trace: list[TraceRequest], by_id: dict[str, RequestRecord]) -> list[int]:
-        """Route waiting requests, in the queue's order, while a worker can take one; the workers
-        that got one."""
-        if self.queue is None or not len(self.queue):
-            return []
-        self._expire_waiting(now)
-        routed = []
-        while len(self.queue) and not self._all_busy():
-            entry = self.queue.next()
-            assert entry is not None
-            self.queue.remove(entry)
-            self.queue.charge(entry)
-            record = entry.payload
-            assert isinstance(record, RequestRecord)
-            record.queued_ms = now - entry.enqueued_at
-            routed.append(self._route(record, trace[record.index], by_id, now))
-        return routed
+        return view.uncached_tokens(prepared)
 
     # ---- the planner and its virtual fleet ----------------------------------------------------------
     def _schedule(self, kind: str, at_ms: float, worker: int = -1) -> None:

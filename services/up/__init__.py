@@ -7,10 +7,12 @@ stops). Ctrl-C or SIGTERM stops every child (SIGTERM, then SIGKILL after a grace
 and the children are also tied to this process's life by the kernel (``PR_SET_PDEATHSIG``), so even
 a ``kill -9`` of ``kvmesh up`` leaves no orphans.
 
-Modules: ``config`` (``UpConfig``: its own options and the services' option groups it takes),
-``processes`` (one process per service, with its flags), ``planner_pools`` (``--planner``),
-``supervisor`` (start, wait, restart, stop). The test harness that runs ``kvmesh up`` as a child
-process is ``kvmesh.devtools.mesh_process``.
+The test harness that runs ``kvmesh up`` as a child process is ``kvmesh.devtools.mesh_process``.
+
+- ``config`` — ``UpConfig``: its own options and the services' option groups it takes.
+- ``processes`` — one process per service, with its flags.
+- ``planner_pools`` — ``--planner``: the planner and the pools it resizes.
+- ``supervisor`` — start, wait, restart, stop.
 """
 
 from kvmesh.up.supervisor import main

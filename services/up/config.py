@@ -8,7 +8,7 @@ from pathlib import Path
 from kvmesh.common.runtime.config import CommonConfig, ConfigError, option
 from kvmesh.frontend.config import HttpApiOptions
 from kvmesh.indexer.config import SnapshotOptions
-from kvmesh.planner.planner import PlannerOptions
+from kvmesh.planner.options import PlannerOptions
 from kvmesh.router.config import RouterOptions
 from kvmesh.worker.config import EngineOptions, check_data_parallel, check_host_tier, check_lora_adapters
 from kvmesh.worker.engines.vllm.vllm_defaults import check_block_size

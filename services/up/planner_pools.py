@@ -13,7 +13,7 @@ from kvmesh.common.runtime.config import options_argv
 from kvmesh.common.runtime.nats_auth import NatsCredentials
 from kvmesh.common.runtime.process import connect_nats
 from kvmesh.common.wire import names
-from kvmesh.planner.planner import PlannerOptions
+from kvmesh.planner.options import PlannerOptions
 from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.up.config import UpConfig
 from kvmesh.up.processes import ServiceProcess, common_args, worker_process

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from kvmesh.planner.connectors import ComposeService, ConnectorError
-from kvmesh.planner.planner import PoolSizes
+from kvmesh.planner.decision import PoolSizes
 from tests.containers.docker_engine import KVMESH_IMAGE, compose_command, require_kvmesh_image
 from tests.support import (
     api_answers,

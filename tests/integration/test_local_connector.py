@@ -11,7 +11,7 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.wire import names
 from kvmesh.planner.connectors import ConnectorError, LocalSupervisor
-from kvmesh.planner.planner import PoolSizes
+from kvmesh.planner.decision import PoolSizes
 from kvmesh.worker_pool import WorkerPool, WorkerPools
 
 pytestmark = pytest.mark.integration

@@ -3,8 +3,10 @@ import dataclasses
 
 import pytest
 
+from kvmesh.planner.decision import PoolSizes
 from kvmesh.planner.load import IntervalObservation
-from kvmesh.planner.planner import Planner, PlannerOptions, PoolSizes
+from kvmesh.planner.options import PlannerOptions
+from kvmesh.planner.planner import Planner
 from kvmesh.planner.state import PlannerState, decision_from_dict, decision_to_dict, resume
 from kvmesh.profiler.mock import profile_mock_engine
 

@@ -8,7 +8,7 @@ import dataclasses
 from kvmesh.common.runtime.config import GrpcEndpointConfig
 from kvmesh.frontend.config import FrontendConfig, HttpApiOptions
 from kvmesh.indexer.config import IndexerConfig, SnapshotOptions
-from kvmesh.planner.planner import PlannerOptions
+from kvmesh.planner.options import PlannerOptions
 from kvmesh.router.config import RouterConfig, RouterOptions
 from kvmesh.up.config import UpConfig
 from kvmesh.up.processes import plan_services

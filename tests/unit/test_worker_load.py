@@ -10,8 +10,9 @@ import msgpack
 import pytest
 
 from kvmesh.common.wire.worker_load import RouterLoadReport, WorkerLoad, WorkerLoadError, merge_router_reports
+from kvmesh.planner.decision import PoolSizes
 from kvmesh.planner.load import observe_interval
-from kvmesh.planner.planner import Planner, PoolSizes
+from kvmesh.planner.planner import Planner
 from kvmesh.planner.state import PlannerState
 from kvmesh.router.load_tracker import LoadTracker
 from tests.planner.test_planner import PROFILE, options

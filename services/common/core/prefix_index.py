@@ -207,19 +207,6 @@ class PrefixIndex(WorkerStateTransfer):
         worker = self._workers.get(key)
         return (0, 0) if worker is None else (len(worker.in_transit), len(worker.evicted))
 
-    def export_tiers(self, key: WorkerKey) -> tuple[str, dict[int, int], dict[int, int]]:
-        """(resident tier, blocks in transit, evicted metadata) of one worker, for snapshots."""
-        worker = self._workers[key]
-        return worker.tier, dict(worker.in_transit), dict(worker.evicted)
-
-    def import_tiers(
-        self, key: WorkerKey, tier: str, in_transit: Mapping[int, int], evicted: Mapping[int, int]
-    ) -> None:
-        """Restore a worker's tiers after :meth:`import_worker`."""
-        worker = self._workers.get(key)
-        if worker is not None:
-            worker.import_tiers(tier, in_transit, evicted)
-
     def _store(self, worker: WorkerBlocks, parent_hash: int | None, blocks: Sequence[StoredBlock]) -> None:
         by_engine_id = worker.by_engine_id
         if parent_hash is None:

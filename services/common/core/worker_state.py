@@ -158,3 +158,16 @@ class WorkerStateTransfer:
         self._apply_events(key, worker, held)
         self._tree_sizes[key] = worker.unique_blocks
         return True
+
+    def export_tiers(self, key: WorkerKey) -> tuple[str, dict[int, int], dict[int, int]]:
+        """(resident tier, blocks in transit, evicted metadata) of one worker, for snapshots."""
+        worker = self._workers[key]
+        return worker.tier, dict(worker.in_transit), dict(worker.evicted)
+
+    def import_tiers(
+        self, key: WorkerKey, tier: str, in_transit: Mapping[int, int], evicted: Mapping[int, int]
+    ) -> None:
+        """Restore a worker's tiers after :meth:`import_worker`."""
+        worker = self._workers.get(key)
+        if worker is not None:
+            worker.import_tiers(tier, in_transit, evicted)

@@ -6,8 +6,10 @@
 - ``request_reports`` — a caller's first-token and end reports to the router on ``RouteMany``.
 - ``requests`` — facts about a preprocessed request (a continued try, the usage of a whole answer).
 - ``finish_reasons`` — finish reasons between the protos and OpenAI's names.
+- ``priority`` — the router queue's priority classes, declared and validated once.
+- ``lora`` — LoRA adapters: names, paths, what a worker's record says it serves and holds.
 - ``names`` — every NATS subject, stream and bucket name.
-- ``worker_key`` — how every service names one engine instance, ``(worker_id, dp_rank)``.
+- ``worker_key`` — how every service names one engine instance: ``WorkerKey(worker_id, dp_rank)``.
 - ``frontend_load`` — what a frontend served, published for the planner.
 - ``worker_load`` — each worker's load as a router predicts it, published for the planner.
 """

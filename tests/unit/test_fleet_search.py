@@ -1,8 +1,9 @@
-"""The planner bench's fleet search and profiles (the bench itself is run by hand: docs/planner.md)."""
+"""The fleet search and profiles the planner bench compares against (the bench itself is run by hand:
+docs/planner.md)."""
 
 from __future__ import annotations
 
-from bench.planner_bench import Fleet, planned, profile_of, smallest_reaching
+from kvmesh.replay.fleet_search import Fleet, planned, profile_of, smallest_reaching
 
 
 def test_the_search_finds_the_smallest_size_reaching_the_goal_or_none():
