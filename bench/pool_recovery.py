@@ -1,6 +1,6 @@
 """Recovery time of a stream whose worker dies: resumed from the host KV pool vs re-prefilled.
 
-Runs ``kvmesh up --workers 2`` twice, without and with ``--kv-pool``. Each trial streams a fresh
+Runs ``kvmesh up --workers 2`` twice, without and with ``--kv-pool auto``. Each trial streams a fresh
 long prompt through the request path (``kvmesh.client.RouterApi``), kills (SIGKILL) the worker serving it after a
 few tokens, and measures the gap from the kill to the first token the other worker sends,
 after the request migrates there. Without the pool that worker prefills the prompt and
@@ -60,7 +60,7 @@ def wait_for_workers(mesh: MeshProcess, count: int, dead: set[int], timeout: flo
 
 def run(pool: bool, args: argparse.Namespace) -> list[float]:
     flags = ["--workers", "2", "--speedup-ratio", str(args.speedup_ratio), "--log-level", "warning"]
-    mesh = MeshProcess(*flags, *(["--kv-pool"] if pool else [])).start(timeout=120)
+    mesh = MeshProcess(*flags, *(["--kv-pool", "auto"] if pool else [])).start(timeout=120)
     rng = random.Random(args.seed)
     gaps, dead = [], set()
     try:

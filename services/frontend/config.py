@@ -10,8 +10,10 @@ from kvmesh.common.runtime.config import CommonConfig, ConfigError, option
 
 @dataclass
 class HttpApiOptions:
-    """The HTTP API's options, declared once: ``kvmesh frontend`` takes them, and so does ``kvmesh up``,
-    which hands them to its frontend (a secret one through the environment, never the command line)."""
+    """HTTP API: where it listens, the model it serves, its limits.
+
+    Declared once: ``kvmesh frontend`` takes them, and so does ``kvmesh up``, which hands them to its
+    frontend (a secret one through the environment, never the command line)."""
 
     http_host: str = option("127.0.0.1", "address the HTTP server binds")
     http_port: int = option(8000, "HTTP port of the OpenAI-compatible API")

@@ -9,7 +9,9 @@ from kvmesh.common.runtime.config import GrpcEndpointConfig, option
 
 @dataclass
 class SnapshotOptions:
-    """When an indexer replica snapshots, declared once: ``kvmesh indexer`` and ``kvmesh up`` take it."""
+    """Indexer snapshots: when a replica snapshots the index.
+
+    Declared once: ``kvmesh indexer`` and ``kvmesh up`` take it."""
 
     router_snapshot_threshold: int = option(
         1_000_000, "take a snapshot and purge once the event stream holds more messages than this"

@@ -14,7 +14,9 @@ UTILISATION_CAP_BOUNDS = (0.1, 0.9)
 
 @dataclass
 class PlannerOptions:
-    """What the planner aims for and how it decides; shared by ``kvmesh planner`` and ``kvmesh replay``."""
+    """Planner: what it aims for (the SLA) and how it decides.
+
+    Shared by ``kvmesh planner run``, ``kvmesh up --planner`` and ``kvmesh replay --planner``."""
 
     ttft_target_ms: float = option(2000.0, "TTFT each request should meet (ms)")
     itl_target_ms: float = option(50.0, "mean inter-token latency each request should meet (ms)")

@@ -28,53 +28,19 @@ _SGLANG = CacheAwareOptions()  # cache-aware mode's defaults are sglang-router 0
 
 
 @dataclass
-class RoutingOptions:
-    """Routing: how the decision weighs cache overlap against load."""
+class KvModeOptions:
+    """Routing, kv mode: the cost of a worker's cached overlap against its predicted load."""
 
-    router_mode: str = option(
-        "kv",
-        "how workers are chosen: kv (cached overlap against predicted load), round-robin, random, power-of-two (the "
-        "less loaded of two random workers), cache-aware (SGLang's policy: a tree of what was sent where, no KV "
-        "events), direct (the request names its worker)",
-        choices=ROUTER_MODES,
-    )
-    prefill_policy: str | None = option(
-        None, "with prefill workers: how the prefill worker is chosen (default: --router-mode)", choices=POLICY_MODES
-    )
-    decode_policy: str | None = option(
-        None, "with prefill workers: how the decode worker is chosen (default: --router-mode)", choices=POLICY_MODES
-    )
-    cache_threshold: float = option(
-        _SGLANG.cache_threshold, "cache-aware: least matched fraction of the prompt that routes to its holder"
-    )
-    balance_abs_threshold: int = option(
-        _SGLANG.balance_abs_threshold,
-        "cache-aware: loads are imbalanced when max - min requests in flight exceeds this (and the relative test)",
-    )
-    balance_rel_threshold: float = option(
-        _SGLANG.balance_rel_threshold, "cache-aware: ... and max exceeds min times this; then the least loaded wins"
-    )
-    eviction_interval_secs: float = option(
-        _SGLANG.eviction_interval_secs, "cache-aware: seconds between trims of each worker's share of the tree"
-    )
-    max_tree_size: int = option(_SGLANG.max_tree_size, "cache-aware: tokens each worker's share is trimmed to")
-    cache_miss_policy: str = option(
-        _SGLANG.miss_policy,
-        "cache-aware: where a prompt the tree matches poorly goes: smallest-tree (SGLang's documented policy: the "
-        "worker with the most cache to spare) or least-loaded (what sglang-router 0.3.2's code does: the fewest "
-        "requests in flight)",
-        choices=MISS_POLICIES,
-    )
     kv_cost: str = option(
         "ttft", "KV cost model: predicted time to first token, or Dynamo's block formula", choices=COST_MODELS
     )
     kv_overlap_score_weight: float = option(1.0, "weight of prefill work in the KV cost (0: load only)")
+    router_temperature: float = option(0.0, "softmax temperature over normalised costs (0: pick the minimum)")
     lora_load_tokens: int = option(
         1024,
         "kv mode: the prefill tokens loading a LoRA adapter is worth: a worker that serves the adapter a request "
         "names but does not hold it loaded now (see the worker's --max-loras) is charged them",
     )
-    router_temperature: float = option(0.0, "softmax temperature over normalised costs (0: pick the minimum)")
     pooled_block_credit: float = option(
         0.9,
         "kv mode: a block a worker can import from its host's KV pool counts as this share of a block in its own "
@@ -102,6 +68,39 @@ class RoutingOptions:
         True, "count active KV blocks in the cost (--no-track-active-blocks: prefill only)"
     )
     router_track_output_blocks: bool = option(False, "grow a request's predicted blocks as its output grows")
+
+
+@dataclass
+class CacheAwareModeOptions:
+    """Routing, cache-aware mode (SGLang's policy): a tree of what was sent where."""
+
+    cache_threshold: float = option(
+        _SGLANG.cache_threshold, "cache-aware: least matched fraction of the prompt that routes to its holder"
+    )
+    balance_abs_threshold: int = option(
+        _SGLANG.balance_abs_threshold,
+        "cache-aware: loads are imbalanced when max - min requests in flight exceeds this (and the relative test)",
+    )
+    balance_rel_threshold: float = option(
+        _SGLANG.balance_rel_threshold, "cache-aware: ... and max exceeds min times this; then the least loaded wins"
+    )
+    eviction_interval_secs: float = option(
+        _SGLANG.eviction_interval_secs, "cache-aware: seconds between trims of each worker's share of the tree"
+    )
+    max_tree_size: int = option(_SGLANG.max_tree_size, "cache-aware: tokens each worker's share is trimmed to")
+    cache_miss_policy: str = option(
+        _SGLANG.miss_policy,
+        "cache-aware: where a prompt the tree matches poorly goes: smallest-tree (SGLang's documented policy: the "
+        "worker with the most cache to spare) or least-loaded (what sglang-router 0.3.2's code does: the fewest "
+        "requests in flight)",
+        choices=MISS_POLICIES,
+    )
+
+
+@dataclass
+class SplitOptions:
+    """Routing, prefill/decode split: when a request prefills on a prefill worker."""
+
     disagg_min_uncached_tokens: int = option(
         512, "prefill on the decode worker itself when it lacks fewer prompt tokens than this (0: always remote)"
     )
@@ -119,6 +118,11 @@ class RoutingOptions:
     prefill_queue_limit_tokens: int = option(
         65536, "a prefill worker with more predicted queued prefill tokens has no capacity for another prefill"
     )
+
+
+@dataclass
+class AdmissionOptions:
+    """Routing, admission: the busy thresholds and the router queue behind them."""
 
     active_decode_blocks_threshold: int | None = option(
         None, "a worker with more active blocks is busy; when all are busy requests wait in the router queue"
@@ -141,6 +145,28 @@ class RoutingOptions:
     router_queue_shares: str = option(
         DEFAULT_SHARES,
         "the share of queue turns each priority class gets while several wait (a low class is slowed, never starved)",
+    )
+
+
+@dataclass
+class RoutingOptions(KvModeOptions, CacheAwareModeOptions, SplitOptions, AdmissionOptions):
+    """Routing: the mode a worker is chosen in (and with prefill workers, each pool's).
+
+    Declared once with its sub-groups above, so the router, ``kvmesh up`` and ``kvmesh replay`` take
+    and validate the same options."""
+
+    router_mode: str = option(
+        "kv",
+        "how workers are chosen: kv (cached overlap against predicted load), round-robin, random, power-of-two (the "
+        "less loaded of two random workers), cache-aware (SGLang's policy: a tree of what was sent where, no KV "
+        "events), direct (the request names its worker)",
+        choices=ROUTER_MODES,
+    )
+    prefill_policy: str | None = option(
+        None, "with prefill workers: how the prefill worker is chosen (default: --router-mode)", choices=POLICY_MODES
+    )
+    decode_policy: str | None = option(
+        None, "with prefill workers: how the decode worker is chosen (default: --router-mode)", choices=POLICY_MODES
     )
 
     def tier_credits(self) -> TierCredits:
@@ -199,7 +225,9 @@ class RoutingOptions:
 
 @dataclass
 class RouterOptions(RoutingOptions):
-    """Router replicas: what a router takes besides its endpoint and the routing options."""
+    """Router replicas: KV events or approximate mode, replica sync, migration, enforced splits.
+
+    What a router takes besides its endpoint and the routing options."""
 
     kv_events: bool = option(
         True, "use the indexers' view built from KV events; --no-kv-events predicts caches from routing decisions"

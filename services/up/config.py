@@ -33,10 +33,11 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions, EngineOptions, HttpA
     prefill_workers: int = option(
         0, "number of prefill-role mock workers; with any, the other workers run as decode workers (disaggregation)"
     )
-    kv_pool: bool = option(
-        False,
-        "mock workers share a host KV pool in /dev/shm: each writes the blocks it computes there and imports the "
-        "blocks it lacks, so a request that moves to another worker resumes without recomputing its prompt",
+    kv_pool: str = option(
+        "",
+        "mock workers share a host KV pool in this directory (as kvmesh worker --kv-pool; auto: a new one in "
+        "/dev/shm, removed when the mesh stops): each writes the blocks it computes there and imports the blocks "
+        "it lacks, so a request that moves to another worker resumes without recomputing its prompt",
     )
     indexers: int = option(1, "number of indexer replicas")
     routers: int = option(1, "number of router replicas behind the frontend")

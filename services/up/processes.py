@@ -109,8 +109,14 @@ def common_args(config: UpConfig, nats_url: str) -> list[str]:
     return common
 
 
+AUTO_POOL = "auto"
+
+
 def kv_pool_directory(config: UpConfig) -> Path:
-    """This mesh's KV pool: in /dev/shm (shared memory) where the host has it; removed when the mesh stops."""
+    """This mesh's KV pool: the directory ``--kv-pool`` names, or for ``auto`` one of its own in
+    /dev/shm (shared memory) where the host has it, removed when the mesh stops."""
+    if config.kv_pool != AUTO_POOL:
+        return Path(config.kv_pool)
     shm = Path("/dev/shm")
     return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"kvmesh-pool-{config.namespace}-{os.getpid()}"
 

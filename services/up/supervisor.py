@@ -28,7 +28,7 @@ from kvmesh.common.runtime.run_file import RunRecord, remove_run_record, write_r
 from kvmesh.common.runtime.structured_logging import configure_logging
 from kvmesh.up.config import UpConfig
 from kvmesh.up.planner_pools import plan_planner, serve_worker_pool
-from kvmesh.up.processes import ServiceProcess, kv_pool_directory, plan_services
+from kvmesh.up.processes import AUTO_POOL, ServiceProcess, kv_pool_directory, plan_services
 from kvmesh.worker.engines.vllm.vllm_defaults import require_vllm
 from kvmesh.worker_pool import WorkerPools
 
@@ -203,7 +203,7 @@ async def run(config: UpConfig) -> int:
             service.wait_or_kill(deadline)
         if nats is not None:
             nats.stop()
-        if config.kv_pool:  # segments of killed workers outlive them until here
+        if config.kv_pool == AUTO_POOL:  # segments of killed workers outlive them until here
             shutil.rmtree(kv_pool_directory(config), ignore_errors=True)
         remove_run_record(config.namespace, os.getpid())
         log.info("all services stopped")

@@ -84,26 +84,25 @@ def check_host_tier(options: EngineOptions) -> None:
 
 
 @dataclass
-class EngineOptions:
-    """The engine options every worker of a mesh shares, declared once: ``kvmesh worker`` takes them,
-    and so does ``kvmesh up``, which hands them to each worker it starts."""
+class MockEngineOptions:
+    """Engine, mock: the simulated engine's speed, model shape and host tier."""
 
-    kv_handoff: str | None = option(
-        None,
-        "how this engine's prefills meet their decode workers, which the router follows: bootstrap (the decode "
-        "half leaves at once and pulls the KV from a rendezvous) or sync (the router waits for the prefill's "
-        "answer and passes its KV parameters on). Default: the engine's own (mock: bootstrap; vLLM, whose KV "
-        "connector hands out its parameters only once the prefill ran: sync, the only one it can do)",
-        choices=("bootstrap", "sync"),
+    speedup_ratio: float = option(1.0, "divide simulated step times by this (>1 runs faster than real)")
+    num_layers: int = option(2, "model shape for the KV buffer: layers")
+    host_kv_blocks: int = option(
+        0,
+        "mock engine: a host-memory tier of this many blocks takes the blocks evicted from the device and reloads "
+        "them for a later request, at --host-reload-ms-per-token (its events are tier `host`; 0: no host tier)",
+    )
+    host_reload_ms_per_token: float = option(
+        0.002, "mock engine: simulated time to reload a token's KV from the host tier (before --speedup-ratio)"
     )
 
-    data_parallel_size: int = option(
-        1,
-        "data-parallel ranks this worker runs, each an engine with a KV cache of its own that publishes its events "
-        "as its dp rank; the router chooses a (worker, rank). The mock engine simulates them; with --engine vllm "
-        "they are vLLM's data-parallel engine cores. Aggregated workers only (the mock's without --kv-pool or "
-        "--host-kv-blocks)",
-    )
+
+@dataclass
+class LoraOptions:
+    """Engine, LoRA adapters: which it serves and how many it holds loaded."""
+
     lora_adapters: str = option(
         "",
         "LoRA adapters this worker serves, comma-separated NAME or NAME=PATH; a request names one as its model "
@@ -121,6 +120,47 @@ class EngineOptions:
         50.0, "the mock engine's simulated time to load a LoRA adapter that is not loaded (see --max-loras)"
     )
 
+
+@dataclass
+class DataParallelOptions:
+    """Engine, data parallelism: ranks of one worker, each with a KV cache of its own."""
+
+    data_parallel_size: int = option(
+        1,
+        "data-parallel ranks this worker runs, each an engine with a KV cache of its own that publishes its events "
+        "as its dp rank; the router chooses a (worker, rank). The mock engine simulates them; with --engine vllm "
+        "they are vLLM's data-parallel engine cores. Aggregated workers only (the mock's without --kv-pool or "
+        "--host-kv-blocks)",
+    )
+
+
+@dataclass
+class KvHandoffOptions:
+    """Engine, KV handoff: how a prefill's KV reaches its decode worker."""
+
+    kv_handoff: str | None = option(
+        None,
+        "how this engine's prefills meet their decode workers, which the router follows: bootstrap (the decode "
+        "half leaves at once and pulls the KV from a rendezvous) or sync (the router waits for the prefill's "
+        "answer and passes its KV parameters on). Default: the engine's own (mock: bootstrap; vLLM, whose KV "
+        "connector hands out its parameters only once the prefill ran: sync, the only one it can do)",
+        choices=("bootstrap", "sync"),
+    )
+    kv_transfer_backend: str = option(
+        "auto",
+        "how KV moves between prefill and decode workers: NIXL (UCX, DRAM; needs the nixl extra), "
+        "built-in TCP, or auto (NIXL when installed, for prefill and decode roles)",
+        choices=("auto", "nixl", "tcp"),
+    )
+
+
+@dataclass
+class EngineOptions(MockEngineOptions, LoraOptions, DataParallelOptions, KvHandoffOptions):
+    """Engine: which one, and its KV cache's shape.
+
+    The engine options every worker of a mesh shares, declared once with their sub-groups above:
+    ``kvmesh worker`` takes them, and so does ``kvmesh up``, which hands them to each worker it starts."""
+
     engine: str = option(
         "mock",
         "inference engine: the simulated mock, vLLM in-process (vLLM's own engine arguments such as --model, "
@@ -135,22 +175,6 @@ class EngineOptions:
         None,
         f"KV blocks in the cache (default: {MOCK_DEFAULTS['num_gpu_blocks']} for the mock; vLLM sizes its own)",
         flag="--num-gpu-blocks-override",
-    )
-    speedup_ratio: float = option(1.0, "divide simulated step times by this (>1 runs faster than real)")
-    num_layers: int = option(2, "model shape for the KV buffer: layers")
-    host_kv_blocks: int = option(
-        0,
-        "mock engine: a host-memory tier of this many blocks takes the blocks evicted from the device and reloads "
-        "them for a later request, at --host-reload-ms-per-token (its events are tier `host`; 0: no host tier)",
-    )
-    host_reload_ms_per_token: float = option(
-        0.002, "mock engine: simulated time to reload a token's KV from the host tier (before --speedup-ratio)"
-    )
-    kv_transfer_backend: str = option(
-        "auto",
-        "how KV moves between prefill and decode workers: NIXL (UCX, DRAM; needs the nixl extra), "
-        "built-in TCP, or auto (NIXL when installed, for prefill and decode roles)",
-        choices=("auto", "nixl", "tcp"),
     )
 
 

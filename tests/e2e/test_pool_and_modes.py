@@ -20,7 +20,7 @@ LONG_PROMPT = "A pooled KV tier lets another worker resume a request without rec
 @pytest.fixture(scope="module")
 def pooled_round_robin_mesh() -> Iterator[MeshProcess]:
     before = set(glob.glob("/dev/shm/kvmesh-pool-*"))
-    yield from start_mesh("--router-mode", "round-robin", "--kv-pool")
+    yield from start_mesh("--router-mode", "round-robin", "--kv-pool", "auto")
     assert set(glob.glob("/dev/shm/kvmesh-pool-*")) <= before, "the pool directory outlived the mesh"
 
 

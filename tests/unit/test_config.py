@@ -172,7 +172,7 @@ def test_the_kv_pool_is_the_mock_engines(capsys):
     from kvmesh.worker.config import WorkerConfig
 
     with pytest.raises(SystemExit):
-        parse_config(UpConfig, ["--kv-pool", "--engine", "vllm"], prog="up", description="", environ={})
+        parse_config(UpConfig, ["--kv-pool", "auto", "--engine", "vllm"], prog="up", description="", environ={})
     assert "--kv-pool is for mock workers" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_config(WorkerConfig, ["--kv-pool-blocks", "4"], prog="w", description="", environ={})

@@ -64,6 +64,54 @@ def test_kvmesh_up_redeclares_no_option_of_a_service():
     grouped = {f.name for group in groups for f in dataclasses.fields(group)}
     own = set(UpConfig.__dataclass_fields__) - grouped - shared
     services = {f.name for c in (FrontendConfig, WorkerConfig, IndexerConfig) for f in dataclasses.fields(c)} - shared
-    # the two that mean something else in kvmesh up: one shared pool for all mock workers (a worker's
-    # --kv-pool names its segment's folder), and vLLM's arguments for every worker
+    # declared by kvmesh up itself: the KV pool (a directory, as a worker's; kvmesh up also takes auto and
+    # hands its workers the directory it chose), and vLLM's arguments for every worker
     assert own & services == {"kv_pool", "engine_args"}
+    for name in own & services:
+        assert UpConfig.__dataclass_fields__[name].type == WorkerConfig.__dataclass_fields__[name].type
+
+
+def test_kvmesh_up_help_groups_what_belongs_together():
+    """Each mode's and each engine feature's options under a heading of their own, in that order."""
+    from kvmesh.common.runtime.config import build_parser
+
+    text = build_parser(UpConfig, "kvmesh up", "").format_help()
+    headings = [line for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    routing = [h.split(":")[0] for h in headings if h.startswith("Routing")]
+    engine = [h.split(":")[0] for h in headings if h.startswith("Engine")]
+    assert routing == [
+        "Routing",
+        "Routing, kv mode",
+        "Routing, cache-aware mode (SGLang's policy)",
+        "Routing, prefill/decode split",
+        "Routing, admission",
+    ]
+    assert engine == [
+        "Engine",
+        "Engine, mock",
+        "Engine, LoRA adapters",
+        "Engine, data parallelism",
+        "Engine, KV handoff",
+    ]
+
+    def section_of(flag: str) -> str:
+        before = text[: text.index(f"  {flag} ")]
+        return [h for h in headings if h in before][-1]
+
+    assert section_of("--cache-threshold").startswith("Routing, cache-aware mode")
+    assert section_of("--disagg-split-when").startswith("Routing, prefill/decode split")
+    assert section_of("--router-queue-size").startswith("Routing, admission")
+    assert section_of("--speedup-ratio").startswith("Engine, mock")
+    assert section_of("--max-loras").startswith("Engine, LoRA")
+
+
+def test_the_kv_pool_is_a_directory_in_kvmesh_up_as_in_a_worker(tmp_path):
+    """A directory given to kvmesh up goes to every worker as it is; ``auto`` is one of kvmesh up's own."""
+    given = service_config(UpConfig, ["--kv-pool", str(tmp_path)])
+    auto = service_config(UpConfig, ["--kv-pool", "auto"])
+    for config, expected in ((given, str(tmp_path)), (auto, None)):
+        workers = [p for p in plan_services(config, "nats://127.0.0.1:4222") if p.name.startswith("worker")]
+        pools = {p.argv[p.argv.index("--kv-pool") + 1] for p in workers}
+        assert len(pools) == 1
+        (pool,) = pools
+        assert pool == expected if expected else pool.rsplit("/", 1)[-1].startswith("kvmesh-pool-")
