@@ -91,6 +91,7 @@ async def inspect_indexers(nats_url: str, namespace: str, timeout: float) -> lis
                     {
                         "worker_id": w.worker_id,
                         "dp_rank": w.dp_rank,
+                        "tier": w.tier or "device",
                         "blocks": w.blocks,
                         "last_event_id": w.last_event_id,
                         "recovering": w.recovering,
@@ -224,7 +225,8 @@ def render_indexers(rows: list[dict[str, Any]]) -> str:
         for w in row["workers"]:
             flag = "  (recovering)" if w["recovering"] else ""
             lines.append(
-                f"    worker {w['worker_id']} rank {w['dp_rank']}: {w['blocks']} blocks, "
+                f"    worker {w['worker_id']} rank {w['dp_rank']}"
+                f"{'' if w['tier'] == 'device' else ' ' + w['tier']}: {w['blocks']} blocks, "
                 f"last event {w['last_event_id']}{flag}"
             )
     return "\n".join(lines)

@@ -202,11 +202,12 @@ async def registered(nc: NatsClient, namespace: str, component: str) -> list[Ins
 
 
 async def indexed_blocks(nc: NatsClient, namespace: str) -> dict[tuple[int, int], int]:
-    """Blocks per (worker, dp rank) that the first registered indexer replica holds."""
+    """Blocks per (worker, dp rank) in its device cache that the first registered indexer replica
+    holds (a rank's offloaded tiers and a worker's pool segment are streams of their own)."""
     address = (await registered(nc, namespace, "indexer"))[0].address
     async with grpc.aio.insecure_channel(address) as channel:
         status = await indexer_pb2_grpc.IndexerStub(channel).GetStatus(indexer_pb2.IndexerStatusRequest(), timeout=5)
-    return {(w.worker_id, w.dp_rank): w.blocks for w in status.workers}
+    return {(w.worker_id, w.dp_rank): w.blocks for w in status.workers if w.tier in ("", "device")}
 
 
 def discovered(nats_url: str, component: str, namespace: str = "default") -> list[InstanceRecord]:

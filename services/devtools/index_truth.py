@@ -30,7 +30,13 @@ async def view(address: str) -> indexer_pb2.IndexerStatus:
 
 
 def as_truth(status: indexer_pb2.IndexerStatus) -> dict[int, tuple[int, int]]:
-    return {w.worker_id: (w.blocks, w.blocks_digest) for w in status.workers if w.blocks and w.dp_rank == 0}
+    """Each worker's rank 0 device cache as the replica holds it (offloaded tiers and pool segments
+    are streams of their own, compared apart)."""
+    return {
+        w.worker_id: (w.blocks, w.blocks_digest)
+        for w in status.workers
+        if w.blocks and w.dp_rank == 0 and w.tier in ("", "device")
+    }
 
 
 async def converged(workers: DiscoveryWatcher, address: str) -> bool:

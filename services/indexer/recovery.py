@@ -13,11 +13,12 @@ import asyncio
 import grpc
 import structlog
 
-from kvmesh.common.core.prefix_index import DumpedBlock, PrefixIndex, WorkerKey
+from kvmesh.common.core.prefix_index import DumpedBlock, PrefixIndex
 from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.common.rpc.grpc_server import channel_to
 from kvmesh.common.rpc.tasks import cancel_and_wait
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.wire.worker_key import IndexKey, TierKey
 
 log = structlog.get_logger(__name__)
 
@@ -29,7 +30,7 @@ class GapRecovery:
         self._index = index
         self._workers = workers
         self._timeout = timeout_s
-        self._tasks: dict[WorkerKey, asyncio.Task[None]] = {}
+        self._tasks: dict[IndexKey, asyncio.Task[None]] = {}
 
     def poke(self, _sequence: int | None = None) -> None:
         for key in self._index.gaps_pending:
@@ -39,7 +40,7 @@ class GapRecovery:
     async def stop(self) -> None:
         await cancel_and_wait(*self._tasks.values())
 
-    async def _recover(self, key: WorkerKey) -> None:
+    async def _recover(self, key: IndexKey) -> None:
         delay = 0.1
         try:
             while key in self._index.gaps_pending:
@@ -52,7 +53,7 @@ class GapRecovery:
                     continue
                 admission = self._index.admission(key[0])
                 try:
-                    dump = await self._dump(record.address, key[1])
+                    dump = await self._dump(record.address, key)
                 except grpc.aio.AioRpcError as exc:
                     log.warning("worker dump failed; retrying", worker_id=key[0], code=exc.code().name)
                     await asyncio.sleep(delay)
@@ -82,8 +83,10 @@ class GapRecovery:
             self._tasks.pop(key, None)
             self.poke()  # a new gap may have appeared while we worked
 
-    async def _dump(self, address: str, dp_rank: int) -> worker_pb2.KvStateDump:
+    async def _dump(self, address: str, key: IndexKey) -> worker_pb2.KvStateDump:
+        """The worker's own state of the stream ``key`` (a rank's cache, or a tier of it)."""
+        request = worker_pb2.DumpKvStateRequest(dp_rank=key[1])
+        if isinstance(key, TierKey):
+            request.tier = key.tier
         async with channel_to(address) as channel:
-            return await worker_pb2_grpc.WorkerStub(channel).DumpKvState(
-                worker_pb2.DumpKvStateRequest(dp_rank=dp_rank), timeout=self._timeout
-            )
+            return await worker_pb2_grpc.WorkerStub(channel).DumpKvState(request, timeout=self._timeout)

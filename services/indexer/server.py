@@ -28,6 +28,8 @@ from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
 from kvmesh.common.runtime.metrics import MetricsEndpoint
 from kvmesh.common.runtime.service import ServiceStack, service_main
 from kvmesh.common.wire.hashing import block_set_digest, sequence_hashes
+from kvmesh.common.wire.kv_events import DEVICE_TIER
+from kvmesh.common.wire.worker_key import TierKey
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.indexer.consumer import EventStreamConsumer
@@ -139,7 +141,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                     last_event_id=self.index.last_event_id(key),
                     recovering=key in recovering,
                     blocks_digest=block_set_digest(self.index.worker_blocks(key)) if request.include_digests else 0,
-                    tier=self.index.tier_of_worker(key),
+                    tier=key.tier if isinstance(key, TierKey) else DEVICE_TIER,
                     in_transit_blocks=in_transit,
                     evicted_blocks=evicted,
                 )

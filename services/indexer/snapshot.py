@@ -33,7 +33,8 @@ from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
 from kvmesh.common.core.prefix_index import UNKNOWN_PARENT, PrefixIndex
 from kvmesh.common.runtime.jetstream_state import ensure_key_value, ensure_object_store
 from kvmesh.common.wire import names
-from kvmesh.common.wire.kv_events import DEVICE_TIER
+from kvmesh.common.wire.kv_events import DEVICE_TIER, stream_of_v1_rank
+from kvmesh.common.wire.worker_key import IndexKey, TierKey, index_key
 from kvmesh.indexer.metrics import IndexerState
 
 log = structlog.get_logger(__name__)
@@ -51,18 +52,20 @@ class SnapshotError(ValueError):
 
 @dataclass
 class Snapshot:
-    """The index as of ``stream_sequence``: per worker (id, dp rank, last event id,
-    engine id -> sequence hash, sequence hash -> parent's sequence hash)."""
+    """The index as of ``stream_sequence``: per stream (a worker's device cache by its
+    (worker id, dp rank), an offloaded tier or pool segment by its :class:`TierKey`), its last event
+    id, engine id -> sequence hash and sequence hash -> parent's sequence hash."""
 
     stream_sequence: int
-    workers: list[tuple[int, int, int, dict[int, int], dict[int, int | None]]] = field(default_factory=list)
+    # per stream: its key, last event id, blocks (engine id -> sequence hash) and parents
+    workers: list[tuple[IndexKey, int, dict[int, int], dict[int, int | None]]] = field(default_factory=list)
     removed_workers: list[int] = field(default_factory=list)
     created: float = 0.0
-    # per (worker id, dp rank) with MoE metadata: sequence hash -> (layer, expert, group) placements
-    moe: dict[tuple[int, int], dict[int, tuple[tuple[int, int, int], ...]]] = field(default_factory=dict)
-    # per (worker id, dp rank) publishing tiers beyond the device's: (resident tier, engine id ->
-    # sequence hash of blocks in transit, the same of evicted blocks whose metadata is kept)
-    tiers: dict[tuple[int, int], tuple[str, dict[int, int], dict[int, int]]] = field(default_factory=dict)
+    # per stream with MoE metadata: sequence hash -> (layer, expert, group) placements
+    moe: dict[IndexKey, dict[int, tuple[tuple[int, int, int], ...]]] = field(default_factory=dict)
+    # per stream whose blocks have states beyond resident: (resident tier, engine id -> sequence
+    # hash of blocks in transit, the same of evicted blocks whose metadata is kept)
+    tiers: dict[IndexKey, tuple[str, dict[int, int], dict[int, int]]] = field(default_factory=dict)
 
     @property
     def num_blocks(self) -> int:
@@ -88,7 +91,7 @@ def capture(index: PrefixIndex, stream_sequence: int) -> Snapshot:
     workers = []
     for key in index.workers():
         last_event_id, by_engine_id, parent_of = index.export_worker(key)
-        workers.append((key[0], key[1], last_event_id, by_engine_id, parent_of))
+        workers.append((key, last_event_id, by_engine_id, parent_of))
     moe = {key: tags for key in index.workers() if (tags := index.export_moe(key))}
     tiers = {}
     for key in index.workers():
@@ -98,9 +101,20 @@ def capture(index: PrefixIndex, stream_sequence: int) -> Snapshot:
     return Snapshot(stream_sequence, workers, index.removed_workers(), time.time(), moe, tiers)
 
 
-def _encode_worker(
-    worker_id: int, dp_rank: int, last_event_id: int, blocks: dict[int, int], parent_of: dict[int, int | None]
-) -> dict:
+def _key_fields(key: IndexKey) -> dict:
+    """A stream's key as a snapshot names it: its worker, rank and storage tier."""
+    return {"worker_id": key[0], "dp_rank": key[1], "storage": key.tier if isinstance(key, TierKey) else DEVICE_TIER}
+
+
+def _key_of(fields: dict) -> IndexKey:
+    """The key a snapshot names; one written before tiers were a field names a tier by a reserved rank."""
+    if "storage" in fields:
+        return index_key(int(fields["worker_id"]), int(fields["dp_rank"]), str(fields["storage"]))
+    dp_rank, tier = stream_of_v1_rank(int(fields["dp_rank"]))
+    return index_key(int(fields["worker_id"]), dp_rank, tier)
+
+
+def _encode_worker(key: IndexKey, last_event_id: int, blocks: dict[int, int], parent_of: dict[int, int | None]) -> dict:
     # Blocks are exported in the order they were stored, chain by chain, so a block's parent is
     # nearly always the entry before it: that costs one kind byte; other parents are listed apart.
     seqs = list(blocks.values())
@@ -120,8 +134,7 @@ def _encode_worker(
             explicit.append(parent)
         previous = seq
     return {
-        "worker_id": worker_id,
-        "dp_rank": dp_rank,
+        **_key_fields(key),
         "last_event_id": last_event_id,
         "engine_ids": _u64(list(blocks.keys())),
         "sequence_hashes": _u64(seqs),
@@ -141,8 +154,7 @@ def encode(snapshot: Snapshot) -> bytes:
             # absent for a dense fleet; a reader that predates it ignores the key
             "moe": [
                 {
-                    "worker_id": key[0],
-                    "dp_rank": key[1],
+                    **_key_fields(key),
                     "sequence_hashes": _u64(list(tags)),
                     "placements": list(tags.values()),
                 }
@@ -151,8 +163,7 @@ def encode(snapshot: Snapshot) -> bytes:
             # absent unless a worker publishes pool tiers; a reader that predates it ignores the key
             "tiers": [
                 {
-                    "worker_id": key[0],
-                    "dp_rank": key[1],
+                    **_key_fields(key),
                     "tier": tier,
                     "in_transit": [_u64(list(in_transit)), _u64(list(in_transit.values()))],
                     "evicted": [_u64(list(evicted)), _u64(list(evicted.values()))],
@@ -163,7 +174,7 @@ def encode(snapshot: Snapshot) -> bytes:
     )
 
 
-def _decode_worker(w: dict) -> tuple[int, int, int, dict[int, int], dict[int, int | None]]:
+def _decode_worker(w: dict) -> tuple[IndexKey, int, dict[int, int], dict[int, int | None]]:
     seqs = _from_u64(w["sequence_hashes"])
     kinds = w["parent_kinds"]
     # Assume every parent is the previous entry (built in C), then patch the others.
@@ -174,8 +185,7 @@ def _decode_worker(w: dict) -> tuple[int, int, int, dict[int, int], dict[int, in
         seq = seqs[match.start()]
         parents[seq] = None if kind == _NO_PARENT else UNKNOWN_PARENT if kind == _UNKNOWN else next(explicit)
     return (
-        int(w["worker_id"]),
-        int(w["dp_rank"]),
+        _key_of(w),
         int(w["last_event_id"]),
         dict(zip(_from_u64(w["engine_ids"]), seqs, strict=True)),
         parents,
@@ -189,14 +199,14 @@ def decode(payload: bytes) -> Snapshot:
             raise SnapshotError(f"unknown snapshot format {raw.get('format')!r}")
         workers = [_decode_worker(w) for w in raw["workers"]]
         moe = {
-            (int(m["worker_id"]), int(m["dp_rank"])): {
+            _key_of(m): {
                 seq: tuple((int(a), int(b), int(c)) for a, b, c in placements)
                 for seq, placements in zip(_from_u64(m["sequence_hashes"]), m["placements"], strict=True)
             }
             for m in raw.get("moe", [])
         }
         tiers = {
-            (int(t["worker_id"]), int(t["dp_rank"])): (
+            _key_of(t): (
                 str(t["tier"]),
                 dict(zip(_from_u64(t["in_transit"][0]), _from_u64(t["in_transit"][1]), strict=True)),
                 dict(zip(_from_u64(t["evicted"][0]), _from_u64(t["evicted"][1]), strict=True)),
@@ -220,8 +230,8 @@ def decode(payload: bytes) -> Snapshot:
 def restore(index: PrefixIndex, snapshot: Snapshot) -> None:
     for worker_id in snapshot.removed_workers:
         index.remove_worker(worker_id)
-    for worker_id, dp_rank, last_event_id, blocks, parent_of in snapshot.workers:
-        index.import_worker((worker_id, dp_rank), last_event_id, blocks, parent_of)
+    for key, last_event_id, blocks, parent_of in snapshot.workers:
+        index.import_worker(key, last_event_id, blocks, parent_of)
     for key, tags in snapshot.moe.items():
         index.import_moe(key, tags)
     for key, (tier, in_transit, evicted) in snapshot.tiers.items():

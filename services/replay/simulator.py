@@ -31,7 +31,7 @@ from kvmesh.common.core.index_answer import EMPTY_ANSWER, IndexAnswer
 from kvmesh.common.core.timing import TimingModel, scaled
 from kvmesh.common.core.timing_fit import TimingFit
 from kvmesh.common.wire.hashing import sequence_hashes
-from kvmesh.common.wire.kv_events import HOST_DP_RANK, HOST_TIER, KvEvent, KvEventBatch
+from kvmesh.common.wire.kv_events import HOST_TIER, KvEvent, KvEventBatch
 from kvmesh.common.wire.priority import parse_mix
 from kvmesh.common.wire.worker_key import WorkerKey
 from kvmesh.planner.decision import POOLS, Decision, PoolSizes
@@ -412,7 +412,7 @@ class ReplaySimulator:
             first = self._next_host_event_id[worker]
             self._next_host_event_id[worker] = first + len(host_events)
             batch = tuple(KvEvent(first + i, data, HOST_TIER) for i, data in enumerate(host_events))
-            self.index.publish(KvEventBatch(worker, HOST_DP_RANK, now, batch), now)
+            self.index.publish(KvEventBatch(worker, 0, now, batch, HOST_TIER), now)
         woken = []
         for output in result.outputs:
             if output.request_id in self._awaiting_kv:

@@ -273,10 +273,10 @@ class Engine(abc.ABC):
         """(last KV event id published, every cached block) as one consistent picture."""
 
     def dump_pool_state(self) -> tuple[int, list[CachedBlock]] | None:
-        """The same for the worker's KV pool segment (dp rank ``POOL_DP_RANK``); None without one."""
+        """The same for the worker's KV pool segment (its ``pooled`` stream); None without one."""
         return None
 
     def dump_tier_state(self, tier: str) -> tuple[int, list[CachedBlock]] | None:
-        """The same for one of the worker's offloaded tiers (``host``, ``disk``: their dp ranks
-        ``HOST_DP_RANK``, ``DISK_DP_RANK``); None without it."""
+        """The same for one of this engine instance's offloaded tiers (``host``, ``disk``: streams of
+        their own); None without it."""
         return None

@@ -21,7 +21,7 @@ MAX_EVENTS_PER_MESSAGE = 512
 
 
 class KvEventPublisher:
-    """Numbers events per (worker, dp_rank) and publishes them in order.
+    """Numbers the events of one stream, (worker, dp_rank, tier), and publishes them in order.
 
     Guarantees: event ids increase by one with no gaps; every queued event is published (a failed
     publish is retried with the same ``Nats-Msg-Id``, so the stream stores it once).
@@ -36,8 +36,8 @@ class KvEventPublisher:
         tier: str = DEVICE_TIER,
         flush_interval_s: float = 0.0,
     ) -> None:
-        """``tier``: the memory tier every event of this publisher describes (``pooled``: a KV pool
-        segment, published under its own dp rank so that its event ids run apart).
+        """``tier``: the storage tier whose stream this is (the device cache; ``host`` or ``disk``, an
+        engine's offloaded copies; ``pooled``, a KV pool segment): each numbers its own events.
         ``flush_interval_s``: how long the first queued event waits for more before a publish, so
         that one stream message (one publish, one acknowledgement, one indexer delivery) carries
         several engine steps' events instead of one each."""
@@ -92,7 +92,7 @@ class KvEventPublisher:
             self._wakeup.clear()
             while self._queue:
                 chunk = self._queue[:MAX_EVENTS_PER_MESSAGE]
-                batch = KvEventBatch(self.worker_id, self.dp_rank, time.time(), tuple(chunk))
+                batch = KvEventBatch(self.worker_id, self.dp_rank, time.time(), tuple(chunk), self.tier)
                 await self._publish(batch)
                 del self._queue[: len(chunk)]
                 self.published_events += len(chunk)
@@ -100,7 +100,8 @@ class KvEventPublisher:
 
     async def _publish(self, batch: KvEventBatch) -> None:
         payload = encode_batch(batch)
-        headers = {"Nats-Msg-Id": names.kv_event_msg_id(batch.worker_id, batch.dp_rank, batch.first_event_id)}
+        msg_id = names.kv_event_msg_id(batch.worker_id, batch.dp_rank, batch.first_event_id, batch.tier)
+        headers = {"Nats-Msg-Id": msg_id}
         delay = 0.05
         while True:
             try:

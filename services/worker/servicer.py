@@ -21,7 +21,7 @@ from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.wire import disagg
 from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvSource, PrefillOrder
 from kvmesh.common.wire.finish_reasons import to_proto
-from kvmesh.common.wire.kv_events import POOL_DP_RANK, TIER_DP_RANKS
+from kvmesh.common.wire.kv_events import DEVICE_TIER, POOLED_TIER, stream_of_v1_rank
 from kvmesh.worker.engine import (
     Engine,
     EngineFailure,
@@ -35,7 +35,6 @@ from kvmesh.worker.lora_slots import AdapterSlots
 from kvmesh.worker.metrics import WorkerMetrics
 
 log = structlog.get_logger(__name__)
-TIERS_BY_DP_RANK = {rank: tier for tier, rank in TIER_DP_RANKS.items()}
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -225,22 +224,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def DumpKvState(
         self, request: worker_pb2.DumpKvStateRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.KvStateDump:
+        dp_rank, tier = request.dp_rank, request.tier or DEVICE_TIER
+        if not request.tier:  # an indexer from before tiers were a field names one by a reserved rank
+            dp_rank, tier = stream_of_v1_rank(dp_rank)
         dumped = None
-        if request.dp_rank < len(self.ranks):
-            dumped = self.ranks[request.dp_rank].dump_kv_state()
-        elif request.dp_rank == POOL_DP_RANK:
-            dumped = self.engine.dump_pool_state()
-        elif request.dp_rank in TIERS_BY_DP_RANK:
-            dumped = self.engine.dump_tier_state(TIERS_BY_DP_RANK[request.dp_rank])
+        if dp_rank < len(self.ranks):
+            engine = self.ranks[dp_rank]
+            if tier == DEVICE_TIER:
+                dumped = engine.dump_kv_state()
+            elif tier == POOLED_TIER:
+                dumped = engine.dump_pool_state()
+            else:
+                dumped = engine.dump_tier_state(tier)
         if dumped is None:
             await refuse(
                 context,
                 "worker",
                 grpc.StatusCode.NOT_FOUND,
-                f"this worker has dp ranks 0..{len(self.ranks) - 1}, not {request.dp_rank}",
+                f"this worker has dp ranks 0..{len(self.ranks) - 1}, and no {tier} tier at rank {dp_rank}",
             )
         last_event_id, blocks = dumped
-        log.info("dumped KV state", dp_rank=request.dp_rank, last_event_id=last_event_id, blocks=len(blocks))
+        log.info("dumped KV state", dp_rank=dp_rank, tier=tier, last_event_id=last_event_id, blocks=len(blocks))
         cached = []
         for b in blocks:
             block = worker_pb2.CachedBlock(
@@ -250,7 +254,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 block.parent_hash = b.parent_hash
             cached.append(block)
         return worker_pb2.KvStateDump(
-            worker_id=self.worker_id, dp_rank=request.dp_rank, last_event_id=last_event_id, blocks=cached
+            worker_id=self.worker_id, dp_rank=dp_rank, last_event_id=last_event_id, blocks=cached
         )
 
     async def GetStatus(

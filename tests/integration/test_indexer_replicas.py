@@ -24,7 +24,7 @@ from kvmesh.common.proto.kvmesh.v1 import (
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.wire import names
 from kvmesh.common.wire.hashing import block_set_digest
-from kvmesh.common.wire.kv_events import POOL_DP_RANK
+from kvmesh.common.wire.kv_events import POOLED_TIER
 from kvmesh.devtools.index_truth import as_truth, converged, truth, view
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer import snapshot as snapshots
@@ -231,14 +231,14 @@ async def test_lost_events_are_detected_and_recovered_exactly(nats_url: str, nc:
 
 
 async def pool_converged(workers: DiscoveryWatcher, address: str) -> bool:
-    """Whether the replica holds exactly each worker's pool segment (its dump at ``POOL_DP_RANK``)."""
+    """Whether the replica holds exactly each worker's pool segment (its dump of tier ``pooled``)."""
     try:
         status = await view(address)
-        held = {w.worker_id: (w.blocks, w.blocks_digest) for w in status.workers if w.dp_rank == POOL_DP_RANK}
+        held = {w.worker_id: (w.blocks, w.blocks_digest) for w in status.workers if w.tier == POOLED_TIER}
         for record in workers.instances():
             async with grpc.aio.insecure_channel(record.address) as channel:
                 dump = await worker_pb2_grpc.WorkerStub(channel).DumpKvState(
-                    worker_pb2.DumpKvStateRequest(dp_rank=POOL_DP_RANK)
+                    worker_pb2.DumpKvStateRequest(dp_rank=0, tier=POOLED_TIER)
                 )
             expected = (len(dump.blocks), block_set_digest(b.sequence_hash for b in dump.blocks))
             if held.get(record.instance_id, (0, block_set_digest([]))) != expected:
@@ -263,7 +263,7 @@ async def test_lost_pool_segment_events_are_recovered_from_the_segment_dump(nats
             await wait_until_async(lambda: converged(workers, address), timeout=20, what="device blocks converge")
             await wait_until_async(lambda: pool_converged(workers, address), timeout=20, what="pool segments converge")
             status = await view(address)
-            segments = [w for w in status.workers if w.dp_rank == POOL_DP_RANK]
+            segments = [w for w in status.workers if w.tier == POOLED_TIER]
             assert LossyPublisher.lost >= 4  # each worker's device and pool publishers lost messages
             assert status.recoveries >= 4 and not any(w.recovering for w in status.workers)
             assert len(segments) == 2 and all(w.tier == "pooled" and w.blocks > 0 for w in segments)

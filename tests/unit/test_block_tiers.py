@@ -11,7 +11,6 @@ from kvmesh.common.wire.kv_events import (
     DEVICE_TIER,
     EVICTED_TIER,
     IN_TRANSIT_TIER,
-    POOL_DP_RANK,
     POOLED_TIER,
     AllBlocksCleared,
     BlocksRemoved,
@@ -21,6 +20,7 @@ from kvmesh.common.wire.kv_events import (
     KvEventBatch,
     StoredBlock,
 )
+from kvmesh.common.wire.worker_key import TierKey
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.worker.engine import EngineRequestSpec
 from kvmesh.worker.engines.mock.mock_engine import EngineConfig, MockEngine
@@ -28,7 +28,7 @@ from kvmesh.worker.kv_transfer.kv_buffer import KvBuffer, KvLayout
 from kvmesh.worker.kv_transfer.kv_pool import KvPool
 from kvmesh.worker.kv_transfer.pool_writer import PoolWriter
 
-POOL = (7, POOL_DP_RANK)
+POOL = TierKey(7, 0, POOLED_TIER)  # worker 7's KV pool segment: a stream of its own
 PROMPT = list(range(100, 100 + 16 * 6))  # six full blocks of 16
 SEQ = sequence_hashes(local_block_hashes(PROMPT, 16))
 LOCAL = local_block_hashes(PROMPT, 16)
@@ -50,7 +50,11 @@ class Recorder:
             self.events.append(KvEvent(len(self.events), data, tier or self.tier))
 
     def apply_to(self, index: PrefixIndex, key=POOL, start: int = 0) -> None:
-        index.apply_batch(KvEventBatch(key[0], key[1], 0.0, tuple(self.events[start:])))
+        index.apply_batch(KvEventBatch(key[0], key[1], 0.0, tuple(self.events[start:]), stream_tier(key)))
+
+
+def stream_tier(key) -> str:
+    return key.tier if isinstance(key, TierKey) else DEVICE_TIER
 
 
 def stored(first: int, count: int) -> BlocksStored:
@@ -62,7 +66,7 @@ def stored(first: int, count: int) -> BlocksStored:
 def apply(index: PrefixIndex, *events: tuple[str, EventData], key=POOL) -> None:
     start = index.last_event_id(key) + 1 if key in index.workers() else 0
     batch = tuple(KvEvent(start + i, data, tier) for i, (tier, data) in enumerate(events))
-    index.apply_batch(KvEventBatch(key[0], key[1], 0.0, batch))
+    index.apply_batch(KvEventBatch(key[0], key[1], 0.0, batch, stream_tier(key)))
 
 
 def test_a_block_in_transit_matches_nothing_until_its_pooled_store_settles_it():
@@ -130,6 +134,26 @@ def test_tiers_survive_a_snapshot_round_trip():
     # the in-transit blocks settle after the restore as they would have before it
     apply(restored, (POOLED_TIER, stored(2, 2)))
     assert restored.find_matches_by_sequence(SEQ) == {POOL: 4, (7, 0): 1}
+
+
+def test_a_snapshot_from_before_tiers_were_a_field_restores_the_pool_as_its_tier():
+    """Such a snapshot names a pool segment by the reserved dp rank 0xFFFF; it restores as worker 7's
+    pooled stream, beside its device cache."""
+    import msgpack
+
+    index = PrefixIndex()
+    apply(index, (POOLED_TIER, stored(0, 3)))
+    apply(index, (DEVICE_TIER, stored(0, 1)), key=(7, 0))
+    raw = msgpack.unpackb(snapshots.encode(snapshots.capture(index, 42)))
+    for section in ("workers", "tiers"):
+        for entry in raw[section]:
+            storage = entry.pop("storage")
+            if storage == POOLED_TIER:
+                entry["dp_rank"] = 0xFFFF
+    restored = PrefixIndex()
+    snapshots.restore(restored, snapshots.decode(msgpack.packb(raw)))
+    assert restored.find_matches_by_sequence(SEQ) == {POOL: 3, (7, 0): 1}
+    assert isinstance(next(k for k in restored.workers() if k != (7, 0)), TierKey)
 
 
 def run_engine_with_pool(tmp_path, num_gpu_blocks: int, pool_slots: int, prompts: list[list[int]]):

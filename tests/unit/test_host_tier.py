@@ -8,7 +8,8 @@ import pytest
 
 from kvmesh.common.core.prefix_index import PrefixIndex
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
-from kvmesh.common.wire.kv_events import HOST_DP_RANK, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch
+from kvmesh.common.wire.kv_events import HOST_TIER, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch
+from kvmesh.common.wire.worker_key import TierKey
 from kvmesh.worker.engines.mock.host_tier import HostTier
 from kvmesh.worker.engines.mock.mock_engine import EngineConfig, EngineRequestSpec, MockEngine
 from tests.unit.test_mock_engine import run_to_completion
@@ -52,7 +53,7 @@ def test_without_a_host_tier_the_evicted_prompt_is_computed_again():
     assert mock.drain_host_events() == []
 
 
-def test_host_events_build_rooted_chains_that_an_index_matches_as_the_host_rank():
+def test_host_events_build_rooted_chains_that_an_index_matches_as_the_host_tier():
     mock = engine(host_blocks=8)
     index = PrefixIndex()
     event_id = 0
@@ -62,7 +63,7 @@ def test_host_events_build_rooted_chains_that_an_index_matches_as_the_host_rank(
         events = mock.drain_host_events()
         batch = tuple(KvEvent(event_id + i, data, "host") for i, data in enumerate(events))
         event_id += len(events)
-        index.apply_batch(KvEventBatch(1, HOST_DP_RANK, 0.0, batch))
+        index.apply_batch(KvEventBatch(1, 0, 0.0, batch, HOST_TIER))
 
     mock.add_request(EngineRequestSpec("a", PROMPT, max_tokens=2))
     run_to_completion(mock)
@@ -74,7 +75,7 @@ def test_host_events_build_rooted_chains_that_an_index_matches_as_the_host_rank(
     for prompt in (PROMPT, *([5000 * (i + 1) + t for t in range(150)] for i in range(3))):
         hashes = sequence_hashes(local_block_hashes(prompt, 16, None))
         expected = mock.cache.host.run_length(hashes, 0)
-        assert index.find_matches_by_sequence(hashes).get((1, HOST_DP_RANK), 0) == expected
+        assert index.find_matches_by_sequence(hashes).get(TierKey(1, 0, HOST_TIER), 0) == expected
 
 
 def test_the_tier_drops_least_recently_used_leaves_first_and_says_so():

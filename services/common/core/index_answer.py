@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 from kvmesh.common.core.prefix_index import PrefixIndex
 from kvmesh.common.core.tier_credits import offloaded_blocks
-from kvmesh.common.wire.kv_events import POOL_DP_RANK, PSEUDO_DP_RANKS
-from kvmesh.common.wire.worker_key import WorkerKey
+from kvmesh.common.wire.kv_events import POOLED_TIER
+from kvmesh.common.wire.worker_key import IndexKey, TierKey, WorkerKey
 
 
 class IndexAnswer(NamedTuple):
@@ -49,10 +49,9 @@ def answer_query(
     extra = (pooled.keys() | host.keys() | disk.keys()) - sizes.keys()
     if extra:  # a worker that caches nothing on its device yet can still read the pool or its host tier
         sizes = {**dict.fromkeys(extra, 0), **sizes}
-    tiers = PSEUDO_DP_RANKS
     return IndexAnswer(
-        {key: blocks for key, blocks in matched.items() if key[1] not in tiers},
-        {key: size for key, size in sizes.items() if key[1] not in tiers},
+        {key: blocks for key, blocks in matched.items() if not isinstance(key, TierKey)},
+        {key: size for key, size in sizes.items() if not isinstance(key, TierKey)},
         alignment,
         pooled,
         host,
@@ -60,10 +59,14 @@ def answer_query(
     )
 
 
-def pooled_blocks(matched: Mapping[WorkerKey, int], pools: Callable[[], Mapping[int, str]]) -> dict[WorkerKey, int]:
+def pooled_blocks(matched: Mapping[IndexKey, int], pools: Callable[[], Mapping[int, str]]) -> dict[WorkerKey, int]:
     """Per worker that reads a KV pool: the query's blocks past its own match that a segment of that
     pool holds (the longest prefix any of the pool's writers wrote)."""
-    segments = {writer: blocks for (writer, rank), blocks in matched.items() if rank == POOL_DP_RANK and blocks}
+    segments = {
+        key.worker_id: blocks
+        for key, blocks in matched.items()
+        if isinstance(key, TierKey) and key.tier == POOLED_TIER and blocks
+    }
     if not segments:  # the usual case: no pool, nothing more to do
         return {}
     pool_of = pools()

@@ -3,8 +3,9 @@
 The radix tree of cached prefixes is stored flat (docs/decisions/0001): a node is named by its
 *sequence hash* (DESIGN §2), which identifies a block together with its whole prefix, so "the child
 of node P with local hash L" is the node ``next_sequence_hash(P, L)``. Each node maps to a bitmask of
-the workers holding it (one bit per (worker_id, dp_rank)), so walking a query down the tree is one
-dictionary lookup and one integer AND per block.
+the streams holding it, one bit per stream: a (worker_id, dp_rank) device cache, or a
+:class:`~kvmesh.common.wire.worker_key.TierKey` for an offloaded tier or a pool segment. Walking a
+query down the tree is then one dictionary lookup and one integer AND per block.
 
 Engines name their blocks with their own opaque ids; the index keeps, per worker, a map from the
 engine's id to our sequence hash, used to resolve a stored event's parent and to apply removals. Our
@@ -57,7 +58,7 @@ from kvmesh.common.wire.kv_events import (
     KvEventBatch,
     StoredBlock,
 )
-from kvmesh.common.wire.worker_key import WorkerKey
+from kvmesh.common.wire.worker_key import IndexKey, WorkerKey, index_key
 
 __all__ = ["EVICTED_METADATA_LIMIT", "UNKNOWN_PARENT", "ApplyStats", "DumpedBlock", "PrefixIndex", "WorkerKey"]
 
@@ -75,7 +76,7 @@ class PrefixIndex(WorkerStateTransfer):
         self._free_bits: list[int] = []
         self._next_bit = 0
         self._removed_workers: set[int] = set()
-        self._removed_ranks: dict[int, list[int]] = {}  # the dp ranks a removed worker had
+        self._removed_keys: dict[int, list[IndexKey]] = {}  # the streams a removed worker had
         # counts each worker's removals and readmissions: a dump asked for before the last of them
         # misses what the worker did while its events were ignored (see replace_worker)
         self._admissions: dict[int, int] = {}
@@ -104,7 +105,7 @@ class PrefixIndex(WorkerStateTransfer):
         self._removed_workers.add(worker_id)
         self._admissions[worker_id] = self._admissions.get(worker_id, 0) + 1
         keys = [k for k in self._workers if k[0] == worker_id]
-        self._removed_ranks[worker_id] = sorted({rank for _, rank in keys}) or [0]
+        self._removed_keys[worker_id] = keys or [WorkerKey(worker_id, 0)]
         for key in keys:
             worker = self._workers.pop(key)
             self._clear(worker)
@@ -126,8 +127,7 @@ class PrefixIndex(WorkerStateTransfer):
             return
         self._removed_workers.discard(worker_id)
         self._admissions[worker_id] = self._admissions.get(worker_id, 0) + 1
-        for rank in self._removed_ranks.pop(worker_id, [0]):
-            key = (worker_id, rank)
+        for key in self._removed_keys.pop(worker_id, [WorkerKey(worker_id, 0)]):
             self._worker(key)
             self.gaps_pending.add(key)
             self._held_back.setdefault(key, [])
@@ -149,7 +149,7 @@ class PrefixIndex(WorkerStateTransfer):
     def apply_batch(self, batch: KvEventBatch) -> None:
         if batch.worker_id in self._removed_workers:
             return  # late events of a worker that has left must not resurrect its blocks
-        key = (batch.worker_id, batch.dp_rank)
+        key = index_key(batch.worker_id, batch.dp_rank, batch.tier)
         worker = self._worker(key)
         self._apply_events(key, worker, batch.events)
         self._tree_sizes[key] = worker.unique_blocks

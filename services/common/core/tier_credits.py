@@ -1,10 +1,10 @@
 """Cached blocks by tier, and what each tier is worth to routing (sans-I/O; DESIGN §7's tiers).
 
-A worker's offloaded copies are indexed as dp ranks of their own (``HOST_DP_RANK``,
-``DISK_DP_RANK``), so a query matches each tier on its own; :func:`offloaded_blocks` turns those
-matches into the blocks each tier adds past the device's, and :func:`credited_matches` credits them:
-a device block counts 1, a block past it the better of its host tier's and its KV pool's credit,
-then a disk block past both its own.
+An engine instance's offloaded copies (host memory, disk) are indexed as streams of their own,
+keyed by a :class:`~kvmesh.common.wire.worker_key.TierKey`, so a query matches each tier on its own;
+:func:`offloaded_blocks` turns those matches into the blocks each tier adds past the device's, for
+the same (worker, rank), and :func:`credited_matches` credits them: a device block counts 1, a block
+past it the better of its host tier's and its KV pool's credit, then a disk block past both its own.
 """
 
 from __future__ import annotations
@@ -12,23 +12,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from kvmesh.common.wire.kv_events import DISK_DP_RANK, HOST_DP_RANK
-from kvmesh.common.wire.worker_key import WorkerKey
+from kvmesh.common.wire.kv_events import DISK_TIER, HOST_TIER
+from kvmesh.common.wire.worker_key import IndexKey, TierKey, WorkerKey
 
 
-def offloaded_blocks(matched: Mapping[WorkerKey, int]) -> tuple[dict[WorkerKey, int], dict[WorkerKey, int]]:
-    """Per worker (dp rank 0): the query's blocks past its device match that its host tier holds,
-    and past both, that its disk tier holds."""
+def offloaded_blocks(matched: Mapping[IndexKey, int]) -> tuple[dict[WorkerKey, int], dict[WorkerKey, int]]:
+    """Per engine instance: the query's blocks past its device match that its host tier holds, and
+    past both, that its disk tier holds."""
     host: dict[WorkerKey, int] = {}
     disk: dict[WorkerKey, int] = {}
-    for (worker, rank), blocks in matched.items():
-        if rank == HOST_DP_RANK and blocks > matched.get((worker, 0), 0):
-            host[(worker, 0)] = blocks - matched.get((worker, 0), 0)
-    for (worker, rank), blocks in matched.items():
-        if rank == DISK_DP_RANK:
-            covered = matched.get((worker, 0), 0) + host.get((worker, 0), 0)
+    for key, blocks in matched.items():
+        if isinstance(key, TierKey) and key.tier == HOST_TIER:
+            device = matched.get(key.engine, 0)
+            if blocks > device:
+                host[key.engine] = blocks - device
+    for key, blocks in matched.items():
+        if isinstance(key, TierKey) and key.tier == DISK_TIER:
+            covered = matched.get(key.engine, 0) + host.get(key.engine, 0)
             if blocks > covered:
-                disk[(worker, 0)] = blocks - covered
+                disk[key.engine] = blocks - covered
     return host, disk
 
 

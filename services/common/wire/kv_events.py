@@ -1,11 +1,17 @@
 """KV event wire format (DESIGN §3): one msgpack map per message, a batch of one worker's events.
 
-    {worker_id, dp_rank, ts, events: [{event_id, tier, data}, ...]}
+    {v: 2, worker_id, dp_rank, tier, ts, events: [{event_id, tier, data}, ...]}
 
 with ``data`` one of ``{type: "stored", parent_hash, blocks: [{block_hash, tokens_hash, num_tokens}]}``,
 ``{type: "removed", block_hashes: [...]}`` or ``{type: "cleared"}``. ``block_hash`` is the engine's
 own opaque id (used for parent links and removals); ``tokens_hash`` is our local hash (used for
-matching). ``event_id`` increases by one per (worker, dp_rank).
+matching). ``event_id`` increases by one per (worker, dp_rank, tier): each storage tier of an engine
+instance publishes a stream of its own (its device cache, its host-memory and disk tiers, its KV
+pool segment), named by the batch's ``tier``; an event's own ``tier`` is its block's state within
+that stream (a pool's ``in_transit`` copies).
+
+Version 1 (no ``v``) named a tier by a reserved dp rank instead (0xFFFF the pool, 0xFFFE host,
+0xFFFD disk, all of rank 0): it is still read, as that tier of rank 0.
 
 A stored block of a mixture-of-experts model may carry ``moe: [[layer, expert, group], ...]``, the
 expert placement it was computed with (DESIGN §7); blocks without it are encoded exactly as before.
@@ -29,13 +35,20 @@ DISK_TIER = "disk"
 IN_TRANSIT_TIER = "in_transit"
 # What the index keeps of a block a pool dropped: its metadata, no longer a match (never on the wire).
 EVICTED_TIER = "evicted"
-# A worker's KV pool segment publishes its blocks as this dp rank of the worker (its own event ids).
-POOL_DP_RANK = 0xFFFF
-# ... and its host and disk tiers as these (for its dp rank 0).
-HOST_DP_RANK = 0xFFFE
-DISK_DP_RANK = 0xFFFD
-TIER_DP_RANKS = {HOST_TIER: HOST_DP_RANK, DISK_TIER: DISK_DP_RANK}
-PSEUDO_DP_RANKS = frozenset({POOL_DP_RANK, HOST_DP_RANK, DISK_DP_RANK})
+# The storage tiers a stream of events can describe: an engine's own cache, its offloaded copies, and
+# a worker's KV pool segment. The device is the default (its streams were the only ones at first).
+STORAGE_TIERS = (DEVICE_TIER, HOST_TIER, DISK_TIER, POOLED_TIER)
+OFFLOADED_TIERS = (HOST_TIER, DISK_TIER)
+WIRE_VERSION = 2
+# version 1 named a tier by a reserved dp rank (of rank 0)
+_V1_RANK_TIERS = {0xFFFF: POOLED_TIER, 0xFFFE: HOST_TIER, 0xFFFD: DISK_TIER}
+
+
+def stream_of_v1_rank(dp_rank: int) -> tuple[int, str]:
+    """A version 1 dp rank as (dp rank, storage tier): a reserved rank named a tier of rank 0
+    (batches, snapshots and dump requests written before version 2 are read with it)."""
+    tier = _V1_RANK_TIERS.get(dp_rank)
+    return (0, tier) if tier is not None else (dp_rank, DEVICE_TIER)
 
 
 class EventDecodeError(ValueError):
@@ -81,12 +94,13 @@ class KvEvent:
 
 @dataclass(frozen=True, slots=True)
 class KvEventBatch:
-    """Consecutive events of one (worker, dp_rank), as carried by one stream message."""
+    """Consecutive events of one (worker, dp_rank, tier), as carried by one stream message."""
 
     worker_id: int
     dp_rank: int
     ts: float
     events: tuple[KvEvent, ...] = field(default_factory=tuple)
+    tier: str = DEVICE_TIER  # the storage tier whose stream these events are
 
     @property
     def first_event_id(self) -> int:
@@ -157,8 +171,10 @@ def _data_from_wire(raw: dict[str, Any]) -> EventData:
 def encode_batch(batch: KvEventBatch) -> bytes:
     return msgpack.packb(
         {
+            "v": WIRE_VERSION,
             "worker_id": batch.worker_id,
             "dp_rank": batch.dp_rank,
+            "tier": batch.tier,
             "ts": batch.ts,
             "events": [{"event_id": e.event_id, "tier": e.tier, "data": _data_to_wire(e.data)} for e in batch.events],
         }
@@ -169,14 +185,25 @@ def decode_batch(payload: bytes) -> KvEventBatch:
     """Decode one stream message; raises :class:`EventDecodeError` on anything malformed."""
     try:
         raw = msgpack.unpackb(payload)
+        dp_rank = int(raw.get("dp_rank", 0))
+        version = int(raw.get("v", 1))
+        if version == 1:
+            dp_rank, tier = stream_of_v1_rank(dp_rank)
+        elif version == WIRE_VERSION:
+            tier = str(raw.get("tier", DEVICE_TIER))
+            if tier not in STORAGE_TIERS:
+                raise EventDecodeError(f"unknown storage tier {tier!r}")
+        else:
+            raise EventDecodeError(f"KV event batch version {version} is newer than this reader's {WIRE_VERSION}")
         return KvEventBatch(
             worker_id=int(raw["worker_id"]),
-            dp_rank=int(raw.get("dp_rank", 0)),
+            dp_rank=dp_rank,
             ts=float(raw.get("ts", 0.0)),
             events=tuple(
                 KvEvent(int(e["event_id"]), _data_from_wire(e["data"]), str(e.get("tier", DEVICE_TIER)))
                 for e in raw["events"]
             ),
+            tier=tier,
         )
     except EventDecodeError:
         raise

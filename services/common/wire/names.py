@@ -80,6 +80,10 @@ def indexer_durable_name(replica_id: str) -> str:
     return f"indexer-{replica_id}"
 
 
-def kv_event_msg_id(worker_id: int, dp_rank: int, first_event_id: int) -> str:
-    """JetStream de-duplication id of a batch: a retried publish is stored once."""
-    return f"{worker_id}:{dp_rank}:{first_event_id}"
+def kv_event_msg_id(worker_id: int, dp_rank: int, first_event_id: int, tier: str = "device") -> str:
+    """JetStream de-duplication id of a batch: a retried publish is stored once. Each storage tier of
+    an engine instance numbers its own events, so its ids name the tier (the device's do not, as
+    they never did)."""
+    if tier == "device":
+        return f"{worker_id}:{dp_rank}:{first_event_id}"
+    return f"{worker_id}:{dp_rank}:{tier}:{first_event_id}"

@@ -3,13 +3,15 @@
 A worker process may run several data-parallel ranks, each an engine core with its own KV cache; the
 prefix index, the router's load picture, its cost function and its fitted step times all key on the
 pair. A storage tier (host memory, disk, a KV pool) is not a rank: it is a field of its own
-(:class:`~kvmesh.common.wire.kv_events.StorageTier`).
+(a stream's ``tier``, keyed in the prefix index by a :class:`TierKey`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
+
+from kvmesh.common.wire.kv_events import DEVICE_TIER
 
 # A worker's discovery record says how many data-parallel ranks it runs under this key (absent: one).
 DATA_PARALLEL_KEY = "data_parallel_size"
@@ -23,6 +25,30 @@ class WorkerKey(NamedTuple):
 
     worker_id: int
     dp_rank: int = 0
+
+
+class TierKey(NamedTuple):
+    """An offloaded storage tier (host memory, disk) of one engine instance, or a worker's KV pool
+    segment: what the prefix index keys such a stream's blocks by, beside the device cache's
+    :class:`WorkerKey`."""
+
+    worker_id: int
+    dp_rank: int
+    tier: str
+
+    @property
+    def engine(self) -> WorkerKey:
+        """The engine instance whose tier it is."""
+        return WorkerKey(self.worker_id, self.dp_rank)
+
+
+IndexKey = WorkerKey | TierKey
+
+
+def index_key(worker_id: int, dp_rank: int, tier: str) -> IndexKey:
+    """The key of a stream of KV events: its engine instance's, or for another tier than the device
+    that tier's of it."""
+    return WorkerKey(worker_id, dp_rank) if tier == DEVICE_TIER else TierKey(worker_id, dp_rank, tier)
 
 
 def ranks_of(extra: Mapping[str, Any]) -> range:

@@ -61,7 +61,7 @@ class MockEngineLoop(Engine):
     ) -> None:
         """``pool``: the host's KV pool, written through with every block this engine computes (its
         changes published by ``pool_publisher``) and read for a new request's uncached blocks;
-        ``host_publisher``: publishes the engine's host tier (its dp rank ``HOST_DP_RANK``)."""
+        ``host_publisher``: publishes the engine's host tier (a stream of tier ``host``)."""
         self._host_publisher = host_publisher
         self.engine = engine
         self.pool = pool

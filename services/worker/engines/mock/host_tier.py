@@ -6,7 +6,7 @@ index requires of every tier; vLLM's CPU offloading keeps whole prefixes too). A
 prefix continues there reloads those blocks to the device instead of recomputing them, at a cost the
 engine adds to the step (``EngineConfig.host_reload_ms_per_token``). The tier is bounded; the least
 recently used block goes first, a chain's tail before its head. Its changes are events of tier
-``host``, published as the worker's dp rank ``HOST_DP_RANK``.
+``host``, published as a stream of its own (the batch's tier ``host``).
 """
 
 from __future__ import annotations

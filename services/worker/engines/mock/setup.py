@@ -11,7 +11,7 @@ import structlog
 from kvmesh.common.core.timing import TimingModel
 from kvmesh.common.runtime.config import advertised_host
 from kvmesh.common.runtime.service import ServiceStack
-from kvmesh.common.wire.kv_events import HOST_DP_RANK, HOST_TIER, POOL_DP_RANK, POOLED_TIER, parse_moe_placements
+from kvmesh.common.wire.kv_events import HOST_TIER, POOLED_TIER, parse_moe_placements
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.engine import Engine
 from kvmesh.worker.engines.mock.engine_loop import MockEngineLoop
@@ -57,9 +57,9 @@ async def start(
     if config.kv_pool:
         pool = KvPool(Path(config.kv_pool), worker_id, shape, config.kv_pool_blocks)
         stack.callback(pool.close)  # runs after the engine stops: a clean stop removes the segment
-        pool_publisher = await publishers.start(dp_rank=POOL_DP_RANK, tier=POOLED_TIER)
+        pool_publisher = await publishers.start(tier=POOLED_TIER)
         extra["kv_pool"] = pool.pool_id
-    host_publisher = await publishers.start(dp_rank=HOST_DP_RANK, tier=HOST_TIER) if config.host_kv_blocks else None
+    host_publisher = await publishers.start(tier=HOST_TIER) if config.host_kv_blocks else None
     publisher = await publishers.start()
     engine = await stack.start(
         MockEngineLoop(build_mock_engine(config, kv), publisher, pool, pool_publisher, host_publisher)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from kvmesh.common.runtime.config import advertised_host
 from kvmesh.common.runtime.service import ServiceStack
-from kvmesh.common.wire.kv_events import TIER_DP_RANKS
+from kvmesh.common.wire.kv_events import OFFLOADED_TIERS
 from kvmesh.common.wire.lora import adapter_paths
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.engines.started import EventPublishers, StartedEngine
 from kvmesh.worker.engines.vllm.vllm_engine import VllmEngine
+from kvmesh.worker.engines.vllm.vllm_events import Publisher
 from kvmesh.worker.kv_transfer.connector_handoff import ConnectorHandoff
 from kvmesh.worker.metrics import TransferView
 
@@ -39,13 +40,22 @@ async def start(
     # prefill and decode workers move KV with vLLM's NIXL connector; aggregated ones need none
     connector_host = None if config.role == "aggregated" else advertised_host(config)
     publisher = await publishers.start()
-    # the blocks an offloading connector keeps in CPU memory or on disk, each tier on its own
-    tiers = {}
-    for tier, rank in TIER_DP_RANKS.items():
-        tier_publisher = await publishers.start(dp_rank=rank, tier=tier)
-        tiers[tier] = (tier_publisher.enqueue, lambda p=tier_publisher: p.last_event_id)
+
+    async def offloaded(rank: int) -> dict[str, Publisher]:
+        """The streams of the blocks an offloading connector keeps in CPU memory or on disk for this
+        rank: each tier of each rank a stream of its own."""
+        tiers = {}
+        for tier in OFFLOADED_TIERS:
+            tier_publisher = await publishers.start(dp_rank=rank, tier=tier)
+            tiers[tier] = (tier_publisher.enqueue, lambda p=tier_publisher: p.last_event_id)
+        return tiers
+
+    tiers = await offloaded(0)
     # vLLM's engine cores past the first, each one's events as its rank
-    rank_publishers = [await publishers.start(dp_rank=rank) for rank in range(1, config.data_parallel_size)]
+    rank_publishers = []
+    for rank in range(1, config.data_parallel_size):
+        device = await publishers.start(dp_rank=rank)
+        rank_publishers.append(((device.enqueue, lambda p=device: p.last_event_id), await offloaded(rank)))
     adapters = adapter_paths(config.lora_adapters)
     vllm = VllmEngine(
         config.engine_args,
@@ -55,7 +65,7 @@ async def start(
         kv_connector_host=connector_host,
         tier_publishers=tiers,
         lora_paths={name: path for name, path in adapters.items() if path},
-        rank_publishers=[(p.enqueue, lambda p=p: p.last_event_id) for p in rank_publishers],
+        rank_publishers=rank_publishers,
     )
     await stack.start(vllm)
     if connector_host is None:

@@ -43,7 +43,7 @@ from kvmesh.worker.engine import (
 )
 from kvmesh.worker.engines.streaming_engine import StreamingEngine
 from kvmesh.worker.engines.vllm import tiny_llama, vllm_defaults
-from kvmesh.worker.engines.vllm.vllm_events import MEDIUMS_BY_TIER, VllmEventRelay, VllmEventTranslator
+from kvmesh.worker.engines.vllm.vllm_events import OffloadedTiers, Publisher, VllmEventRelay
 from kvmesh.worker.engines.vllm.vllm_plugin import QUIET_NIXL_ENV
 from kvmesh.worker.kv_transfer.transport import TransferStats
 
@@ -163,9 +163,9 @@ class VllmEngine(StreamingEngine):
         deliver_events: Callable[[list[EventData]], None],
         last_event_id: Callable[[], int],
         kv_connector_host: str | None = None,
-        tier_publishers: dict[str, tuple[Callable[[list[EventData]], None], Callable[[], int]]] | None = None,
+        tier_publishers: Mapping[str, Publisher] | None = None,
         lora_paths: Mapping[str, str] | None = None,
-        rank_publishers: Sequence[tuple[Callable[[list[EventData]], None], Callable[[], int]]] = (),
+        rank_publishers: Sequence[tuple[Publisher, Mapping[str, Publisher]]] = (),
     ) -> None:
         """``kv_connector_host``: set for prefill and decode workers, which move KV with vLLM's NIXL
         connector; its side channel listens there (on a free port). ``tier_publishers``: per
@@ -173,9 +173,9 @@ class VllmEngine(StreamingEngine):
         (an offloading connector's CPU and disk blocks are relayed with their medium). ``lora_paths``:
         each LoRA adapter's directory, by name (vLLM loads one on its first request).
         ``rank_publishers``: for data-parallel ranks 1, 2, ..., where each one's events go and the last
-        event id numbered there; vLLM runs ``1 + len(rank_publishers)`` ranks (this engine is rank 0)."""
-        self._tier_publishers = tier_publishers or {}
-        self._tier_translators = {tier: VllmEventTranslator(MEDIUMS_BY_TIER[tier]) for tier in self._tier_publishers}
+        event id numbered there, and its own offloaded tiers' the same; vLLM runs
+        ``1 + len(rank_publishers)`` ranks (this engine is rank 0)."""
+        self.tiers = OffloadedTiers(tier_publishers)
         super().__init__(last_event_id)
         self._argv = list(argv)
         # vLLM tells adapters apart by a positive integer id as well as their name
@@ -195,7 +195,10 @@ class VllmEngine(StreamingEngine):
         self.model = ""
         self.connector_backend = ""
         self.kv_bytes_per_block = 0
-        self.ranks = [VllmRank(self, rank, deliver, last) for rank, (deliver, last) in enumerate(rank_publishers, 1)]
+        self.ranks = [
+            VllmRank(self, rank, deliver, last, OffloadedTiers(tiers))
+            for rank, ((deliver, last), tiers) in enumerate(rank_publishers, 1)
+        ]
 
     async def start(self) -> None:
         from vllm.config import KVEventsConfig
@@ -211,7 +214,7 @@ class VllmEngine(StreamingEngine):
             f"tcp://127.0.0.1:{replay_port}",
             self._translator,
             self._deliver_events,
-            {tier: (self._tier_translators[tier], publish) for tier, (publish, _last) in self._tier_publishers.items()},
+            self.tiers.relays(),
         )
         for rank in self.ranks:
             rank.relay = VllmEventRelay(
@@ -219,6 +222,7 @@ class VllmEngine(StreamingEngine):
                 f"tcp://127.0.0.1:{replay_port + rank.rank}",
                 rank.translator,
                 rank.deliver_events,
+                rank.tiers.relays(),
             )
         if self.ranks:
             args.data_parallel_size = 1 + len(self.ranks)
@@ -383,10 +387,8 @@ class VllmEngine(StreamingEngine):
         return self.timing_fit.model() if self.timing_fit.observations else None
 
     def dump_tier_state(self, tier: str) -> tuple[int, list[CachedBlock]] | None:
-        """The relay's view of the blocks vLLM offloaded to ``tier`` (``host``: CPU memory, ``disk``)."""
-        if tier not in self._tier_publishers:
-            return None
-        return self._tier_publishers[tier][1](), self._tier_translators[tier].cached_blocks()
+        """The relay's view of the blocks rank 0 offloaded to ``tier`` (``host``: CPU memory, ``disk``)."""
+        return self.tiers.dump(tier)
 
     @property
     def relay(self) -> VllmEventRelay | None:
@@ -406,10 +408,12 @@ class VllmRank(StreamingEngine):
         rank: int,
         deliver_events: Callable[[list[EventData]], None],
         last_event_id: Callable[[], int],
+        tiers: OffloadedTiers | None = None,
     ) -> None:
         super().__init__(last_event_id)
         self.engine = engine
         self.rank = rank
+        self.tiers = tiers or OffloadedTiers(None)
         self.deliver_events = deliver_events
         self.translator = self._translator
         self.relay: VllmEventRelay | None = None
@@ -426,3 +430,7 @@ class VllmRank(StreamingEngine):
         if hold_on_finish or kv_transfer_params:
             raise EngineRequestError(_NO_DISAGGREGATION)
         return self.engine.submit_to_rank(self, spec, self.rank)
+
+    def dump_tier_state(self, tier: str) -> tuple[int, list[CachedBlock]] | None:
+        """The relay's view of the blocks this rank offloaded to ``tier``."""
+        return self.tiers.dump(tier)

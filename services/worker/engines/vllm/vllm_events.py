@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -220,3 +220,26 @@ class VllmEventRelay:
             self.lost += until - self._next_seq
             log.warning("vLLM KV event batches lost (beyond the replay buffer)", first=self._next_seq, until=until)
             self._next_seq = until
+
+
+Publisher = tuple[Callable[[list[EventData]], None], Callable[[], int]]  # where events go, the last id numbered
+
+
+class OffloadedTiers:
+    """One engine core's offloaded tiers (an offloading connector's CPU and disk blocks): per tier,
+    a translator following that medium and the stream its events go to (the core's own rank and
+    that tier: each rank's offloaded blocks are its own)."""
+
+    def __init__(self, publishers: Mapping[str, Publisher] | None) -> None:
+        self._publishers = dict(publishers or {})
+        self._translators = {tier: VllmEventTranslator(MEDIUMS_BY_TIER[tier]) for tier in self._publishers}
+
+    def relays(self) -> dict[str, tuple[VllmEventTranslator, Callable[[list[EventData]], None]]]:
+        """What the core's event relay hands each tier's events to."""
+        return {tier: (self._translators[tier], publish) for tier, (publish, _last) in self._publishers.items()}
+
+    def dump(self, tier: str) -> tuple[int, list[CachedBlock]] | None:
+        """The relay's view of the blocks the core offloaded to ``tier`` (None: it has no such tier)."""
+        if tier not in self._publishers:
+            return None
+        return self._publishers[tier][1](), self._translators[tier].cached_blocks()

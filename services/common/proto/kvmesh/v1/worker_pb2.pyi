@@ -8,10 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DumpKvStateRequest(_message.Message):
-    __slots__ = ("dp_rank",)
+    __slots__ = ("dp_rank", "tier")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
-    def __init__(self, dp_rank: _Optional[int] = ...) -> None: ...
+    tier: str
+    def __init__(self, dp_rank: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class CachedBlock(_message.Message):
     __slots__ = ("block_hash", "tokens_hash", "parent_hash", "sequence_hash")
