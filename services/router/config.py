@@ -125,10 +125,14 @@ class AdmissionOptions:
     """Routing, admission: the busy thresholds and the router queue behind them."""
 
     active_decode_blocks_threshold: int | None = option(
-        None, "a worker with more active blocks is busy; when all are busy requests wait in the router queue"
+        None,
+        "a worker with more active blocks is busy; when all are busy requests wait in the router queue (a routed "
+        "request may still go to a busy worker where its cost is lowest: docs/decisions/0045)",
     )
     active_prefill_tokens_threshold: int | None = option(
-        None, "a worker with more queued prefill tokens is busy; when all are busy requests wait in the router queue"
+        None,
+        "a worker with more queued prefill tokens is busy; when all are busy requests wait in the router queue (as "
+        "--active-decode-blocks-threshold)",
     )
     router_queue_size: int = option(
         256,

@@ -1,9 +1,11 @@
 """Which workers may take a request, with one typed reason per exclusion (sans-I/O, clock passed in).
 
-The router asks three questions before it costs anyone: does the worker serve this model (and the
-LoRA adapter the request names) in this role, has its stream broken recently, is it over the busy
-thresholds. Each is a pure step here, so
-the rules read on one page and are tested without a network.
+The router asks two questions before it costs anyone: does the worker serve this model (and the
+LoRA adapter the request names) in this role, and has its stream broken recently. Whether a worker is
+over the busy thresholds decides admission, not eligibility: while every worker is, the request
+waits (:meth:`~kvmesh.router.load_picture.LoadPicture.admitted`, docs/decisions/0045); and a prefill
+worker over them has no capacity for another prefill. Each is a pure step here, so the rules read
+on one page and are tested without a network.
 """
 
 from __future__ import annotations

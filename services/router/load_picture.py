@@ -77,17 +77,19 @@ class LoadPicture:
         return self.thresholds.exceeded(*self.loads.sequences(block_size).load(key))
 
     def admitted(self, candidates: Sequence[InstanceRecord], noun: str = "workers") -> list[WorkerKey]:
-        """The ranks of ``candidates`` under the busy thresholds; :class:`AllWorkersBusy` when none is.
+        """Every rank of ``candidates``, once some worker is under the busy thresholds;
+        :class:`AllWorkersBusy` while none is (the request waits in the router queue).
 
-        Called after the last ``await`` of a decision, so that the check, the choice and the
-        :meth:`add` run without another request's decision in between: a burst meets the thresholds
-        from its first request (each sees the load the ones before it added)."""
-        if not candidates:
-            return []
+        The thresholds decide *when* a request is routed, not *where*: a busy worker's load is in its
+        cost already, and leaving it out sends a request away from the worker that holds its prefix
+        (docs/decisions/0045). Called after the last ``await`` of a decision, so that the check, the
+        choice and the :meth:`add` run without another request's decision in between: a burst meets
+        the thresholds from its first request (each sees the load the ones before it added)."""
+        keys = [key for r in candidates for key in keys_of(r.instance_id, r.extra)]
         thresholds = self.thresholds
+        if not candidates or (thresholds.active_decode_blocks is None and thresholds.active_prefill_tokens is None):
+            return keys
         active = self.loads.sequences(candidates[0].block_size)
-        if thresholds.active_decode_blocks is None and thresholds.active_prefill_tokens is None:
-            return [key for r in candidates for key in keys_of(r.instance_id, r.extra)]
         by_id = {r.instance_id: r for r in candidates}
 
         def least_loaded_rank(worker_id: int) -> tuple[int, int]:
@@ -95,18 +97,11 @@ class LoadPicture:
             loads = [active.load(key) for key in keys_of(worker_id, by_id[worker_id].extra)]
             return min(loads, key=lambda load: (thresholds.exceeded(*load), load))
 
-        workers = not_busy(candidates, least_loaded_rank, thresholds).eligible
-        if not workers:
+        if not not_busy(candidates, least_loaded_rank, thresholds).eligible:
             raise AllWorkersBusy(
                 f"all {len(candidates)} {noun} are busy (over their active block or prefill thresholds)"
             )
-        # every data-parallel rank is a candidate of its own, unless it is over the thresholds
-        return [
-            key
-            for r in workers
-            for key in keys_of(r.instance_id, r.extra)
-            if not thresholds.exceeded(*active.load(key))
-        ]
+        return keys
 
     def split_overhead_ms(self) -> float | None:
         """What a split is taken to add now (None: ``--disagg-split-when always``, split regardless)."""

@@ -143,3 +143,17 @@ def test_bench_holds_at_most_fifteen_benchmarks_each_listed_and_no_test_imports_
         if re.search(r"^\s*(from bench[. ]|import bench\b)", p.read_text(), flags=re.MULTILINE)
     ]
     assert importers == [], "a test imports a benchmark: move what it tests into the package"
+
+
+def test_no_code_or_doc_runs_a_benchmark_that_is_gone():
+    """A tool that went once its finding was recorded is named as history, never as a command."""
+    present = {p.stem for p in BENCH.glob("*.py")}
+    places = [*SERVICES.rglob("*.py"), *BENCH.glob("*"), ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    stale = {
+        f"{p.relative_to(ROOT)}: {name}"
+        for p in places
+        if p.is_file()
+        for name in re.findall(r"python -m bench\.([a-z_]+)", p.read_text())
+        if name not in present
+    }
+    assert stale == set()

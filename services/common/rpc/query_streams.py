@@ -1,8 +1,9 @@
 """Request/answer calls over one long-lived stream per peer instead of a unary call each.
 
-In grpc.aio a unary call costs its caller about five times the CPU of a stream message
-(``python -m bench.grpc_costs``), so the calls a service makes for every request (the router's
-indexer queries, the frontend's ``Route``) ride a bidirectional stream: each query carries an id,
+In grpc.aio a unary call costs its caller about five times the CPU of a stream message (measured
+by ``bench/grpc_costs.py``, now in git history; decision 19 records it), so the calls a service
+makes for every request (the router's indexer queries, the frontend's ``Route``) ride a
+bidirectional stream: each query carries an id,
 each answer echoes it, and queries asked while a write is in flight go together in the next
 message. Why and what it saves: docs/decisions/0024.
 
