@@ -28,6 +28,7 @@ from kvmesh.worker.engine import (
 )
 from kvmesh.worker.metrics import WorkerMetrics
 from kvmesh.worker.servicer import WorkerServicer
+from tests.support import wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -119,7 +120,8 @@ async def test_an_engine_failure_is_a_transport_failure_and_a_bad_prompt_a_refus
         assert tokens == [7, 8] and error is not None
         assert error.code() == grpc.StatusCode.UNAVAILABLE and "the engine died" in error.details()
         assert is_transport_failure(error)  # a router migrates it
-        assert engine.aborted == ["r10"]
+        # the worker aborts the request in the engine after the failure is on its way to the caller
+        await wait_until_async(lambda: engine.aborted == ["r10"], what="the failed request aborted in the engine")
         tokens, error = await call(generate, 200)
         assert tokens == [] and error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert error_origin(error) == "worker"  # a refusal, passed on to the client as a 400
