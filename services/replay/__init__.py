@@ -9,6 +9,7 @@ virtual time.
 - ``fleet_search`` — the smallest fixed fleet reaching an SLA goal, and a planner capped at one.
 - ``config`` — its options (the router's and the planner's included) and its per-request record.
 - ``report`` — the summary figures.
+- ``bounds`` — the most any router could reuse on a trace: one fleet-sized LRU cache, an infinite one.
 - ``mooncake_trace`` — Mooncake-format traces and the prompts they stand for.
 - ``arrival_profile`` — a trace's arrival rate reshaped over time.
 - ``burst_trace``, ``trace_family`` — traces derived from the shared one by written rules.
