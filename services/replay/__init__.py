@@ -13,4 +13,5 @@ virtual time.
 - ``mooncake_trace`` — Mooncake-format traces and the prompts they stand for.
 - ``arrival_profile`` — a trace's arrival rate reshaped over time.
 - ``burst_trace``, ``trace_family`` — traces derived from the shared one by written rules.
+- ``session_trace`` — session-structured traces (chats, agent loops, tenants) by written rules.
 """

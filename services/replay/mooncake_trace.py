@@ -1,6 +1,8 @@
 """Mooncake-format request traces and the deterministic prompts they stand for.
 
-A trace line is ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``.
+A trace line is ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``, and may
+name its session and tenant (``"session_id"``, ``"tenant"``: session-structured traces,
+:mod:`kvmesh.replay.session_trace`).
 Each hash id stands for ``trace_block_size`` tokens (512 in the Mooncake release); requests that
 share their first k hash ids share a prompt prefix of k blocks. Hash id ``h`` expands to the token
 ids ``h·B, h·B + 1, …, h·B + B − 1`` (B = trace block size): distinct per hash id, identical
@@ -27,6 +29,8 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    session: str | None = None  # the session (conversation, agent loop) it belongs to, if named
+    tenant: str | None = None
 
 
 def read_trace(path: Path) -> list[TraceRequest]:
@@ -43,6 +47,8 @@ def read_trace(path: Path) -> list[TraceRequest]:
                     int(raw["input_length"]),
                     int(raw["output_length"]),
                     tuple(int(h) for h in raw["hash_ids"]),
+                    _optional_name(raw, "session_id"),
+                    _optional_name(raw, "tenant"),
                 )
             except (ValueError, KeyError, TypeError) as exc:
                 raise TraceError(f"{path}:{number}: not a trace request ({exc})") from exc
@@ -51,6 +57,15 @@ def read_trace(path: Path) -> list[TraceRequest]:
             requests.append(request)
     requests.sort(key=lambda r: r.timestamp_ms)
     return requests
+
+
+def _optional_name(raw: dict, field: str) -> str | None:
+    value = raw.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, str | int) or not str(value):
+        raise ValueError(f"{field} must be a non-empty string")
+    return str(value)
 
 
 class PromptBuilder:
