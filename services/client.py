@@ -161,10 +161,12 @@ class RouterApi:
         seed: int | None = None,
         request_id: str = "",
         priority: str = "",
+        session: str = "",
     ) -> AsyncIterator[Chunk]:
         """Stream the answer; ``worker_id`` forces the worker (no KV choice, no migration);
-        ``priority``: the router queue's class while every worker is busy (high, normal, low)."""
-        request = self._request(token_ids, max_tokens, worker_id, seed, request_id, priority)
+        ``priority``: the router queue's class while every worker is busy (high, normal, low);
+        ``session``: the session it belongs to (the router prefers the worker of its last turn)."""
+        request = self._request(token_ids, max_tokens, worker_id, seed, request_id, priority, session)
         try:
             async with contextlib.aclosing(self._path.generate(request)) as outputs:
                 async for output in outputs:
@@ -180,6 +182,7 @@ class RouterApi:
         seed: int | None,
         request_id: str,
         priority: str = "",
+        session: str = "",
     ) -> common_pb2.PreprocessedRequest:
         request = common_pb2.PreprocessedRequest(
             request_id=request_id or uuid.uuid4().hex, model=self.model, token_ids=token_ids
@@ -190,6 +193,7 @@ class RouterApi:
         if seed is not None:
             request.sampling.seed = seed
         request.routing.priority = priority
+        request.routing.session_id = session
         return request
 
     async def complete(
@@ -199,8 +203,9 @@ class RouterApi:
         worker_id: int | None = None,
         seed: int | None = None,
         priority: str = "",
+        session: str = "",
     ) -> Completion:
-        request = self._request(token_ids, max_tokens, worker_id, seed, "", priority)
+        request = self._request(token_ids, max_tokens, worker_id, seed, "", priority, session)
         tokens: list[int] = []
         last = None
         try:

@@ -174,6 +174,16 @@ async def inspect_routers(nats_url: str, namespace: str, timeout: float) -> list
                 migrations=status.migrations,
                 queued=dict(status.queued),
                 misconfigurations=list(status.misconfigurations),
+                sessions=status.sessions,
+                recent_sessions=[
+                    {
+                        "session_id": s.session_id,
+                        "worker_id": s.worker_id,
+                        "dp_rank": s.dp_rank,
+                        "expires_in_s": round(s.expires_in_s, 1),
+                    }
+                    for s in status.recent_sessions
+                ],
             )
         rows.append(row)
     return rows
@@ -205,6 +215,13 @@ def render_routers(rows: list[dict[str, Any]]) -> str:
             f"    last {row['outcome_window_seconds']} s: {counts(row['recent_outcomes'])}; "
             f"since start: {counts(row['total_outcomes'])}; {row['migrations']} migration(s)"
         )
+        if row["sessions"]:
+            lines.append(f"    {row['sessions']} session(s) with an affinity; the latest routed:")
+            lines.extend(
+                f"      {s['session_id']} -> worker {s['worker_id']} rank {s['dp_rank']} "
+                f"(for {s['expires_in_s']:g} s more)"
+                for s in row["recent_sessions"]
+            )
         lines.extend(f"    MISCONFIGURED: {problem}" for problem in row["misconfigurations"])
     return "\n".join(lines)
 

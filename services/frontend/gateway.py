@@ -138,9 +138,10 @@ class Frontend:
         body: ChatCompletionRequest | CompletionRequest,
         token_ids: list[int],
         priority: str | None = None,
+        session: str = "",
     ) -> common_pb2.PreprocessedRequest:
         """The request on the mesh; ``priority``: the router queue class (the header's, which wins
-        over the body's ``kvmesh.priority``)."""
+        over the body's ``kvmesh.priority``); ``session``: the session it names (checked)."""
         max_tokens = body.requested_max_tokens() or self.default_max_tokens
         request = common_pb2.PreprocessedRequest(request_id=request_id, model=self.model.name, token_ids=token_ids)
         if body.model != self.model.name:
@@ -159,6 +160,8 @@ class Frontend:
         priority = priority or (body.kvmesh.priority if body.kvmesh is not None else None)
         if priority:
             request.routing.priority = str(priority)
+        if session:
+            request.routing.session_id = session
         if body.kvmesh is not None:
             if body.kvmesh.worker_id is not None:
                 request.routing.worker_id = body.kvmesh.worker_id

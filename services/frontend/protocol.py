@@ -60,6 +60,8 @@ class KvmeshExtension(_Lenient):
     expected_output_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
     # the router queue's class while every worker is busy (the x-kvmesh-priority header wins)
     priority: Priority | None = None
+    # the session (conversation, agent loop) it belongs to; wins over the session headers and ``user``
+    session: str | None = None
 
 
 class _SamplingRequest(_Lenient):
@@ -74,6 +76,8 @@ class _SamplingRequest(_Lenient):
     seed: Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)] | None = None
     # vLLM's extension: generate max_tokens tokens even past the end-of-sequence token
     ignore_eos: bool = False
+    # OpenAI's end-user id: taken as the request's session when nothing names one (kvmesh.session_of)
+    user: str | None = None
     kvmesh: KvmeshExtension | None = None
 
     @field_validator("n")

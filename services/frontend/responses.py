@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kvmesh.common.wire.priority import PRIORITY_HEADER, parse_priority
+from kvmesh.common.wire.session import session_of
 from kvmesh.frontend.answer_chunks import AnswerChunks, sse_event
 from kvmesh.frontend.errors import BadRequestError, OpenAIError, UpstreamError
 from kvmesh.frontend.event_stream import EventStreamResponse
@@ -44,9 +45,13 @@ async def respond(
             parse_priority(priority)
         except ValueError as exc:
             raise BadRequestError(f"{PRIORITY_HEADER}: {exc}", param=PRIORITY_HEADER) from None
+    try:
+        session = session_of(body.kvmesh.session if body.kvmesh else None, http_request.headers, body.user)
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
     if body.stream:
-        return await _respond(frontend, body, token_ids, chat, priority)
-    answer = asyncio.create_task(_respond(frontend, body, token_ids, chat, priority))
+        return await _respond(frontend, body, token_ids, chat, priority, session)
+    answer = asyncio.create_task(_respond(frontend, body, token_ids, chat, priority, session))
     while True:
         done, _ = await asyncio.wait({answer}, timeout=DISCONNECT_POLL_SECS)
         if done:
@@ -65,6 +70,7 @@ async def _respond(
     token_ids: list[int],
     chat: bool,
     priority: str | None = None,
+    session: str = "",
 ) -> Response:
     prefix = "chatcmpl" if chat else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -72,7 +78,7 @@ async def _respond(
     started = time.monotonic()
     created = int(time.time())
     usage = UsageCounter(prompt_tokens=len(token_ids))
-    request = frontend.build_request(request_id, body, token_ids, priority)
+    request = frontend.build_request(request_id, body, token_ids, priority, session)
     frontend.load.arrived()
     stop = body.stop_strings()
     # an answer sent whole needs its pieces only at the end, unless a stop string may cut it short

@@ -151,6 +151,7 @@ class RequestRecord:
     inter_token_ms: list[float] = field(default_factory=list)
     # with prefill workers: where the KV came from ("remote", or the local reason)
     kv_source: str = ""
+    session: str = ""  # the session it belongs to (a session-structured trace's)
     priority: str = "normal"  # its class at the router queue
     queued_ms: float = 0.0  # time it waited in the router queue
     refused: str = ""  # why the router queue refused it ("full", "timeout"); empty: served

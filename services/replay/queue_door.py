@@ -37,13 +37,17 @@ class QueueDoor:
             if queue is None and self._all_busy():
                 record.refused = "busy"  # no queue: refused at once
                 return False
+            if queue is not None:
+                queue.served(record.session, record.input_length, record.arrival_ms / 1000.0)
             return True
         self.expire(record.arrival_ms)
         if len(queue.waiting[record.priority]) >= queue.config.size:
             record.refused = "full"
             return False
         uncached = self._uncached_tokens(record)
-        queue.add(Waiting(next(self._order), record.priority, uncached, record.arrival_ms, payload=record))
+        waiting = Waiting(next(self._order), record.priority, uncached, record.arrival_ms / 1000.0, payload=record)
+        waiting.session, waiting.prompt_tokens = record.session, record.input_length
+        queue.add(waiting)
         return False
 
     def release(self, now: float) -> Iterator[RequestRecord]:
@@ -57,10 +61,10 @@ class QueueDoor:
             entry = queue.next()
             assert entry is not None
             queue.remove(entry)
-            queue.charge(entry)
+            queue.charge(entry, now / 1000.0)
             record = entry.payload
             assert isinstance(record, RequestRecord)
-            record.queued_ms = now - entry.enqueued_at
+            record.queued_ms = now - entry.enqueued_at * 1000.0
             yield record
 
     def expire(self, now: float) -> None:
@@ -70,11 +74,12 @@ class QueueDoor:
         deadline = self.waiting.config.timeout_s * 1000.0
         for waiting in list(self.waiting.waiting.values()):
             for entry in list(waiting):
-                if now - entry.enqueued_at >= deadline:
+                waited = now - entry.enqueued_at * 1000.0
+                if waited >= deadline:
                     self.waiting.remove(entry)
                     record = entry.payload
                     assert isinstance(record, RequestRecord)
-                    record.refused, record.queued_ms = "timeout", now - entry.enqueued_at
+                    record.refused, record.queued_ms = "timeout", waited
 
     def __len__(self) -> int:
         return len(self.waiting) if self.waiting is not None else 0

@@ -134,6 +134,7 @@ class ReplaySimulator:
                 profile.warp_ms(r.timestamp_ms / speedup) if profile else r.timestamp_ms / speedup,
                 r.input_length,
                 r.output_length,
+                session=r.session or "",
             )
             for i, r in enumerate(trace)
         ]
@@ -291,7 +292,11 @@ class ReplaySimulator:
         # the request says its output length, as a client may (kvmesh.expected_output_tokens): the
         # router counts it only with --router-track-output-blocks
         route = RouteInput(
-            REPLAY_MODEL, prompt, expected_output_tokens=request.output_length, hashes=(local, sequence_hashes(local))
+            REPLAY_MODEL,
+            prompt,
+            expected_output_tokens=request.output_length,
+            hashes=(local, sequence_hashes(local)),
+            session=request.session or "",
         )
         return self.router.prepare(route)
 
@@ -331,6 +336,7 @@ class ReplaySimulator:
             choice.overlap_blocks,
             request.output_length,
             choice.dp_rank or 0,
+            session=prepared.request.session,
         )
         record.worker = worker
         return worker

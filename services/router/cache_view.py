@@ -9,6 +9,8 @@ indexer replicas', or in ``kvmesh replay`` the replay's own index's) or, in appr
   pool, each counted as a share of a device block (docs/decisions/0036);
 - predict-on-route: blocks a worker was just sent, taken as cached there until its KV events can
   have reached the indexers (docs/decisions/0035);
+- session affinity: the worker that served a session's last turn, credited with a share of the
+  blocks the new turn shares with it (:mod:`~kvmesh.router.session_affinity`, docs/decisions/0046);
 - for a MoE request, the share of its experts each worker's cached blocks were computed with.
 """
 
@@ -23,6 +25,7 @@ from kvmesh.common.wire.worker_key import WorkerKey
 from kvmesh.router.approximate_index import ApproximateIndex
 from kvmesh.router.candidates import Prepared
 from kvmesh.router.predicted_blocks import PredictedBlocks
+from kvmesh.router.session_affinity import SessionAffinity
 
 
 class CacheView(NamedTuple):
@@ -61,6 +64,7 @@ class CacheViews:
         kv_events: bool = True,
         approximate_ttl_s: float = 120.0,
         approximate_max_size: int = 1 << 20,
+        sessions: SessionAffinity | None = None,
     ) -> None:
         """``kv_events`` False: approximate mode (the view is the router's memory of its own decisions,
         each entry expiring after ``approximate_ttl_s``)."""
@@ -73,6 +77,7 @@ class CacheViews:
         self._approximate: dict[int, ApproximateIndex] = {}  # by block size
         # blocks a worker was just sent, held until its KV events can have reached the indexers
         self._predicted: dict[int, PredictedBlocks] = {}  # by block size
+        self.sessions = sessions if sessions is not None else SessionAffinity(0.0, 0.0)
 
     def of(self, prepared: Prepared, answer: IndexAnswer, *, predictions: bool = True) -> CacheView:
         """The view of ``prepared`` from an index's ``answer`` (kv events) or from approximate mode's
@@ -92,12 +97,19 @@ class CacheViews:
                 matched = dict(matched)
                 for worker, blocks in guessed.items():
                     matched[worker] = max(matched.get(worker, 0), blocks)
+        session = prepared.request.session
+        credited = self.sessions.credited(session, prepared.block_hashes, self.clock()) if session else None
+        if credited is not None:
+            key, blocks = credited
+            if matched.get(key, 0) < blocks:
+                matched = {**matched, key: blocks}
         moe = moe_hosted_shares(answer.moe, prepared.request.moe_query) if answer.moe else {}
         return CacheView(matched, answer.tree_sizes, moe)
 
     def routed(self, key: WorkerKey, prepared: Prepared, overlap: int = 0) -> None:
         """``prepared`` was sent to ``key``: approximate mode remembers it; with KV events it is
         predicted there (:meth:`predict`)."""
+        self.sessions.routed(prepared.request.session, key, prepared.block_hashes, self.clock())
         if self.kv_events:
             self.predict(key, prepared.block_size, prepared.block_hashes, overlap)
         else:
@@ -129,3 +141,4 @@ class CacheViews:
         """Forget every rank of a departed worker."""
         for index in (*self._approximate.values(), *self._predicted.values()):
             index.remove_worker(worker_id)
+        self.sessions.forget_worker(worker_id)

@@ -53,6 +53,7 @@ class RouteInput:
     temperature: float | None = None
     moe_query: Sequence[Any] = ()  # items with .layer and .expert (common_pb2.MoeExpert)
     hashes: tuple[list[int], list[int]] | None = None
+    session: str = ""  # the session it belongs to (empty: none)
 
     @classmethod
     def of(cls, request: common_pb2.PreprocessedRequest) -> RouteInput:
@@ -68,6 +69,7 @@ class RouteInput:
             override.overlap_score_weight if override.HasField("overlap_score_weight") else None,
             override.router_temperature if override.HasField("router_temperature") else None,
             override.moe_query,
+            session=routing.session_id,
         )
 
 

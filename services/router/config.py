@@ -143,7 +143,9 @@ class AdmissionOptions:
     )
     router_queue_policy: str = option(
         "fcfs",
-        "which waiting request of a class goes first: fcfs (first come) or spf (shortest uncached prefill)",
+        "which waiting request of a class goes first: fcfs (first come), spf (shortest uncached prefill) or las "
+        "(the session served least lately: its admitted prompt tokens, halving every minute, so that one long "
+        "agent loop cannot starve the other sessions)",
         choices=QUEUE_POLICIES,
     )
     router_queue_shares: str = option(
@@ -153,7 +155,27 @@ class AdmissionOptions:
 
 
 @dataclass
-class RoutingOptions(KvModeOptions, CacheAwareModeOptions, SplitOptions, AdmissionOptions):
+class SessionOptions:
+    """Routing, sessions: a session's turns prefer the worker that served its last turn."""
+
+    session_affinity_ttl_secs: float = option(
+        600.0,
+        "kv mode: how long after a session's last turn the router still prefers that turn's worker for its next "
+        "(a request names its session: x-session-id and the agents' headers, the body's user or kvmesh.session, "
+        "gRPC's routing.session_id); 0: sessions are not kept",
+    )
+    session_block_credit: float = option(
+        0.0,
+        "kv mode: the affinity's weight in the cost: the session's last worker is taken to hold this share of the "
+        "blocks the new turn shares with the last one, where the indexers do not report them already (a preference, "
+        "never a pin: a busier or departed worker is left). 0: sessions are kept, shared and shown, but the "
+        "indexers' view alone decides (docs/decisions/0046: with exact KV events a credit helped only a fleet past "
+        "its capacity)",
+    )
+
+
+@dataclass
+class RoutingOptions(KvModeOptions, CacheAwareModeOptions, SplitOptions, AdmissionOptions, SessionOptions):
     """Routing: the mode a worker is chosen in (and with prefill workers, each pool's).
 
     Declared once with its sub-groups above, so the router, ``kvmesh up`` and ``kvmesh replay`` take
@@ -211,6 +233,8 @@ class RoutingOptions(KvModeOptions, CacheAwareModeOptions, SplitOptions, Admissi
             raise ConfigError("--disagg-split-overhead-ms must be >= 0")
         if self.disagg_min_uncached_tokens < 0 or self.prefill_queue_limit_tokens <= 0:
             raise ConfigError("--disagg-min-uncached-tokens must be >= 0 and --prefill-queue-limit-tokens > 0")
+        if self.session_affinity_ttl_secs < 0 or not 0 <= self.session_block_credit <= 1:
+            raise ConfigError("--session-affinity-ttl-secs must be >= 0 and --session-block-credit in [0, 1]")
         if self.router_queue_size < 0 or self.router_queue_timeout_secs <= 0:
             raise ConfigError("--router-queue-size must be >= 0 and --router-queue-timeout-secs > 0")
         try:

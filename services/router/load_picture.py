@@ -39,6 +39,7 @@ class LoadAnnouncer(Protocol):
         prompt_tokens: int,
         overlap_blocks: int,
         expected_output_tokens: int,
+        session: str = "",
     ) -> None: ...
     def prefill_completed(self, request_id: str) -> None: ...
     def freed(self, request_id: str) -> None: ...
@@ -118,13 +119,14 @@ class LoadPicture:
         overlap: int,
         expected_output_tokens: int,
         now: float | None = None,
+        session: str = "",
     ) -> None:
         """A request was routed to ``key`` (at ``now``, default the clock's now)."""
         now = self.clock() if now is None else now
         self.loads.add(request_id, key, block_size, block_hashes, prompt_tokens, overlap, expected_output_tokens, now)
         if self.announcer is not None:
             self.announcer.added(
-                request_id, key, block_size, block_hashes, prompt_tokens, overlap, expected_output_tokens
+                request_id, key, block_size, block_hashes, prompt_tokens, overlap, expected_output_tokens, session
             )
 
     def split_started(self, request_id: str, predicted_prefill_ms: float | None, decided_at: float) -> None:

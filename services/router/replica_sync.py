@@ -80,6 +80,7 @@ class ReplicaSync:
         prompt_tokens: int,
         overlap_blocks: int,
         expected_output_tokens: int = 0,
+        session: str = "",
     ) -> None:
         self._publish(
             SyncMessage(
@@ -93,6 +94,7 @@ class ReplicaSync:
                 prompt_tokens,
                 overlap_blocks,
                 expected_output_tokens,
+                session,
             )
         )
 

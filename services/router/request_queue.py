@@ -32,7 +32,9 @@ import grpc
 from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.wire.priority import Priority, parse_shares
 
-QUEUE_POLICIES = ("fcfs", "spf")
+QUEUE_POLICIES = ("fcfs", "spf", "las")
+# las: a session's attained service halves this often (recent service counts, old service fades)
+ATTAINED_HALF_LIFE_S = 60.0
 DEFAULT_SHARES = "high=6,normal=3,low=1"
 # admissions counted over this window to estimate how soon a refused request may come back
 RATE_WINDOW_S = 10.0
@@ -78,9 +80,8 @@ class Waiting:
     enqueued_at: float
     turn: asyncio.Future[None] | None = None
     payload: object = None
-
-    def key(self, policy: str) -> tuple[int, int]:
-        return (self.uncached_tokens, self.order) if policy == "spf" else (0, self.order)
+    session: str = ""  # its session (empty: a session of its own)
+    prompt_tokens: int = 0  # the service it asks for (las)
 
 
 class QueueListener:
@@ -101,6 +102,8 @@ class WaitingRequests:
         self.passes = dict.fromkeys(Priority, 0.0)  # stride scheduling's virtual time per class
         self.granted: Waiting | None = None
         self.freed_since_grant = False
+        # las: each session's admitted prompt tokens and when they were last counted
+        self._attained: dict[str, tuple[float, float]] = {}
 
     def __len__(self) -> int:
         return sum(len(w) for w in self.waiting.values())
@@ -125,10 +128,34 @@ class WaitingRequests:
         if not active:
             return None
         priority = min(active, key=lambda p: (self.passes[p], list(Priority).index(p)))
-        return min(self.waiting[priority], key=lambda w: w.key(self.config.policy))
+        waiting = self.waiting[priority]
+        if self.config.policy == "spf":
+            return min(waiting, key=lambda w: (w.uncached_tokens, w.order))
+        if self.config.policy == "las":
+            now = max(w.enqueued_at for w in waiting)
+            return min(waiting, key=lambda w: (self.attained(w.session, now), w.order))
+        return min(waiting, key=lambda w: w.order)
 
-    def charge(self, entry: Waiting) -> None:
+    def attained(self, session: str, now: float) -> float:
+        """The prompt tokens ``session`` was admitted with lately (halving every
+        :data:`ATTAINED_HALF_LIFE_S`); 0 for a request without a session."""
+        value, at = self._attained.get(session, (0.0, now)) if session else (0.0, now)
+        return value * 0.5 ** (max(0.0, now - at) / ATTAINED_HALF_LIFE_S)
+
+    def charge(self, entry: Waiting, now: float | None = None) -> None:
+        """``entry`` was admitted (at ``now``): its class spends a turn of its share, and its session
+        the service it asked for."""
         self.passes[entry.priority] += 1.0 / self.config.shares[entry.priority]
+        self.served(entry.session, entry.prompt_tokens, entry.enqueued_at if now is None else now)
+
+    def served(self, session: str, prompt_tokens: int, now: float) -> None:
+        """A request of ``session`` was admitted at ``now``, waiting or not (las counts both)."""
+        if not session:
+            return
+        self._attained[session] = (self.attained(session, now) + prompt_tokens, now)
+        if len(self._attained) > 1 << 16:  # the sessions served longest ago, whose service has faded most
+            for stale, _ in sorted(self._attained.items(), key=lambda item: item[1][1])[: 1 << 14]:
+                del self._attained[stale]
 
 
 class RouterQueue:
@@ -160,7 +187,14 @@ class RouterQueue:
         queues = self._models.values() if model is None else [self._models.get(model)]
         return sum(len(q.waiting[priority]) if priority else len(q) for q in queues if q is not None)
 
-    async def route(self, model: str, priority: str, attempt: Callable[[], Awaitable[T]], prompt_tokens: int = 0) -> T:
+    async def route(
+        self,
+        model: str,
+        priority: str,
+        attempt: Callable[[], Awaitable[T]],
+        prompt_tokens: int = 0,
+        session: str = "",
+    ) -> T:
         """``attempt()``'s result, once a try is admitted; it raises :class:`AllWorkersBusy` while
         no worker can take the request. Raises :class:`QueueRefusal` when the queue is full or the
         deadline passes first."""
@@ -176,9 +210,13 @@ class RouterQueue:
                 uncached_tokens = busy.uncached_tokens
             else:
                 self._note_admitted()
+                if session and self.config.policy == "las":
+                    self._models.setdefault(model, WaitingRequests(self.config)).served(
+                        session, prompt_tokens, self._clock()
+                    )
                 return result
             queue = self._models.setdefault(model, WaitingRequests(self.config))
-        return await self._wait(model, queue, priority, uncached_tokens, attempt)
+        return await self._wait(model, queue, priority, uncached_tokens, attempt, session, prompt_tokens)
 
     async def _wait(
         self,
@@ -187,6 +225,8 @@ class RouterQueue:
         priority: str,
         uncached_tokens: int,
         attempt: Callable[[], Awaitable[T]],
+        session: str = "",
+        prompt_tokens: int = 0,
     ) -> T:
         if len(queue.waiting[priority]) >= self.config.size:
             self._listener.refused(priority, "full")
@@ -197,7 +237,16 @@ class RouterQueue:
                 self.retry_after(len(queue)),
             )
         loop = asyncio.get_running_loop()
-        entry = Waiting(next(self._order), priority, uncached_tokens, self._clock(), loop.create_future())
+        entry = Waiting(
+            next(self._order),
+            priority,
+            uncached_tokens,
+            self._clock(),
+            loop.create_future(),
+            None,
+            session,
+            prompt_tokens,
+        )
         assert entry.turn is not None
         queue.add(entry)
         self._listener.depth(priority, len(queue.waiting[priority]))
@@ -227,7 +276,7 @@ class RouterQueue:
                         self._grant(queue)
                     continue
                 outcome = "admitted"
-                queue.charge(entry)  # a turn counts against the class's share once it is admitted
+                queue.charge(entry, self._clock())  # a turn counts against its class's share once admitted
                 self._note_admitted()
                 return result
         finally:

@@ -38,6 +38,7 @@ from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
 from kvmesh.router.prefill_placement import NoCapacity
 from kvmesh.router.replica_sync import ReplicaSync
 from kvmesh.router.request_queue import AllWorkersBusy
+from kvmesh.router.session_affinity import SessionAffinity
 from kvmesh.router.split_overhead import SplitOverhead
 from kvmesh.router.sync_messages import ADD, SyncMessage
 
@@ -86,6 +87,7 @@ class Router:
             kv_events=config.kv_events,
             approximate_ttl_s=config.router_ttl_secs,
             approximate_max_size=config.router_max_tree_size,
+            sessions=SessionAffinity(config.session_affinity_ttl_secs, config.session_block_credit),
         )
         self.picture = LoadPicture(config, clock, on_capacity)
         self.chooser = Chooser(config, self.picture.loads, rng or random.Random(config.seed), prior)
@@ -178,6 +180,7 @@ class Router:
         # unless its own known match covers them already
         decode = WorkerKey(plan.decode.instance_id, plan.decode_rank)
         self.cache_views.predict(decode, block_size, plan.block_hashes, view.matched.get(decode, 0))
+        self.cache_views.sessions.routed(prepared.request.session, decode, plan.block_hashes, self.clock())
         if isinstance(plan, RemotePrefill):
             prefill = WorkerKey(plan.prefill.instance_id, plan.prefill_rank)
             self.cache_views.predict(prefill, block_size, plan.block_hashes, view.matched.get(prefill, 0))
@@ -244,12 +247,22 @@ class Router:
         expected_output_tokens: int,
         dp_rank: int = 0,
         now: float | None = None,
+        session: str = "",
     ) -> None:
-        """A request was routed to ``record``'s rank ``dp_rank`` (at ``now``, default the clock's)."""
+        """A request (of ``session``) was routed to ``record``'s rank ``dp_rank`` (at ``now``,
+        default the clock's); with replica sync the other replicas learn it, its session too."""
         self.checks.sent(record.instance_id)
         key = WorkerKey(record.instance_id, dp_rank)
         self.picture.add(
-            request_id, key, record.block_size, block_hashes, prompt_tokens, overlap, expected_output_tokens, now
+            request_id,
+            key,
+            record.block_size,
+            block_hashes,
+            prompt_tokens,
+            overlap,
+            expected_output_tokens,
+            now,
+            session,
         )
 
     def apply_remote(self, message: SyncMessage) -> None:
@@ -259,6 +272,7 @@ class Router:
         if record is not None:  # another replica's decision predicts that worker's cache here too
             key = WorkerKey(message.worker_id, message.dp_rank)
             self.cache_views.predict(key, record.block_size, message.block_hashes, message.overlap_blocks)
+            self.cache_views.sessions.routed(message.session, key, message.block_hashes, self.clock())
         if message.kind != ADD:
             self.picture.on_capacity()
 

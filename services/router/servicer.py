@@ -28,6 +28,7 @@ from kvmesh.common.rpc.tasks import cancel_and_wait
 from kvmesh.common.wire.priority import Priority, parse_priority
 from kvmesh.common.wire.request_reports import END, FIRST_TOKEN
 from kvmesh.common.wire.requests import with_disaggregated_params
+from kvmesh.common.wire.session import parse_session
 from kvmesh.router.disaggregation import Disaggregation
 from kvmesh.router.forwards import Forwards
 from kvmesh.router.metrics import RouterMetrics
@@ -37,6 +38,8 @@ from kvmesh.router.request_queue import QueueRefusal, RouterQueue
 from kvmesh.router.routing import Router
 
 log = structlog.get_logger(__name__)
+
+RECENT_SESSIONS = 20  # the sessions GetStatus lists (kvmesh inspect router), the most recently routed
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -82,6 +85,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     parse_priority(sent.routing.priority),  # checked above
                     lambda: self._plan(sent, request.migration),
                     len(sent.token_ids),
+                    sent.routing.session_id,
                 )
             except QueueRefusal as exc:
                 await self._refuse(context, exc.code, str(exc), exc.retry_after_secs)
@@ -127,7 +131,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # the rank rides on the request itself too, for the forward that sends it on from here
             response.dp_rank = sent.routing.dp_rank = rank
         expected = sent.expected_output_tokens if sent.HasField("expected_output_tokens") else 0
-        self.router.track_add(sent.request_id, worker, block_hashes, len(sent.token_ids), overlap, expected, rank or 0)
+        self.router.track_add(
+            sent.request_id,
+            worker,
+            block_hashes,
+            len(sent.token_ids),
+            overlap,
+            expected,
+            rank or 0,
+            session=sent.routing.session_id,
+        )
         if isinstance(plan, RemotePrefill):  # tracked now: its free or its expiry forgets the timing
             self.router.picture.split_started(sent.request_id, plan.predicted_prefill_ms, decided)
         log.info(
@@ -239,6 +252,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         try:
             parse_priority(request.routing.priority)
+            parse_session(request.routing.session_id)
         except ValueError as exc:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.request_id in self.router.loads:
@@ -285,6 +299,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.RouterStatus:
         router = self.router
         outcomes = self.metrics.outcomes
+        now = router.clock()
         return router_pb2.RouterStatus(
             router_id=router.router_id,
             mode=router.config.router_mode,
@@ -298,6 +313,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             migrations=self.metrics.migrations_total,
             queued={p: self.queue.depth(priority=p) for p in Priority},
             misconfigurations=self.metrics.findings.messages(),
+            sessions=len(router.cache_views.sessions),
+            recent_sessions=[
+                router_pb2.SessionAffinity(
+                    session_id=entry.session,
+                    worker_id=entry.key.worker_id,
+                    dp_rank=entry.key.dp_rank,
+                    expires_in_s=entry.until - now,
+                )
+                for entry in router.cache_views.sessions.live(now)[:RECENT_SESSIONS]
+            ],
         )
 
 

@@ -25,6 +25,7 @@ class SyncMessage:
     prompt_tokens: int = 0
     overlap_blocks: int = 0
     expected_output_tokens: int = 0
+    session: str = ""  # an add's session (its affinity is shared too)
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -39,6 +40,7 @@ class SyncMessage:
                 "prompt_tokens": self.prompt_tokens,
                 "overlap_blocks": self.overlap_blocks,
                 "expected_output_tokens": self.expected_output_tokens,
+                "session": self.session,
             }
         )
 
@@ -56,4 +58,5 @@ class SyncMessage:
             prompt_tokens=int(raw.get("prompt_tokens", 0)),
             overlap_blocks=int(raw.get("overlap_blocks", 0)),
             expected_output_tokens=int(raw.get("expected_output_tokens", 0)),
+            session=str(raw.get("session", "")),
         )

@@ -16,6 +16,7 @@ import pytest
 from kvmesh.common.runtime.config import ConfigError
 from kvmesh.replay.config import REFUSED_OPTIONS, ReplayConfig
 from kvmesh.replay.mooncake_trace import TraceRequest
+from kvmesh.replay.session_trace import SessionRules, generate
 from kvmesh.replay.simulator import ReplaySimulator
 from kvmesh.router.config import RoutingOptions
 
@@ -60,6 +61,22 @@ def partial_matches_trace() -> list[TraceRequest]:
         trace.append(TraceRequest(i * 400.0, 160, 4, first))
         trace.append(TraceRequest(i * 400.0 + 200, 160, 4, second))
     return trace
+
+
+def sessions_trace() -> list[TraceRequest]:
+    """Chat sessions (kvmesh.replay.session_trace) shrunk to this file's small blocks and engines:
+    their growing prefixes are evicted between turns, so only the session remembers their worker."""
+    rows = generate("chat", SessionRules(sessions=40, seed=1, max_context_blocks=16))
+    return [
+        TraceRequest(
+            r["timestamp"] / 20,
+            r["input_length"] // 16,
+            min(r["output_length"], 64),
+            tuple(r["hash_ids"]),
+            r["session_id"],
+        )
+        for r in rows
+    ]
 
 
 @dataclass
@@ -108,6 +125,10 @@ CASES: dict[str, Case] = {
     "router_queue_size": Case(2, LOADED, QUEUED),
     "router_queue_timeout_secs": Case(0.05, LOADED, QUEUED),
     "router_queue_policy": Case("spf", lambda: groups_trace(160, 8, 4.0, unique=5), QUEUED),
+    "session_affinity_ttl_secs": Case(
+        0.0, sessions_trace, {"workers": 4, "num_blocks": 128, "session_block_credit": 0.5}
+    ),
+    "session_block_credit": Case(0.5, sessions_trace, {"workers": 4, "num_blocks": 128}),
     "router_queue_shares": Case(
         "high=1,normal=1,low=1", LOADED, {**QUEUED, "priority_mix": "high=0.2,normal=0.5,low=0.3"}
     ),

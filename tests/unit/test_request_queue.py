@@ -175,3 +175,19 @@ async def test_models_queue_apart():
 def test_shares_are_checked(text: str, message: str):
     with pytest.raises(ValueError, match=message):
         parse_shares(text)
+
+
+def test_las_serves_the_session_served_least_lately_first_and_service_fades():
+    from kvmesh.router.request_queue import ATTAINED_HALF_LIFE_S, Waiting, WaitingRequests
+
+    queue = WaitingRequests(config(policy="las"))
+    queue.served("agent", 4000, now=0.0)
+    early = Waiting(1, "normal", 0, 0.0, session="agent", prompt_tokens=500)
+    late = Waiting(2, "normal", 0, 0.5, session="chat", prompt_tokens=500)
+    queue.add(early)
+    queue.add(late)
+    assert queue.next() is late  # the agent came first, but has been served 4,000 tokens already
+    assert queue.attained("agent", ATTAINED_HALF_LIFE_S) == pytest.approx(2000)  # half a minute later: half
+    queue.remove(late)
+    queue.charge(late, now=1.0)
+    assert queue.attained("chat", 1.0) == 500 and queue.next() is early

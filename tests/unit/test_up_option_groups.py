@@ -85,6 +85,7 @@ def test_kvmesh_up_help_groups_what_belongs_together():
         "Routing, cache-aware mode (SGLang's policy)",
         "Routing, prefill/decode split",
         "Routing, admission",
+        "Routing, sessions",
     ]
     assert engine == [
         "Engine",

@@ -7,6 +7,7 @@
 - ``requests`` — facts about a preprocessed request (a continued try, the usage of a whole answer).
 - ``finish_reasons`` — finish reasons between the protos and OpenAI's names.
 - ``priority`` — the router queue's priority classes, declared and validated once.
+- ``session`` — a request's session: the headers that carry one, its one parser.
 - ``lora`` — LoRA adapters: names, paths, what a worker's record says it serves and holds.
 - ``names`` — every NATS subject, stream and bucket name.
 - ``worker_key`` — how every service names one engine instance: ``WorkerKey(worker_id, dp_rank)``.

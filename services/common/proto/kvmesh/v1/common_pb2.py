@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"u\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"P\n\x0eStopConditions\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\xb3\x01\n\x14RouterConfigOverride\x12!\n\x14overlap_score_weight\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1f\n\x12router_temperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\'\n\tmoe_query\x18\x03 \x03(\x0b\x32\x14.kvmesh.v1.MoeExpertB\x17\n\x15_overlap_score_weightB\x15\n\x13_router_temperature\"*\n\tMoeExpert\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\"\xa9\x01\n\x0cRoutingHints\x12\x16\n\tworker_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x07\x64p_rank\x18\x02 \x01(\rH\x01\x88\x01\x01\x12?\n\x16router_config_override\x18\x03 \x01(\x0b\x32\x1f.kvmesh.v1.RouterConfigOverride\x12\x10\n\x08priority\x18\x04 \x01(\tB\x0c\n\n_worker_idB\n\n\x08_dp_rank\"\xe6\x02\n\x13PreprocessedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvmesh.v1.SamplingOptions\x12\'\n\x04stop\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.StopConditions\x12(\n\x07routing\x18\x06 \x01(\x0b\x32\x17.kvmesh.v1.RoutingHints\x12\x16\n\tlora_name\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x1c\n\x14\x64isaggregated_params\x18\x08 \x01(\x0c\x12#\n\x16\x65xpected_output_tokens\x18\t \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0cwhole_answer\x18\n \x01(\x08\x42\x0c\n\n_lora_nameB\x19\n\x17_expected_output_tokens\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb6\x01\n\x0eGenerateOutput\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x1c\n\x14\x64isaggregated_params\x18\x04 \x01(\x0c\x12\x11\n\tworker_id\x18\x05 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x06 \x01(\r\"\x99\x01\n\x0fGenerateCommand\x12\x30\n\x06submit\x18\x01 \x01(\x0b\x32\x1e.kvmesh.v1.PreprocessedRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x10\n\x06\x61ttach\x18\x03 \x01(\tH\x00\x12%\n\x07\x66orward\x18\x04 \x01(\x0b\x32\x12.kvmesh.v1.ForwardH\x00\x42\t\n\x07\x63ommand\"O\n\x07\x46orward\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1e.kvmesh.v1.PreprocessedRequest\x12\x13\n\x0b\x66rontend_id\x18\x02 \x01(\t\"@\n\x10GenerateCommands\x12,\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x1a.kvmesh.v1.GenerateCommand\"U\n\nRequestEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x0e\n\x06origin\x18\x03 \x01(\t\x12\x18\n\x10retry_after_secs\x18\x04 \x01(\r\"o\n\nStreamItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06output\x18\x02 \x01(\x0b\x32\x19.kvmesh.v1.GenerateOutput\x12\"\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.RequestEnd\"5\n\rGenerateBatch\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.StreamItem*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"u\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"P\n\x0eStopConditions\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\xb3\x01\n\x14RouterConfigOverride\x12!\n\x14overlap_score_weight\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1f\n\x12router_temperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\'\n\tmoe_query\x18\x03 \x03(\x0b\x32\x14.kvmesh.v1.MoeExpertB\x17\n\x15_overlap_score_weightB\x15\n\x13_router_temperature\"*\n\tMoeExpert\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\"\xbd\x01\n\x0cRoutingHints\x12\x16\n\tworker_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x07\x64p_rank\x18\x02 \x01(\rH\x01\x88\x01\x01\x12?\n\x16router_config_override\x18\x03 \x01(\x0b\x32\x1f.kvmesh.v1.RouterConfigOverride\x12\x10\n\x08priority\x18\x04 \x01(\t\x12\x12\n\nsession_id\x18\x05 \x01(\tB\x0c\n\n_worker_idB\n\n\x08_dp_rank\"\xe6\x02\n\x13PreprocessedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvmesh.v1.SamplingOptions\x12\'\n\x04stop\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.StopConditions\x12(\n\x07routing\x18\x06 \x01(\x0b\x32\x17.kvmesh.v1.RoutingHints\x12\x16\n\tlora_name\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x1c\n\x14\x64isaggregated_params\x18\x08 \x01(\x0c\x12#\n\x16\x65xpected_output_tokens\x18\t \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0cwhole_answer\x18\n \x01(\x08\x42\x0c\n\n_lora_nameB\x19\n\x17_expected_output_tokens\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb6\x01\n\x0eGenerateOutput\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x1c\n\x14\x64isaggregated_params\x18\x04 \x01(\x0c\x12\x11\n\tworker_id\x18\x05 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x06 \x01(\r\"\x99\x01\n\x0fGenerateCommand\x12\x30\n\x06submit\x18\x01 \x01(\x0b\x32\x1e.kvmesh.v1.PreprocessedRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x10\n\x06\x61ttach\x18\x03 \x01(\tH\x00\x12%\n\x07\x66orward\x18\x04 \x01(\x0b\x32\x12.kvmesh.v1.ForwardH\x00\x42\t\n\x07\x63ommand\"O\n\x07\x46orward\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1e.kvmesh.v1.PreprocessedRequest\x12\x13\n\x0b\x66rontend_id\x18\x02 \x01(\t\"@\n\x10GenerateCommands\x12,\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x1a.kvmesh.v1.GenerateCommand\"U\n\nRequestEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x0e\n\x06origin\x18\x03 \x01(\t\x12\x18\n\x10retry_after_secs\x18\x04 \x01(\r\"o\n\nStreamItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06output\x18\x02 \x01(\x0b\x32\x19.kvmesh.v1.GenerateOutput\x12\"\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.RequestEnd\"5\n\rGenerateBatch\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.StreamItem*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1830
-  _globals['_FINISHREASON']._serialized_end=1979
+  _globals['_FINISHREASON']._serialized_start=1850
+  _globals['_FINISHREASON']._serialized_end=1999
   _globals['_SAMPLINGOPTIONS']._serialized_start=37
   _globals['_SAMPLINGOPTIONS']._serialized_end=154
   _globals['_STOPCONDITIONS']._serialized_start=156
@@ -42,23 +42,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MOEEXPERT']._serialized_start=420
   _globals['_MOEEXPERT']._serialized_end=462
   _globals['_ROUTINGHINTS']._serialized_start=465
-  _globals['_ROUTINGHINTS']._serialized_end=634
-  _globals['_PREPROCESSEDREQUEST']._serialized_start=637
-  _globals['_PREPROCESSEDREQUEST']._serialized_end=995
-  _globals['_USAGE']._serialized_start=997
-  _globals['_USAGE']._serialized_end=1084
-  _globals['_GENERATEOUTPUT']._serialized_start=1087
-  _globals['_GENERATEOUTPUT']._serialized_end=1269
-  _globals['_GENERATECOMMAND']._serialized_start=1272
-  _globals['_GENERATECOMMAND']._serialized_end=1425
-  _globals['_FORWARD']._serialized_start=1427
-  _globals['_FORWARD']._serialized_end=1506
-  _globals['_GENERATECOMMANDS']._serialized_start=1508
-  _globals['_GENERATECOMMANDS']._serialized_end=1572
-  _globals['_REQUESTEND']._serialized_start=1574
-  _globals['_REQUESTEND']._serialized_end=1659
-  _globals['_STREAMITEM']._serialized_start=1661
-  _globals['_STREAMITEM']._serialized_end=1772
-  _globals['_GENERATEBATCH']._serialized_start=1774
-  _globals['_GENERATEBATCH']._serialized_end=1827
+  _globals['_ROUTINGHINTS']._serialized_end=654
+  _globals['_PREPROCESSEDREQUEST']._serialized_start=657
+  _globals['_PREPROCESSEDREQUEST']._serialized_end=1015
+  _globals['_USAGE']._serialized_start=1017
+  _globals['_USAGE']._serialized_end=1104
+  _globals['_GENERATEOUTPUT']._serialized_start=1107
+  _globals['_GENERATEOUTPUT']._serialized_end=1289
+  _globals['_GENERATECOMMAND']._serialized_start=1292
+  _globals['_GENERATECOMMAND']._serialized_end=1445
+  _globals['_FORWARD']._serialized_start=1447
+  _globals['_FORWARD']._serialized_end=1526
+  _globals['_GENERATECOMMANDS']._serialized_start=1528
+  _globals['_GENERATECOMMANDS']._serialized_end=1592
+  _globals['_REQUESTEND']._serialized_start=1594
+  _globals['_REQUESTEND']._serialized_end=1679
+  _globals['_STREAMITEM']._serialized_start=1681
+  _globals['_STREAMITEM']._serialized_end=1792
+  _globals['_GENERATEBATCH']._serialized_start=1794
+  _globals['_GENERATEBATCH']._serialized_end=1847
 # @@protoc_insertion_point(module_scope)

@@ -59,16 +59,18 @@ class MoeExpert(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
 
 class RoutingHints(_message.Message):
-    __slots__ = ("worker_id", "dp_rank", "router_config_override", "priority")
+    __slots__ = ("worker_id", "dp_rank", "router_config_override", "priority", "session_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     ROUTER_CONFIG_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     dp_rank: int
     router_config_override: RouterConfigOverride
     priority: str
-    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., router_config_override: _Optional[_Union[RouterConfigOverride, _Mapping]] = ..., priority: _Optional[str] = ...) -> None: ...
+    session_id: str
+    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., router_config_override: _Optional[_Union[RouterConfigOverride, _Mapping]] = ..., priority: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class PreprocessedRequest(_message.Message):
     __slots__ = ("request_id", "model", "token_ids", "sampling", "stop", "routing", "lora_name", "disaggregated_params", "expected_output_tokens", "whole_answer")

@@ -124,7 +124,7 @@ class RouterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("router_id", "mode", "replica_sync", "sync_peers", "loads", "active_requests", "outcome_window_seconds", "recent_outcomes", "total_outcomes", "migrations", "queued", "misconfigurations")
+    __slots__ = ("router_id", "mode", "replica_sync", "sync_peers", "loads", "active_requests", "outcome_window_seconds", "recent_outcomes", "total_outcomes", "migrations", "queued", "misconfigurations", "sessions", "recent_sessions")
     class RecentOutcomesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,8 @@ class RouterStatus(_message.Message):
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     MISCONFIGURATIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     mode: str
     replica_sync: bool
@@ -170,4 +172,18 @@ class RouterStatus(_message.Message):
     migrations: int
     queued: _containers.ScalarMap[str, int]
     misconfigurations: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, router_id: _Optional[str] = ..., mode: _Optional[str] = ..., replica_sync: _Optional[bool] = ..., sync_peers: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., active_requests: _Optional[int] = ..., outcome_window_seconds: _Optional[int] = ..., recent_outcomes: _Optional[_Mapping[str, int]] = ..., total_outcomes: _Optional[_Mapping[str, int]] = ..., migrations: _Optional[int] = ..., queued: _Optional[_Mapping[str, int]] = ..., misconfigurations: _Optional[_Iterable[str]] = ...) -> None: ...
+    sessions: int
+    recent_sessions: _containers.RepeatedCompositeFieldContainer[SessionAffinity]
+    def __init__(self, router_id: _Optional[str] = ..., mode: _Optional[str] = ..., replica_sync: _Optional[bool] = ..., sync_peers: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., active_requests: _Optional[int] = ..., outcome_window_seconds: _Optional[int] = ..., recent_outcomes: _Optional[_Mapping[str, int]] = ..., total_outcomes: _Optional[_Mapping[str, int]] = ..., migrations: _Optional[int] = ..., queued: _Optional[_Mapping[str, int]] = ..., misconfigurations: _Optional[_Iterable[str]] = ..., sessions: _Optional[int] = ..., recent_sessions: _Optional[_Iterable[_Union[SessionAffinity, _Mapping]]] = ...) -> None: ...
+
+class SessionAffinity(_message.Message):
+    __slots__ = ("session_id", "worker_id", "dp_rank", "expires_in_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    worker_id: int
+    dp_rank: int
+    expires_in_s: float
+    def __init__(self, session_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., expires_in_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,85 @@
+"""Soft, expiring session affinity (sans-I/O, clock passed in; docs/decisions/0046).
+
+A session's turns share a growing prefix, and its last turn's worker holds it, or held it. The
+affinity remembers, per session, the worker (and rank) that served its last turn and that turn's
+blocks, for ``ttl_s`` after it: the cache view then credits that worker with the blocks the new turn
+shares with the last one, times ``credit``, where the index does not report them already. It is a
+preference in the cost, never a pin: a worker that is busier than the prefix is worth loses the
+turn, and one that left is not a candidate at all.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh.common.wire.worker_key import WorkerKey
+
+
+@dataclass(frozen=True)
+class Affinity:
+    session: str
+    key: WorkerKey
+    block_hashes: tuple[int, ...]
+    until: float
+
+
+class SessionAffinity:
+    """Guarantees: an entry lives ``ttl_s`` after the session's last routed turn, at most
+    ``max_sessions`` are kept (the least recently routed go first), and a departed worker's go with it."""
+
+    def __init__(self, ttl_s: float, credit: float, max_sessions: int = 1 << 17) -> None:
+        self.ttl_s = ttl_s
+        self.credit = credit
+        self.max_sessions = max_sessions
+        self._entries: OrderedDict[str, Affinity] = OrderedDict()  # least recently routed first
+
+    @property
+    def enabled(self) -> bool:
+        """Whether sessions are kept at all (``ttl_s`` > 0); they weigh in the cost only with a credit."""
+        return self.ttl_s > 0
+
+    def routed(self, session: str, key: WorkerKey, block_hashes: Sequence[int], now: float) -> None:
+        """A turn of ``session`` was sent to ``key`` (by this replica or, synced, another)."""
+        if not session or not self.enabled:
+            return
+        self._entries.pop(session, None)
+        self._entries[session] = Affinity(session, WorkerKey(*key), tuple(block_hashes), now + self.ttl_s)
+        self._expire(now)
+        while len(self._entries) > self.max_sessions:
+            self._entries.popitem(last=False)
+
+    def credited(self, session: str, block_hashes: Sequence[int], now: float) -> tuple[WorkerKey, int] | None:
+        """The session's worker and the blocks it is credited with for a turn of these blocks: the
+        prefix shared with the session's last turn, times the credit (None: no live affinity)."""
+        entry = self._entries.get(session) if session and self.credit > 0 else None
+        if entry is None or entry.until <= now:
+            return None
+        shared = 0
+        for mine, theirs in zip(block_hashes, entry.block_hashes, strict=False):
+            if mine != theirs:
+                break
+            shared += 1
+        blocks = round(self.credit * shared)
+        return (entry.key, blocks) if blocks else None
+
+    def forget_worker(self, worker_id: int) -> None:
+        for session in [s for s, e in self._entries.items() if e.key.worker_id == worker_id]:
+            del self._entries[session]
+
+    def live(self, now: float) -> list[Affinity]:
+        """Every live entry, the most recently routed first."""
+        self._expire(now)
+        return list(reversed(self._entries.values()))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _expire(self, now: float) -> None:
+        # entries are kept in routing order, and each lives ttl_s past it: the oldest expire first
+        while self._entries:
+            oldest = next(iter(self._entries.values()))
+            if oldest.until > now:
+                break
+            self._entries.popitem(last=False)
