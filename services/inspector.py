@@ -82,7 +82,7 @@ async def inspect_indexers(nats_url: str, namespace: str, timeout: float) -> lis
             row.update(
                 applied_sequence=status.applied_sequence,
                 stream_last_sequence=stream_last,
-                lag=max(0, stream_last - status.applied_sequence),
+                lag=status.lag_messages,
                 events_applied=status.events_applied,
                 gaps=status.gaps,
                 recoveries=status.recoveries,

@@ -330,4 +330,6 @@ async def fresh_indexer_restores(mesh: HostMesh, watch: MeshWatch, host: str, ru
         except Exception:
             process.kill()
         with contextlib.suppress(Exception):
-            await watch.nc.jetstream().delete_consumer(names.KV_EVENTS_STREAM, names.indexer_durable_name(replica))
+            await watch.nc.jetstream().delete_consumer(
+                names.KV_EVENTS_STREAM, names.indexer_durable_name("default", replica)
+            )

@@ -45,6 +45,9 @@ FETCH_BATCH = 256
 # replays up to what the durable delivered (docs/decisions/0029).
 ACK_WINDOW_S = 0.005
 ACK_EVERY = 64
+# The stream keeps a message an hour by default (--kv-events-max-age): a durable idle longer points
+# at what has aged out anyway, and while it lives it holds the namespace's purge floor.
+DURABLE_INACTIVE_THRESHOLD_S = 3600.0
 
 
 class EventStreamConsumer:
@@ -61,11 +64,16 @@ class EventStreamConsumer:
         replica_id: str,
         index: PrefixIndex,
         on_applied: Callable[[int], None] | None = None,
+        inactive_threshold_s: float = DURABLE_INACTIVE_THRESHOLD_S,
     ) -> None:
+        """``inactive_threshold_s``: the server deletes the durable after this long without this
+        replica (a replica scaled away must not pin the purge floor for ever)."""
         self._nc = nc
         self._js = nc.jetstream()
         self._subject = names.kv_events_wildcard(namespace)
-        self.durable = names.indexer_durable_name(replica_id)
+        self.durable = names.indexer_durable_name(namespace, replica_id)
+        self._legacy_durable = names.legacy_indexer_durable_name(replica_id)
+        self._inactive_threshold_s = inactive_threshold_s
         self._index = index
         self._on_applied = on_applied
         self.applied_sequence = 0
@@ -88,8 +96,9 @@ class EventStreamConsumer:
         if reset:
             with contextlib.suppress(nats.js.errors.NotFoundError):
                 await self._js.delete_consumer(names.KV_EVENTS_STREAM, self.durable)
+        await self._drop_legacy_durable()
         self.applied_sequence = start_after
-        ack_floor, delivered, ack_policy, self._consumer_sequence = await self._position()
+        ack_floor, delivered, ack_policy, self._consumer_sequence, ack_threshold = await self._position()
         if delivered > start_after:
             await self._replay(start_after + 1, delivered)
         if ack_floor is not None and ack_policy != AckPolicy.ALL:
@@ -107,8 +116,12 @@ class EventStreamConsumer:
                 filter_subject=self._subject,
                 max_ack_pending=-1,
                 ack_wait=30,
+                inactive_threshold=self._inactive_threshold_s,
             )
             await self._js.add_consumer(names.KV_EVENTS_STREAM, config)
+        elif ack_threshold != self._inactive_threshold_s:
+            # an editable field: the durable keeps its position
+            await self._set_inactive_threshold()
         self._pull = StandingPull(
             self._nc, names.KV_EVENTS_STREAM, self.durable, self._apply_and_ack, batch=FETCH_BATCH
         )
@@ -127,17 +140,37 @@ class EventStreamConsumer:
         await cancel_and_wait(self._acker)
         await self._ack_last()
 
-    async def _position(self) -> tuple[int | None, int, AckPolicy | None, int]:
-        """The durable consumer's ack floor, the last stream sequence it delivered, its ack policy
-        and how many deliveries it made; ``(None, 0, None, 0)`` when it does not exist yet."""
+    async def _position(self) -> tuple[int | None, int, AckPolicy | None, int, float | None]:
+        """The durable consumer's ack floor, the last stream sequence it delivered, its ack policy,
+        how many deliveries it made and its inactive threshold; ``(None, 0, None, 0, None)`` when it
+        does not exist yet."""
         try:
             info = await self._js.consumer_info(names.KV_EVENTS_STREAM, self.durable)
         except nats.js.errors.NotFoundError:
-            return None, 0, None, 0
+            return None, 0, None, 0, None
         ack_floor = info.ack_floor.stream_seq if info.ack_floor else 0
         delivered = info.delivered.stream_seq if info.delivered else 0
         deliveries = info.delivered.consumer_seq if info.delivered else 0
-        return ack_floor, max(ack_floor, delivered), info.config.ack_policy, deliveries
+        config = info.config
+        return ack_floor, max(ack_floor, delivered), config.ack_policy, deliveries, config.inactive_threshold
+
+    async def _set_inactive_threshold(self) -> None:
+        config = (await self._js.consumer_info(names.KV_EVENTS_STREAM, self.durable)).config
+        config.inactive_threshold = self._inactive_threshold_s
+        await self._js.add_consumer(names.KV_EVENTS_STREAM, config)
+
+    async def _drop_legacy_durable(self) -> None:
+        """Delete this replica's durable of the name before namespaces were in it, when it follows
+        this namespace: it would hold the purge floor until it expired. The new durable starts after
+        the snapshot, which the purge floor kept the stream above, so nothing is lost."""
+        try:
+            info = await self._js.consumer_info(names.KV_EVENTS_STREAM, self._legacy_durable)
+        except nats.js.errors.NotFoundError:
+            return
+        if info.config.filter_subject == self._subject:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await self._js.delete_consumer(names.KV_EVENTS_STREAM, self._legacy_durable)
+            log.info("dropped the durable consumer named before namespaces", durable=self._legacy_durable)
 
     async def _replay(self, first_sequence: int, last_sequence: int) -> None:
         """Apply messages first..last with an ephemeral consumer that needs no acks."""

@@ -17,6 +17,8 @@ class IndexerState:
     def __init__(self) -> None:
         self.applied_sequence = 0
         self.stream_last_sequence = 0
+        self.namespace_messages = 0  # this namespace's events in the stream, at the last check
+        self.lag_messages = 0  # of those, how many the replica's durable has yet to deliver
         self.snapshot_sequence = 0
         self.snapshots_taken = 0
         self.last_snapshot_seconds = 0.0
@@ -50,8 +52,8 @@ class IndexerCollector(Collector):
         )
         yield GaugeMetricFamily(
             "kvmesh_indexer_lag",
-            "stream last sequence minus applied sequence",
-            value=max(0, state.stream_last_sequence - state.applied_sequence),
+            "this namespace's events in the stream not yet applied (the durable's pending count)",
+            value=state.lag_messages,
         )
         yield GaugeMetricFamily(
             "kvmesh_indexer_snapshot_duration_seconds",

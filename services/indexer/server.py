@@ -150,6 +150,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             replica_id=self.replica_id,
             applied_sequence=self.consumer.applied_sequence,
             stream_last_sequence=self.state.stream_last_sequence,
+            lag_messages=self.state.lag_messages,
             workers=workers,
             events_applied=stats.events_applied,
             gaps=stats.gaps,
@@ -218,7 +219,14 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
             if index.gaps_pending:
                 recovery.poke()
 
-        consumer = EventStreamConsumer(nc, config.namespace, config.replica_id, index, on_applied=applied)
+        consumer = EventStreamConsumer(
+            nc,
+            config.namespace,
+            config.replica_id,
+            index,
+            on_applied=applied,
+            inactive_threshold_s=config.durable_inactive_threshold,
+        )
         await when_jetstream_answers(
             lambda: consumer.start(reset=config.router_reset_states, start_after=start_after), "event consumer"
         )
@@ -232,6 +240,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
             state,
             config.router_snapshot_threshold,
             config.snapshot_check_interval,
+            durable=consumer.durable,
         )
         stack.task(snapshotter.run_forever(), "snapshotter")
         stack.task(jetstream.poll_forever(js), "jetstream-states")

@@ -4,13 +4,15 @@ A snapshot is the whole index as of one stream sequence: for each worker its las
 and its engine-id → sequence-hash map, as two packed uint64 arrays (16 bytes a block), plus the
 workers that have left. It is stored under ``<namespace>/index`` in ``KVMESH_INDEX_SNAPSHOTS``.
 
-Taking one (when the stream holds more than the threshold):
+Taking one (when the stream holds more than the threshold of this namespace's events):
 
 1. take the lock ``<namespace>.index-snapshot`` in the KV bucket ``KVMESH_LOCKS`` (a key with a
    lease: the bucket's max age), so one replica works at a time;
 2. upload, unless the stored snapshot is already as new;
-3. purge the stream below ``min(snapshot sequence, every durable consumer's ack floor) + 1``: only
-   messages that every replica has acknowledged *and* that the snapshot covers go;
+3. purge this namespace's events below ``min(snapshot sequence, the ack floor of every durable
+   consumer following them) + 1``: only messages that every replica of the namespace has
+   acknowledged *and* that the snapshot covers go. Other namespaces sharing the stream keep theirs:
+   their replicas count, snapshot and purge their own subjects;
 4. release the lock.
 """
 
@@ -28,7 +30,7 @@ import msgpack
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
+from nats.js.api import ConsumerConfig, KeyValueConfig, ObjectStoreConfig, StorageType
 
 from kvmesh.common.core.prefix_index import UNKNOWN_PARENT, PrefixIndex
 from kvmesh.common.runtime.jetstream_state import ensure_key_value, ensure_object_store
@@ -314,21 +316,32 @@ class SnapshotLock:
                 await self._kv.delete(self.key, last=entry.revision)
 
 
-async def purge_covered(js: JetStreamContext, snapshot_sequence: int) -> int:
-    """Purge messages every durable consumer acknowledged and the snapshot covers; returns the new
-    first sequence kept (0 when nothing could be purged)."""
+async def purge_covered(js: JetStreamContext, namespace: str, snapshot_sequence: int) -> int:
+    """Purge ``namespace``'s events that every durable consumer following them acknowledged and the
+    snapshot covers; returns the new first sequence kept of them (0 when nothing could be purged).
+    Other namespaces' events stay, whatever their sequence."""
+    subject = names.kv_events_wildcard(namespace)
     floor = snapshot_sequence
     for info in await js.consumers_info(names.KV_EVENTS_STREAM):
-        if info.config.durable_name:
+        if info.config.durable_name and _follows(info.config, subject):
             floor = min(floor, info.ack_floor.stream_seq if info.ack_floor else 0)
     if floor <= 0:
         return 0
-    await js.purge_stream(names.KV_EVENTS_STREAM, seq=floor + 1)
+    await js.purge_stream(names.KV_EVENTS_STREAM, seq=floor + 1, subject=subject)
     return floor + 1
 
 
+def _follows(config: ConsumerConfig, subject: str) -> bool:
+    """Whether a consumer reads ``subject``'s messages (one without a filter reads them all)."""
+    if config.filter_subjects:
+        return subject in config.filter_subjects
+    return not config.filter_subject or config.filter_subject == subject
+
+
 class Snapshotter:
-    """Checks the stream every ``interval_s``; past ``threshold`` messages, takes a snapshot and purges.
+    """Checks the stream every ``interval_s``; past ``threshold`` of the namespace's messages, takes a
+    snapshot and purges. Each check also reads how many of them ``durable`` has yet to deliver (the
+    replica's lag).
 
     Skips while a worker is in gap recovery (its held-back events are not in the index yet).
     """
@@ -343,8 +356,11 @@ class Snapshotter:
         state: IndexerState,
         threshold: int,
         interval_s: float = 5.0,
+        durable: str | None = None,
     ) -> None:
         self._js = js
+        self._subject = names.kv_events_wildcard(namespace)
+        self._durable = durable
         self._namespace = namespace
         self._lock = SnapshotLock(js, namespace, owner)
         self._index = index
@@ -365,9 +381,15 @@ class Snapshotter:
 
     async def check(self) -> bool:
         """One check; True when a snapshot was taken."""
-        info = await self._js.stream_info(names.KV_EVENTS_STREAM)
-        self._state.stream_last_sequence = info.state.last_seq
-        if info.state.messages <= self.threshold or self._index.recovering:
+        info = await self._js.stream_info(names.KV_EVENTS_STREAM, subjects_filter=self._subject)
+        state = self._state
+        state.stream_last_sequence = info.state.last_seq
+        # the stream is shared by every namespace on the server: count this one's subjects only
+        state.namespace_messages = sum((info.state.subjects or {}).values())
+        if self._durable is not None:
+            consumer = await self._js.consumer_info(names.KV_EVENTS_STREAM, self._durable)
+            state.lag_messages = consumer.num_pending or 0
+        if state.namespace_messages <= self.threshold or self._index.recovering:
             return False
         return await self.take()
 
@@ -378,7 +400,7 @@ class Snapshotter:
             started = time.perf_counter()
             snapshot = capture(self._index, self._applied_sequence())
             written = await upload(self._js, self._namespace, snapshot)
-            purged_below = await purge_covered(self._js, snapshot.stream_sequence)
+            purged_below = await purge_covered(self._js, self._namespace, snapshot.stream_sequence)
             state = self._state
             state.last_snapshot_seconds = time.perf_counter() - started
             if written:

@@ -179,7 +179,9 @@ async def test_one_ack_covers_the_messages_applied_before_it(nc: NatsClient):
     js = nc.jetstream()
     await ensure_kv_events_stream(js)
     acks: list[bytes] = []
-    watcher = await nc.subscribe(f"$JS.ACK.{names.KV_EVENTS_STREAM}.{names.indexer_durable_name('batched')}.>")
+    watcher = await nc.subscribe(
+        f"$JS.ACK.{names.KV_EVENTS_STREAM}.{names.indexer_durable_name(NAMESPACE, 'batched')}.>"
+    )
     watcher_task = asyncio.create_task(_collect(watcher, acks))
     publisher = KvEventPublisher(js, NAMESPACE, 77)
     await publisher.start()
@@ -211,7 +213,7 @@ async def test_one_ack_covers_the_messages_applied_before_it(nc: NatsClient):
 async def test_a_durable_that_acked_each_message_is_remade_to_ack_all_without_losing_events(nc: NatsClient):
     js = nc.jetstream()
     await ensure_kv_events_stream(js)
-    durable = names.indexer_durable_name("old")
+    durable = names.indexer_durable_name(NAMESPACE, "old")
     engine = MockEngine(EngineConfig(num_blocks=64, block_size=16))
     publisher = KvEventPublisher(js, NAMESPACE, 66)
     await publisher.start()
@@ -301,7 +303,7 @@ async def test_deliveries_that_never_reached_the_replica_are_read_from_the_strea
     namespace = "lostdeliveries"
     js = nc.jetstream()
     await ensure_kv_events_stream(js)
-    durable = names.indexer_durable_name("lost")
+    durable = names.indexer_durable_name(namespace, "lost")
     config = ConsumerConfig(
         durable_name=durable,
         ack_policy=AckPolicy.ALL,

@@ -45,6 +45,14 @@ def test_bad_values_exit_with_a_clear_message(capsys):
     assert "KVMESH_PORT" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("namespace", ["a.b", "team a", "a*", "", "x" * 65])
+def test_a_namespace_that_cannot_name_subjects_and_durables_is_refused(namespace, capsys):
+    with pytest.raises(SystemExit):
+        parse(["--namespace", namespace])
+    assert "--namespace" in capsys.readouterr().err
+    assert parse(["--namespace", "team-a_2"]).namespace == "team-a_2"
+
+
 def test_help_names_the_environment_variable(capsys):
     with pytest.raises(SystemExit):
         parse(["--help"])

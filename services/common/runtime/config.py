@@ -18,6 +18,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from kvmesh.common.wire import names
+
 ENV_PREFIX = "KVMESH_"
 
 ConfigT = TypeVar("ConfigT")
@@ -191,6 +193,9 @@ def parse_config(
     else:
         namespace = parser.parse_args(argv)
     config = cls(**vars(namespace))
+    mesh = getattr(config, "namespace", None)
+    if isinstance(mesh, str) and (problem := names.namespace_problem(mesh)) is not None:
+        parser.error(f"--namespace: {problem}")
     validate = getattr(config, "validate", None)
     if validate is not None:
         try:

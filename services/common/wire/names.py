@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 KV_EVENTS_STREAM = "KVMESH_KV_EVENTS"
 INSTANCES_BUCKET = "KVMESH_INSTANCES"
 INDEX_SNAPSHOTS_BUCKET = "KVMESH_INDEX_SNAPSHOTS"
@@ -76,7 +78,27 @@ def instance_key_prefix(namespace: str, component: str) -> str:
     return f"{namespace}.{component}."
 
 
-def indexer_durable_name(replica_id: str) -> str:
+# A namespace names subjects, keys and durable consumers, so it holds no subject separator ('.'),
+# wildcard or space: letters, digits, '-' and '_'.
+NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def namespace_problem(namespace: str) -> str | None:
+    """Why ``namespace`` cannot name a mesh, or None when it can."""
+    if NAMESPACE_PATTERN.fullmatch(namespace) is None:
+        return f"namespace {namespace!r} must be 1 to 64 letters, digits, '-' or '_'"
+    return None
+
+
+def indexer_durable_name(namespace: str, replica_id: str) -> str:
+    """The durable consumer of one indexer replica. It names the namespace: replicas of two
+    namespaces on one NATS (both `0` by default) must not share a durable, whose subject filter is
+    its first owner's namespace."""
+    return f"indexer-{namespace}-{replica_id}"
+
+
+def legacy_indexer_durable_name(replica_id: str) -> str:
+    """The durable name before it named the namespace (a replica migrates from it on start)."""
     return f"indexer-{replica_id}"
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.common.proto.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/indexer.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"/\n\x14IndexerStatusRequest\x12\x17\n\x0finclude_digests\x18\x01 \x01(\x08\"\xc6\x01\n\rIndexedWorker\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x15\n\rlast_event_id\x18\x04 \x01(\x03\x12\x12\n\nrecovering\x18\x05 \x01(\x08\x12\x15\n\rblocks_digest\x18\x06 \x01(\x04\x12\x0c\n\x04tier\x18\x07 \x01(\t\x12\x19\n\x11in_transit_blocks\x18\x08 \x01(\x04\x12\x16\n\x0e\x65victed_blocks\x18\t \x01(\x04\"\xf4\x01\n\rIndexerStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x18\n\x10\x61pplied_sequence\x18\x02 \x01(\x04\x12\x1c\n\x14stream_last_sequence\x18\x03 \x01(\x04\x12)\n\x07workers\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.IndexedWorker\x12\x16\n\x0e\x65vents_applied\x18\x05 \x01(\x04\x12\x0c\n\x04gaps\x18\x06 \x01(\x04\x12\x12\n\nrecoveries\x18\x07 \x01(\x04\x12\x19\n\x11snapshot_sequence\x18\x08 \x01(\x04\x12\x17\n\x0fsnapshots_taken\x18\t \x01(\x04\"l\n\x12\x46indMatchesRequest\x12\x14\n\x0clocal_hashes\x18\x01 \x03(\x04\x12\x17\n\x0fsequence_hashes\x18\x02 \x03(\x04\x12\'\n\tmoe_query\x18\x03 \x03(\x0b\x32\x14.kvmesh.v1.MoeExpert\"T\n\x10\x46indMatchesQuery\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12.\n\x07request\x18\x02 \x01(\x0b\x32\x1d.kvmesh.v1.FindMatchesRequest\"B\n\x12\x46indMatchesQueries\x12,\n\x07queries\x18\x01 \x03(\x0b\x32\x1b.kvmesh.v1.FindMatchesQuery\"h\n\x11\x46indMatchesAnswer\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1e.kvmesh.v1.FindMatchesResponse\x12\x0f\n\x07refused\x18\x03 \x01(\t\"C\n\x12\x46indMatchesAnswers\x12-\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x1c.kvmesh.v1.FindMatchesAnswer\"\xd8\x01\n\x0bWorkerMatch\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x1a\n\x12moe_aligned_blocks\x18\x05 \x01(\r\x12\x1a\n\x12moe_hosted_experts\x18\x06 \x01(\r\x12\x15\n\rpooled_blocks\x18\x07 \x01(\r\x12\x13\n\x0bhost_blocks\x18\x08 \x01(\r\x12\x13\n\x0b\x64isk_blocks\x18\t \x01(\r\"X\n\x13\x46indMatchesResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerMatch\x12\x18\n\x10\x61pplied_sequence\x18\x02 \x01(\x04\x32\xf4\x01\n\x07Indexer\x12L\n\x0b\x46indMatches\x12\x1d.kvmesh.v1.FindMatchesRequest\x1a\x1e.kvmesh.v1.FindMatchesResponse\x12S\n\x0f\x46indMatchesMany\x12\x1d.kvmesh.v1.FindMatchesQueries\x1a\x1d.kvmesh.v1.FindMatchesAnswers(\x01\x30\x01\x12\x46\n\tGetStatus\x12\x1f.kvmesh.v1.IndexerStatusRequest\x1a\x18.kvmesh.v1.IndexerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/indexer.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"/\n\x14IndexerStatusRequest\x12\x17\n\x0finclude_digests\x18\x01 \x01(\x08\"\xc6\x01\n\rIndexedWorker\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x15\n\rlast_event_id\x18\x04 \x01(\x03\x12\x12\n\nrecovering\x18\x05 \x01(\x08\x12\x15\n\rblocks_digest\x18\x06 \x01(\x04\x12\x0c\n\x04tier\x18\x07 \x01(\t\x12\x19\n\x11in_transit_blocks\x18\x08 \x01(\x04\x12\x16\n\x0e\x65victed_blocks\x18\t \x01(\x04\"\x8a\x02\n\rIndexerStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x18\n\x10\x61pplied_sequence\x18\x02 \x01(\x04\x12\x1c\n\x14stream_last_sequence\x18\x03 \x01(\x04\x12)\n\x07workers\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.IndexedWorker\x12\x16\n\x0e\x65vents_applied\x18\x05 \x01(\x04\x12\x0c\n\x04gaps\x18\x06 \x01(\x04\x12\x12\n\nrecoveries\x18\x07 \x01(\x04\x12\x19\n\x11snapshot_sequence\x18\x08 \x01(\x04\x12\x17\n\x0fsnapshots_taken\x18\t \x01(\x04\x12\x14\n\x0clag_messages\x18\n \x01(\x04\"l\n\x12\x46indMatchesRequest\x12\x14\n\x0clocal_hashes\x18\x01 \x03(\x04\x12\x17\n\x0fsequence_hashes\x18\x02 \x03(\x04\x12\'\n\tmoe_query\x18\x03 \x03(\x0b\x32\x14.kvmesh.v1.MoeExpert\"T\n\x10\x46indMatchesQuery\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12.\n\x07request\x18\x02 \x01(\x0b\x32\x1d.kvmesh.v1.FindMatchesRequest\"B\n\x12\x46indMatchesQueries\x12,\n\x07queries\x18\x01 \x03(\x0b\x32\x1b.kvmesh.v1.FindMatchesQuery\"h\n\x11\x46indMatchesAnswer\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1e.kvmesh.v1.FindMatchesResponse\x12\x0f\n\x07refused\x18\x03 \x01(\t\"C\n\x12\x46indMatchesAnswers\x12-\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x1c.kvmesh.v1.FindMatchesAnswer\"\xd8\x01\n\x0bWorkerMatch\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x1a\n\x12moe_aligned_blocks\x18\x05 \x01(\r\x12\x1a\n\x12moe_hosted_experts\x18\x06 \x01(\r\x12\x15\n\rpooled_blocks\x18\x07 \x01(\r\x12\x13\n\x0bhost_blocks\x18\x08 \x01(\r\x12\x13\n\x0b\x64isk_blocks\x18\t \x01(\r\"X\n\x13\x46indMatchesResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerMatch\x12\x18\n\x10\x61pplied_sequence\x18\x02 \x01(\x04\x32\xf4\x01\n\x07Indexer\x12L\n\x0b\x46indMatches\x12\x1d.kvmesh.v1.FindMatchesRequest\x1a\x1e.kvmesh.v1.FindMatchesResponse\x12S\n\x0f\x46indMatchesMany\x12\x1d.kvmesh.v1.FindMatchesQueries\x1a\x1d.kvmesh.v1.FindMatchesAnswers(\x01\x30\x01\x12\x46\n\tGetStatus\x12\x1f.kvmesh.v1.IndexerStatusRequest\x1a\x18.kvmesh.v1.IndexerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,21 +37,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INDEXEDWORKER']._serialized_start=112
   _globals['_INDEXEDWORKER']._serialized_end=310
   _globals['_INDEXERSTATUS']._serialized_start=313
-  _globals['_INDEXERSTATUS']._serialized_end=557
-  _globals['_FINDMATCHESREQUEST']._serialized_start=559
-  _globals['_FINDMATCHESREQUEST']._serialized_end=667
-  _globals['_FINDMATCHESQUERY']._serialized_start=669
-  _globals['_FINDMATCHESQUERY']._serialized_end=753
-  _globals['_FINDMATCHESQUERIES']._serialized_start=755
-  _globals['_FINDMATCHESQUERIES']._serialized_end=821
-  _globals['_FINDMATCHESANSWER']._serialized_start=823
-  _globals['_FINDMATCHESANSWER']._serialized_end=927
-  _globals['_FINDMATCHESANSWERS']._serialized_start=929
-  _globals['_FINDMATCHESANSWERS']._serialized_end=996
-  _globals['_WORKERMATCH']._serialized_start=999
-  _globals['_WORKERMATCH']._serialized_end=1215
-  _globals['_FINDMATCHESRESPONSE']._serialized_start=1217
-  _globals['_FINDMATCHESRESPONSE']._serialized_end=1305
-  _globals['_INDEXER']._serialized_start=1308
-  _globals['_INDEXER']._serialized_end=1552
+  _globals['_INDEXERSTATUS']._serialized_end=579
+  _globals['_FINDMATCHESREQUEST']._serialized_start=581
+  _globals['_FINDMATCHESREQUEST']._serialized_end=689
+  _globals['_FINDMATCHESQUERY']._serialized_start=691
+  _globals['_FINDMATCHESQUERY']._serialized_end=775
+  _globals['_FINDMATCHESQUERIES']._serialized_start=777
+  _globals['_FINDMATCHESQUERIES']._serialized_end=843
+  _globals['_FINDMATCHESANSWER']._serialized_start=845
+  _globals['_FINDMATCHESANSWER']._serialized_end=949
+  _globals['_FINDMATCHESANSWERS']._serialized_start=951
+  _globals['_FINDMATCHESANSWERS']._serialized_end=1018
+  _globals['_WORKERMATCH']._serialized_start=1021
+  _globals['_WORKERMATCH']._serialized_end=1237
+  _globals['_FINDMATCHESRESPONSE']._serialized_start=1239
+  _globals['_FINDMATCHESRESPONSE']._serialized_end=1327
+  _globals['_INDEXER']._serialized_start=1330
+  _globals['_INDEXER']._serialized_end=1574
 # @@protoc_insertion_point(module_scope)

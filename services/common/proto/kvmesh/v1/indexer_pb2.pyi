@@ -36,7 +36,7 @@ class IndexedWorker(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., blocks: _Optional[int] = ..., last_event_id: _Optional[int] = ..., recovering: _Optional[bool] = ..., blocks_digest: _Optional[int] = ..., tier: _Optional[str] = ..., in_transit_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class IndexerStatus(_message.Message):
-    __slots__ = ("replica_id", "applied_sequence", "stream_last_sequence", "workers", "events_applied", "gaps", "recoveries", "snapshot_sequence", "snapshots_taken")
+    __slots__ = ("replica_id", "applied_sequence", "stream_last_sequence", "workers", "events_applied", "gaps", "recoveries", "snapshot_sequence", "snapshots_taken", "lag_messages")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     STREAM_LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class IndexerStatus(_message.Message):
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_TAKEN_FIELD_NUMBER: _ClassVar[int]
+    LAG_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     applied_sequence: int
     stream_last_sequence: int
@@ -55,7 +56,8 @@ class IndexerStatus(_message.Message):
     recoveries: int
     snapshot_sequence: int
     snapshots_taken: int
-    def __init__(self, replica_id: _Optional[str] = ..., applied_sequence: _Optional[int] = ..., stream_last_sequence: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[IndexedWorker, _Mapping]]] = ..., events_applied: _Optional[int] = ..., gaps: _Optional[int] = ..., recoveries: _Optional[int] = ..., snapshot_sequence: _Optional[int] = ..., snapshots_taken: _Optional[int] = ...) -> None: ...
+    lag_messages: int
+    def __init__(self, replica_id: _Optional[str] = ..., applied_sequence: _Optional[int] = ..., stream_last_sequence: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[IndexedWorker, _Mapping]]] = ..., events_applied: _Optional[int] = ..., gaps: _Optional[int] = ..., recoveries: _Optional[int] = ..., snapshot_sequence: _Optional[int] = ..., snapshots_taken: _Optional[int] = ..., lag_messages: _Optional[int] = ...) -> None: ...
 
 class FindMatchesRequest(_message.Message):
     __slots__ = ("local_hashes", "sequence_hashes", "moe_query")
