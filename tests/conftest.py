@@ -4,6 +4,7 @@ a testcontainers container (see tests/containers/docker_engine.py for which imag
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 
@@ -16,6 +17,17 @@ from kvmesh.common.runtime.nats_server import EmbeddedNatsServer
 from kvmesh.common.runtime.ports import free_port
 from tests import leaks
 
+# The tiers a skip hides most easily (a missing tool, no root, no engine, no trace). With
+# KVMESH_SKIPS_FAIL=1 (CI's phases after the README's own) a skipped test of one fails the run.
+REQUIRED_TIERS = {
+    "tests/integration/test_k8s_manifests.py": "Kubernetes manifests",
+    "tests/hosts/": "host drills",
+    "tests/containers/": "containers",
+    "tests/replay/": "replay",
+    "tests/vllm/": "vLLM",
+}
+_required_skips: list[tuple[str, str]] = []
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # `kvmesh up` records itself for the other tools in a per-user run folder: the meshes the tests
@@ -24,14 +36,33 @@ def pytest_configure(config: pytest.Config) -> None:
     leaks.mark_session()
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(os.environ.get("KVMESH_RUN_DIR", ""), ignore_errors=True)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and os.environ.get("KVMESH_SKIPS_FAIL") == "1":
+        tier = next((name for path, name in REQUIRED_TIERS.items() if report.nodeid.startswith(path)), None)
+        if tier is not None:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            _required_skips.append((report.nodeid, f"{tier}: {reason}"))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if a test left a process running (and kill it: a leaked process holds CPU, and
-    the CI log's pipe open so that CI never ends)."""
+    the CI log's pipe open so that CI never ends), or if a test of a required tier skipped."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if _required_skips:
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_sep("=", f"{len(_required_skips)} required test(s) skipped (KVMESH_SKIPS_FAIL)", red=True)
+            for nodeid, why in _required_skips:
+                reporter.write_line(f"  {nodeid}: {why}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     leaked = leaks.leaked_processes(os.environ[leaks.MARKER])
     if not leaked:
         return
     leaks.kill(leaked)
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_sep("=", f"{len(leaked)} process(es) left running by the tests (killed)", red=True)
         for process in leaked:

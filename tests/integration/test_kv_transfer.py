@@ -14,7 +14,16 @@ from tests.support import wait_until_async
 
 BLOCK = 16
 BLOCKS = 64
-BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl not installed"))]
+BACKENDS = [
+    "tcp",
+    pytest.param(
+        "nixl",
+        marks=pytest.mark.skipif(
+            not nixl_available(),
+            reason="needs the nixl extra (pip install torch==2.13.0 && pip install -e '.[dev,nixl]')",
+        ),
+    ),
+]
 PROMPT = list(range(1000, 1100))  # 100 tokens: 6 transferable blocks
 
 pytestmark = pytest.mark.integration
