@@ -1,12 +1,19 @@
-"""Routing quality on the Mooncake synthetic trace: our replay next to NVIDIA Dynamo 1.6.1's figures.
+"""Routing quality by replay: the Mooncake synthetic trace and session-structured families, each
+policy next to NVIDIA Dynamo 1.6.1's own replay and the reuse bounds.
 
-Runs ``kvmesh replay``'s simulator for every router mode — round-robin, random, SGLang's
-power-of-two and cache-aware, and kv (our default predicted-TTFT cost, and Dynamo's block
-formula) — at arrival speed-ups 4 (moderate) and 6 (heavy), with Dynamo's mocker
+Part ``shared``: ``kvmesh replay``'s simulator for every router mode (round-robin, random, SGLang's
+power-of-two and cache-aware, kv with our default predicted-TTFT cost and with Dynamo's block
+formula) on the shared trace at arrival speed-ups 4 (moderate) and 6 (heavy), with Dynamo's mocker
 configuration (8 workers, 64-token blocks, 16,384 blocks, 256 sequences, 8,192 batched tokens),
-prints one table, then times a 12,000-request replay (the trace three times over, back to back).
+then the time of a 12,000-request replay (the trace three times over, back to back).
 
-    python -m bench.replay_report [--trace ../shared/data/mooncake_synthetic_trace.jsonl]
+Part ``families``: traces made by ``kvmesh.replay.session_trace`` from the rules and seeds below
+(chats, agent loops, a tenant mix, and two families held out from tuning), each with a cache size
+and arrival speed that load the fleet; round-robin, cache-aware, kv, kv with
+``--kv-duplicate-penalty 2``, and Dynamo's ``kv_router`` replay of the same file when its
+virtualenv is there (``--dynamo-python``; ``../shared/peers/README.md`` installs it).
+
+    python -m bench.replay_report [--part shared|families] [--trace ../shared/data/mooncake_synthetic_trace.jsonl]
 """
 
 from __future__ import annotations
@@ -14,16 +21,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from kvmesh.replay.bounds import reuse_bounds
 from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import TraceRequest, read_trace
 from kvmesh.replay.report import summarise
+from kvmesh.replay.session_trace import SessionRules, generate
 from kvmesh.replay.simulator import ReplaySimulator
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_DYNAMO_PYTHON = Path("/tmp/peers/dynamo/bin/python")
 # (prefix reuse, TTFT mean, p50, p99) reported by Dynamo 1.6.1's run_trace_replay on the same runs.
 DYNAMO = {
     ("round-robin", 4): (0.1105, 653, 407, 4199),
@@ -31,14 +43,96 @@ DYNAMO = {
     ("kv", 4): (0.367, None, 72, 1210),
     ("kv", 6): (0.305, None, 308, 1589),
 }
-RUNS = [
-    ("round-robin", "round-robin", "ttft"),
-    ("random", "random", "ttft"),
-    ("power-of-two (SGLang)", "power-of-two", "ttft"),
-    ("cache-aware (SGLang, defaults)", "cache-aware", "ttft"),
-    ("kv (blocks: Dynamo's formula)", "kv", "blocks"),
-    ("kv (ttft: default)", "kv", "ttft"),
+RUNS = [  # (label, options, the Dynamo figures it sits beside)
+    ("round-robin", {"router_mode": "round-robin"}, "round-robin"),
+    ("random", {"router_mode": "random"}, None),
+    ("power-of-two (SGLang)", {"router_mode": "power-of-two"}, None),
+    ("cache-aware (SGLang, defaults)", {"router_mode": "cache-aware"}, None),
+    ("kv (blocks: Dynamo's formula)", {"kv_cost": "blocks"}, "kv"),
+    ("kv (ttft: default)", {}, None),
+    ("kv, duplicate penalty 2", {"kv_duplicate_penalty": 2.0}, None),
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    kind: str
+    rules: SessionRules
+    num_blocks: int  # per worker: small enough that the family's prefixes compete for the cache
+    speedup: float
+    held_out: bool = False  # never looked at while tuning a default
+
+
+FAMILIES = (
+    Family("chat", "chat", SessionRules(sessions=6000, session_rate=8.0, seed=2), 8192, 1.0),
+    Family("agent loops", "agent", SessionRules(sessions=500, session_rate=0.6, tenants=12, seed=3), 2048, 1.0),
+    Family("tenant mix", "mix", SessionRules(sessions=2500, session_rate=3.0, tenants=16, seed=4), 3072, 0.4),
+    Family("chat", "chat", SessionRules(sessions=4000, session_rate=6.0, seed=22), 4096, 1.0, held_out=True),
+    Family("agent loops", "agent", SessionRules(sessions=400, session_rate=0.8, tenants=8, seed=21), 2048, 1.0, True),
+)
+FAMILY_RUNS = (
+    ("round-robin", {"router_mode": "round-robin"}),
+    ("cache-aware (SGLang)", {"router_mode": "cache-aware"}),
+    ("kv (default)", {}),
+    ("kv, duplicate penalty 2", {"kv_duplicate_penalty": 2.0}),
+)
+# Dynamo's replay, run in its own virtualenv: its kv_router on the same trace and engine shape
+DYNAMO_REPLAY = """
+import json, sys
+from dynamo.replay import run_trace_replay
+trace, blocks, speedup = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+engine = {"block_size": 64, "num_gpu_blocks": blocks, "max_num_seqs": 256, "max_num_batched_tokens": 8192}
+report = run_trace_replay([trace], extra_engine_args={"engine": engine}, num_workers=8, router_mode="kv_router",
+                          arrival_speedup_ratio=speedup, trace_block_size=512)
+s = (report if isinstance(report, dict) else report.to_dict())["summary"]
+print(json.dumps([s["prefix_cache_reused_ratio"], s["median_ttft_ms"], s["p99_ttft_ms"]]))
+"""
+
+
+def dynamo_replay(python: Path, trace: Path, num_blocks: int, speedup: float) -> tuple[float, float, float] | None:
+    """Dynamo 1.6.1's (reuse, TTFT p50, p99) on ``trace``, or None where its virtualenv is absent."""
+    if not python.exists():
+        return None
+    done = subprocess.run(
+        [str(python), "-c", DYNAMO_REPLAY, str(trace), str(num_blocks), str(speedup)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def family_row(router: str, reuse: float, lru: float, p50: float, p99: float) -> None:
+    print(f"{'':<26}{router:<28}{reuse:>8.3f}{reuse / lru:>8.1%}{p50:>10.0f}{p99:>9.0f}")
+
+
+def families(dynamo_python: Path, results: dict[str, Any]) -> None:
+    """Every family under every policy: reuse (and its share of the fleet-wide LRU bound), TTFT p50, p99."""
+    header = f"{'family':<26}{'router':<28}{'reuse':>8}{'of LRU':>8}{'TTFT p50':>10}{'p99':>9}"
+    print(header)
+    print("-" * len(header))
+    for family in FAMILIES:
+        label = f"{family.name}{' (held out)' if family.held_out else ''}"
+        with tempfile.TemporaryDirectory() as scratch:
+            path = Path(scratch) / "trace.jsonl"
+            rows = generate(family.kind, family.rules)
+            path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            trace = read_trace(path)
+            config = ReplayConfig(num_blocks=family.num_blocks, arrival_speedup_ratio=family.speedup)
+            bounds = reuse_bounds(trace, config.trace_block_size, config.block_size, config.workers * config.num_blocks)
+            lru = bounds.fleet_lru
+            print(f"{label:<26}{len(trace)} requests; bounds: fleet LRU {lru:.3f}, infinite {bounds.infinite:.3f}")
+            for router, options in FAMILY_RUNS:
+                summary = summarise(ReplaySimulator(dataclasses.replace(config, **options)).run(trace))
+                results[f"{label}: {router}"] = summary
+                reuse, ttft = summary["prefix_reuse"], summary["ttft_ms"]
+                family_row(router, reuse, lru, ttft["p50"], ttft["p99"])
+            dynamo = dynamo_replay(dynamo_python, path, family.num_blocks, family.speedup)
+            if dynamo is not None:
+                reuse, p50, p99 = dynamo
+                results[f"{label}: Dynamo 1.6.1 kv_router"] = {"prefix_reuse": reuse, "ttft_p50": p50, "ttft_p99": p99}
+                family_row("Dynamo 1.6.1 (its replay)", reuse, lru, p50, p99)
 
 
 def fmt(value: float | None, digits: int = 0) -> str:
@@ -55,9 +149,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--json", type=Path, default=None, help="also write every summary here")
+    parser.add_argument("--part", choices=("shared", "families"), default=None, help="one part only (default: both)")
+    parser.add_argument(
+        "--dynamo-python",
+        type=Path,
+        default=DEFAULT_DYNAMO_PYTHON,
+        help="the Python of a virtualenv with ai-dynamo 1.6.1, for its replay of the families (skipped if absent)",
+    )
     args = parser.parse_args()
-    trace = read_trace(args.trace)
-    results = {}
+    results: dict[str, Any] = {}
+    if args.part != "families":
+        shared(args.trace, results)
+    if args.part != "shared":
+        print()
+        families(args.dynamo_python, results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def shared(path: Path, results: dict[str, Any]) -> None:
+    """Every router mode on the shared trace at speed-ups 4 and 6, Dynamo's figures beside."""
+    trace = read_trace(path)
     config = ReplayConfig()
     bounds = reuse_bounds(trace, config.trace_block_size, config.block_size, config.workers * config.num_blocks)
     results["reuse_bounds"] = {"fleet_lru": bounds.fleet_lru, "infinite_cache": bounds.infinite}
@@ -72,8 +184,8 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for speedup in (4, 6):
-        for label, mode, cost in RUNS:
-            config = ReplayConfig(router_mode=mode, kv_cost=cost, arrival_speedup_ratio=speedup)
+        for label, options, beside in RUNS:
+            config = ReplayConfig(arrival_speedup_ratio=speedup, **options)
             started = time.perf_counter()
             summary = summarise(ReplaySimulator(config).run(trace))
             summary["wall_clock_s"] = time.perf_counter() - started
@@ -84,7 +196,7 @@ def main() -> None:
                 f"{ttft['mean']:>11.0f}{ttft['p50']:>8.0f}"
                 f"{ttft['p90']:>8.0f}{ttft['p99']:>8.0f}{summary['tpot_ms']['mean']:>7.1f}{summary['itl_ms']['p99']:>9.1f}"
             )
-            dynamo = DYNAMO.get((mode, speedup)) if label != "kv (ttft: default)" else None
+            dynamo = DYNAMO.get((beside, speedup))
             if dynamo is not None:
                 reuse, mean, p50, p99 = dynamo
                 print(
@@ -97,8 +209,6 @@ def main() -> None:
     wall = time.perf_counter() - started
     print(f"\nwall clock of one {len(big)}-request kv replay: {wall:.1f} s")
     results["wall_clock_12k_kv_s"] = wall
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

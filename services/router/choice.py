@@ -116,6 +116,7 @@ class Chooser:
                 active=self.loads.sequences(worker.block_size),
                 cache_aware=options.cache_aware_options(),
                 moe_score_weight=options.moe_score_weight,
+                duplicate_penalty=options.kv_duplicate_penalty,
             )
             if isinstance(cost_model, PerWorkerTtftCost):
                 for key, timing in self._timings.items():

@@ -36,6 +36,12 @@ class KvModeOptions:
     )
     kv_overlap_score_weight: float = option(1.0, "weight of prefill work in the KV cost (0: load only)")
     router_temperature: float = option(0.0, "softmax temperature over normalised costs (0: pick the minimum)")
+    kv_duplicate_penalty: float = option(
+        0.0,
+        "kv mode: the cost of copying a prefix a candidate already holds: each such block another worker would "
+        "recompute counts this many extra blocks of its prefill (0: off; 1 to 2 keeps more of the cache and a lower "
+        "median on anonymous shared-prefix traffic, but lengthens agent loops' tails: docs/decisions/0048)",
+    )
     lora_load_tokens: int = option(
         1024,
         "kv mode: the prefill tokens loading a LoRA adapter is worth: a worker that serves the adapter a request "
@@ -216,8 +222,8 @@ class RoutingOptions(KvModeOptions, CacheAwareModeOptions, SplitOptions, Admissi
             raise ConfigError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
         if self.eviction_interval_secs <= 0 or self.max_tree_size <= 0:
             raise ConfigError("--eviction-interval-secs and --max-tree-size must be positive")
-        if self.kv_overlap_score_weight < 0:
-            raise ConfigError("--kv-overlap-score-weight must be >= 0")
+        if self.kv_overlap_score_weight < 0 or self.kv_duplicate_penalty < 0:
+            raise ConfigError("--kv-overlap-score-weight and --kv-duplicate-penalty must be >= 0")
         if self.lora_load_tokens < 0:
             raise ConfigError("--lora-load-tokens must be >= 0")
         for name in ("pooled_block_credit", "host_block_credit", "disk_block_credit"):

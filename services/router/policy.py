@@ -54,10 +54,13 @@ class RoutingPolicy:
         active: ActiveSequences | None = None,
         cache_aware: CacheAwareOptions | None = None,
         moe_score_weight: float = 0.5,
+        duplicate_penalty: float = 0.0,
     ) -> None:
         """``cost_model`` defaults to Dynamo's block cost; the service and replay pass the one configured.
         ``active`` is the load picture to read (a :class:`LoadTracker`'s for this block size); by
-        default the policy keeps its own. ``cache_aware``: that mode's options (SGLang's defaults)."""
+        default the policy keeps its own. ``cache_aware``: that mode's options (SGLang's defaults).
+        ``duplicate_penalty``: kv mode charges a worker this many extra prefill blocks for each block of
+        the prompt's prefix that the best-placed candidate holds and it does not (0: off)."""
         if mode not in POLICY_MODES:
             raise ValueError(f"unknown routing mode {mode!r}")
         self.mode = mode
@@ -65,6 +68,7 @@ class RoutingPolicy:
         self.overlap_score_weight = overlap_score_weight
         self.temperature = temperature
         self.moe_score_weight = moe_score_weight
+        self.duplicate_penalty = duplicate_penalty
         self._rng = rng or random.Random()
         self.active = (
             active if active is not None else ActiveSequences(block_size, track_active_blocks, track_output_blocks)
@@ -89,6 +93,22 @@ class RoutingPolicy:
         """A worker left: cache-aware mode drops what it remembered sending there."""
         if self.cache_aware is not None:
             self.cache_aware.forget(worker)
+
+    def _charge_duplicates(
+        self, workers: Sequence[WorkerKey], prefills: Sequence[int], overlaps: Mapping[WorkerKey, int]
+    ) -> list[int]:
+        """``prefills`` plus, per worker, the duplicate penalty's tokens: the blocks of the prefix the
+        best-placed candidate holds beyond this worker's overlap, times the penalty.
+
+        Why: the cost compares only this request's time to first token, so under load it copies a
+        prefix to an idle worker whenever the copy costs less than the queue; the copy then evicts
+        other prefixes there, and later requests pay for them (docs/decisions/0048)."""
+        held = [overlaps.get(worker, 0) for worker in workers]
+        best = max(held)
+        if best == 0:
+            return list(prefills)
+        tokens_per_block = self.duplicate_penalty * self.block_size
+        return [prefill + round((best - own) * tokens_per_block) for prefill, own in zip(prefills, held, strict=True)]
 
     def predicted_load(self, worker: WorkerKey) -> float:
         """The router's prediction of ``worker``'s load now: the cost model on its queued prefill
@@ -142,6 +162,8 @@ class RoutingPolicy:
         )
         if load_tokens:
             prefills = [prefill + load_tokens.get(worker, 0) for worker, prefill in zip(workers, prefills, strict=True)]
+        if self.duplicate_penalty and overlaps:
+            prefills = self._charge_duplicates(workers, prefills, overlaps)
         weight = self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight
         costs = self.cost_model.costs(workers, prefills, decodes, weight)
         discounts = None

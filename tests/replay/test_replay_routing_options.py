@@ -109,6 +109,7 @@ CASES: dict[str, Case] = {
     "kv_cost": Case("blocks", LOADED, {"workers": 4}),
     "kv_overlap_score_weight": Case(0.0, LOADED, {"workers": 4}),
     "router_temperature": Case(5.0, LOADED, {"workers": 4}),
+    "kv_duplicate_penalty": Case(4.0, LOADED, {"workers": 4}),
     "host_block_credit": Case(0.0, lambda: groups_trace(60, 6, 500.0, shared=8), HOST_TIER),
     "router_predicted_ttl_secs": Case(0.0, siblings_trace, {"workers": 4}),
     "track_active_blocks": Case(False, LOADED, {"workers": 4}),

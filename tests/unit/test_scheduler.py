@@ -137,6 +137,24 @@ class TestRoutingPolicy:
         assert policy.choose(workers, hashes, 10 * BLOCK, overlaps, overlap_score_weight=0.0).worker == (1, 0)
         assert policy.choose(workers, hashes, 10 * BLOCK, overlaps).worker == (2, 0)
 
+    def test_the_duplicate_penalty_keeps_a_prefix_where_it_is_held_and_charges_only_copies(self):
+        from kvmesh.router.policy import RoutingPolicy
+
+        idle, holder, busier_holder = (1, 0), (2, 0), (3, 0)
+        hashes = list(range(100, 110))  # 10 blocks, the first 4 held by two workers
+        overlaps = {holder: 4, busier_holder: 4}
+
+        def choice(penalty: float) -> tuple[int, int]:
+            policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), duplicate_penalty=penalty)
+            policy.active.add("queued", holder, [900 + i for i in range(6)], 6 * BLOCK, 0)
+            policy.active.add("queued more", busier_holder, [800 + i for i in range(12)], 12 * BLOCK, 0)
+            return policy.choose([idle, holder, busier_holder], hashes, 10 * BLOCK, overlaps).worker
+
+        assert choice(0.0) == idle  # the copy is cheaper than the holder's queue
+        # copying 4 held blocks now costs 8 more blocks of prefill: the less busy holder keeps it
+        assert choice(2.0) == holder
+        assert choice(8.0) == holder  # holders are never charged against each other
+
 
 class TestActiveSequenceTracking:
     def test_output_blocks_grow_with_the_output_and_start_at_the_hint(self):
