@@ -8,6 +8,7 @@ services are given is the one the StatefulSet runs."""
 from __future__ import annotations
 
 import functools
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,7 @@ SERVICES: dict[str, tuple[list[str], type]] = {
     "frontend": (["frontend"], FrontendConfig),
     "planner": (["planner", "run"], PlannerConfig),
 }
+KVMESH_IMAGES = ("kvmesh", "kvmesh-vllm")  # the Dockerfile's default and vllm targets
 # What the downward API gives a pod, for parsing its environment as the service would.
 FIELD_VALUES = {"status.podIP": "10.1.2.3", "metadata.name": "indexer-0"}
 
@@ -66,18 +68,36 @@ def kvmesh_containers(objects: list[dict[str, Any]]):
     for workload in workloads(objects):
         pod = workload["spec"]["template"]
         for container in pod["spec"]["containers"]:
-            if container["image"].split(":")[0] == "kvmesh":
+            if container["image"].split(":")[0] in KVMESH_IMAGES:
                 yield workload, pod, container
 
 
 def container_env(objects: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as Kubernetes builds it: ConfigMaps, then ``env`` in order, each
+    value's ``$(VAR)`` expanded from what came before; a Secret's key stands in as ``secret:NAME/KEY``."""
     config_maps = {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         env.update(config_maps[source["configMapRef"]["name"]])
     for var in container.get("env", []):
-        env[var["name"]] = var["value"] if "value" in var else FIELD_VALUES[var["valueFrom"]["fieldRef"]["fieldPath"]]
+        if "value" in var:
+            env[var["name"]] = expand(var["value"], env)
+        elif "secretKeyRef" in var["valueFrom"]:
+            ref = var["valueFrom"]["secretKeyRef"]
+            env[var["name"]] = f"secret:{ref['name']}/{ref['key']}"
+        else:
+            env[var["name"]] = FIELD_VALUES[var["valueFrom"]["fieldRef"]["fieldPath"]]
     return env
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion in an argument or env value (an unknown name stays as written)."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+
+
+def container_args(objects: list[dict[str, Any]], container: dict[str, Any]) -> list[str]:
+    env = container_env(objects, container)
+    return [expand(arg, env) for arg in container["args"]]
 
 
 def split_command(args: list[str]) -> tuple[str, list[str]]:
@@ -105,7 +125,7 @@ def test_every_container_agrees_with_kvmesh(kustomization: str, tmp_path: Path):
     seen = set()
     for workload, pod, container in kvmesh_containers(objects):
         where = f"{kustomization}: {workload['kind']}/{workload['metadata']['name']}"
-        service, argv = split_command(container["args"])
+        service, argv = split_command(container_args(objects, container))
         seen.add(service)
         command, config_class = SERVICES[service]
         help_text = service_help(tuple(command))
@@ -144,7 +164,13 @@ def test_every_container_agrees_with_kvmesh(kustomization: str, tmp_path: Path):
             [profile_object] = [o for o in objects if o["metadata"]["name"] == profile_map]
             profile_file = tmp_path / "engine-profile.json"
             profile_file.write_text(profile_object["data"]["engine-profile.json"])
-            assert EngineProfile.load(profile_file).engine == "mock"
+            profile = EngineProfile.load(profile_file)
+            assert profile.engine == "mock"
+            # the profile describes the workers the planner plans for
+            for _w, _p, _c, other, worker in configs(objects):
+                if other == "worker":
+                    assert profile.capacity_tokens == worker.block_size * worker.num_gpu_blocks, where
+                    assert profile.max_num_batched_tokens == worker.max_num_batched_tokens, where
         else:  # the gRPC services: health over gRPC on the port they serve, reached at the pod's address
             assert config.host == "0.0.0.0" and config.advertise_host == FIELD_VALUES["status.podIP"]
             assert ports["grpc"] == config.port
@@ -189,3 +215,137 @@ def test_the_services_are_given_the_nats_cluster_the_statefulset_runs(kustomizat
         declared = {p.get("name") for c in targets for p in c.get("ports", [])}
         for port in service["spec"]["ports"]:
             assert port["targetPort"] in declared, f"{service['metadata']['name']}: {port['targetPort']}"
+
+
+def configs(objects: list[dict[str, Any]]):
+    """Each kvmesh container's service and parsed configuration."""
+    for workload, pod, container in kvmesh_containers(objects):
+        service, argv = split_command(container_args(objects, container))
+        config = parse_config(
+            SERVICES[service][1], argv, prog=service, description="", environ=container_env(objects, container)
+        )
+        yield workload, pod, container, service, config
+
+
+def mounted(pod: dict[str, Any], container: dict[str, Any], path: str) -> dict[str, Any] | None:
+    """The pod volume that holds ``path`` in ``container``, if any."""
+    for mount in container.get("volumeMounts", []):
+        if path == mount["mountPath"] or path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            return next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+    return None
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_the_frontend_serves_the_model_the_workers_load(kustomization: str):
+    found = list(configs(rendered(kustomization)))
+    frontends = [(pod, c, config) for _w, pod, c, service, config in found if service == "frontend"]
+    workers = [(pod, c, config) for _w, pod, c, service, config in found if service == "worker"]
+    assert frontends and workers
+    for pod, container, frontend in frontends:
+        for worker_pod, worker_container, worker in workers:
+            assert frontend.model_name == worker.model_name, f"{kustomization}: model names differ"
+            if worker.engine_args:
+                pytest.importorskip("vllm")
+                from kvmesh.worker.engines.vllm.vllm_engine import engine_args
+
+                model_dir = engine_args(worker.engine_args, {}).model
+                # the frontend tokenizes with the folder the workers load, from the same claim
+                assert frontend.model_path == model_dir, f"{kustomization}: tokenizer folder is not the model's"
+                claims = [mounted(p, c, model_dir) for p, c in ((pod, container), (worker_pod, worker_container))]
+                assert all(v is not None and "persistentVolumeClaim" in v for v in claims)
+                assert claims[0]["persistentVolumeClaim"] == claims[1]["persistentVolumeClaim"]
+                shm = mounted(worker_pod, worker_container, "/dev/shm")
+                assert shm is not None and shm["emptyDir"]["medium"] == "Memory", "vLLM needs /dev/shm"
+                assert "nvidia.com/gpu" in worker_container["resources"]["limits"]
+                assert worker_container["image"].startswith("kvmesh-vllm"), "vLLM workers run the vllm image"
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_hardened_as_the_charts_operators_trust(kustomization: str):
+    objects = rendered(kustomization)
+    budgets = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    for workload in workloads(objects):
+        name = f"{kustomization}: {workload['kind']}/{workload['metadata']['name']}"
+        pod = workload["spec"]["template"]
+        labels = pod["metadata"]["labels"]
+        if workload["metadata"]["name"] != "planner":  # one acts, the other stands by: no budget needed
+            assert any(selects(b["spec"]["selector"], labels) for b in budgets), f"{name}: no PodDisruptionBudget"
+        assert labels.get("app.kubernetes.io/part-of") == "kvmesh", f"{name}: the network policies select by it"
+        security = pod["spec"]["securityContext"]
+        assert security["runAsNonRoot"] and security["runAsUser"] > 0 and security["seccompProfile"]
+        for container in pod["spec"]["containers"]:
+            assert container["resources"]["requests"]["memory"] and container["resources"]["limits"]["memory"], name
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] and not context["allowPrivilegeEscalation"], name
+            assert context["capabilities"]["drop"] == ["ALL"], name
+        # Python (and vLLM) write caches and scratch files: a writable /tmp, HOME on it
+        for container in pod["spec"]["containers"]:
+            if container["image"].startswith("kvmesh"):
+                assert mounted(pod, container, "/tmp") is not None, f"{name}: no writable /tmp"
+                assert container_env(objects, container)["HOME"] == "/tmp"
+    [nats] = [o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "nats"]
+    terms = nats["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert any(t["topologyKey"] == "kubernetes.io/hostname" for t in terms), "NATS nodes on distinct machines"
+    [nats_container] = nats["spec"]["template"]["spec"]["containers"]
+    startup, liveness = nats_container["startupProbe"], nats_container["livenessProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "a JetStream recovery may take minutes"
+    assert "initialDelaySeconds" not in liveness  # the startup probe holds it back
+    # NATS authenticates with the password every kvmesh service is given, from one Secret
+    conf = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "nats-config")
+    assert "authorization" in conf["data"]["nats.conf"] and "$NATS_PASSWORD" in conf["data"]["nats.conf"]
+    secret = container_env(objects, nats_container)["NATS_PASSWORD"]
+    assert secret.startswith("secret:")
+    for workload, _pod, container, _service, config in configs(objects):
+        assert config.nats_user == "kvmesh", workload["metadata"]["name"]
+        assert container_env(objects, container)["KVMESH_NATS_PASSWORD"] == secret, workload["metadata"]["name"]
+    # the indexers' StatefulSet is governed by a headless Service of its name
+    [indexer] = [o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "indexer"]
+    [governing] = [
+        o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == indexer["spec"]["serviceName"]
+    ]
+    assert governing["spec"]["clusterIP"] == "None"
+    for _w, _pod, _container, service, config in configs(objects):
+        if service == "indexer":
+            assert 0 < config.durable_inactive_threshold <= 24 * 3600, "durables expire after a documented time"
+    # network policies: everything denied by default, kvmesh's pods reach each other, clients the API
+    assert any(p["spec"]["podSelector"] == {} and "ingress" not in p["spec"] for p in policies), "default deny"
+    internal = [
+        p
+        for p in policies
+        if any(
+            selects(peer.get("podSelector", {}), {"app.kubernetes.io/part-of": "kvmesh"}) and "podSelector" in peer
+            for rule in p["spec"].get("ingress", [])
+            for peer in rule.get("from", [])
+        )
+    ]
+    assert internal, "kvmesh's pods must reach each other"
+    frontend_ports = [
+        port["port"]
+        for p in policies
+        if p["spec"]["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/name") == "frontend"
+        for rule in p["spec"]["ingress"]
+        if "from" not in rule
+        for port in rule.get("ports", [])
+    ]
+    assert "http" in frontend_ports, "clients reach the frontend's API"
+
+
+def test_the_pod_monitor_scrapes_every_kvmesh_pod_on_a_port_it_declares():
+    [monitor] = rendered("monitoring")
+    assert monitor["kind"] == "PodMonitor" and monitor["metadata"]["namespace"] == "kvmesh"
+    endpoints = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    for kustomization in KUSTOMIZATIONS:
+        for workload in workloads(rendered(kustomization)):
+            pod = workload["spec"]["template"]
+            assert selects(monitor["spec"]["selector"], pod["metadata"]["labels"])
+            declared = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+            assert declared & endpoints, (
+                f"{kustomization}: {workload['metadata']['name']} has no port the monitor scrapes"
+            )
