@@ -23,7 +23,6 @@ from kvmesh.frontend.errors import BadRequestError, OpenAIError
 from kvmesh.frontend.gateway import Frontend
 from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.frontend.responses import respond
-from kvmesh.frontend.tokenizer import ChatTemplateError
 
 __all__ = ["create_app", "parse_body", "route_label"]
 
@@ -141,29 +140,13 @@ def create_app(
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await request.body())
-        frontend.check_model(body.model)
-        try:
-            prompt = frontend.model.tokenizer.apply_chat_template(body.template_messages())
-        except ChatTemplateError as exc:
-            raise BadRequestError(str(exc), param="messages") from exc
-        token_ids = frontend.model.tokenizer.encode(prompt)
-        frontend.check_context(len(token_ids), body.requested_max_tokens())
+        token_ids = frontend.prompt_token_ids(body)
         return await respond(frontend, body, token_ids, chat=True, http_request=request)
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         body = parse_body(CompletionRequest, await request.body())
-        frontend.check_model(body.model)
-        if isinstance(body.prompt, str):
-            if not body.prompt:
-                raise BadRequestError("prompt is empty", param="prompt")
-            token_ids = frontend.model.tokenizer.encode(body.prompt)
-        else:
-            vocab = frontend.model.tokenizer.vocab_size
-            if any(t >= vocab for t in body.prompt):
-                raise BadRequestError(f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
-            token_ids = list(body.prompt)
-        frontend.check_context(len(token_ids), body.requested_max_tokens())
+        token_ids = frontend.prompt_token_ids(body)
         return await respond(frontend, body, token_ids, chat=False, http_request=request)
 
     app.openapi = lambda: _openapi_with_bodies(app, frontend.model.name)  # type: ignore[method-assign]

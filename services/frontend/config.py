@@ -36,6 +36,12 @@ class FrontendConfig(CommonConfig, HttpApiOptions):
     default_max_tokens: int = option(64, "max_tokens when a request gives none")
     load_report_secs: float = option(5.0, "seconds between the load reports published for the planner")
     max_request_body_bytes: int = option(32 * 1024 * 1024, "larger request bodies are refused with a 413 (0: no limit)")
+    ext_proc_port: int = option(
+        -1,
+        "also serve Envoy's external processing (ext_proc) on this port, on --http-host, as an endpoint picker "
+        "for a Gateway API Inference Extension gateway: it names the chosen worker's --gateway-endpoint in "
+        "x-gateway-destination-endpoint (-1: off; 0: a free port)",
+    )
 
     def validate(self) -> None:
         if not 0 <= self.http_port < 65536:
@@ -46,5 +52,7 @@ class FrontendConfig(CommonConfig, HttpApiOptions):
             raise ConfigError("--load-report-secs must be positive")
         if self.max_request_body_bytes < 0:
             raise ConfigError("--max-request-body-bytes must be >= 0")
+        if not -1 <= self.ext_proc_port < 65536:
+            raise ConfigError("--ext-proc-port must be -1 (off) or a port between 0 and 65535")
         if self.max_concurrent_requests < 0:
             raise ConfigError("--max-concurrent-requests must be >= 0")

@@ -28,7 +28,7 @@ from kvmesh.frontend.errors import (
 )
 from kvmesh.frontend.load_window import LoadWindow
 from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from kvmesh.frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
+from kvmesh.frontend.tokenizer import ChatTemplateError, IncrementalDetokenizer, ModelTokenizer, StopStringMatcher
 
 log = structlog.get_logger(__name__)
 
@@ -131,6 +131,30 @@ class Frontend:
                 f"and max_tokens asks for {max_tokens or 0} more ({wanted})",
                 param="max_tokens" if prompt_tokens <= limit else "prompt",
             )
+
+    def prompt_token_ids(self, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+        """The prompt's token ids (chat messages rendered with the model's template), the model and the
+        context checked: raises :class:`ModelNotFoundError` or :class:`BadRequestError` (the HTTP API's
+        404 and 400; the endpoint picker's too)."""
+        self.check_model(body.model)
+        tokenizer = self.model.tokenizer
+        if isinstance(body, ChatCompletionRequest):
+            try:
+                token_ids = tokenizer.encode(tokenizer.apply_chat_template(body.template_messages()))
+            except ChatTemplateError as exc:
+                raise BadRequestError(str(exc), param="messages") from exc
+        elif isinstance(body.prompt, str):
+            if not body.prompt:
+                raise BadRequestError("prompt is empty", param="prompt")
+            token_ids = tokenizer.encode(body.prompt)
+        else:
+            if any(t >= tokenizer.vocab_size for t in body.prompt):
+                raise BadRequestError(
+                    f"prompt token ids must be below the vocabulary size {tokenizer.vocab_size}", param="prompt"
+                )
+            token_ids = list(body.prompt)
+        self.check_context(len(token_ids), body.requested_max_tokens())
+        return token_ids
 
     def build_request(
         self,

@@ -14,6 +14,7 @@ import uvicorn
 
 from kvmesh.common.calling.request_path import RequestPath
 from kvmesh.common.calling.router_client import RouterClient
+from kvmesh.common.rpc.grpc_server import start_grpc_server
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.heap import freeze_startup_heap
 from kvmesh.common.runtime.service import ServiceStack, service_main
@@ -21,6 +22,7 @@ from kvmesh.common.wire.lora import adapters_of
 from kvmesh.frontend.admission import read_api_keys
 from kvmesh.frontend.app import create_app
 from kvmesh.frontend.config import FrontendConfig
+from kvmesh.frontend.endpoint_picker import EXT_PROC_SERVICE, EndpointPicker, ext_proc_grpc
 from kvmesh.frontend.gateway import Frontend, ServedModel
 from kvmesh.frontend.load_window import publish_load_forever
 from kvmesh.frontend.tokenizer import ModelTokenizer
@@ -88,6 +90,16 @@ async def serve(config: FrontendConfig, stop: asyncio.Event) -> None:
                 await task
 
         stack.push_async_callback(stop_serving)
+        if config.ext_proc_port >= 0:
+            picker = EndpointPicker(frontend, routers, workers.instances)
+            ext_proc = await start_grpc_server(
+                lambda server: ext_proc_grpc.add_ExternalProcessorServicer_to_server(picker, server),
+                [EXT_PROC_SERVICE],
+                config.http_host,
+                config.ext_proc_port,
+            )
+            stack.push_async_callback(ext_proc.stop)
+            log.info("endpoint picker ready", ext_proc=f"{config.http_host}:{ext_proc.port}")
         port = sock.getsockname()[1]
         log.info(
             "frontend ready",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,8 @@ from kvmesh.common.wire.disagg import default_kv_handoff
 from kvmesh.common.wire.kv_events import parse_moe_placements
 from kvmesh.common.wire.lora import adapter_paths
 from kvmesh.worker.engines.vllm.vllm_defaults import check_block_size
+
+GATEWAY_ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):\d{1,5}")
 
 DEFAULT_MODEL_NAME = "kvmesh-tiny"
 # The mock engine's shape where a flag is not given (vLLM picks its own).
@@ -203,6 +206,12 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
     engine_url: str | None = option(
         None, "with --engine served: the engine server's OpenAI base URL (e.g. http://127.0.0.1:8100/v1)"
     )
+    gateway_endpoint: str | None = option(
+        None,
+        "host:port a Gateway API Inference Extension gateway sends this worker's requests to: its model "
+        "server's OpenAI API, named by kvmesh's endpoint picker (frontend --ext-proc-port); default with "
+        "--engine served: --engine-url's host and port",
+    )
     engine_kv_events: str | None = option(
         None,
         "with --engine served: the ZMQ endpoint where the server publishes its KV events (vLLM: the endpoint of "
@@ -246,6 +255,10 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
 
     def validate(self) -> None:
         check_host_tier(self)
+        if self.gateway_endpoint is not None and GATEWAY_ENDPOINT.fullmatch(self.gateway_endpoint) is None:
+            raise ConfigError(
+                f"--gateway-endpoint {self.gateway_endpoint!r}: give host:port (an IPv6 host in brackets)"
+            )
         if self.engine == "vllm" and self.kv_handoff == "bootstrap":
             raise ConfigError("--kv-handoff bootstrap is the mock engine's; vLLM's KV connector needs sync")
         for name, flag in (

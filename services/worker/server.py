@@ -17,6 +17,7 @@ from kvmesh.common.runtime.heap import freeze_startup_heap
 from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
 from kvmesh.common.runtime.metrics import MetricsEndpoint
 from kvmesh.common.runtime.service import ServiceStack, service_main
+from kvmesh.common.wire.gateway_endpoint import GATEWAY_ENDPOINT_KEY, endpoint_of_url
 from kvmesh.common.wire.lora import ADAPTERS_KEY, RESIDENT_KEY, adapter_paths
 from kvmesh.common.wire.worker_key import DATA_PARALLEL_KEY
 from kvmesh.worker.config import WorkerConfig
@@ -59,7 +60,7 @@ async def serve(
         ranks = [started.engine, *started.ranks]
         servicer = WorkerServicer(worker_id, config.model_name, started.engine, metrics, started.handoff, slots, ranks)
         # 4. registered last (deregistered first), with what routers cost it by
-        extra = {**started.extra, **adapter_extra, **endpoint.discovery_extra()}
+        extra = {**started.extra, **adapter_extra, **endpoint.discovery_extra(), **gateway_extra(config)}
         registration = await register(stack, js, config, worker_id, started, servicer, extra)
         # 5. kept up to date while it serves
         stack.task(advertise_timing_forever(started.engine, registration, config.timing_advertise_secs), "timing")
@@ -120,6 +121,15 @@ async def register(
         capacity_blocks=status.total_blocks,
         extra={"max_num_batched_tokens": engine.max_num_batched_tokens, **extra},
     )
+
+
+def gateway_extra(config: WorkerConfig) -> dict[str, object]:
+    """The model server address a gateway's endpoint picker names for this worker (none: the worker
+    is not reachable over HTTP, and the picker passes it over)."""
+    endpoint = config.gateway_endpoint
+    if endpoint is None and config.engine == "served" and config.engine_url:
+        endpoint = endpoint_of_url(config.engine_url)
+    return {GATEWAY_ENDPOINT_KEY: endpoint} if endpoint else {}
 
 
 async def advertise_timing_forever(engine: Engine, registration: Registration, period_s: float) -> None:

@@ -28,7 +28,9 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.worker.config import WorkerConfig
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
-KUSTOMIZATIONS = ["base", "overlays/vllm", "overlays/disaggregated", "overlays/planner"]
+KUSTOMIZATIONS = ["base", "overlays/vllm", "overlays/disaggregated", "overlays/planner", "overlays/gateway"]
+# Custom resources the Kubernetes schema does not know: checked by the tests that read them.
+CUSTOM_KINDS = {"InferencePool": "inference.networking.k8s.io/v1"}
 SCHEMA_VERSIONS = ["1.32.0", "1.37.0"]  # a current cluster, and the newest the validator knows
 SERVICES: dict[str, tuple[list[str], type]] = {
     "worker": (["worker"], WorkerConfig),
@@ -68,7 +70,8 @@ def kvmesh_containers(objects: list[dict[str, Any]]):
     for workload in workloads(objects):
         pod = workload["spec"]["template"]
         for container in pod["spec"]["containers"]:
-            if container["image"].split(":")[0] in KVMESH_IMAGES:
+            # a container that names its own command (a vLLM server beside a worker) is no kvmesh service
+            if container["image"].split(":")[0] in KVMESH_IMAGES and "command" not in container:
                 yield workload, pod, container
 
 
@@ -113,6 +116,9 @@ def test_every_object_is_valid_against_the_kubernetes_api_schema(kustomization: 
     assert workloads(objects), "nothing rendered"
     for version in SCHEMA_VERSIONS:
         for obj in objects:
+            if obj["kind"] in CUSTOM_KINDS:
+                assert obj["apiVersion"] == CUSTOM_KINDS[obj["kind"]]
+                continue
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.ValidationError as exc:
@@ -153,6 +159,9 @@ def test_every_container_agrees_with_kvmesh(kustomization: str, tmp_path: Path):
         if service == "frontend":
             assert ports["http"] == config.http_port and config.http_host == "0.0.0.0"
             for probe in probes:
+                if "grpc" in probe:  # an endpoint picker: health on its ext_proc server
+                    assert probe["grpc"]["port"] == config.ext_proc_port == ports["ext-proc"], where
+                    continue
                 assert probe["httpGet"]["port"] == config.http_port
                 assert probe["httpGet"]["path"] in OPEN_PATHS, f"{where}: a probe must pass without an API key"
             assert annotations["prometheus.io/port"] == str(config.http_port)
@@ -349,3 +358,33 @@ def test_the_pod_monitor_scrapes_every_kvmesh_pod_on_a_port_it_declares():
             assert declared & endpoints, (
                 f"{kustomization}: {workload['metadata']['name']} has no port the monitor scrapes"
             )
+
+
+def test_the_gateway_overlay_pool_picker_and_workers_agree():
+    objects = rendered("overlays/gateway")
+    [pool] = [o for o in objects if o["kind"] == "InferencePool"]
+    [port] = [p["number"] for p in pool["spec"]["targetPorts"]]
+    picker_ref = pool["spec"]["endpointPickerRef"]
+    [service] = [o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == picker_ref["name"]]
+    [service_port] = [p for p in service["spec"]["ports"] if p["port"] == picker_ref["port"]["number"]]
+    pickers = [
+        (w, c, config)
+        for w, _p, c, name, config in configs(objects)
+        if name == "frontend" and config.ext_proc_port >= 0
+    ]
+    assert pickers, "no endpoint picker"
+    for workload, container, config in pickers:
+        assert service["spec"]["selector"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+        declared = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert declared[service_port["targetPort"]] == config.ext_proc_port
+    workers = [(p, config) for _w, p, _c, name, config in configs(objects) if name == "worker"]
+    assert workers
+    for pod, config in workers:
+        labels = pod["metadata"]["labels"]
+        assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items(), "the pool selects the workers"
+        # the worker names its pod's model server, on the port the pool sends to
+        host, _, named_port = config.gateway_endpoint.rpartition(":")
+        assert host == FIELD_VALUES["status.podIP"] and int(named_port) == port
+        served = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])]
+        assert port in served, "a container of the worker's pod serves the pool's port"
+        assert config.engine == "served" and config.engine_url.startswith("http://127.0.0.1:")

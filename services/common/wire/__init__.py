@@ -7,6 +7,7 @@
 - ``requests`` — facts about a preprocessed request (a continued try, the usage of a whole answer).
 - ``finish_reasons`` — finish reasons between the protos and OpenAI's names.
 - ``priority`` — the router queue's priority classes, declared and validated once.
+- ``gateway_endpoint`` — the model server address a worker advertises for inference gateways.
 - ``session`` — a request's session: the headers that carry one, its one parser.
 - ``lora`` — LoRA adapters: names, paths, what a worker's record says it serves and holds.
 - ``names`` — every NATS subject, stream and bucket name.
