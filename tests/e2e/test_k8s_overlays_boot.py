@@ -193,7 +193,15 @@ def booted(kustomization: str, scratch: Path, claims: dict[str, Path] | None = N
         cluster.stop()
 
 
-@pytest.mark.parametrize("kustomization", ["base", "overlays/disaggregated", "overlays/planner"])
+@pytest.mark.parametrize(
+    "kustomization",
+    # base in the default suite; the overlays that add to it in the slow tier (CI runs both)
+    [
+        "base",
+        pytest.param("overlays/disaggregated", marks=pytest.mark.slow),
+        pytest.param("overlays/planner", marks=pytest.mark.slow),
+    ],
+)
 def test_the_rendered_overlay_boots_and_serves_chat_completions(kustomization: str, tmp_path: Path):
     serves(kustomization, tmp_path, MODEL)
 
