@@ -1,7 +1,12 @@
 """How many indexer and router replicas does a fleet need? The figures docs/sizing.md is built from:
 
 - ``indexer-stream``: blocks/s one indexer replica applies from the KV event stream replicated three
-  times on a three-node NATS cluster (the stream preloaded, so the replica runs flat out);
+  times on a three-node NATS cluster (the stream preloaded, so the replica runs flat out), in large
+  packed batches: the best case;
+- ``worker-shaped``: the same, with events shaped as workers publish them: per worker, one message
+  each 5 ms flush window holding a prefill chunk's stored blocks, decode steps' single-block
+  stores and the evictions' removals (about 3,100 block events/s a worker, the model below), for 64
+  and 256 workers; and the three NATS servers' CPU per event while the stream was written and read;
 - ``find-matches``: FindMatches time (p50/p99, 64-block queries) and memory per indexed block with
   1M and 10M blocks over 64 workers, in process;
 - ``router``: requests/s one router replica serves and the CPU it uses for them (mock workers);
@@ -17,6 +22,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import random
 import resource
 import subprocess
@@ -25,16 +31,127 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.indexer_bench import CHAIN_BLOCKS, QUERY_BLOCKS, jetstream_apply, percentile
+from bench.indexer_bench import CHAIN_BLOCKS, NAMESPACE, QUERY_BLOCKS, jetstream_apply, percentile, preload
 from bench.router_bench import throughput
 from kvmesh.common.core.prefix_index import PrefixIndex
+from kvmesh.common.runtime.nats_cluster import EmbeddedNatsCluster
+from kvmesh.common.runtime.process import connect_nats
+from kvmesh.common.wire import names
 from kvmesh.common.wire.hashing import sequence_hashes
-from kvmesh.common.wire.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock
+from kvmesh.common.wire.kv_events import BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, StoredBlock, encode_batch
+from kvmesh.indexer.consumer import EventStreamConsumer
 
 SHARED_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
-PARTS = ("indexer-stream", "find-matches", "router", "replay")
+PARTS = ("indexer-stream", "worker-shaped", "find-matches", "router", "replay")
+# A busy worker in the sizing model: 20,000 prefill + 5,000 decode tokens/s, 16-token blocks, each
+# block stored once and evicted once. Per 5 ms flush window: a prefill chunk of ~6 blocks, a decode
+# block now and then, and ~7.8 blocks removed.
+WINDOW_S = 0.005
+PREFILL_BLOCKS_PER_WINDOW = 20_000 / 16 * WINDOW_S
+DECODE_BLOCKS_PER_WINDOW = 5_000 / 16 * WINDOW_S
+BLOCK_EVENTS_PER_WORKER_S = 2 * (PREFILL_BLOCKS_PER_WINDOW + DECODE_BLOCKS_PER_WINDOW) / WINDOW_S  # stored + removed
 # Token ids are 32-bit and a hash id stands for 512 of them: hash ids stay below 2**32 / 512.
 MAX_HASH_ID = 2**32 // 512 - 1
+
+
+def worker_shaped_batches(workers: int, seconds: float, seed: int = 0) -> tuple[list[KvEventBatch], int]:
+    """Each worker's flush windows over ``seconds``: (batches in publish order, block events)."""
+    rng = random.Random(seed)
+    windows = round(seconds / WINDOW_S)
+    batches: list[KvEventBatch] = []
+    block_events = 0
+    held: list[list[int]] = [[] for _ in range(workers)]  # each worker's cached blocks, oldest first
+    next_event = [0] * workers
+    chain_tail: list[int | None] = [None] * workers
+    for _ in range(windows):
+        for worker in range(workers):
+            events: list[KvEvent] = []
+            # a prefill chunk: a run of blocks extending the current prompt (a new prompt now and then)
+            count = int(PREFILL_BLOCKS_PER_WINDOW) + (rng.random() < PREFILL_BLOCKS_PER_WINDOW % 1)
+            if rng.random() < 0.1:
+                chain_tail[worker] = None
+            stored = [rng.getrandbits(63) for _ in range(count)]
+            if stored:
+                blocks = tuple(StoredBlock(h, h ^ 0x5555, 16) for h in stored)
+                events.append(KvEvent(next_event[worker], BlocksStored(chain_tail[worker], blocks)))
+                next_event[worker] += 1
+                chain_tail[worker] = stored[-1]
+            # decode: a sequence fills a block and stores it alone
+            decode = int(DECODE_BLOCKS_PER_WINDOW) + (rng.random() < DECODE_BLOCKS_PER_WINDOW % 1)
+            for _ in range(decode):
+                h = rng.getrandbits(63)
+                events.append(KvEvent(next_event[worker], BlocksStored(chain_tail[worker], (StoredBlock(h, h, 16),))))
+                next_event[worker] += 1
+                stored.append(h)
+            held[worker].extend(stored)
+            # eviction at steady state: as many blocks leave as came, the oldest first
+            if len(held[worker]) > 4 * len(stored):
+                gone, held[worker] = held[worker][: len(stored)], held[worker][len(stored) :]
+                events.append(KvEvent(next_event[worker], BlocksRemoved(tuple(gone))))
+                next_event[worker] += 1
+                block_events += len(gone)
+            block_events += len(stored)
+            if events:
+                batches.append(KvEventBatch(worker, 0, 0.0, tuple(events)))
+    return batches, block_events
+
+
+async def worker_shaped_apply(workers: int, seconds: float) -> dict[str, float]:
+    """One indexer replica applying worker-shaped messages flat out from a 3-replica stream on three
+    NATS servers, and the servers' CPU seconds per block event written and read."""
+    batches, block_events = worker_shaped_batches(workers, seconds)
+    messages = [
+        (
+            names.kv_events_subject(NAMESPACE, b.worker_id),
+            encode_batch(b),
+            names.kv_event_msg_id(b.worker_id, 0, b.first_event_id),
+        )
+        for b in batches
+    ]
+    cluster = await EmbeddedNatsCluster(3).start()
+    try:
+        pids = [node.pid for node in cluster.nodes if node.pid is not None]
+        nc = await connect_nats(cluster.url, name="kvmesh-bench")
+        js = nc.jetstream()
+        cpu_before = nats_cpu_seconds(pids)
+        await preload(js, messages)
+        cpu_written = nats_cpu_seconds(pids) - cpu_before
+        last = (await js.stream_info(names.KV_EVENTS_STREAM)).state.last_seq
+        consumer = EventStreamConsumer(nc, NAMESPACE, "bench", PrefixIndex())
+        cpu_before = nats_cpu_seconds(pids)
+        started = time.perf_counter()
+        await consumer.start()
+        while consumer.applied_sequence < last:
+            await asyncio.sleep(0.005)
+        elapsed = time.perf_counter() - started
+        cpu_read = nats_cpu_seconds(pids) - cpu_before
+        await consumer.stop()
+        await nc.close()
+    finally:
+        cluster.stop()
+    return {
+        "workers": workers,
+        "messages": len(messages),
+        "block_events": block_events,
+        "events_per_message": block_events / len(messages),
+        "block_events_per_s": block_events / elapsed,
+        "messages_per_s": len(messages) / elapsed,
+        "nats_cpu_us_per_event_written": cpu_written / block_events * 1e6,
+        "nats_cpu_us_per_event_read": cpu_read / block_events * 1e6,
+        "worker_equivalents": block_events
+        / elapsed
+        / (2 * (PREFILL_BLOCKS_PER_WINDOW + DECODE_BLOCKS_PER_WINDOW) / WINDOW_S),
+    }
+
+
+def nats_cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes have used (from /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
 
 
 def rss_bytes() -> int:
@@ -164,6 +281,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replay-requests", type=int, default=1_000_000)
     parser.add_argument("--replay-workers", type=int, default=256)
     parser.add_argument("--router-seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--shaped-seconds",
+        type=float,
+        default=10.0,
+        help="worker-shaped: seconds of 64 workers' events (256: a quarter)",
+    )
     args = parser.parse_args(argv)
     if "indexer-stream" in args.parts:
         for servers in (1, 3):
@@ -171,6 +294,17 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"indexer replica from the KV event stream ({servers} NATS server(s), {min(servers, 3)} replica(s)): "
                 f"{r['blocks_per_s']:,.0f} blocks/s ({r['messages_per_s']:,.0f} messages/s), {r['blocks']:,} blocks",
+                flush=True,
+            )
+    if "worker-shaped" in args.parts:
+        for workers in (64, 256):
+            r = asyncio.run(worker_shaped_apply(workers, args.shaped_seconds * 64 / workers))
+            print(
+                f"indexer replica, worker-shaped events, {workers} workers (3 NATS servers, 3 replicas): "
+                f"{r['block_events_per_s']:,.0f} block events/s ({r['messages_per_s']:,.0f} messages/s of "
+                f"{r['events_per_message']:.1f} block events): {r['worker_equivalents']:.0f} busy workers; "
+                f"NATS CPU (3 servers) {r['nats_cpu_us_per_event_written']:.1f} µs per block event written, "
+                f"{r['nats_cpu_us_per_event_read']:.1f} µs read",
                 flush=True,
             )
     if "find-matches" in args.parts:
