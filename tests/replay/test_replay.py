@@ -161,6 +161,8 @@ def test_cli_rejects_a_broken_trace(tmp_path, capsys):
 DYNAMO_ROUND_ROBIN = {4: (0.1105, 653, 407, 4199), 6: (0.0974, 3905, 1505, 19649)}
 DYNAMO_KV = {4: (0.367, 72, 1210), 6: (0.305, 308, 1589)}
 
+# speed-up 4 in the default suite; 6, the heavier load, in the slow tier (CI runs both)
+SPEEDUPS = [4, pytest.param(6, marks=pytest.mark.slow)]
 needs_trace = pytest.mark.skipif(not SHARED_TRACE.is_file(), reason="../shared/data trace not present")
 
 
@@ -170,7 +172,7 @@ def shared_trace():
 
 
 @needs_trace
-@pytest.mark.parametrize("speedup", [4, 6])
+@pytest.mark.parametrize("speedup", SPEEDUPS)
 def test_round_robin_matches_dynamos_engine_model(shared_trace, speedup):
     summary = summarise(
         ReplaySimulator(ReplayConfig(router_mode="round-robin", arrival_speedup_ratio=speedup)).run(shared_trace)
@@ -184,7 +186,7 @@ def test_round_robin_matches_dynamos_engine_model(shared_trace, speedup):
 
 
 @needs_trace
-@pytest.mark.parametrize("speedup", [4, 6])
+@pytest.mark.parametrize("speedup", SPEEDUPS)
 def test_kv_routing_beats_dynamos_kv_router(shared_trace, speedup):
     summary = summarise(
         ReplaySimulator(ReplayConfig(router_mode="kv", arrival_speedup_ratio=speedup)).run(shared_trace)
