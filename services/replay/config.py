@@ -36,6 +36,9 @@ REFUSED_OPTIONS = {
 DEFAULT_KV_EVENT_DELAY_MS = 6.5
 
 
+TOO_LONG = "too_long"
+
+
 @dataclass
 class ReplayConfig(RoutingOptions, PlannerOptions):
     """The simulated fleet and trace handling; the routing options are the router's own, the SLA
@@ -154,7 +157,9 @@ class RequestRecord:
     session: str = ""  # the session it belongs to (a session-structured trace's)
     priority: str = "normal"  # its class at the router queue
     queued_ms: float = 0.0  # time it waited in the router queue
-    refused: str = ""  # why the router queue refused it ("full", "timeout"); empty: served
+    # why it was refused: the router queue's "full", "timeout" or "busy", or TOO_LONG (no worker can
+    # hold its prompt and output); empty: served
+    refused: str = ""
 
     @property
     def ttft_ms(self) -> float:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.common.core.stats import percentile
 from kvmesh.planner.load import met_targets
+from kvmesh.replay.config import TOO_LONG
 
 if TYPE_CHECKING:  # the simulator imports the planner, which this module imports too
     from kvmesh.replay.config import RequestRecord
@@ -65,7 +66,9 @@ def _queue(records: Sequence[RequestRecord]) -> dict[str, Any]:
         served = [r for r in mine if not r.refused and r.tokens == r.output_length]
         by_class[priority] = {
             "requests": len(mine),
-            "refused": {reason: sum(1 for r in mine if r.refused == reason) for reason in ("full", "timeout", "busy")},
+            "refused": {
+                reason: sum(1 for r in mine if r.refused == reason) for reason in ("full", "timeout", "busy", TOO_LONG)
+            },
             "queued_ms": _distribution([r.queued_ms for r in served]),
             "ttft_ms": _distribution([r.ttft_ms for r in served]),
         }

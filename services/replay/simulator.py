@@ -30,7 +30,7 @@ import random
 from kvmesh.common.core.index_answer import EMPTY_ANSWER, IndexAnswer
 from kvmesh.common.core.timing import TimingModel, scaled
 from kvmesh.common.core.timing_fit import TimingFit
-from kvmesh.common.wire.hashing import sequence_hashes
+from kvmesh.common.wire.hashing import blocks_needed, sequence_hashes
 from kvmesh.common.wire.kv_events import HOST_TIER, KvEvent, KvEventBatch
 from kvmesh.common.wire.priority import parse_mix
 from kvmesh.common.wire.worker_key import WorkerKey
@@ -38,7 +38,7 @@ from kvmesh.planner.decision import POOLS, Decision, PoolSizes
 from kvmesh.planner.load import IntervalObservation
 from kvmesh.planner.planner import Planner
 from kvmesh.replay.arrival_profile import parse_arrival_profile
-from kvmesh.replay.config import ReplayConfig, RequestRecord, router_config
+from kvmesh.replay.config import TOO_LONG, ReplayConfig, RequestRecord, router_config
 from kvmesh.replay.fleet import REPLAY_MODEL, IntervalRecorder, RoutableWorkers, VirtualFleet
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
 from kvmesh.replay.queue_door import QueueDoor
@@ -197,6 +197,13 @@ class ReplaySimulator:
             request = trace[next_arrival]
             next_arrival += 1
             self.now_ms = record.arrival_ms
+            if (
+                blocks_needed(request.input_length + request.output_length, self.config.block_size)
+                > self.config.num_blocks
+            ):
+                # no worker can hold it: a worker refuses it (the frontend answers 400), counted, not run
+                record.refused = TOO_LONG
+                continue
             if not self.queue.admit_now(record):
                 continue  # waits in the router queue, or was refused
             worker = self._route(record, request, by_id)

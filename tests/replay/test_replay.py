@@ -10,7 +10,7 @@ import pytest
 from kvmesh.common.core.timing import TimingModel
 from kvmesh.replay import cli
 from kvmesh.replay.burst_trace import burst_trace
-from kvmesh.replay.config import ReplayConfig
+from kvmesh.replay.config import TOO_LONG, ReplayConfig
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceError, TraceRequest, read_trace
 from kvmesh.replay.report import percentile, summarise
 from kvmesh.replay.simulator import ReplaySimulator
@@ -56,6 +56,22 @@ def test_hand_made_trace_gives_exact_reuse_and_ttft(tmp_path):
     assert second.cached_tokens == 48
     assert second.ttft_ms == pytest.approx(TIMING.prefill_ms(16))
     assert summarise([first, second])["prefix_reuse"] == pytest.approx(48 / 128)
+
+
+def test_a_request_no_worker_can_hold_is_refused_and_counted_and_the_rest_are_served(tmp_path):
+    # 100 blocks of 16 tokens a worker: 1,600 tokens; the middle request needs 2,048 + 8
+    rows = [
+        {"timestamp": 0, "input_length": 64, "output_length": 4, "hash_ids": [0, 1]},
+        {"timestamp": 5, "input_length": 2048, "output_length": 8, "hash_ids": list(range(10, 74))},
+        {"timestamp": 10, "input_length": 64, "output_length": 4, "hash_ids": [0, 1]},
+    ]
+    trace = read_trace(write_trace(tmp_path / "t.jsonl", rows))
+    config = ReplayConfig(workers=2, block_size=16, num_blocks=100, trace_block_size=32)
+    records = ReplaySimulator(config).run(trace)
+    assert [r.refused for r in records] == ["", TOO_LONG, ""]
+    summary = summarise(records)
+    assert summary["completed"] == 2 and summary["refused"] == 1
+    assert summary["by_priority"]["normal"]["refused"][TOO_LONG] == 1
 
 
 def test_kv_routing_follows_the_cache_where_round_robin_does_not(tmp_path):
