@@ -331,5 +331,5 @@ async def fresh_indexer_restores(mesh: HostMesh, watch: MeshWatch, host: str, ru
             process.kill()
         with contextlib.suppress(Exception):
             await watch.nc.jetstream().delete_consumer(
-                names.KV_EVENTS_STREAM, names.indexer_durable_name("default", replica)
+                names.KV_EVENTS_STREAM, names.indexer_durable_name(names.DEFAULT_NAMESPACE, replica)
             )

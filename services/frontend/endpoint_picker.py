@@ -81,6 +81,10 @@ class _Exchange:
     ended: bool = False
     status: int = 0
 
+    def answered(self) -> str:
+        """The outcome of a response that came to its end: completed unless it was an error."""
+        return "completed" if self.status < 400 else "cancelled"
+
 
 class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
     """``ExternalProcessor.Process``: one stream per HTTP request."""
@@ -91,8 +95,6 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         self.frontend = frontend
         self.routers = routers
         self.workers = workers
-        self.picked = 0
-        self.refused = 0
 
     async def Process(
         self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -136,20 +138,20 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
             exchange.status = _status(_header_map(message.response_headers))
             self._first_token(exchange)
             if message.response_headers.end_of_stream:
-                self._end(exchange, "completed" if exchange.status < 400 else "cancelled")
+                self._end(exchange, exchange.answered())
             return [ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())]
         if kind == "response_body":
             body = message.response_body
             self._first_token(exchange)
             if body.end_of_stream:
-                self._end(exchange, "completed" if exchange.status < 400 else "cancelled")
+                self._end(exchange, exchange.answered())
             if exchange.duplex_response:  # handed back as it came
                 return [_body_answer(_passed_on(body.body, body.end_of_stream), response=True)]
             return [ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())]
         if kind == "request_trailers":
             return [ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())]
         if kind == "response_trailers":
-            self._end(exchange, "completed" if exchange.status < 400 else "cancelled")
+            self._end(exchange, exchange.answered())
             return [ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())]
         return []
 
@@ -158,7 +160,6 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
             endpoint = await self._route(exchange)
         except OpenAIError as error:
             return [self._refusal(exchange, error)]
-        self.picked += 1
         mutation = ext_proc.CommonResponse(
             header_mutation=ext_proc.HeaderMutation(
                 set_headers=[
@@ -224,7 +225,6 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         return endpoint
 
     def _refusal(self, exchange: _Exchange, error: OpenAIError) -> ext_proc.ProcessingResponse:
-        self.refused += 1
         log.info("refused", status=error.status_code, reason=error.message, request_id=exchange.request_id or None)
         headers = [("content-type", "application/json"), *error.headers.items()]
         return ext_proc.ProcessingResponse(

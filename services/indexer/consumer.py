@@ -98,7 +98,7 @@ class EventStreamConsumer:
                 await self._js.delete_consumer(names.KV_EVENTS_STREAM, self.durable)
         await self._drop_legacy_durable()
         self.applied_sequence = start_after
-        ack_floor, delivered, ack_policy, self._consumer_sequence, ack_threshold = await self._position()
+        ack_floor, delivered, ack_policy, self._consumer_sequence, existing = await self._position()
         if delivered > start_after:
             await self._replay(start_after + 1, delivered)
         if ack_floor is not None and ack_policy != AckPolicy.ALL:
@@ -119,9 +119,10 @@ class EventStreamConsumer:
                 inactive_threshold=self._inactive_threshold_s,
             )
             await self._js.add_consumer(names.KV_EVENTS_STREAM, config)
-        elif ack_threshold != self._inactive_threshold_s:
+        elif existing is not None and existing.inactive_threshold != self._inactive_threshold_s:
             # an editable field: the durable keeps its position
-            await self._set_inactive_threshold()
+            existing.inactive_threshold = self._inactive_threshold_s
+            await self._js.add_consumer(names.KV_EVENTS_STREAM, existing)
         self._pull = StandingPull(
             self._nc, names.KV_EVENTS_STREAM, self.durable, self._apply_and_ack, batch=FETCH_BATCH
         )
@@ -140,10 +141,10 @@ class EventStreamConsumer:
         await cancel_and_wait(self._acker)
         await self._ack_last()
 
-    async def _position(self) -> tuple[int | None, int, AckPolicy | None, int, float | None]:
+    async def _position(self) -> tuple[int | None, int, AckPolicy | None, int, ConsumerConfig | None]:
         """The durable consumer's ack floor, the last stream sequence it delivered, its ack policy,
-        how many deliveries it made and its inactive threshold; ``(None, 0, None, 0, None)`` when it
-        does not exist yet."""
+        how many deliveries it made and its configuration; ``(None, 0, None, 0, None)`` when it does
+        not exist yet."""
         try:
             info = await self._js.consumer_info(names.KV_EVENTS_STREAM, self.durable)
         except nats.js.errors.NotFoundError:
@@ -151,13 +152,7 @@ class EventStreamConsumer:
         ack_floor = info.ack_floor.stream_seq if info.ack_floor else 0
         delivered = info.delivered.stream_seq if info.delivered else 0
         deliveries = info.delivered.consumer_seq if info.delivered else 0
-        config = info.config
-        return ack_floor, max(ack_floor, delivered), config.ack_policy, deliveries, config.inactive_threshold
-
-    async def _set_inactive_threshold(self) -> None:
-        config = (await self._js.consumer_info(names.KV_EVENTS_STREAM, self.durable)).config
-        config.inactive_threshold = self._inactive_threshold_s
-        await self._js.add_consumer(names.KV_EVENTS_STREAM, config)
+        return ack_floor, max(ack_floor, delivered), info.config.ack_policy, deliveries, info.config
 
     async def _drop_legacy_durable(self) -> None:
         """Delete this replica's durable of the name before namespaces were in it, when it follows

@@ -30,7 +30,7 @@ import random
 from kvmesh.common.core.index_answer import EMPTY_ANSWER, IndexAnswer
 from kvmesh.common.core.timing import TimingModel, scaled
 from kvmesh.common.core.timing_fit import TimingFit
-from kvmesh.common.wire.hashing import blocks_needed, sequence_hashes
+from kvmesh.common.wire.hashing import sequence_hashes
 from kvmesh.common.wire.kv_events import HOST_TIER, KvEvent, KvEventBatch
 from kvmesh.common.wire.priority import parse_mix
 from kvmesh.common.wire.worker_key import WorkerKey
@@ -48,7 +48,7 @@ from kvmesh.router.prefill_job import LocalPrefill
 from kvmesh.router.request_queue import AllWorkersBusy
 from kvmesh.router.routing import Router
 from kvmesh.worker.engine import EngineRequestSpec
-from kvmesh.worker.engines.mock.mock_engine import EngineConfig, MockEngine, StepResult
+from kvmesh.worker.engines.mock.mock_engine import EngineConfig, MockEngine, StepResult, capacity_refusal
 
 
 class ReplaySimulator:
@@ -197,10 +197,8 @@ class ReplaySimulator:
             request = trace[next_arrival]
             next_arrival += 1
             self.now_ms = record.arrival_ms
-            if (
-                blocks_needed(request.input_length + request.output_length, self.config.block_size)
-                > self.config.num_blocks
-            ):
+            tokens = request.input_length + request.output_length
+            if capacity_refusal(tokens, self.config.block_size, self.config.num_blocks) is not None:
                 # no worker can hold it: a worker refuses it (the frontend answers 400), counted, not run
                 record.refused = TOO_LONG
                 continue

@@ -220,3 +220,26 @@ async def test_a_replica_gone_longer_than_the_inactive_threshold_leaves_no_durab
         return consumer.durable not in {c.name for c in await js.consumers_info(names.KV_EVENTS_STREAM)}
 
     await wait_until_async(removed, timeout=20, what="the server removes the idle durable")
+
+
+async def test_a_changed_inactive_threshold_is_set_on_the_durable_in_place(nc: NatsClient):
+    js = nc.jetstream()
+    await ensure_kv_events_stream(js)
+    await _publish(nc, "edited", 3, 4)
+    first = EventStreamConsumer(nc, "edited", "r", PrefixIndex(), inactive_threshold_s=3600.0)
+    await first.start()
+    await wait_until_async(lambda: first.applied_sequence == 4, what="the first replica applies 4 events")
+    await first.stop()
+    created = (await js.consumer_info(names.KV_EVENTS_STREAM, first.durable)).created
+    index = PrefixIndex()
+    again = EventStreamConsumer(nc, "edited", "r", index, inactive_threshold_s=120.0)
+    await again.start()
+    try:
+        info = await js.consumer_info(names.KV_EVENTS_STREAM, again.durable)
+        assert info.config.inactive_threshold == 120.0
+        assert info.created == created  # edited, not remade: the durable keeps its position
+        await _publish(nc, "edited", 3, 2, first=4)
+        await wait_until_async(lambda: again.applied_sequence == 6, what="it follows on from the durable")
+        assert index.stats.duplicates_skipped == 0
+    finally:
+        await again.stop()

@@ -59,8 +59,19 @@ __all__ = [
     "StepResult",
     "TokenOutput",
     "TransferPlan",
+    "capacity_refusal",
     "transferable_blocks",
 ]
+
+
+def capacity_refusal(num_tokens: int, block_size: int, num_blocks: int) -> str | None:
+    """Why a cache of ``num_blocks`` can never hold a request of ``num_tokens`` (prompt + max_tokens),
+    or None when it can: the engine refuses such a request, and the replay counts it refused."""
+    needed = blocks_needed(num_tokens, block_size)
+    if needed > num_blocks:
+        return f"prompt + max_tokens needs {needed} KV blocks; this worker has {num_blocks}"
+    return None
+
 
 # Printable ASCII byte ids: with the bundled byte-level tokenizer they decode to readable text.
 DEFAULT_OUTPUT_VOCAB: tuple[int, ...] = (*range(97, 123), 32, 32, 32, 46)
@@ -187,11 +198,9 @@ class MockEngine:
             raise EngineRequestError("the prompt is empty")
         if spec.max_tokens <= 0:
             raise EngineRequestError("max_tokens must be at least 1")
-        needed = blocks_needed(len(prompt) + spec.max_tokens, self.block_size)
-        if needed > self.config.num_blocks:
-            raise EngineRequestError(
-                f"prompt + max_tokens needs {needed} KV blocks; this worker has {self.config.num_blocks}"
-            )
+        too_long = capacity_refusal(len(prompt) + spec.max_tokens, self.block_size, self.config.num_blocks)
+        if too_long is not None:
+            raise EngineRequestError(too_long)
         if not isinstance(prompt, list | array):
             prompt = list(prompt)
         local, chained = self.cache.prompt_hashes(prompt, spec.lora_name, block_hashes)
