@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from bench.processes import cpu_seconds
 from kvmesh.common.core.prefix_index import PrefixIndex
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
@@ -151,34 +152,46 @@ async def preload(js, messages: list[tuple[str, bytes, str]]) -> None:
         )
 
 
-async def jetstream_apply(total_blocks: int, workers: int, nats_servers: int = 1) -> dict[str, float]:
-    """Blocks/s one replica applies from the stream (decode + apply + ack), stream preloaded; on a
-    NATS cluster of ``nats_servers`` (3: the stream has three replicas)."""
-    workload = make_workload(total_blocks, workers, seed=1)
-    messages = to_messages(workload)
+async def apply_flat_out(messages: list[tuple[str, bytes, str]], nats_servers: int) -> dict[str, float]:
+    """Preload ``messages`` into the stream on a NATS cluster of ``nats_servers`` (3: the stream has
+    three replicas), then let one replica apply them flat out (decode + apply + ack): the seconds it
+    took, and the servers' CPU seconds while the stream was written and while it was read."""
     server = await EmbeddedNatsCluster(nats_servers).start()
     try:
+        pids = [node.pid for node in server.nodes if node.pid is not None]
         nc = await connect_nats(server.url, name="kvmesh-bench")
         js = nc.jetstream()
+        cpu_before = cpu_seconds(pids)
         await preload(js, messages)
+        written = cpu_seconds(pids) - cpu_before
         last = (await js.stream_info(names.KV_EVENTS_STREAM)).state.last_seq
-        index = PrefixIndex()
-        consumer = EventStreamConsumer(nc, NAMESPACE, "bench", index)
+        consumer = EventStreamConsumer(nc, NAMESPACE, "bench", PrefixIndex())
+        cpu_before = cpu_seconds(pids)
         started = time.perf_counter()
         await consumer.start()
         while consumer.applied_sequence < last:
             await asyncio.sleep(0.005)
         elapsed = time.perf_counter() - started
+        read = cpu_seconds(pids) - cpu_before
         await consumer.stop()
         await nc.close()
-        return {
-            "blocks": workload.blocks,
-            "messages": len(messages),
-            "blocks_per_s": workload.blocks / elapsed,
-            "messages_per_s": len(messages) / elapsed,
-        }
+        return {"seconds": elapsed, "nats_cpu_written_s": written, "nats_cpu_read_s": read}
     finally:
         server.stop()
+
+
+async def jetstream_apply(total_blocks: int, workers: int, nats_servers: int = 1) -> dict[str, float]:
+    """Blocks/s one replica applies from the stream (decode + apply + ack), stream preloaded; on a
+    NATS cluster of ``nats_servers`` (3: the stream has three replicas)."""
+    workload = make_workload(total_blocks, workers, seed=1)
+    messages = to_messages(workload)
+    elapsed = (await apply_flat_out(messages, nats_servers))["seconds"]
+    return {
+        "blocks": workload.blocks,
+        "messages": len(messages),
+        "blocks_per_s": workload.blocks / elapsed,
+        "messages_per_s": len(messages) / elapsed,
+    }
 
 
 async def grpc_queries(total_blocks: int, workers: int) -> dict[str, float]:

@@ -43,8 +43,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.processes import start_in_session, stop_sessions
-from bench.serving_cpu import command_lines, cpu_seconds
+from bench.processes import cpu_seconds, start_in_session, stop_sessions
+from bench.serving_cpu import command_lines
 from kvmesh.common.runtime.ports import free_port, process_tree
 from kvmesh.devtools.mesh_process import MeshProcess
 

@@ -7,7 +7,8 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvmesh.common.runtime.child_process import ending_with_parent
@@ -33,3 +34,17 @@ def stop_sessions(processes: Sequence[subprocess.Popen[bytes]], timeout: float =
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU seconds the processes have used so far (from /proc; one that has exited
+    counts nothing)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it exited
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return total

@@ -19,8 +19,8 @@ import random
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+from bench.processes import cpu_seconds
 from kvmesh.client import RouterApi
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.nats_server import EmbeddedNatsServer
@@ -60,11 +60,6 @@ def decision_time(workers: int, samples: int = 2000) -> tuple[float, float]:
     return percentile(timings, 50), percentile(timings, 99)
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def throughput(seconds: float, concurrency: int) -> dict[str, float]:
     server = await EmbeddedNatsServer().start()
     common = ["--nats-url", server.url, "--namespace", NAMESPACE, "--log-level", "warning"]
@@ -102,12 +97,12 @@ async def throughput(seconds: float, concurrency: int) -> dict[str, float]:
         await asyncio.gather(*(client(i, warm) for i in range(concurrency)))
         done, latencies = 0, []
         indexer = processes[0]
-        cpu_before, indexer_before = cpu_seconds(router.pid), cpu_seconds(indexer.pid)
+        cpu_before, indexer_before = cpu_seconds([router.pid]), cpu_seconds([indexer.pid])
         started = time.monotonic()
         await asyncio.gather(*(client(i, started + seconds) for i in range(concurrency)))
         elapsed = time.monotonic() - started
-        router_cpu = (cpu_seconds(router.pid) - cpu_before) / elapsed
-        indexer_cpu = (cpu_seconds(indexer.pid) - indexer_before) / elapsed
+        router_cpu = (cpu_seconds([router.pid]) - cpu_before) / elapsed
+        indexer_cpu = (cpu_seconds([indexer.pid]) - indexer_before) / elapsed
         await routers.stop()
         await workers.stop()
         await nc.close()

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench.processes import cpu_seconds
 from bench.stream_load import add_load_arguments
 from kvmesh.common.runtime.ports import process_tree
 
@@ -49,18 +50,6 @@ def service_pids(root: int | None = None) -> dict[str, list[int]]:
             if service in command and "bench.serving_cpu" not in command:
                 found.setdefault(service.removeprefix("kvmesh."), []).append(pid)
     return found
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # it exited
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-    return total
 
 
 def main() -> None:

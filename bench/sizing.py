@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import random
 import resource
 import subprocess
@@ -31,15 +30,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.indexer_bench import CHAIN_BLOCKS, NAMESPACE, QUERY_BLOCKS, jetstream_apply, percentile, preload
+from bench.indexer_bench import CHAIN_BLOCKS, NAMESPACE, QUERY_BLOCKS, apply_flat_out, jetstream_apply, percentile
 from bench.router_bench import throughput
 from kvmesh.common.core.prefix_index import PrefixIndex
-from kvmesh.common.runtime.nats_cluster import EmbeddedNatsCluster
-from kvmesh.common.runtime.process import connect_nats
 from kvmesh.common.wire import names
 from kvmesh.common.wire.hashing import sequence_hashes
 from kvmesh.common.wire.kv_events import BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, StoredBlock, encode_batch
-from kvmesh.indexer.consumer import EventStreamConsumer
 
 SHARED_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 PARTS = ("indexer-stream", "worker-shaped", "find-matches", "router", "replay")
@@ -108,27 +104,8 @@ async def worker_shaped_apply(workers: int, seconds: float) -> dict[str, float]:
         )
         for b in batches
     ]
-    cluster = await EmbeddedNatsCluster(3).start()
-    try:
-        pids = [node.pid for node in cluster.nodes if node.pid is not None]
-        nc = await connect_nats(cluster.url, name="kvmesh-bench")
-        js = nc.jetstream()
-        cpu_before = nats_cpu_seconds(pids)
-        await preload(js, messages)
-        cpu_written = nats_cpu_seconds(pids) - cpu_before
-        last = (await js.stream_info(names.KV_EVENTS_STREAM)).state.last_seq
-        consumer = EventStreamConsumer(nc, NAMESPACE, "bench", PrefixIndex())
-        cpu_before = nats_cpu_seconds(pids)
-        started = time.perf_counter()
-        await consumer.start()
-        while consumer.applied_sequence < last:
-            await asyncio.sleep(0.005)
-        elapsed = time.perf_counter() - started
-        cpu_read = nats_cpu_seconds(pids) - cpu_before
-        await consumer.stop()
-        await nc.close()
-    finally:
-        cluster.stop()
+    run = await apply_flat_out(messages, nats_servers=3)
+    elapsed = run["seconds"]
     return {
         "workers": workers,
         "messages": len(messages),
@@ -136,22 +113,10 @@ async def worker_shaped_apply(workers: int, seconds: float) -> dict[str, float]:
         "events_per_message": block_events / len(messages),
         "block_events_per_s": block_events / elapsed,
         "messages_per_s": len(messages) / elapsed,
-        "nats_cpu_us_per_event_written": cpu_written / block_events * 1e6,
-        "nats_cpu_us_per_event_read": cpu_read / block_events * 1e6,
-        "worker_equivalents": block_events
-        / elapsed
-        / (2 * (PREFILL_BLOCKS_PER_WINDOW + DECODE_BLOCKS_PER_WINDOW) / WINDOW_S),
+        "nats_cpu_us_per_event_written": run["nats_cpu_written_s"] / block_events * 1e6,
+        "nats_cpu_us_per_event_read": run["nats_cpu_read_s"] / block_events * 1e6,
+        "worker_equivalents": block_events / elapsed / BLOCK_EVENTS_PER_WORKER_S,
     }
-
-
-def nats_cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds the processes have used (from /proc)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / ticks
 
 
 def rss_bytes() -> int:
