@@ -29,25 +29,17 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 
 from kvmesh.common.runtime.nats_server import find_nats_server
+from tests.kustomize import container_env, expand, rendered
 from tests.support import wait_until
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) is not installed"),
 ]
-K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 PASSWORD = "boot-test-password"  # what the Secret kvmesh-nats-auth would hold
 MODEL = "kvmesh-tiny"
-
-
-def render(kustomization: str) -> list[dict[str, Any]]:
-    out = subprocess.run(
-        ["kubectl", "kustomize", str(K8S / kustomization)], capture_output=True, text=True, timeout=60, check=True
-    ).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
 class Cluster:
@@ -86,18 +78,12 @@ class Cluster:
         return text
 
     def environment(self, pod: str, container: dict[str, Any]) -> dict[str, str]:
-        env: dict[str, str] = {}
-        for source in container.get("envFrom", []):
-            env.update(self.config_maps[source["configMapRef"]["name"]])
-        for var in container.get("env", []):
-            if "value" in var:
-                env[var["name"]] = expand(var["value"], env)
-            elif "secretKeyRef" in var["valueFrom"]:
-                assert var["valueFrom"]["secretKeyRef"]["name"] == "kvmesh-nats-auth"
-                env[var["name"]] = PASSWORD
-            else:
-                field = var["valueFrom"]["fieldRef"]["fieldPath"]
-                env[var["name"]] = {"status.podIP": self.addresses[pod], "metadata.name": pod}[field]
+        def secret(ref: dict[str, str]) -> str:
+            assert ref["name"] == "kvmesh-nats-auth"
+            return PASSWORD
+
+        fields = {"status.podIP": self.addresses[pod], "metadata.name": pod}
+        env = container_env(self.objects, container, fields, secret)
         return {k: self.resolve(v) for k, v in env.items()}
 
     def volumes(self, pod: str, spec: dict[str, Any], container: dict[str, Any]) -> dict[str, Path]:
@@ -179,13 +165,9 @@ class Cluster:
                 process.wait(timeout=5)
 
 
-def expand(value: str, env: dict[str, str]) -> str:
-    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
-
-
 @contextlib.contextmanager
 def booted(kustomization: str, scratch: Path, claims: dict[str, Path] | None = None) -> Iterator[Cluster]:
-    cluster = Cluster(render(kustomization), scratch, claims)
+    cluster = Cluster(rendered(kustomization), scratch, claims)
     try:
         cluster.boot()
         yield cluster

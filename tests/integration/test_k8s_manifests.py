@@ -8,7 +8,6 @@ services are given is the one the StatefulSet runs."""
 from __future__ import annotations
 
 import functools
-import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from kvmesh.common.core.engine_profile import EngineProfile
 from kvmesh.common.runtime.config import env_var_name, parse_config
@@ -26,8 +24,9 @@ from kvmesh.indexer.config import IndexerConfig
 from kvmesh.planner.service import PlannerConfig
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker.config import WorkerConfig
+from tests import kustomize
+from tests.kustomize import expand, rendered
 
-K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 KUSTOMIZATIONS = ["base", "overlays/vllm", "overlays/disaggregated", "overlays/planner", "overlays/gateway"]
 # Custom resources the Kubernetes schema does not know: checked by the tests that read them.
 CUSTOM_KINDS = {"InferencePool": "inference.networking.k8s.io/v1"}
@@ -44,14 +43,6 @@ KVMESH_IMAGES = ("kvmesh", "kvmesh-vllm")  # Dockerfile's image, and Dockerfile.
 FIELD_VALUES = {"status.podIP": "10.1.2.3", "metadata.name": "indexer-0"}
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) is not installed")
-
-
-@functools.cache
-def rendered(kustomization: str) -> list[dict[str, Any]]:
-    out = subprocess.run(
-        ["kubectl", "kustomize", str(K8S / kustomization)], capture_output=True, text=True, timeout=60, check=True
-    ).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
 @functools.cache
@@ -76,26 +67,8 @@ def kvmesh_containers(objects: list[dict[str, Any]]):
 
 
 def container_env(objects: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
-    """The container's environment as Kubernetes builds it: ConfigMaps, then ``env`` in order, each
-    value's ``$(VAR)`` expanded from what came before; a Secret's key stands in as ``secret:NAME/KEY``."""
-    config_maps = {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
-    env: dict[str, str] = {}
-    for source in container.get("envFrom", []):
-        env.update(config_maps[source["configMapRef"]["name"]])
-    for var in container.get("env", []):
-        if "value" in var:
-            env[var["name"]] = expand(var["value"], env)
-        elif "secretKeyRef" in var["valueFrom"]:
-            ref = var["valueFrom"]["secretKeyRef"]
-            env[var["name"]] = f"secret:{ref['name']}/{ref['key']}"
-        else:
-            env[var["name"]] = FIELD_VALUES[var["valueFrom"]["fieldRef"]["fieldPath"]]
-    return env
-
-
-def expand(value: str, env: dict[str, str]) -> str:
-    """Kubernetes' ``$(VAR)`` expansion in an argument or env value (an unknown name stays as written)."""
-    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+    """The container's environment as Kubernetes builds it; a Secret's key stands in as ``secret:NAME/KEY``."""
+    return kustomize.container_env(objects, container, FIELD_VALUES, lambda ref: f"secret:{ref['name']}/{ref['key']}")
 
 
 def container_args(objects: list[dict[str, Any]], container: dict[str, Any]) -> list[str]:
