@@ -39,9 +39,7 @@ from google.protobuf import struct_pb2
 from kvmesh.common.calling.router_client import NoRouterError, RouterClient, route_request
 from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.common.wire.gateway_endpoint import DESTINATION_HEADER, METADATA_NAMESPACE, gateway_endpoint
-from kvmesh.common.wire.priority import PRIORITY_HEADER, parse_priority
 from kvmesh.common.wire.request_reports import END, FIRST_TOKEN, RequestReport
-from kvmesh.common.wire.session import session_of
 from kvmesh.frontend.app import parse_body
 from kvmesh.frontend.errors import BadRequestError, OpenAIError, ServiceUnavailableError
 from kvmesh.frontend.gateway import DEFAULT_RETRY_AFTER_SECS, Frontend
@@ -192,13 +190,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         body = parse_body(body_class, bytes(exchange.body))
         token_ids = self.frontend.prompt_token_ids(body)
         exchange.request_id = exchange.headers.get("x-request-id") or f"epp-{uuid.uuid4().hex}"
-        priority = exchange.headers.get(PRIORITY_HEADER)
-        try:
-            if priority is not None:
-                parse_priority(priority)
-            session = session_of(body.kvmesh.session if body.kvmesh else None, exchange.headers, body.user)
-        except ValueError as exc:
-            raise BadRequestError(str(exc)) from None
+        priority, session = self.frontend.routing_hints(body, exchange.headers)
         sent = self.frontend.build_request(exchange.request_id, body, token_ids, priority=priority, session=session)
         try:
             address = self.routers.pick()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -18,6 +18,8 @@ from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.common.rpc.grpc_errors import retry_after_of
 from kvmesh.common.runtime.misconfiguration import Findings
 from kvmesh.common.wire.finish_reasons import finish_name
+from kvmesh.common.wire.priority import PRIORITY_HEADER, parse_priority
+from kvmesh.common.wire.session import session_of
 from kvmesh.frontend.errors import (
     BadRequestError,
     ModelNotFoundError,
@@ -155,6 +157,24 @@ class Frontend:
             token_ids = list(body.prompt)
         self.check_context(len(token_ids), body.requested_max_tokens())
         return token_ids
+
+    def routing_hints(
+        self, body: ChatCompletionRequest | CompletionRequest, headers: Mapping[str, str]
+    ) -> tuple[str | None, str]:
+        """The priority class the request's header names (None: none) and the session it names, both
+        checked: a :class:`BadRequestError` naming the header or field otherwise (the HTTP API's and
+        the endpoint picker's 400)."""
+        priority = headers.get(PRIORITY_HEADER)
+        if priority is not None:
+            try:
+                parse_priority(priority)
+            except ValueError as exc:
+                raise BadRequestError(f"{PRIORITY_HEADER}: {exc}", param=PRIORITY_HEADER) from None
+        try:
+            session = session_of(body.kvmesh.session if body.kvmesh else None, headers, body.user)
+        except ValueError as exc:
+            raise BadRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
+        return priority, session
 
     def build_request(
         self,

@@ -12,10 +12,8 @@ import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvmesh.common.wire.priority import PRIORITY_HEADER, parse_priority
-from kvmesh.common.wire.session import session_of
 from kvmesh.frontend.answer_chunks import AnswerChunks, sse_event
-from kvmesh.frontend.errors import BadRequestError, OpenAIError, UpstreamError
+from kvmesh.frontend.errors import OpenAIError, UpstreamError
 from kvmesh.frontend.event_stream import EventStreamResponse
 from kvmesh.frontend.gateway import WORKER_ID_HEADER, Frontend, UsageCounter
 from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
@@ -39,16 +37,7 @@ async def respond(
     """Answer ``body`` as one JSON body or as server-sent events. Either way a client that goes away
     cancels the request everywhere (router, worker, engine): a streaming response stops when the
     server cannot write to it; a non-streaming one watches the connection while it waits."""
-    priority = http_request.headers.get(PRIORITY_HEADER)
-    if priority is not None:
-        try:
-            parse_priority(priority)
-        except ValueError as exc:
-            raise BadRequestError(f"{PRIORITY_HEADER}: {exc}", param=PRIORITY_HEADER) from None
-    try:
-        session = session_of(body.kvmesh.session if body.kvmesh else None, http_request.headers, body.user)
-    except ValueError as exc:
-        raise BadRequestError(str(exc), param=str(exc).split(":", 1)[0]) from None
+    priority, session = frontend.routing_hints(body, http_request.headers)
     if body.stream:
         return await _respond(frontend, body, token_ids, chat, priority, session)
     answer = asyncio.create_task(_respond(frontend, body, token_ids, chat, priority, session))

@@ -207,6 +207,13 @@ async def _active(router: str, count: int) -> bool:
             "other",
         ),
         ("/v1/embeddings", chat("x"), 404, "/v1/embeddings"),
+        # checked as the HTTP API checks them: a session id too long to keep
+        (
+            "/v1/chat/completions",
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "user": "u" * 300}).encode(),
+            400,
+            "user: a session id is at most 256 characters",
+        ),
     ],
 )
 async def test_a_request_the_picker_cannot_route_gets_an_openai_error_at_once(
