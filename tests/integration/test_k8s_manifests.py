@@ -99,6 +99,19 @@ def test_every_object_is_valid_against_the_kubernetes_api_schema(kustomization: 
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_every_object_is_in_the_namespace_of_the_mesh(kustomization: str):
+    """An overlay's own objects too: one left without a namespace lands in whatever namespace kubectl
+    is set to, where its short Service names (nats, router) resolve to nothing."""
+    objects = rendered(kustomization)
+    outside = [
+        f"{o['kind']}/{o['metadata']['name']}"
+        for o in objects
+        if o["kind"] not in ("Namespace",) and o["metadata"].get("namespace") != "kvmesh"
+    ]
+    assert outside == [], f"{kustomization}: not in namespace kvmesh: {outside}"
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_every_container_agrees_with_kvmesh(kustomization: str, tmp_path: Path):
     objects = rendered(kustomization)
     seen = set()
