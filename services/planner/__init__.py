@@ -9,7 +9,9 @@ Its sans-I/O core is driven by the live service and by ``kvmesh replay --planner
 - ``predictors`` — load predictors from past intervals.
 - ``capacity`` — the performance model: the smallest pools that meet the SLA under a load.
 - ``service`` — ``kvmesh planner run``: observe, decide, act, every interval.
-- ``connectors`` — how decisions reach the fleet (``local``, ``compose``, the replay's virtual one).
+- ``connectors`` — how decisions reach the fleet (``local``, ``compose``, ``no-operation``).
+- ``kubernetes`` — the ``kubernetes`` connector: Deployments resized through the API's scale subresource.
 - ``state`` — its memory: every step in SQLite.
+- ``step_stream`` — its shared memory: every step in a replicated JetStream stream, for standbys.
 - ``cli`` — ``kvmesh planner run|history``.
 """

@@ -53,6 +53,21 @@ async def read_history(path: Path, limit: int) -> list[StoredStep]:
         return await state.recent(limit)
 
 
+async def read_shared_history(nats_url: str | None, namespace: str, limit: int) -> list[StoredStep]:
+    """The namespace's steps from the JetStream stream (``--state-store nats``)."""
+    from kvmesh.common.runtime.process import connect_nats
+    from kvmesh.common.runtime.run_file import resolve_nats_url
+    from kvmesh.planner.step_stream import JetStreamSteps
+
+    url, _source = resolve_nats_url(nats_url, namespace)
+    nc = await connect_nats(url, name="kvmesh-planner-history")
+    try:
+        async with JetStreamSteps(nc, namespace) as state:
+            return await state.recent(limit)
+    finally:
+        await nc.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["run"]:
@@ -66,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             description=(
                 "Run the SLA planner: every --adjustment-interval it merges the frontends' load reports, predicts "
                 "the next interval's load, sizes the worker pool from the engine profile to meet --ttft-target-ms "
-                "and --itl-target-ms, records the step in --state-db and resizes the fleet through --connector."
+                "and --itl-target-ms, records the step in --state-store and resizes the fleet through --connector."
             ),
             serve=serve,
         )
@@ -75,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="kvmesh planner",
         description=(
             "The SLA planner. `run` runs it (see `kvmesh planner run --help`); `history` prints its recent "
-            "decisions from its state file."
+            "decisions from its state (its SQLite file, or the namespace's JetStream stream)."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -83,6 +98,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands.add_parser("run", help="run the planner service (options: kvmesh planner run --help)", add_help=False)
     history = commands.add_parser(
         "history", help="print the recent decisions", description="Print the planner's recent decisions."
+    )
+    history.add_argument(
+        "--state-store",
+        choices=("sqlite", "nats"),
+        default="sqlite",
+        help="where the planner keeps its steps, as given to `kvmesh planner run --state-store`",
+    )
+    history.add_argument(
+        "--nats-url",
+        default=None,
+        help="--state-store nats: the NATS server (default: that of the running `kvmesh up` of the namespace, else "
+        "nats://127.0.0.1:4222; credentials from the KVMESH_NATS_* environment)",
     )
     history.add_argument(
         "--state-db",
@@ -95,6 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     history.add_argument("--limit", type=int, default=20, help="how many decisions")
     history.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(args_list)
+    if args.state_store == "nats":
+        steps = asyncio.run(read_shared_history(args.nats_url, args.namespace, args.limit))
+        print_history(steps, args.json)
+        return 0
     if args.state_db is None:
         running = read_run_record(args.namespace)
         recorded = running.planner_state_db if running is not None else None
@@ -102,12 +133,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.state_db.is_file():
         parser.error(f"no planner state at {args.state_db}")
     steps = asyncio.run(read_history(args.state_db, args.limit))
-    if args.json:
+    print_history(steps, args.json)
+    return 0
+
+
+def print_history(steps: list[StoredStep], as_json: bool) -> None:
+    if as_json:
         rows = [{"observation": asdict(s.observation), "decision": asdict(s.decision)} for s in steps]
         print(json.dumps(rows, indent=2))
     else:
         print(render(steps))
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ answer names every role's size, or carries ``"error"``; see ``kvmesh.worker_pool
 highest-numbered ones; a stopped kvmesh worker gets SIGTERM (``init: true`` forwards it), deregisters
 at once and finishes its streams within the service's ``stop_grace_period``, so scaling down loses
 no request. The pool's size is the number of the service's containers that run.
+``kubernetes``: each pool is one Deployment, resized through the Kubernetes API from inside the
+cluster (``kvmesh.planner.kubernetes``).
 ``no-operation``: nothing is changed; the decisions are only logged and recorded.
 (The replay has its own, virtual one: ``kvmesh.replay.fleet``.)
 """
@@ -29,7 +31,7 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.common.wire import names
 from kvmesh.planner.decision import POOLS, PoolSizes
 
-CONNECTORS = ("local", "compose", "no-operation")
+CONNECTORS = ("local", "compose", "kubernetes", "no-operation")
 
 
 class ConnectorError(RuntimeError):
@@ -175,6 +177,14 @@ def make_connector(config: Any, nc: NatsClient) -> Connector:
         else:
             services = {"aggregated": config.compose_service}
         return ComposeService(compose, services, files, config.compose_project)
+    if name == "kubernetes":
+        from kvmesh.planner.kubernetes import KubernetesDeployments  # it imports this module's error
+
+        if config.disaggregated:
+            deployments = {"prefill": config.kubernetes_prefill_deployment, "decode": config.kubernetes_deployment}
+        else:
+            deployments = {"aggregated": config.kubernetes_deployment}
+        return KubernetesDeployments(deployments, config.kubernetes_namespace, config.kubernetes_credentials)
     if name == "no-operation":
         return NoOperation()
     raise ValueError(f"unknown connector {name!r}; choose one of {', '.join(CONNECTORS)}")

@@ -34,13 +34,16 @@ from kvmesh.common.wire.frontend_load import LoadReport, LoadReportError
 from kvmesh.common.wire.worker_load import RouterLoadReport, WorkerLoad, WorkerLoadError, merge_router_reports
 from kvmesh.planner.connectors import CONNECTORS, ConnectorError, make_connector
 from kvmesh.planner.decision import POOLS, Decision, PoolSizes
+from kvmesh.planner.kubernetes import SERVICE_ACCOUNT_DIR
 from kvmesh.planner.load import observe_interval
 from kvmesh.planner.options import PlannerOptions
 from kvmesh.planner.planner import Planner
 from kvmesh.planner.state import RESUME_STEPS, PlannerState, resume
+from kvmesh.planner.step_stream import JetStreamSteps
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+STATE_STORES = ("sqlite", "nats")
 
 
 @dataclass
@@ -51,7 +54,16 @@ class PlannerConfig(CommonConfig, PlannerOptions):
         None, "NATS server URL (default: that of the running `kvmesh up` of the namespace, else nats://127.0.0.1:4222)"
     )
     engine_profile: Path = option(None, "engine profile from `kvmesh profile` (required)")
-    state_db: Path = option(Path("kvmesh-planner.sqlite"), "SQLite file of the planner's steps (resumed on start)")
+    state_store: str = option(
+        "sqlite",
+        "where the planner keeps its steps: `sqlite` (the file --state-db, this replica's own) or `nats` (the "
+        "namespace's replicated JetStream stream, shared: a standby that takes the lease resumes from the steps of "
+        "the planner it replaces; use it with more than one planner replica)",
+        choices=STATE_STORES,
+    )
+    state_db: Path = option(
+        Path("kvmesh-planner.sqlite"), "--state-store sqlite: the SQLite file of the planner's steps (resumed on start)"
+    )
     disaggregated: bool = option(
         False,
         "size a prefill and a decode pool (workers of --role prefill and --role decode) instead of one aggregated pool",
@@ -69,6 +81,22 @@ class PlannerConfig(CommonConfig, PlannerOptions):
     )
     compose_prefill_service: str = option(
         "prefill-worker", "--connector compose --disaggregated: the service whose replicas are the prefill pool"
+    )
+    kubernetes_deployment: str = option(
+        "worker",
+        "--connector kubernetes: the Deployment whose replicas are the worker pool (with --disaggregated: the decode "
+        "pool)",
+    )
+    kubernetes_prefill_deployment: str = option(
+        "prefill-worker", "--connector kubernetes --disaggregated: the Deployment whose replicas are the prefill pool"
+    )
+    kubernetes_namespace: str = option(
+        "", "--connector kubernetes: the Deployments' namespace (default: the planner pod's own)"
+    )
+    kubernetes_credentials: Path = option(
+        SERVICE_ACCOUNT_DIR,
+        "--connector kubernetes: the folder of the service account's token, ca.crt and namespace (the API server "
+        "is $KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT, as for every in-cluster client)",
     )
     planner_lease_secs: float = option(
         15.0,
@@ -90,6 +118,12 @@ class PlannerConfig(CommonConfig, PlannerOptions):
             and self.compose_prefill_service == self.compose_service
         ):
             raise ConfigError("--compose-prefill-service and --compose-service must name different services")
+        if (
+            self.connector_name() == "kubernetes"
+            and self.disaggregated
+            and self.kubernetes_prefill_deployment == self.kubernetes_deployment
+        ):
+            raise ConfigError("--kubernetes-prefill-deployment and --kubernetes-deployment must name different ones")
 
     def connector_name(self) -> str:
         return "no-operation" if self.no_operation else self.connector
@@ -188,20 +222,34 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
     log.info("NATS", url=config.nats_url, source=source)
     async with ServiceStack() as stack:
         nc = await stack.nats(config, "kvmesh-planner")
-        state = await stack.enter_async_context(PlannerState(config.state_db))
-        planner = Planner(config, profile, disaggregated=config.disaggregated)
+        if config.state_store == "nats":
+            state: PlannerState | JetStreamSteps = await stack.enter_async_context(JetStreamSteps(nc, config.namespace))
+        else:
+            state = await stack.enter_async_context(PlannerState(config.state_db))
         # enough steps for the predictors and for the SLA's window (its misses decide shrinks)
         window_steps = math.ceil(config.attainment_window / config.adjustment_interval)
-        history = await state.recent(max(RESUME_STEPS, window_steps))
-        last = resume(planner, history)
-        if last is not None:
-            log.info("resumed", steps=len(history), pools=last.target.total, utilisation_cap=last.utilisation_cap)
+
+        async def resumed_planner() -> Planner:
+            """A planner that has lived through the recorded steps: it decides as the one that recorded
+            them would have. Made again each time this replica takes the lease, since with a shared
+            store the steps it missed while standing by are another replica's."""
+            fresh = Planner(config, profile, disaggregated=config.disaggregated)
+            history = await state.recent(max(RESUME_STEPS, window_steps))
+            last = resume(fresh, history)
+            if last is not None:
+                log.info("resumed", steps=len(history), pools=last.target.total, utilisation_cap=last.utilisation_cap)
+            return fresh
+
+        planner = await resumed_planner()  # made again whenever this replica takes the lease
         workers = await stack.start(DiscoveryWatcher(nc.jetstream(), config.namespace, "worker"))
         reports = await collect(stack, nc, names.load_report_subject(config.namespace), LoadReport.decode, "load")
         router_reports = await collect(
             stack, nc, names.router_load_subject(config.namespace), RouterLoadReport.decode, "router load"
         )
-        connector = make_connector(config, nc)
+        try:
+            connector = make_connector(config, nc)
+        except ConnectorError as exc:
+            raise SystemExit(f"kvmesh planner: {exc}") from exc
         metrics = PlannerMetrics()
         if config.metrics_port >= 0:
             server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=metrics.registry)
@@ -219,7 +267,7 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
         )
         log.info("planner ready", connector=config.connector_name(), interval_s=config.adjustment_interval)
         started = time.time()
-        acting = False
+        acting: bool | None = None  # None: not known yet, so the first interval logs which it is
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=config.adjustment_interval)
@@ -230,6 +278,8 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
                 log.info(
                     "this planner acts now (it holds the lease)" if acting else "another planner acts; standing by"
                 )
+                if acting and config.state_store == "nats":  # a file of this replica's own has nothing new
+                    planner = await resumed_planner()
             if not acting:
                 reports[:], router_reports[:] = [], []  # the acting planner counts them
                 started = time.time()

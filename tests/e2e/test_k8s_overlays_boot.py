@@ -10,7 +10,10 @@ NATS keeps its three), the volumes are temporary folders, `0.0.0.0` binds the po
 (processes share one network namespace here), and NATS's `--addr` and `--cluster` name that
 address too. The vLLM overlay boots on vLLM's CPU build (slow tier) with a tiny Llama on its
 `models` claim; the gateway overlay's vLLM servers need a gateway to be useful and are rendered and
-cross-checked in tests/integration/test_k8s_manifests.py, not booted.
+cross-checked in tests/integration/test_k8s_manifests.py, not booted. A pod with a service account
+(the planner) is given what Kubernetes mounts for it, a token and the cluster's CA, and the API
+address every pod sees; the API is tests/kube_api.py's stand-in, holding the rendered Deployments
+and enforcing the rendered RBAC.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ import openai
 import pytest
 
 from kvmesh.common.runtime.nats_server import find_nats_server
+from tests.kube_api import KubernetesApi
 from tests.kustomize import container_env, expand, rendered
 from tests.support import wait_until
 
@@ -45,11 +49,19 @@ MODEL = "kvmesh-tiny"
 class Cluster:
     """The rendered pods as processes, each on its own loopback address."""
 
-    def __init__(self, objects: list[dict[str, Any]], scratch: Path, claims: dict[str, Path] | None = None) -> None:
-        """``claims``: the folder standing in for each named PersistentVolumeClaim (e.g. the models)."""
+    def __init__(
+        self,
+        objects: list[dict[str, Any]],
+        scratch: Path,
+        claims: dict[str, Path] | None = None,
+        kubernetes: KubernetesApi | None = None,
+    ) -> None:
+        """``claims``: the folder standing in for each named PersistentVolumeClaim (e.g. the models);
+        ``kubernetes``: the API that pods with a service account reach."""
         self.objects = objects
         self.scratch = scratch
         self.claims = claims or {}
+        self.kubernetes = kubernetes
         self.config_maps = {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
         self.addresses: dict[str, str] = {}  # pod name -> its loopback address
         self.names: dict[str, str] = {}  # DNS names (Services, pods behind a headless Service) -> address
@@ -126,6 +138,12 @@ class Cluster:
             return pattern.sub(lambda m: folders[m.group(0)], text) if mounts else text
 
         env = {name: relocated(value) for name, value in self.environment(pod, container).items()}
+        if spec.get("serviceAccountName") and self.kubernetes is not None:
+            # what Kubernetes gives such a pod: the API's address, and its service account's token and
+            # CA where in-cluster clients look (kvmesh's option for that folder names the stand-in)
+            env.update(self.kubernetes.environment())
+            account = self.kubernetes.service_account("kvmesh", spec["serviceAccountName"])
+            env["KVMESH_KUBERNETES_CREDENTIALS"] = str(account)
 
         def local(arg: str) -> str:
             return self.resolve(expand(relocated(arg), env)).replace("0.0.0.0", self.addresses[pod])
@@ -166,8 +184,10 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def booted(kustomization: str, scratch: Path, claims: dict[str, Path] | None = None) -> Iterator[Cluster]:
-    cluster = Cluster(rendered(kustomization), scratch, claims)
+def booted(
+    kustomization: str, scratch: Path, claims: dict[str, Path] | None = None, kubernetes: KubernetesApi | None = None
+) -> Iterator[Cluster]:
+    cluster = Cluster(rendered(kustomization), scratch, claims, kubernetes)
     try:
         cluster.boot()
         yield cluster
@@ -181,11 +201,36 @@ def booted(kustomization: str, scratch: Path, claims: dict[str, Path] | None = N
     [
         "base",
         pytest.param("overlays/disaggregated", marks=pytest.mark.slow),
-        pytest.param("overlays/planner", marks=pytest.mark.slow),
     ],
 )
 def test_the_rendered_overlay_boots_and_serves_chat_completions(kustomization: str, tmp_path: Path):
     serves(kustomization, tmp_path, MODEL)
+
+
+@pytest.mark.slow
+def test_the_planner_overlay_serves_and_its_planner_reaches_the_kubernetes_api(tmp_path: Path):
+    """The rendered planner resizes the worker Deployment through the API with the rendered service
+    account and Role: its first decision (one --adjustment-interval, 60 s, after it starts) reads the
+    worker Deployment's scale, and with none of its workers there yet, sets it to its minimum."""
+    objects = rendered("overlays/planner")
+    deployments = {(o["metadata"]["namespace"], o["metadata"]["name"]): 0 for o in objects if o["kind"] == "Deployment"}
+    api = KubernetesApi(tmp_path / "api", deployments, [o for o in objects if o["kind"] in ("Role", "RoleBinding")])
+
+    def planner_scaled_the_workers(cluster: Cluster) -> None:
+        def reached() -> bool:
+            assert not cluster.exited(), "\n".join(cluster.exited())
+            return api.replicas[("kvmesh", "worker")] >= 1
+
+        wait_until(reached, timeout=150, what="the planner sets the worker Deployment's replicas")
+
+    with api.serving():
+        serves("overlays/planner", tmp_path / "pods", MODEL, kubernetes=api, then=planner_scaled_the_workers)
+    planner = "system:serviceaccount:kvmesh:planner"
+    assert [(c.method, c.deployment, c.status) for c in api.calls if c.user == planner][:2] == [
+        ("GET", "worker", 200),
+        ("PATCH", "worker", 200),
+    ]
+    assert {c.user for c in api.calls} == {planner}
 
 
 @pytest.mark.slow
@@ -203,10 +248,17 @@ def test_the_vllm_overlay_boots_on_the_cpu_build_and_serves_its_model(tmp_path: 
 
 
 def serves(
-    kustomization: str, scratch: Path, model: str, claims: dict[str, Path] | None = None, timeout: float = 120
+    kustomization: str,
+    scratch: Path,
+    model: str,
+    claims: dict[str, Path] | None = None,
+    timeout: float = 120,
+    kubernetes: KubernetesApi | None = None,
+    then: Callable[[Cluster], None] | None = None,
 ) -> None:
+    """Boot the overlay, wait for its frontend to answer chat completions, then ``then(cluster)``."""
     scratch.mkdir(exist_ok=True)
-    with booted(kustomization, scratch, claims) as cluster:
+    with booted(kustomization, scratch, claims, kubernetes) as cluster:
         frontend = cluster.names["frontend"]
         base_url = f"http://{frontend}:8000"
 
@@ -235,4 +287,6 @@ def serves(
                 model=model, messages=[{"role": "user", "content": f"question {i}"}], max_tokens=4
             )
             assert reply.usage.completion_tokens > 0
+        if then is not None:
+            then(cluster)
         assert not cluster.exited(), "\n".join(cluster.exited())

@@ -27,6 +27,7 @@ from kvmesh.common.runtime.process import connect_nats, nats_servers
 from kvmesh.common.wire import names
 from kvmesh.indexer import snapshot
 from kvmesh.inspector import main as inspect_main
+from kvmesh.planner.step_stream import JetStreamSteps
 from tests.support import wait_until_async
 
 
@@ -54,6 +55,8 @@ async def test_every_stream_and_bucket_is_replicated_three_times_on_a_cluster(na
         lock = snapshot.SnapshotLock(js, "default", "me")
         assert await lock.acquire()
         await snapshot.upload(js, "default", snapshot.Snapshot(stream_sequence=1))
+        async with JetStreamSteps(nc, "default"):
+            pass
         states = {state.stream: state for state in await kvmesh_streams(js)}
         made = [s for s in names.jetstream_streams() if s != names.kv_stream(names.PLANNER_LEASE_BUCKET)]
         assert sorted(states) == sorted(made)

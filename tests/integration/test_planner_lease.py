@@ -6,10 +6,12 @@ decisions, and after kill -9 of it the other takes over, never deciding while th
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
 
 import pytest
@@ -131,3 +133,66 @@ async def test_two_planners_one_acts_and_the_other_takes_over_after_kill_9(nats_
             if process is not None and process.poll() is None:
                 os.kill(process.pid, signal.SIGTERM)
                 process.wait(timeout=30)
+
+
+async def test_the_standby_takes_over_with_the_history_of_the_planner_it_replaces(nats_url, nc, tmp_path):
+    """``--state-store nats``: the two replicas share their steps through JetStream (a pod's own disk
+    dies with it), so the standby that takes the lease resumes from every step the dead one recorded."""
+    from kvmesh.planner.step_stream import JetStreamSteps
+
+    profile = tmp_path / "profile.json"
+    profile_mock_engine(EngineConfig()).save(profile)
+    namespace = "leasing-shared"
+    logs = {who: tmp_path / f"{who}.log" for who in ("first", "second")}
+
+    def shared_planner(who: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [
+                sys.executable, "-m", "kvmesh.planner", "--nats-url", nats_url, "--namespace", namespace,
+                "--log-level", "info", "--engine-profile", str(profile), "--state-store", "nats",
+                "--connector", "no-operation", "--adjustment-interval", "0.5",
+                "--planner-lease-secs", str(PERIOD_S), "--metrics-port", "-1",
+            ],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=logs[who].open("wb"),
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def resumed_steps(who: str) -> list[int]:
+        events = [json.loads(line) for line in logs[who].read_text().splitlines() if line.startswith("{")]
+        return [e["steps"] for e in events if e.get("event") == "resumed"]
+
+    async with JetStreamSteps(nc, namespace) as steps:
+        first = shared_planner("first")
+        second = None
+        try:
+            await wait_until_async(lambda: steps.count(), timeout=30, what="the first records a step")
+            second = shared_planner("second")
+            await wait_until_async(
+                lambda: b"standing by" in logs["second"].read_bytes(), timeout=30, what="the second stands by"
+            )
+            recorded = await steps.count()
+            await wait_until_async(_more_than(steps, recorded + 4), timeout=30, what="more steps by the first")
+            before = len(resumed_steps("second"))  # at its start, from what the first had recorded then
+            first.send_signal(signal.SIGKILL)
+            first.wait(timeout=10)
+            at_kill = await steps.count()
+            await wait_until_async(
+                lambda: len(resumed_steps("second")) > before, timeout=4 * PERIOD_S, what="the second resumes"
+            )
+            assert resumed_steps("second")[-1] == at_kill  # every step the first recorded, to the last
+            await wait_until_async(_more_than(steps, at_kill), timeout=10, what="the second records steps")
+            times = [s.decision.at_s for s in await steps.recent(10_000)]
+            assert times == sorted(times)  # one history, carried on
+        finally:
+            for process in (first, second):
+                if process is not None and process.poll() is None:
+                    os.kill(process.pid, signal.SIGTERM)
+                    process.wait(timeout=30)
+
+
+def _more_than(steps, count: int):
+    async def check() -> bool:
+        return await steps.count() > count
+
+    return check

@@ -9,6 +9,7 @@ INSTANCES_BUCKET = "KVMESH_INSTANCES"
 INDEX_SNAPSHOTS_BUCKET = "KVMESH_INDEX_SNAPSHOTS"
 LOCKS_BUCKET = "KVMESH_LOCKS"  # the snapshot lock (one indexer replica snapshots at a time)
 PLANNER_LEASE_BUCKET = "KVMESH_PLANNER_LEASE"  # one planner acts at a time
+PLANNER_STEPS_STREAM = "KVMESH_PLANNER_STEPS"  # the planners' shared memory (--state-store nats)
 
 
 def kv_stream(bucket: str) -> str:
@@ -29,6 +30,7 @@ def jetstream_streams() -> list[str]:
         object_stream(INDEX_SNAPSHOTS_BUCKET),
         kv_stream(LOCKS_BUCKET),
         kv_stream(PLANNER_LEASE_BUCKET),
+        PLANNER_STEPS_STREAM,
     ]
 
 
@@ -62,6 +64,11 @@ def router_load_subject(namespace: str) -> str:
 def planner_scale_subject(namespace: str) -> str:
     """The planner asks the ``kvmesh up`` supervisor (local connector) to resize the worker pool."""
     return f"kvmesh.{namespace}.planner.scale"
+
+
+def planner_steps_subject(namespace: str) -> str:
+    """The acting planner records each step here (``--state-store nats``); a standby reads them back."""
+    return f"kvmesh.{namespace}.planner.steps"
 
 
 def instance_key(namespace: str, component: str, instance_id: int | str) -> str:

@@ -1,0 +1,171 @@
+"""A stand-in for the part of the Kubernetes API the planner's ``kubernetes`` connector calls: the
+``scale`` subresource of Deployments (GET, and PATCH with a JSON merge patch), over HTTPS, with
+service-account bearer tokens authenticated and every call authorized by the RBAC Roles bound to
+the caller, as the API server's RBAC authorizer does. No cluster can run here (no kubelet, no
+container runtime for pods), so this is the API's contract, not its implementation: what it checks
+is what kubernetes.io documents for these calls. The Deployment controller is not modelled: a
+scale's ``status.replicas`` follows ``spec.replicas`` at once."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import secrets
+import shutil
+import ssl
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from tests.certificates import make_certificates
+
+SCALE_PATH = re.compile(r"^/apis/apps/v1/namespaces/([a-z0-9.-]+)/deployments/([a-z0-9.-]+)/scale$")
+VERBS = {"GET": "get", "PATCH": "patch"}
+
+
+@dataclass(frozen=True)
+class Call:
+    method: str
+    namespace: str
+    deployment: str
+    user: str  # system:serviceaccount:<namespace>:<name>, or "" for an unknown token
+    status: int
+    body: Any = None
+
+
+class KubernetesApi:
+    """Deployments' replica counts by (namespace, name), and the RBAC objects (Role, RoleBinding)
+    that decide who may do what with them. ``calls`` lists every request, in order."""
+
+    def __init__(self, folder: Path, deployments: dict[tuple[str, str], int], rbac: list[dict[str, Any]]) -> None:
+        self.folder = folder
+        self.replicas = dict(deployments)
+        self.rbac = rbac
+        self.tokens: dict[str, str] = {}  # token -> user
+        self.calls: list[Call] = []
+        self._lock = threading.Lock()
+        folder.mkdir(parents=True, exist_ok=True)
+        self._certificates = make_certificates(folder)
+        self._server: ThreadingHTTPServer | None = None
+
+    # --- what a pod of a service account is given ---------------------------------------------
+    def service_account(self, namespace: str, name: str) -> Path:
+        """The folder Kubernetes mounts at /var/run/secrets/kubernetes.io/serviceaccount for a pod of
+        this service account: its token, the cluster's CA and its namespace."""
+        token = secrets.token_hex(16)
+        self.tokens[token] = f"system:serviceaccount:{namespace}:{name}"
+        mount = self.folder / f"sa-{namespace}-{name}-{len(self.tokens)}"
+        mount.mkdir()
+        (mount / "token").write_text(token)
+        shutil.copy(self._certificates["ca"], mount / "ca.crt")
+        (mount / "namespace").write_text(namespace)
+        return mount
+
+    def environment(self) -> dict[str, str]:
+        assert self._server is not None
+        return {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(self._server.server_port)}
+
+    # --- RBAC ----------------------------------------------------------------------------------
+    def allowed(self, user: str, verb: str, namespace: str, deployment: str) -> bool:
+        roles = set()
+        for binding in (o for o in self.rbac if o["kind"] == "RoleBinding"):
+            if binding["metadata"].get("namespace") != namespace or binding["roleRef"]["kind"] != "Role":
+                continue
+            for subject in binding.get("subjects", []):
+                who = f"system:serviceaccount:{subject.get('namespace', namespace)}:{subject['name']}"
+                if subject["kind"] == "ServiceAccount" and who == user:
+                    roles.add(binding["roleRef"]["name"])
+        for role in (o for o in self.rbac if o["kind"] == "Role"):
+            if role["metadata"]["name"] not in roles or role["metadata"].get("namespace") != namespace:
+                continue
+            for rule in role.get("rules", []):
+                if (
+                    {"apps", "*"} & set(rule.get("apiGroups", []))
+                    and {"deployments/scale", "*"} & set(rule.get("resources", []))
+                    and {verb, "*"} & set(rule.get("verbs", []))
+                    and (not rule.get("resourceNames") or deployment in rule["resourceNames"])
+                ):
+                    return True
+        return False
+
+    # --- the server ----------------------------------------------------------------------------
+    def scale(self, namespace: str, deployment: str) -> dict[str, Any]:
+        replicas = self.replicas[(namespace, deployment)]
+        return {
+            "kind": "Scale",
+            "apiVersion": "autoscaling/v1",
+            "metadata": {"name": deployment, "namespace": namespace},
+            "spec": {"replicas": replicas},
+            "status": {"replicas": replicas, "selector": f"app.kubernetes.io/name={deployment}"},
+        }
+
+    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
+        match = SCALE_PATH.match(path)
+        token = headers.get("authorization", "").removeprefix("Bearer ").strip()
+        user = self.tokens.get(token, "")
+        if not user:
+            return 401, {"kind": "Status", "reason": "Unauthorized"}
+        if match is None or method not in VERBS:
+            return 404, {"kind": "Status", "reason": "NotFound"}
+        namespace, deployment = match.groups()
+        if not self.allowed(user, VERBS[method], namespace, deployment):
+            return 403, {"kind": "Status", "reason": "Forbidden", "message": f"{user} cannot {method} {path}"}
+        if (namespace, deployment) not in self.replicas:
+            return 404, {"kind": "Status", "reason": "NotFound"}
+        if method == "PATCH":
+            if headers.get("content-type") != "application/merge-patch+json":
+                return 415, {"kind": "Status", "reason": "UnsupportedMediaType"}
+            try:
+                replicas = json.loads(body)["spec"]["replicas"]
+            except (ValueError, KeyError, TypeError):
+                return 422, {"kind": "Status", "reason": "Invalid"}
+            if not isinstance(replicas, int) or replicas < 0:
+                return 422, {"kind": "Status", "reason": "Invalid"}
+            self.replicas[(namespace, deployment)] = replicas
+        return 200, self.scale(namespace, deployment)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[KubernetesApi]:
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(length) if length else b""
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                with api._lock:
+                    status, answer = api.handle(self.command, self.path, headers, body)
+                    match = SCALE_PATH.match(self.path)
+                    namespace, deployment = match.groups() if match else ("", "")
+                    user = api.tokens.get(headers.get("authorization", "").removeprefix("Bearer ").strip(), "")
+                    sent = json.loads(body) if body else None
+                    api.calls.append(Call(self.command, namespace, deployment, user, status, sent))
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_PATCH = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(self._certificates["server_cert"], self._certificates["server_key"])
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
+        self._server = server
+        thread = threading.Thread(target=server.serve_forever, name="kubernetes-api", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=10)
