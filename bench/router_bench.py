@@ -7,7 +7,14 @@ Throughput: one router process in front of 4 mock workers at a high speed-up plu
 separate processes); a closed loop of concurrent gRPC clients sends short requests for a fixed time.
 The router's CPU use (from /proc) shows what bounds it.
 
+Saturation (``--saturation``): the same, but the router alone runs under a CPU quota (a cgroup of
+its own: ``--router-cores`` of a core each), so that it, not its load generator, indexer or mock
+workers (which share what is left of the machine), runs out first. Closed loops of rising
+concurrency find where its requests/s stop growing while it uses its whole quota; two quotas show
+whether that point scales with the CPU it is given. Needs root and a cgroup CPU controller.
+
     python -m bench.router_bench [--seconds 15] [--concurrency 32]
+    python -m bench.router_bench --saturation [--router-cores 0.25 0.5] [--seconds 8]
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from bench.cpu_quota import PERIOD_US, CpuQuota, CpuQuotaError
 from bench.processes import cpu_seconds
 from kvmesh.client import RouterApi
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
@@ -60,30 +68,55 @@ def decision_time(workers: int, samples: int = 2000) -> tuple[float, float]:
     return percentile(timings, 50), percentile(timings, 99)
 
 
-async def throughput(seconds: float, concurrency: int) -> dict[str, float]:
-    server = await EmbeddedNatsServer().start()
-    common = ["--nats-url", server.url, "--namespace", NAMESPACE, "--log-level", "warning"]
-    processes = [subprocess.Popen([sys.executable, "-m", "kvmesh.indexer", *common, "--metrics-port", "-1"])]
-    processes += [
-        subprocess.Popen([sys.executable, "-m", "kvmesh.worker", *common, "--speedup-ratio", "1000"]) for _ in range(4)
-    ]
-    router = subprocess.Popen([sys.executable, "-m", "kvmesh.router", *common])
-    processes.append(router)
-    try:
-        nc = await connect_nats(server.url, name="bench")
-        routers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "router")
-        workers = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "worker")
+class Fleet:
+    """NATS, an indexer, 4 mock workers (speed-up 1000) and one router, each its own process; the
+    router under ``quota`` where one is given."""
+
+    def __init__(self, quota: CpuQuota | None = None) -> None:
+        self.quota = quota
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    async def __aenter__(self) -> Fleet:
+        self.server = await EmbeddedNatsServer().start()
+        common = ["--nats-url", self.server.url, "--namespace", NAMESPACE, "--log-level", "warning"]
+        self.indexer = subprocess.Popen([sys.executable, "-m", "kvmesh.indexer", *common, "--metrics-port", "-1"])
+        self.processes = [self.indexer]
+        self.processes += [
+            subprocess.Popen([sys.executable, "-m", "kvmesh.worker", *common, "--speedup-ratio", "1000"])
+            for _ in range(4)
+        ]
+        self.router = subprocess.Popen([sys.executable, "-m", "kvmesh.router", *common])
+        self.processes.append(self.router)
+        if self.quota is not None:
+            self.quota.add(self.router.pid)
+        self.nc = await connect_nats(self.server.url, name="bench")
+        routers = DiscoveryWatcher(self.nc.jetstream(), NAMESPACE, "router")
+        workers = DiscoveryWatcher(self.nc.jetstream(), NAMESPACE, "worker")
         await routers.start()
         await workers.start()
-        await routers.wait_for(bool, 30)
-        await workers.wait_for(lambda w: len(w) == 4, 30)
-        address = routers.instances()[0].address
+        await routers.wait_for(bool, 60)
+        await workers.wait_for(lambda w: len(w) == 4, 60)
+        self.address = routers.instances()[0].address
+        await routers.stop()
+        await workers.stop()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.nc.close()
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            process.wait(timeout=30)
+        self.server.stop()
+
+    async def load(self, seconds: float, concurrency: int, warm_s: float = 2.0) -> dict[str, float]:
+        """A closed loop of ``concurrency`` clients for ``seconds`` (after ``warm_s`` unmeasured)."""
         done = 0
         latencies: list[float] = []
 
         async def client(index: int, deadline: float) -> None:
             nonlocal done
-            async with RouterApi(address) as api:
+            async with RouterApi(self.address) as api:
                 n = 0
                 while time.monotonic() < deadline:
                     started = time.perf_counter()
@@ -93,41 +126,99 @@ async def throughput(seconds: float, concurrency: int) -> dict[str, float]:
                     done += 1
                     n += 1
 
-        warm = time.monotonic() + 2
-        await asyncio.gather(*(client(i, warm) for i in range(concurrency)))
+        await asyncio.gather(*(client(i, time.monotonic() + warm_s) for i in range(concurrency)))
         done, latencies = 0, []
-        indexer = processes[0]
-        cpu_before, indexer_before = cpu_seconds([router.pid]), cpu_seconds([indexer.pid])
+        others = [p.pid for p in self.processes if p is not self.router] + [os.getpid()]
+        router_before, indexer_before = cpu_seconds([self.router.pid]), cpu_seconds([self.indexer.pid])
+        others_before = cpu_seconds(others) + self.server_cpu()
+        throttled_before = self.quota.throttled() if self.quota else 0
         started = time.monotonic()
         await asyncio.gather(*(client(i, started + seconds) for i in range(concurrency)))
         elapsed = time.monotonic() - started
-        router_cpu = (cpu_seconds([router.pid]) - cpu_before) / elapsed
-        indexer_cpu = (cpu_seconds([indexer.pid]) - indexer_before) / elapsed
-        await routers.stop()
-        await workers.stop()
-        await nc.close()
         return {
             "requests_per_s": done / elapsed,
-            "router_cpu_cores": router_cpu,
-            "indexer_cpu_cores": indexer_cpu,
+            "router_cpu_cores": (cpu_seconds([self.router.pid]) - router_before) / elapsed,
+            "indexer_cpu_cores": (cpu_seconds([self.indexer.pid]) - indexer_before) / elapsed,
+            # everything but the router: its load generator (this process), workers, indexer, NATS
+            "others_cpu_cores": (cpu_seconds(others) + self.server_cpu() - others_before) / elapsed,
+            "throttled_periods": (self.quota.throttled() - throttled_before) if self.quota else 0,
             "p50_ms": percentile(latencies, 50),
             "p99_ms": percentile(latencies, 99),
         }
-    finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=30)
-        server.stop()
+
+    def server_cpu(self) -> float:
+        pid = self.server.pid
+        return cpu_seconds([pid]) if pid is not None else 0.0
+
+
+async def throughput(seconds: float, concurrency: int) -> dict[str, float]:
+    async with Fleet() as fleet:
+        return await fleet.load(seconds, concurrency)
+
+
+async def saturation(cores: float, seconds: float, concurrencies: list[int]) -> list[dict[str, float]]:
+    """The router under a quota of ``cores``, at each concurrency in turn (one fleet for all)."""
+    with CpuQuota(f"kvmesh-router-bench-{os.getpid()}", cores) as quota:
+        async with Fleet(quota) as fleet:
+            rows = []
+            for concurrency in concurrencies:
+                row = await fleet.load(seconds, concurrency)
+                row["concurrency"] = concurrency
+                rows.append(row)
+            return rows
+
+
+def saturated_at(rows: list[dict[str, float]], quota_cores: float, seconds: float) -> dict[str, float] | None:
+    """The most requests/s of the levels at which the router was held by its quota (it used at least
+    90% of it and was throttled in at least half the quota's periods): its capacity under that
+    quota (None: never held, so something else ran out first)."""
+    periods = seconds / (PERIOD_US / 1e6)
+    held = [
+        row
+        for row in rows
+        if row["router_cpu_cores"] >= 0.9 * quota_cores and row["throttled_periods"] >= 0.5 * periods
+    ]
+    return max(held, key=lambda row: row["requests_per_s"]) if held else None
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--saturation", action="store_true", help="find one router replica's saturation point")
+    parser.add_argument("--router-cores", type=float, nargs="+", default=[0.25, 0.5], help="--saturation: quotas")
+    parser.add_argument(
+        "--levels", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="--saturation: concurrencies, rising"
+    )
+    parser.add_argument("--decision-samples", type=int, default=2000, help="decisions timed at each fleet size")
     args = parser.parse_args()
+    if args.saturation:
+        for cores in args.router_cores:
+            try:
+                rows = asyncio.run(saturation(cores, args.seconds, args.levels))
+            except CpuQuotaError as exc:
+                raise SystemExit(f"--saturation: {exc}") from exc
+            for r in rows:
+                print(
+                    f"router under {cores:g} cores, {r['concurrency']:>3} clients: "
+                    f"{r['requests_per_s']:6.0f} requests/s, router {r['router_cpu_cores']:.2f} cores "
+                    f"({r['throttled_periods']:.0f} periods throttled), everything else "
+                    f"{r['others_cpu_cores']:.2f} cores, p50 {r['p50_ms']:.1f} ms p99 {r['p99_ms']:.1f} ms",
+                    flush=True,
+                )
+            point = saturated_at(rows, cores, args.seconds)
+            if point is None:
+                print(f"router under {cores:g} cores: its quota never held it (something else ran out first)")
+            else:
+                print(
+                    f"router under {cores:g} cores: saturated at {point['requests_per_s']:.0f} requests/s "
+                    f"({point['concurrency']:.0f} clients; {point['requests_per_s'] / cores:,.0f} requests/s per core, "
+                    f"{point['router_cpu_cores'] / point['requests_per_s'] * 1e6:.0f} µs of CPU a request)",
+                    flush=True,
+                )
+        return
     for workers in (8, 64, 256):
-        p50, p99 = decision_time(workers)
+        p50, p99 = decision_time(workers, args.decision_samples)
         print(f"routing decision, {workers:>3} workers: p50 {p50:7.1f} µs, p99 {p99:7.1f} µs")
     r = asyncio.run(throughput(args.seconds, args.concurrency))
     print(
