@@ -5,6 +5,7 @@ and 1M indexed blocks spread over 8 and 64 workers, with 64-block queries. Print
 
     python -m bench.indexer_bench                 # everything
     python -m bench.indexer_bench --only inproc   # the in-process part
+    python -m bench.indexer_bench --smoke         # every part at a hundredth the blocks (CI; figures mean nothing)
 """
 
 from __future__ import annotations
@@ -285,13 +286,18 @@ async def snapshot_figures(total_blocks: int, workers: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("inproc", "snapshot", "jetstream", "grpc"), default=None)
+    parser.add_argument("--smoke", action="store_true", help="a hundredth the blocks (CI): the figures mean nothing")
     args = parser.parse_args()
+
+    def n(total: int) -> int:
+        return max(20_000, total // 100) if args.smoke else total  # at least 2 chains a worker at 64
+
     if args.only in (None, "inproc"):
         print(
             f"{'in process':<28}{'blocks':>10}{'apply blk/s':>14}{'p50 µs':>9}{'p99 µs':>9}{'p50 µs':>9}{'p99 µs':>9}"
         )
         print(f"{'':<28}{'':>10}{'':>14}{'(by sequence hash)':>18}{'(by local hash)':>18}")
-        for total in (100_000, 1_000_000):
+        for total in (n(100_000), n(1_000_000)):
             for workers in (8, 64):
                 r = in_process(total, workers)
                 print(
@@ -299,16 +305,16 @@ def main() -> None:
                     f"{r['find_p50_us_by_sequence']:>9.1f}{r['find_p99_us_by_sequence']:>9.1f}"
                     f"{r['find_p50_us_by_local']:>9.1f}{r['find_p99_us_by_local']:>9.1f}"
                 )
-        print(f"memory per indexed block (1M blocks, 8 workers): {memory_per_block(1_000_000, 8):.0f} bytes")
+        print(f"memory per indexed block (1M blocks, 8 workers): {memory_per_block(n(1_000_000), 8):.0f} bytes")
     if args.only in (None, "jetstream"):
-        for total, workers in ((100_000, 8), (1_000_000, 8)):
+        for total, workers in ((n(100_000), 8), (n(1_000_000), 8)):
             r = asyncio.run(jetstream_apply(total, workers))
             print(
                 f"JetStream → replica, {r['blocks']} blocks in {r['messages']} messages: "
                 f"{r['blocks_per_s']:,.0f} blocks/s ({r['messages_per_s']:,.0f} messages/s)"
             )
     if args.only in (None, "grpc"):
-        for total in (100_000, 1_000_000):
+        for total in (n(100_000), n(1_000_000)):
             for workers in (8, 64):
                 r = asyncio.run(grpc_queries(total, workers))
                 print(
@@ -316,7 +322,7 @@ def main() -> None:
                     f"p99 {r['p99_us']:.0f} µs"
                 )
     if args.only in (None, "snapshot"):
-        r = asyncio.run(snapshot_figures(1_000_000, 8))
+        r = asyncio.run(snapshot_figures(n(1_000_000), 8))
         print(
             f"snapshot of {r['blocks']} blocks: {r['bytes'] / 1e6:.1f} MB; "
             f"capture+encode {r['capture_encode_s']:.2f} s, "

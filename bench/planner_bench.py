@@ -17,6 +17,7 @@ total of those; the planner is capped at each pool.
     python -m bench.planner_bench                                  # the shared trace, trough first
     python -m bench.planner_bench TRACE.jsonl --phases trough crest --seeds 0 1 2
     python -m bench.planner_bench --family --phases trough crest --modes aggregated disaggregated
+    python -m bench.planner_bench --smoke   # first 300 requests, fleets up to 4 (CI; figures mean nothing)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from kvmesh.replay.simulator import ReplaySimulator
 from kvmesh.replay.trace_family import VARIANTS, write_variant
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+SMOKE_REQUESTS = 300  # --smoke: requests of each trace
 GOAL = 0.95
 PHASES = ("trough", "crest")
 MODES = ("aggregated", "disaggregated")
@@ -169,9 +171,18 @@ def main() -> None:
     parser.add_argument("--most", type=int, default=24, help="the largest pool the fleet search tries")
     parser.add_argument("--jobs", type=int, default=2, help="replays run in parallel")
     parser.add_argument("--cache", type=Path, help="a JSON file keeping fixed fleets' results between runs")
+    parser.add_argument("--smoke", action="store_true", help="short traces, small fleets (CI): figures mean nothing")
     args = parser.parse_args()
     traces = list(args.traces) or [TRACE]
     with tempfile.TemporaryDirectory(prefix="kvmesh-family-") as scratch:
+        if args.smoke:
+            args.most = min(args.most, 4)
+            cut = []
+            for i, trace in enumerate(traces):
+                lines = trace.read_text().splitlines(keepends=True)[:SMOKE_REQUESTS]
+                cut.append(Path(scratch) / f"smoke-{i}.jsonl")
+                cut[-1].write_text("".join(lines))
+            traces = cut
         if args.family:
             traces += [
                 write_variant(traces[0], variant, Path(scratch) / f"{variant}.jsonl", args.family_seed)

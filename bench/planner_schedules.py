@@ -16,6 +16,8 @@ fleet reaching that attainment (fixed 5 and 6: their attainment and worker-secon
 first).
 
     python -m bench.planner_schedules [--seed 0] [--sine] [--hindsight]
+
+``--smoke``: the first ``SMOKE_REQUESTS`` requests of the trace only (CI): the figures mean nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kvmesh.replay.report import sla_attainment
 from kvmesh.replay.simulator import ReplaySimulator
 
 PROFILE, SPEEDUP, INTERVAL_S, PERIOD_S, AMPLITUDE = "sine:period=500,amplitude=0.7", 2.0, 15.0, 500.0, 0.7
+SMOKE_REQUESTS = 300
 
 
 def config(seed: int, first: int) -> ReplayConfig:
@@ -70,17 +73,17 @@ class ScheduledPlanner(Planner):
         return dataclasses.replace(decision, target=PoolSizes(aggregated=size))
 
 
-def replay(job: tuple[list[int] | None, int]) -> tuple[float, float, list[int]]:
-    """(attainment, worker-seconds, the schedule the fleet followed) of one schedule; None: the
-    planner's own decisions."""
-    schedule, seed = job
+def replay(job: tuple[list[int] | None, int, int | None]) -> tuple[float, float, list[int]]:
+    """(attainment, worker-seconds, the schedule the fleet followed) of one schedule (None: the
+    planner's own decisions), for a seed, on the trace (or its first ``limit`` requests)."""
+    schedule, seed, limit = job
     replay_config = config(seed, schedule[0] if schedule else 4)
     simulator = ReplaySimulator(replay_config)
     if schedule is None:
         simulator.attach_planner(Planner(replay_config, profile_mock_engine(simulator.engine_config)))
     else:
         simulator.attach_planner(ScheduledPlanner(replay_config, simulator, schedule))
-    records = simulator.run(read_trace(TRACE))
+    records = simulator.run(read_trace(TRACE)[:limit])
     end_ms = max(r.last_token_ms for r in records)
     assert simulator.fleet is not None
     followed = [replay_config.workers] + [point["target"] for point in simulator.fleet.timeline]
@@ -100,9 +103,11 @@ def main() -> None:
     parser.add_argument("--sine", action="store_true", help="replay the schedules that follow the profile's curve")
     parser.add_argument("--hindsight", action="store_true", help="cut the planner's own schedule, interval by interval")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="a short trace (CI): the figures mean nothing")
     args = parser.parse_args()
+    limit = SMOKE_REQUESTS if args.smoke else None
     with ProcessPoolExecutor(args.jobs) as pool:
-        (five, five_s, _), (six, six_s, _) = pool.map(replay, [([5], args.seed), ([6], args.seed)])
+        (five, five_s, _), (six, six_s, _) = pool.map(replay, [([5], args.seed, limit), ([6], args.seed, limit)])
 
         def show(label: str, attained: float, seconds: float) -> None:
             rival = (six, six_s) if attained > five else (five, five_s) if attained >= 0.95 else None
@@ -112,20 +117,20 @@ def main() -> None:
         print(f"seed {args.seed}: fixed 5 {five:.4f} ({five_s:.0f} worker-s), fixed 6 {six:.4f} ({six_s:.0f})")
         if args.sine:
             grid = [(k, lead, floor) for k in (3.0, 3.25, 3.5, 3.75) for lead in (15.0, 30.0) for floor in (2, 3)]
-            results = pool.map(replay, [(sine_schedule(*g), args.seed) for g in grid])
+            results = pool.map(replay, [(sine_schedule(*g), args.seed, limit) for g in grid])
             for (k, lead, floor), (attained, seconds, _) in zip(grid, results, strict=True):
                 show(f"sine schedule: scale {k}, lead {lead:g} s, floor {floor}", attained, seconds)
         if args.hindsight:
-            attained, seconds, own = replay((None, args.seed))
+            attained, seconds, own = replay((None, args.seed, limit))
             show("the planner", attained, seconds)
             cuts = [i for i in range(1, len(own)) if own[i] > 1]
             cut_schedules = [[size - (j == i) for j, size in enumerate(own)] for i in cuts]
-            results = list(pool.map(replay, [(s, args.seed) for s in cut_schedules]))
+            results = list(pool.map(replay, [(s, args.seed, limit) for s in cut_schedules]))
             kept = sorted(((r[0], i) for i, r in zip(cuts, results, strict=True) if r[0] > five), reverse=True)
             print(f"single cuts that stay above fixed 5's attainment: {[i for _, i in kept]}")
             combined = [[i for _, i in kept[:n]] for n in range(2, len(kept) + 1)]
             schedules = [[size - (j in chosen) for j, size in enumerate(own)] for chosen in combined]
-            results = list(pool.map(replay, [(s, args.seed) for s in schedules]))
+            results = list(pool.map(replay, [(s, args.seed, limit) for s in schedules]))
             for chosen, (attained, seconds, _) in zip(combined, results, strict=True):
                 show(f"cut at decisions {chosen}", attained, seconds)
 

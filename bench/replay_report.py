@@ -14,6 +14,9 @@ and arrival speed that load the fleet; round-robin, cache-aware, kv, kv with
 virtualenv is there (``--dynamo-python``; ``../shared/peers/README.md`` installs it).
 
     python -m bench.replay_report [--part shared|families] [--trace ../shared/data/mooncake_synthetic_trace.jsonl]
+
+``--smoke``: the same code paths on the first ``SMOKE_REQUESTS`` requests of each trace and families
+of a hundredth the sessions (seconds, for CI); its figures are not the published ones.
 """
 
 from __future__ import annotations
@@ -107,7 +110,10 @@ def family_row(router: str, reuse: float, lru: float, p50: float, p99: float) ->
     print(f"{'':<26}{router:<28}{reuse:>8.3f}{reuse / lru:>8.1%}{p50:>10.0f}{p99:>9.0f}")
 
 
-def families(dynamo_python: Path, results: dict[str, Any]) -> None:
+SMOKE_REQUESTS = 200
+
+
+def families(dynamo_python: Path, results: dict[str, Any], smoke: bool = False) -> None:
     """Every family under every policy: reuse (and its share of the fleet-wide LRU bound), TTFT p50, p99."""
     header = f"{'family':<26}{'router':<28}{'reuse':>8}{'of LRU':>8}{'TTFT p50':>10}{'p99':>9}"
     print(header)
@@ -116,7 +122,10 @@ def families(dynamo_python: Path, results: dict[str, Any]) -> None:
         label = f"{family.name}{' (held out)' if family.held_out else ''}"
         with tempfile.TemporaryDirectory() as scratch:
             path = Path(scratch) / "trace.jsonl"
-            rows = generate(family.kind, family.rules)
+            rules = family.rules
+            if smoke:
+                rules = dataclasses.replace(rules, sessions=max(4, rules.sessions // 100))
+            rows = generate(family.kind, rules)
             path.write_text("".join(json.dumps(row) + "\n" for row in rows))
             trace = read_trace(path)
             config = ReplayConfig(num_blocks=family.num_blocks, arrival_speedup_ratio=family.speedup)
@@ -150,6 +159,7 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--json", type=Path, default=None, help="also write every summary here")
     parser.add_argument("--part", choices=("shared", "families"), default=None, help="one part only (default: both)")
+    parser.add_argument("--smoke", action="store_true", help="a smoke-sized run (CI): the figures mean nothing")
     parser.add_argument(
         "--dynamo-python",
         type=Path,
@@ -159,17 +169,19 @@ def main() -> None:
     args = parser.parse_args()
     results: dict[str, Any] = {}
     if args.part != "families":
-        shared(args.trace, results)
+        shared(args.trace, results, args.smoke)
     if args.part != "shared":
         print()
-        families(args.dynamo_python, results)
+        families(args.dynamo_python, results, args.smoke)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 
 
-def shared(path: Path, results: dict[str, Any]) -> None:
+def shared(path: Path, results: dict[str, Any], smoke: bool = False) -> None:
     """Every router mode on the shared trace at speed-ups 4 and 6, Dynamo's figures beside."""
     trace = read_trace(path)
+    if smoke:
+        trace = trace[:SMOKE_REQUESTS]
     config = ReplayConfig()
     bounds = reuse_bounds(trace, config.trace_block_size, config.block_size, config.workers * config.num_blocks)
     results["reuse_bounds"] = {"fleet_lru": bounds.fleet_lru, "infinite_cache": bounds.infinite}

@@ -14,6 +14,7 @@
   the shared Mooncake trace (``--replay-requests``): wall time and peak memory.
 
     python -m bench.sizing [--parts indexer-stream find-matches router replay] [--replay-requests 1000000]
+    python -m bench.sizing --smoke    # every part at a small size (CI): the figures mean nothing
 """
 
 from __future__ import annotations
@@ -252,10 +253,15 @@ def main(argv: list[str] | None = None) -> None:
         default=10.0,
         help="worker-shaped: seconds of 64 workers' events (256: a quarter)",
     )
+    parser.add_argument("--smoke", action="store_true", help="every part at a small size (CI): figures mean nothing")
     args = parser.parse_args(argv)
+    scale = 0.01 if args.smoke else 1.0
+    if args.smoke:
+        args.replay_requests, args.replay_workers = 2_000, 8
+        args.router_seconds, args.shaped_seconds = 1.0, 0.2
     if "indexer-stream" in args.parts:
         for servers in (1, 3):
-            r = asyncio.run(jetstream_apply(1_000_000, 64, nats_servers=servers))
+            r = asyncio.run(jetstream_apply(int(1_000_000 * scale), 64, nats_servers=servers))
             print(
                 f"indexer replica from the KV event stream ({servers} NATS server(s), {min(servers, 3)} replica(s)): "
                 f"{r['blocks_per_s']:,.0f} blocks/s ({r['messages_per_s']:,.0f} messages/s), {r['blocks']:,} blocks",
@@ -274,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             )
     if "find-matches" in args.parts:
         for total in (1_000_000, 10_000_000):
-            r = find_matches_at(total)
+            r = find_matches_at(int(total * scale))
             print(
                 f"FindMatches at {r['blocks']:,} blocks, {r['workers']} workers: p50 {r['find_p50_us']:.1f} µs, "
                 f"p99 {r['find_p99_us']:.1f} µs; {r['bytes_per_block']:.0f} bytes/block ({r['index_gib']:.2f} GiB); "

@@ -25,6 +25,7 @@ REQUIRED_TIERS = {
     "tests/containers/": "containers",
     "tests/replay/": "replay",
     "tests/vllm/": "vLLM",
+    "tests/bench/": "benchmark smoke",
 }
 _required_skips: list[tuple[str, str]] = []
 
