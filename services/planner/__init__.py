@@ -7,6 +7,7 @@ Its sans-I/O core is driven by the live service and by ``kvmesh replay --planner
 - ``decision`` — the pools' sizes, and a decision with what led to it.
 - ``load`` — what it observes of one interval, and what it predicts for the next.
 - ``predictors`` — load predictors from past intervals.
+- ``startup`` — how long a worker takes to serve, measured from the planner's own growths.
 - ``capacity`` — the performance model: the smallest pools that meet the SLA under a load.
 - ``service`` — ``kvmesh planner run``: observe, decide, act, every interval.
 - ``connectors`` — how decisions reach the fleet (``local``, ``compose``, ``no-operation``).

@@ -37,6 +37,8 @@ class Decision:
     utilisation_cap: float
     # the attainment over --attainment-window after this interval (None: nothing finished in it)
     window_attainment: float | None = None
+    # the worker start-up the decision planned for: measured, else --worker-startup-secs (None: older)
+    worker_startup_s: float | None = None
 
     @property
     def changes(self) -> bool:

@@ -29,7 +29,9 @@ class PlannerOptions:
     scale_down_intervals: int = option(2, "intervals in a row that must ask for fewer workers before a pool shrinks")
     adjustment_interval: float = option(60.0, "seconds between decisions")
     worker_startup_secs: float = option(
-        30.0, "seconds from starting a worker to its first request: the planner sizes for the load then"
+        30.0,
+        "seconds from starting a worker to its first request, until the planner has measured it (the slowest of "
+        "its last 3 growths, from asking to the workers serving): it sizes for the load then",
     )
     ttft_headroom: float = option(
         0.5, "plan for this share of --ttft-target-ms, leaving the rest for requests above the mean"

@@ -32,6 +32,7 @@ from kvmesh.planner.decision import POOLS, Decision, PoolSizes
 from kvmesh.planner.load import IntervalObservation, LoadForecast
 from kvmesh.planner.options import UTILISATION_CAP_BOUNDS, PlannerOptions
 from kvmesh.planner.predictors import Predictor, make_predictor
+from kvmesh.planner.startup import StartupMeter
 
 # how far one interval's observations may move the model's correction, and its bounds
 CORRECTION_SMOOTHING = 0.5
@@ -94,11 +95,13 @@ class Planner:
     # the intervals whose requests finished within --attainment-window, oldest first
     _window: deque[IntervalObservation] = field(default_factory=deque, init=False)
     _grown_at: dict[str, float] = field(default_factory=dict, init=False)
+    _startup: StartupMeter = field(init=False)
     _resized_at: float = field(default=-math.inf, init=False)  # the last decision that changed a pool
 
     def __post_init__(self) -> None:
         o = self.options
         self.utilisation_cap = o.utilisation_cap
+        self._startup = StartupMeter(o.worker_startup_secs)
 
         def rate() -> Predictor:
             return make_predictor(o.load_predictor, o.predictor_window, o.season_length)
@@ -116,6 +119,7 @@ class Planner:
         if current == self._last_pools and self._forecast_held(observation) and not observation.backlog_growth:
             self._feedback(observation)
         self._observe(observation)
+        self._startup.observed(observation.start_s + observation.duration_s, observation.workers)
         self._track_backlog(observation)
         forecast = self.forecast()
         load = self._with_backlog(forecast)
@@ -126,6 +130,7 @@ class Planner:
         for pool in POOLS:
             if getattr(target, pool) > getattr(current, pool):
                 self._grown_at[pool] = now
+        self._startup.decided(now, current.total, target.total)
         if target != current:
             self._resized_at = now
         self._last_pools = target
@@ -142,13 +147,19 @@ class Planner:
             self.itl_correction,
             self.utilisation_cap,
             self.window_attainment(),
+            self.worker_startup_s,
         )
+
+    @property
+    def worker_startup_s(self) -> float:
+        """The worker start-up planned for: measured (:class:`StartupMeter`), else the option's guess."""
+        return self._startup.seconds
 
     def forecast(self) -> LoadForecast:
         """The load of the interval that workers started now would serve first."""
         s = self._series
         o = self.options
-        horizon = 1 + math.ceil(o.worker_startup_secs / o.adjustment_interval)
+        horizon = 1 + math.ceil(self.worker_startup_s / o.adjustment_interval)
         return LoadForecast(
             request_rate=max(0.0, s.rate.predict(horizon)),
             mean_input_tokens=max(0.0, s.input_tokens.predict()),
@@ -334,7 +345,7 @@ class Planner:
             ]
         else:
             at_fault = ["aggregated"]
-        settle = o.worker_startup_secs
+        settle = self.worker_startup_s
         grown = {}
         for pool in at_fault:
             ceiling = o.prefill_ceiling if pool == "prefill" else o.max_workers

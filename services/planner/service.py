@@ -146,6 +146,9 @@ class PlannerMetrics:
         self.wanted = gauge("wanted_workers", "workers the model asked for", ["pool"])
         self.target = gauge("target_workers", "workers the planner set (after hysteresis)", ["pool"])
         self.cap = gauge("utilisation_cap", "prefill utilisation a worker may be planned at")
+        self.startup = gauge(
+            "worker_startup_seconds", "a worker's start-up the planner plans for (measured, else --worker-startup-secs)"
+        )
         self.worker_requests = gauge(
             "worker_requests", "requests in flight on a worker, the last interval's mean (routers' view)", ["worker"]
         )
@@ -169,6 +172,8 @@ class PlannerMetrics:
             self.wanted.labels(pool).set(getattr(decision.wanted, pool))
             self.target.labels(pool).set(getattr(decision.target, pool))
         self.cap.set(decision.utilisation_cap)
+        if decision.worker_startup_s is not None:
+            self.startup.set(decision.worker_startup_s)
         # workers come and go: only those of the last interval keep a series
         self.worker_requests.clear()
         self.worker_kv_tokens.clear()
@@ -321,6 +326,7 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
                 wanted=pools_text(decision.wanted),
                 target=pools_text(decision.target),
                 utilisation_cap=round(decision.utilisation_cap, 3),
+                worker_startup_s=decision.worker_startup_s,
                 # per worker: mean requests in flight and KV tokens held, as the routers predicted
                 worker_requests={w.worker_id: round(w.requests, 1) for w in worker_loads},
                 worker_kv_tokens={w.worker_id: round(w.kv_tokens) for w in worker_loads},

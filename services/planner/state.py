@@ -50,6 +50,7 @@ def decision_from_dict(data: dict[str, Any]) -> Decision:
         itl_correction=data["itl_correction"],
         utilisation_cap=data["utilisation_cap"],
         window_attainment=data.get("window_attainment"),  # absent from steps stored before it was
+        worker_startup_s=data.get("worker_startup_s"),  # likewise
     )
 
 

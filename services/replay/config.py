@@ -97,11 +97,20 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
         "with the router queue (--active-*-threshold): each request's priority class, drawn with --seed from these "
         "shares, e.g. high=0.2,normal=0.5,low=0.3 (default: every request normal)",
     )
+    worker_join_secs: float = option(
+        -1.0,
+        "with --planner: seconds a started virtual worker takes to serve (-1: --worker-startup-secs); another "
+        "value makes --worker-startup-secs only the planner's first guess, which it corrects by measuring",
+    )
     planner: bool = option(
         False,
         "scale the fleet with the planner (virtual connector): --workers (and --prefill-workers, whose prefill and "
         "decode pools it then sizes apart) are the starting sizes",
     )
+
+    def join_secs(self) -> float:
+        """How long a started virtual worker takes to serve."""
+        return self.worker_startup_secs if self.worker_join_secs < 0 else self.worker_join_secs
 
     def validate(self) -> None:
         RoutingOptions.validate(self)

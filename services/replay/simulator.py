@@ -115,7 +115,7 @@ class ReplaySimulator:
         if planner.disaggregated != bool(self.config.prefill_workers):
             raise ValueError("a disaggregated replay (--prefill-workers) needs a disaggregated planner, and only it")
         self.planner = planner
-        self.fleet = VirtualFleet(self.config.worker_startup_secs * 1000.0)
+        self.fleet = VirtualFleet(self.config.join_secs() * 1000.0)
         for worker in range(len(self.engines)):
             self.fleet.start(worker, self._pool_of(worker), 0.0, immediately=True)
 
@@ -241,7 +241,8 @@ class ReplaySimulator:
         interval_ms = self.config.adjustment_interval * 1000.0
         current = PoolSizes(*(len(self.fleet.live(pool)) for pool in POOLS))
         recorder = IntervalRecorder(self.config.ttft_target_ms, self.config.itl_target_ms)
-        observation = recorder.observe(self.records, now - interval_ms, now, current.total, self.loads.worker_loads())
+        serving = len(self.workers.instances())  # joined, as the live planner counts the registered
+        observation = recorder.observe(self.records, now - interval_ms, now, serving, self.loads.worker_loads())
         decision = self.planner.step(observation, current)
         self.decisions.append(decision)
         self.steps.append((observation, decision))

@@ -262,3 +262,29 @@ def test_a_prefill_pool_at_its_ceiling_leaves_the_rest_of_the_prefills_to_the_de
 
     roomy, capped = decode_pool(12), decode_pool(1)
     assert capped > roomy  # the decode workers prefill what the one prefill worker cannot
+
+
+def test_the_start_up_planned_for_is_the_slowest_measured_of_the_last_growths():
+    planner = Planner(options(worker_startup_secs=10.0, adjustment_interval=10.0), PROFILE)
+    assert planner.worker_startup_s == 10.0  # nothing measured: the option's guess
+    pools = PoolSizes(aggregated=1)
+    start = 0.0
+
+    def step(rate: float, serving: int) -> None:
+        nonlocal pools, start
+        observation = dataclasses.replace(interval(start, rate), workers=serving)
+        pools = planner.step(observation, pools).target
+        start += 10.0
+
+    step(1.0, 1)
+    step(9.0, 1)  # the load jumps: asked for more at t=20
+    asked, wanted = start, pools.total
+    assert wanted > 1
+    for _ in range(3):  # not serving yet: nothing measured
+        step(9.0, 1)
+        assert planner.worker_startup_s == 10.0
+    step(9.0, wanted)  # served by the end of this interval: 40 s after asking
+    assert planner.worker_startup_s == start - asked == 40.0
+    observation = dataclasses.replace(interval(start, 9.0), workers=0)  # no count: nothing learned
+    planner.step(observation, pools)
+    assert planner.worker_startup_s == 40.0

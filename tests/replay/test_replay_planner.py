@@ -48,6 +48,20 @@ def test_the_planner_grows_the_fleet_when_the_load_steps_up():
     assert late and all(w.joins_ms == w.started_ms + 10_000 for w in late)
 
 
+def test_the_planner_measures_how_long_a_worker_takes_to_serve_instead_of_trusting_its_guess():
+    """Told workers start in 0 s, but they take 35: the planner measures it from the growths it asked
+    for (to the end of the interval in which they served, within one interval) and plans for that."""
+    simulator, _ = run(worker_startup_secs=0.0, worker_join_secs=35.0)
+    assert simulator.planner is not None
+    grown = [d for d in simulator.decisions if d.target.total > d.current.total]
+    assert grown, "the load step made the planner grow the fleet"
+    assert 35.0 <= simulator.planner.worker_startup_s <= 35.0 + PLANNED["adjustment_interval"]
+    assert simulator.decisions[0].worker_startup_s == 0.0  # its guess, until it had measured
+    assert simulator.decisions[-1].worker_startup_s == simulator.planner.worker_startup_s
+    late = [w for w in simulator.fleet.workers if w.started_ms > 0]
+    assert late and all(w.joins_ms == w.started_ms + 35_000 for w in late)
+
+
 def test_a_planned_replay_is_deterministic():
     first, first_records = run(limit=400)
     second, second_records = run(limit=400)
