@@ -6,6 +6,8 @@ virtual time.
 - ``queue_door`` — the router queue at the door: route now, wait, or be refused.
 - ``virtual_index`` — what the indexer replicas would answer, events delayed as on a live mesh.
 - ``fleet`` — the replay's discovery and its virtual connector: workers that join, drain, stop.
+- ``elastic`` — the planner's ticks and the virtual fleet's changes, as a part of the simulator.
+- ``handoff`` — a shrink that hands its cache on: whom to remove, what it sends, to whom.
 - ``fleet_search`` — the smallest fixed fleet reaching an SLA goal, and a planner capped at one.
 - ``config`` — its options (the router's and the planner's included) and its per-request record.
 - ``report`` — the summary figures.

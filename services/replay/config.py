@@ -97,6 +97,12 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
         "with the router queue (--active-*-threshold): each request's priority class, drawn with --seed from these "
         "shares, e.g. high=0.2,normal=0.5,low=0.3 (default: every request normal)",
     )
+    shrink_handoff_blocks: int = option(
+        0,
+        "with --planner: a shrink removes the worker whose departure loses fewest cached blocks no other holds, "
+        "and it first sends its hottest cached blocks (up to this many, with their prefixes) to the survivors over "
+        "the KV transfer (--kv-transfer-gbps), staying until they arrive; 0: the youngest leaves with its cache",
+    )
     worker_join_secs: float = option(
         -1.0,
         "with --planner: seconds a started virtual worker takes to serve (-1: --worker-startup-secs); another "
@@ -125,6 +131,8 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
         for name in ("workers", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if self.shrink_handoff_blocks < 0:
+            raise ConfigError("--shrink-handoff-blocks must be 0 (off) or positive")
         if self.trace_block_size <= 0 or self.arrival_speedup_ratio <= 0:
             raise ConfigError("--trace-block-size and --arrival-speedup-ratio must be positive")
         if self.priority_mix:

@@ -7,7 +7,7 @@ the replay disaggregates (``--prefill-workers``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.common.runtime.discovery import InstanceRecord
@@ -50,9 +50,19 @@ class VirtualFleet:
         """Started and not draining (in pool ``role``, or in any): the pool size the planner manages."""
         return [w for w in self.workers if w.draining_since_ms is None and role in (None, w.role)]
 
-    def drain(self, count: int, role: str, now_ms: float) -> list[VirtualWorker]:
-        """Drain ``count`` workers of pool ``role``, those not yet joined first, then the youngest."""
-        chosen = sorted(self.live(role), key=lambda w: (w.joins_ms <= now_ms, -w.started_ms))[:count]
+    def drain(
+        self, count: int, role: str, now_ms: float, cost: Callable[[VirtualWorker], float] | None = None
+    ) -> list[VirtualWorker]:
+        """Drain ``count`` workers of pool ``role``, those not yet joined first, then those whose
+        ``cost`` (of leaving) is least, then the youngest."""
+        chosen = sorted(
+            self.live(role),
+            key=lambda w: (
+                w.joins_ms <= now_ms,
+                cost(w) if cost is not None and w.joins_ms <= now_ms else 0,
+                -w.started_ms,
+            ),
+        )[:count]
         for worker in chosen:
             worker.draining_since_ms = now_ms
         return chosen

@@ -34,12 +34,14 @@ from kvmesh.common.wire.hashing import sequence_hashes
 from kvmesh.common.wire.kv_events import HOST_TIER, KvEvent, KvEventBatch
 from kvmesh.common.wire.priority import parse_mix
 from kvmesh.common.wire.worker_key import WorkerKey
-from kvmesh.planner.decision import POOLS, Decision, PoolSizes
+from kvmesh.planner.decision import Decision
 from kvmesh.planner.load import IntervalObservation
 from kvmesh.planner.planner import Planner
 from kvmesh.replay.arrival_profile import parse_arrival_profile
 from kvmesh.replay.config import TOO_LONG, ReplayConfig, RequestRecord, router_config
-from kvmesh.replay.fleet import REPLAY_MODEL, IntervalRecorder, RoutableWorkers, VirtualFleet
+from kvmesh.replay.elastic import ElasticFleet
+from kvmesh.replay.fleet import REPLAY_MODEL, RoutableWorkers, VirtualFleet
+from kvmesh.replay.handoff import Handoff
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
 from kvmesh.replay.queue_door import QueueDoor
 from kvmesh.replay.virtual_index import VirtualIndex
@@ -51,7 +53,7 @@ from kvmesh.worker.engine import EngineRequestSpec
 from kvmesh.worker.engines.mock.mock_engine import EngineConfig, MockEngine, StepResult, capacity_refusal
 
 
-class ReplaySimulator:
+class ReplaySimulator(ElasticFleet):
     """Replays one trace once. Guarantees: every request completes (or the run raises)."""
 
     def __init__(self, config: ReplayConfig) -> None:
@@ -99,6 +101,9 @@ class ReplaySimulator:
         self._transfer_seq = itertools.count()
         # with --planner: the fleet it scales, its decisions, and the events it schedules
         self.planner: Planner | None = None
+        self.handoffs: dict[int, Handoff] = {}  # leaving worker -> the blocks it is sending
+        self.handed_on = 0  # blocks cached on survivors by handoffs
+        self.handoff_ends: dict[int, float] = {}  # leaving worker -> when its last block arrived
         self.fleet: VirtualFleet | None = None
         self.decisions: list[Decision] = []
         self.steps: list[tuple[IntervalObservation, Decision]] = []
@@ -162,7 +167,7 @@ class ReplaySimulator:
             heapq.heappush(completions, (now + result.duration_ms, sequence, worker))
 
         next_arrival = 0
-        while next_arrival < len(trace) or completions or self._transfers:
+        while next_arrival < len(trace) or completions or self._transfers or self.handoffs:
             arrival_time = records[next_arrival].arrival_ms if next_arrival < len(trace) else math.inf
             transfer_time = self._transfers[0][0] if self._transfers else math.inf
             timer_time = self._timers[0][0] if self._timers else math.inf
@@ -227,69 +232,14 @@ class ReplaySimulator:
         view = self.router.view(prepared, self._answer(prepared, split), split=split, exact=self.config.oracle_index)
         return view.uncached_tokens(prepared)
 
-    # ---- the planner and its virtual fleet ----------------------------------------------------------
-    def _schedule(self, kind: str, at_ms: float, worker: int = -1) -> None:
-        heapq.heappush(self._timers, (at_ms, next(self._transfer_seq), kind, worker))
-
-    def _on_timer(self, kind: str, worker: int, now: float, busy: bool) -> None:
-        assert self.planner is not None and self.fleet is not None
-        if kind == "join":
-            joined = self.fleet.workers[worker]
-            if joined.draining_since_ms is None:
-                self.workers.join(worker, joined.role)
-            return
-        interval_ms = self.config.adjustment_interval * 1000.0
-        current = PoolSizes(*(len(self.fleet.live(pool)) for pool in POOLS))
-        recorder = IntervalRecorder(self.config.ttft_target_ms, self.config.itl_target_ms)
-        serving = len(self.workers.instances())  # joined, as the live planner counts the registered
-        observation = recorder.observe(self.records, now - interval_ms, now, serving, self.loads.worker_loads())
-        decision = self.planner.step(observation, current)
-        self.decisions.append(decision)
-        self.steps.append((observation, decision))
-        point = {
-            "t_s": now / 1000.0,
-            "workers": current.total,
-            "target": decision.target.total,
-            "observed_rate": observation.request_rate,
-            "predicted_rate": decision.forecast.request_rate,
-        }
-        if self.planner.disaggregated:
-            point |= {"prefill": current.prefill, "decode": current.decode}
-            point |= {"prefill_target": decision.target.prefill, "decode_target": decision.target.decode}
-        self.fleet.timeline.append(point)
-        for pool in POOLS:
-            change = getattr(decision.target, pool) - getattr(current, pool)
-            for _ in range(max(change, 0)):
-                self._add_worker(pool, now)
-            for drained in self.fleet.drain(max(-change, 0), pool, now):
-                self.workers.leave(drained.index)  # the router sends it nothing more
-                self._stop_if_drained(drained.index, now)
-        if busy:
-            self._schedule("tick", now + interval_ms)
-
-    def _add_worker(self, pool: str, now: float) -> None:
-        assert self.fleet is not None
-        index = len(self.engines)
-        self.engines.append(MockEngine(self.engine_config))
-        self._next_event_id.append(0)
-        self._next_host_event_id.append(0)
-        if self._fits:
-            self._fits.append(TimingFit(self._fits[0].prior))
-        if self.config.router_timing == "exact":
-            self.router.chooser.set_timing(WorkerKey(index, 0), self.engine_config.timing)
-        worker = self.fleet.start(index, pool, now)
-        self._schedule("join", worker.joins_ms, index)
-
-    def _stop_if_drained(self, worker: int, now: float) -> None:
-        if self.fleet is None or worker >= len(self.fleet.workers):
-            return
-        state = self.fleet.workers[worker]
-        if state.draining_since_ms is not None and state.stopped_ms is None and not self.engines[worker].has_work():
-            state.stopped_ms = now
-            # its events still on their way would bring its blocks back after it is gone
-            self.index.remove_worker(worker)
-            # discovery drops it: the router forgets it in every stage
-            self.router.worker_left(self.workers.record(worker, state.role))
+    def _publish_events(self, worker: int, now: float) -> None:
+        """The worker's device-tier KV events since the last call, to the index."""
+        events = self.engines[worker].drain_events()
+        if events:
+            first = self._next_event_id[worker]
+            self._next_event_id[worker] = first + len(events)
+            batch = tuple(KvEvent(first + i, data) for i, data in enumerate(events))
+            self.index.publish(KvEventBatch(worker, 0, now, batch), now)
 
     # ---- routing: the router's pipeline, the replay's index ------------------------------------
     def _prepare(self, request: TraceRequest) -> Prepared:
@@ -413,12 +363,7 @@ class ReplaySimulator:
         """Apply a finished step; returns decode workers that got a request to run at once."""
         if self._fits:
             self._learn(worker, result)
-        events = self.engines[worker].drain_events()
-        if events:
-            first = self._next_event_id[worker]
-            self._next_event_id[worker] = first + len(events)
-            batch = tuple(KvEvent(first + i, data) for i, data in enumerate(events))
-            self.index.publish(KvEventBatch(worker, 0, now, batch), now)
+        self._publish_events(worker, now)
         host_events = self.engines[worker].drain_host_events()
         if host_events:
             first = self._next_host_event_id[worker]

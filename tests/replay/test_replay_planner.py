@@ -12,6 +12,7 @@ from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.replay import cli
 from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import read_trace
+from kvmesh.replay.report import summarise
 from kvmesh.replay.simulator import ReplaySimulator
 
 SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
@@ -130,3 +131,24 @@ def test_a_disaggregated_replay_needs_a_disaggregated_planner():
     simulator = ReplaySimulator(config)
     with pytest.raises(ValueError, match="disaggregated"):
         simulator.attach_planner(Planner(config, profile_mock_engine(simulator.engine_config)))
+
+
+def test_a_shrink_that_hands_its_cache_on_keeps_more_of_it_and_the_leaver_waits_for_its_blocks():
+    """The load falls to a third: the planner shrinks. With --shrink-handoff-blocks the worker whose
+    departure loses least leaves, its hottest blocks sent to the survivors first (through their KV
+    events into the index, so the router finds them there): more of the prompts are served from the
+    cache than when the youngest leaves with its cache."""
+    shrinking = {"workers": 4, "arrival_profile": "step:at=100,factor=0.3", "scale_down_intervals": 1}
+    kept, kept_records = run(limit=1500, **shrinking)
+    handed, handed_records = run(limit=1500, shrink_handoff_blocks=4096, **shrinking)
+    assert any(d.target.total < d.current.total for d in handed.decisions), "the load's fall shrank the fleet"
+    assert kept.handed_on == 0 and handed.handed_on > 0
+    assert handed.handoffs == {}  # every handoff arrived
+    reuse_kept, reuse_handed = summarise(kept_records)["prefix_reuse"], summarise(handed_records)["prefix_reuse"]
+    assert reuse_handed > reuse_kept * 1.1
+    # a leaver that sent blocks stopped no earlier than its last block arrived: worker-seconds count it
+    assert handed.handoff_ends
+    for source, arrived in handed.handoff_ends.items():
+        leaver = handed.fleet.workers[source]
+        assert leaver.draining_since_ms is not None and leaver.draining_since_ms < arrived
+        assert leaver.stopped_ms is not None and leaver.stopped_ms >= arrived

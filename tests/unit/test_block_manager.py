@@ -76,3 +76,40 @@ def test_clear_forgets_the_cache():
     bm.clear()
     assert bm.num_cached == 0 and bm.num_free == 4
     assert bm.drain_events()[-1] == AllBlocksCleared()
+
+
+def test_a_leaving_worker_lists_its_hottest_blocks_with_their_prefixes_parent_first():
+    bm = BlockManager(num_blocks=16, block_size=16)
+    cold = fill(bm, [1, 2, 3])
+    bm.release(cold)
+    warm = fill(bm, [4, 5], parent=1)  # hangs under block 1
+    bm.release(warm)
+    running = fill(bm, [7, 8])  # held by a running sequence: hottest
+    listed = bm.recently_used(limit=5)
+    order = [h for h, _local, _parent in listed]
+    assert order[:2] == [7, 8]  # what runs now first
+    assert {1, 4, 5} <= set(order)  # then the most recently released, with its prefix (1)
+    assert order.index(1) < order.index(4) < order.index(5)  # parents before children
+    assert 3 not in order  # the cold tail is left out
+    assert dict((h, p) for h, _l, p in listed)[4] == 1
+    bm.release(running)
+
+
+def test_adopted_blocks_are_cached_and_announced_and_orphans_skipped():
+    source = BlockManager(num_blocks=16, block_size=16)
+    bm_blocks = fill(source, [1, 2, 3])
+    source.release(bm_blocks)
+    receiver = BlockManager(num_blocks=4, block_size=16)
+    own = fill(receiver, [9])
+    receiver.release(own)
+    receiver.drain_events()
+    handed = [*source.recently_used(limit=8), (50, 1050, 49)]  # 50's parent 49 is nowhere
+    assert receiver.adopt(handed) == 3
+    assert receiver.cached_prefix_length([1, 2, 3]) == 3
+    stored = [e for e in receiver.drain_events() if isinstance(e, BlocksStored)]
+    assert [(e.parent_hash, [b.block_hash for b in e.blocks]) for e in stored] == [(None, [1]), (1, [2]), (2, [3])]
+    assert receiver.adopt(handed) == 0  # already there
+    assert receiver.num_cached == 4 and receiver.num_active == 0
+    small = BlockManager(num_blocks=2, block_size=16)
+    assert small.adopt(handed) == 2  # room for two: the chain's head, its tail left out
+    assert small.cached_prefix_length([1, 2, 3]) == 2

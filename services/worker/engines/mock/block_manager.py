@@ -124,6 +124,46 @@ class BlockManager:
         events, self._events = self._events, []
         return events
 
+    def recently_used(self, limit: int) -> list[tuple[int, int, int | None]]:
+        """Up to about ``limit`` cached blocks, the hottest first chosen (those running sequences
+        hold, then the most recently released), each with every cached ancestor, ordered so that a
+        block's parent comes before it: what a worker that leaves hands on. (sequence hash, local
+        hash, parent sequence hash)."""
+        active = [h for h, b in self._cached.items() if b.ref_count > 0]
+        chosen: dict[int, None] = {}
+        for h in [*active, *reversed(self._inactive)]:
+            if len(chosen) >= limit:
+                break
+            chain = []
+            while h is not None and h in self._cached and h not in chosen:
+                chain.append(h)
+                h = self._cached[h].parent_hash
+            chosen.update(dict.fromkeys(reversed(chain)))
+        # within each chain, ancestors were added before their descendants
+        return [(h, self._cached[h].local_hash, self._cached[h].parent_hash) for h in chosen]
+
+    def adopt(self, blocks: Sequence[tuple[int, int, int | None]]) -> int:
+        """Cache blocks another worker computed, parent first (as :meth:`recently_used` lists them),
+        without their bytes (a simulation's): each is registered after its parent, which must be
+        cached here by then; one already cached, or whose parent is not, is skipped, and room is made
+        by evicting this worker's least recently used blocks. Returns how many were taken."""
+        taken = 0
+        room = self.num_available  # free and evictable now: the blocks adopted here are never evicted for more
+        for sequence_hash, local_hash, parent in blocks:
+            if sequence_hash in self._cached or (parent is not None and parent not in self._cached):
+                continue
+            if taken == room:
+                break
+            held = self.acquire_cached([parent]) if parent is not None else []
+            try:
+                block = self.allocate(1)
+                self.register(block, [sequence_hash], [local_hash], parent)
+                self.release(block)
+            finally:
+                self.release(held)
+            taken += 1
+        return taken
+
     # ---- changes -------------------------------------------------------------------------
     def acquire_cached(self, sequence_hashes: Sequence[int]) -> list[KvBlock]:
         """Reference cached blocks for a new sequence (all must be cached)."""

@@ -237,6 +237,16 @@ class MockEngine:
     def drain_events(self) -> list[EventData]:
         return self.cache.drain_events()
 
+    # a worker that leaves hands its cache on (the replay's shrink: kvmesh.replay.handoff)
+    def cached_hashes(self) -> set[int]:
+        return self.cache.blocks.cached_hashes()
+
+    def hot_blocks(self, limit: int) -> list[tuple[int, int, int | None]]:
+        return self.cache.blocks.recently_used(limit)
+
+    def adopt_blocks(self, blocks: list[tuple[int, int, int | None]]) -> int:
+        return self.cache.blocks.adopt(blocks)
+
     def drain_host_events(self) -> list[EventData]:
         """The host tier's events (tier ``host``), apart: they are published as another dp rank."""
         return self.cache.drain_host_events()

@@ -1,0 +1,123 @@
+"""The replay's side of the planner: its ticks, and the virtual fleet it resizes (workers start,
+join after their start-up, drain, hand their cache on with ``--shrink-handoff-blocks``, and stop),
+as a part of :class:`kvmesh.replay.simulator.ReplaySimulator`, which owns the state it uses (the
+engines, the routable workers, the router, the index, the timers)."""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+from kvmesh.common.core.timing_fit import TimingFit
+from kvmesh.common.wire.worker_key import WorkerKey
+from kvmesh.planner.decision import POOLS, PoolSizes
+from kvmesh.replay.fleet import IntervalRecorder
+from kvmesh.replay.handoff import plan_handoff, unique_blocks
+from kvmesh.worker.engines.mock.mock_engine import MockEngine
+
+
+class ElasticFleet:
+    """The planner's ticks and the virtual fleet's changes, for :class:`ReplaySimulator`."""
+
+    # the simulator's state (set in its constructor)
+    config: Any
+    planner: Any
+    fleet: Any
+
+    def _schedule(self, kind: str, at_ms: float, worker: int = -1) -> None:
+        heapq.heappush(self._timers, (at_ms, next(self._transfer_seq), kind, worker))
+
+    def _on_timer(self, kind: str, worker: int, now: float, busy: bool) -> None:
+        assert self.planner is not None and self.fleet is not None
+        if kind == "handoff":
+            self._hand_on(worker, now)
+            return
+        if kind == "join":
+            joined = self.fleet.workers[worker]
+            if joined.draining_since_ms is None:
+                self.workers.join(worker, joined.role)
+            return
+        interval_ms = self.config.adjustment_interval * 1000.0
+        current = PoolSizes(*(len(self.fleet.live(pool)) for pool in POOLS))
+        recorder = IntervalRecorder(self.config.ttft_target_ms, self.config.itl_target_ms)
+        serving = len(self.workers.instances())  # joined, as the live planner counts the registered
+        observation = recorder.observe(self.records, now - interval_ms, now, serving, self.loads.worker_loads())
+        decision = self.planner.step(observation, current)
+        self.decisions.append(decision)
+        self.steps.append((observation, decision))
+        point = {
+            "t_s": now / 1000.0,
+            "workers": current.total,
+            "target": decision.target.total,
+            "observed_rate": observation.request_rate,
+            "predicted_rate": decision.forecast.request_rate,
+        }
+        if self.planner.disaggregated:
+            point |= {"prefill": current.prefill, "decode": current.decode}
+            point |= {"prefill_target": decision.target.prefill, "decode_target": decision.target.decode}
+        self.fleet.timeline.append(point)
+        for pool in POOLS:
+            change = getattr(decision.target, pool) - getattr(current, pool)
+            for _ in range(max(change, 0)):
+                self._add_worker(pool, now)
+            self._shrink(pool, max(-change, 0), now)
+        if busy:
+            self._schedule("tick", now + interval_ms)
+
+    def _add_worker(self, pool: str, now: float) -> None:
+        assert self.fleet is not None
+        index = len(self.engines)
+        self.engines.append(MockEngine(self.engine_config))
+        self._next_event_id.append(0)
+        self._next_host_event_id.append(0)
+        if self._fits:
+            self._fits.append(TimingFit(self._fits[0].prior))
+        if self.config.router_timing == "exact":
+            self.router.chooser.set_timing(WorkerKey(index, 0), self.engine_config.timing)
+        worker = self.fleet.start(index, pool, now)
+        self._schedule("join", worker.joins_ms, index)
+
+    def _shrink(self, pool: str, count: int, now: float) -> None:
+        """Drain ``count`` workers of ``pool``; with --shrink-handoff-blocks, those whose departure
+        costs least, each handing its hottest blocks on before it stops (kvmesh.replay.handoff)."""
+        assert self.fleet is not None
+        limit = self.config.shrink_handoff_blocks
+        serving = [r.instance_id for r in self.workers.instances()]
+        cost = (lambda w: unique_blocks(w.index, serving, self.engines)) if limit else None
+        for drained in self.fleet.drain(count, pool, now, cost):
+            self.workers.leave(drained.index)  # the router sends it nothing more
+            survivors = [r.instance_id for r in self.workers.of_role(pool)]
+            block_bytes = self.config.block_size * self.config.kv_bytes_per_token
+            plan = None
+            if drained.joins_ms <= now:  # one not yet joined holds nothing
+                plan = plan_handoff(
+                    drained.index, survivors, self.engines, lambda w: self.engines[w].num_requests,
+                    limit, block_bytes, self.config.kv_transfer_gbps, now,
+                )  # fmt: skip
+            if plan is not None:
+                self.handoffs[drained.index] = plan
+                self._schedule("handoff", plan.arrives_ms, drained.index)
+            self._stop_if_drained(drained.index, now)
+
+    def _hand_on(self, source: int, now: float) -> None:
+        """A handoff's blocks arrive: cached on the receivers still serving, indexed by their events."""
+        plan = self.handoffs.pop(source)
+        self.handoff_ends[source] = now
+        for receiver, blocks in plan.parts.items():
+            if receiver in self.workers:
+                self.handed_on += self.engines[receiver].adopt_blocks(blocks)
+                self._publish_events(receiver, now)
+        self._stop_if_drained(source, now)
+
+    def _stop_if_drained(self, worker: int, now: float) -> None:
+        if self.fleet is None or worker >= len(self.fleet.workers):
+            return
+        state = self.fleet.workers[worker]
+        if worker in self.handoffs:
+            return  # it stays until its last block is sent
+        if state.draining_since_ms is not None and state.stopped_ms is None and not self.engines[worker].has_work():
+            state.stopped_ms = now
+            # its events still on their way would bring its blocks back after it is gone
+            self.index.remove_worker(worker)
+            # discovery drops it: the router forgets it in every stage
+            self.router.worker_left(self.workers.record(worker, state.role))
