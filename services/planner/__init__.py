@@ -10,6 +10,7 @@ Its sans-I/O core is driven by the live service and by ``kvmesh replay --planner
 - ``startup`` — how long a worker takes to serve, measured from the planner's own growths.
 - ``capacity`` — the performance model: the smallest pools that meet the SLA under a load.
 - ``service`` — ``kvmesh planner run``: observe, decide, act, every interval.
+- ``connector`` — what every connector is, and the error it raises.
 - ``connectors`` — how decisions reach the fleet (``local``, ``compose``, ``no-operation``).
 - ``kubernetes`` — the ``kubernetes`` connector: Deployments resized through the API's scale subresource.
 - ``state`` — its memory: every step in SQLite.

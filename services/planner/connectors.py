@@ -23,27 +23,26 @@ import shlex
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.wire import names
+from kvmesh.planner.connector import Connector, ConnectorError
 from kvmesh.planner.decision import POOLS, PoolSizes
+from kvmesh.planner.kubernetes import KubernetesDeployments
 
 CONNECTORS = ("local", "compose", "kubernetes", "no-operation")
-
-
-class ConnectorError(RuntimeError):
-    """The fleet could not be asked or resized."""
-
-
-class Connector(Protocol):
-    async def current(self, registered: PoolSizes) -> PoolSizes:
-        """The pools as the fleet sees them (``registered``: what discovery shows)."""
-        ...
-
-    async def scale(self, target: PoolSizes) -> PoolSizes: ...
+__all__ = [
+    "CONNECTORS",
+    "ComposeService",
+    "Connector",
+    "ConnectorError",
+    "LocalSupervisor",
+    "NoOperation",
+    "make_connector",
+]
 
 
 class NoOperation:
@@ -178,8 +177,6 @@ def make_connector(config: Any, nc: NatsClient) -> Connector:
             services = {"aggregated": config.compose_service}
         return ComposeService(compose, services, files, config.compose_project)
     if name == "kubernetes":
-        from kvmesh.planner.kubernetes import KubernetesDeployments  # it imports this module's error
-
         if config.disaggregated:
             deployments = {"prefill": config.kubernetes_prefill_deployment, "decode": config.kubernetes_deployment}
         else:

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from kvmesh.planner.connectors import ConnectorError
+from kvmesh.planner.connector import ConnectorError
 from kvmesh.planner.decision import POOLS, PoolSizes
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
