@@ -3,12 +3,15 @@
 For each case — a trace (given on the command line, the shared one by default, and with ``--family``
 the variants of :mod:`kvmesh.replay.trace_family`), an arrival profile that starts in its trough or at
 its crest, aggregated or disaggregated — ``kvmesh replay``'s simulator finds the smallest fixed fleet
-whose SLA attainment (TTFT ≤ 2 s and mean ITL ≤ 50 ms) reaches the goal (0.95), then runs the planner
-capped at that fleet (the operator's peak provision, the planner's ceiling) starting small, and
-NVIDIA Dynamo's throughput sizing as the project models it under the same cap. It prints, per case
-and seed: the fleet (and one worker fewer), each planner's attainment, its worker-seconds and the
-share it saved against the fleet. The planner's goal: attainment at least the goal wherever the
-fleet reaches it, with as many worker-seconds saved as that allows.
+whose SLA attainment (TTFT ≤ 2 s and mean ITL ≤ 50 ms) reaches the goal (0.95) within ``--most``
+workers a pool, then runs the planner as an operator would: starting at 2 workers a pool, capped at
+``--most`` (the largest fleet they would pay for: 16 by default; ``--cap-at-fleet`` caps it at the
+fleet found, which no operator knows), and NVIDIA Dynamo's throughput sizing as the project models it
+under the same cap. It prints, per case and seed: the fleet (and one worker fewer), each planner's
+attainment, its worker-seconds, the share it saved against the fleet, and the prefix reuse of the
+requests that arrived in the interval before its shrinks and in the one after (what a worker leaving
+with its cache costs). The planner's goal: attainment at least the goal wherever the fleet reaches
+it, with as many worker-seconds saved as that allows.
 
 A disaggregated fleet is (prefill, decode): the smallest prefill pool P that reaches the goal with a
 generous decode pool, then for P, P + 1 and P + 2 the smallest decode pool reaching it, the smallest
@@ -53,6 +56,24 @@ class Result:
     attainment: float
     worker_seconds: float
     largest: int  # the most workers it ran at once
+    # prefix reuse of the requests that arrived in the interval before each shrink, and in the one
+    # after (None: no shrink): what a worker leaving with its cache costs the sessions it served
+    reuse_before_shrinks: float | None = None
+    reuse_after_shrinks: float | None = None
+
+
+def reuse_around_shrinks(records, timeline: list[dict], interval_s: float) -> tuple[float | None, float | None]:
+    shrinks = [p["t_s"] * 1000 for p in timeline if p["target"] < p["workers"]]
+    if not shrinks:
+        return None, None
+
+    def reuse(windows: list[tuple[float, float]]) -> float:
+        chosen = [r for r in records if not r.refused and any(a <= r.arrival_ms < b for a, b in windows)]
+        prompt = sum(r.input_length for r in chosen)
+        return sum(r.cached_tokens for r in chosen) / prompt if prompt else 0.0
+
+    width = interval_s * 1000
+    return reuse([(t - width, t) for t in shrinks]), reuse([(t, t + width) for t in shrinks])
 
 
 def replay(trace: Path, options: dict) -> Result:
@@ -65,13 +86,14 @@ def replay(trace: Path, options: dict) -> Result:
         simulator.attach_planner(Planner(config, profile, disaggregated=config.prefill_workers > 0))
     records = simulator.run(read_trace(trace))
     end_ms = max(r.last_token_ms for r in records)
+    attainment = sla_attainment(records, config.ttft_target_ms, config.itl_target_ms)
     if simulator.fleet is not None:
         seconds = simulator.fleet.worker_seconds(end_ms)
         largest = max(p["workers"] for p in simulator.fleet.timeline)
-    else:
-        size = config.workers + config.prefill_workers
-        seconds, largest = size * end_ms / 1000, size
-    return Result(sla_attainment(records, config.ttft_target_ms, config.itl_target_ms), seconds, largest)
+        around = reuse_around_shrinks(records, simulator.fleet.timeline, config.adjustment_interval)
+        return Result(attainment, seconds, largest, *around)
+    size = config.workers + config.prefill_workers
+    return Result(attainment, size * end_ms / 1000, size)
 
 
 def _replay(job: tuple[Path, dict]) -> Result:
@@ -102,7 +124,7 @@ class Runs:
         result = future.result()
         if self._cache_path is not None and not options.get("planner"):
             with self._lock:
-                self._cache[key] = [result.attainment, result.worker_seconds, result.largest]
+                self._cache[key] = [result.attainment, result.worker_seconds, result.largest]  # no shrinks
                 self._cache_path.write_text(json.dumps(self._cache))
         return result
 
@@ -136,13 +158,15 @@ def case_rows(runs: Runs, args: argparse.Namespace, trace: Path, phase: str, mod
         fewer = Fleet(fleet.prefill, fleet.decode - 1)
         below = runs.run(trace, {**common, **fewer.options()}).attainment if fewer.decode else float("nan")
         line = f"{name:<48} {fleet!s:>8} {fixed.attainment:6.3f} {below:6.3f} {fixed.worker_seconds:8.0f}"
+        ceiling = None if args.cap_at_fleet else Fleet(args.most if disaggregated else 0, args.most)
         for sizing in args.sizings:
-            result = runs.run(
-                trace, {**common, **planned(fleet, args.start_workers, sizing, args.interval, args.startup)}
-            )
+            options = planned(fleet, args.start_workers, sizing, args.interval, args.startup, ceiling)
+            result = runs.run(trace, {**common, **options})
             saved = 1 - result.worker_seconds / fixed.worker_seconds
             mark = "-" if goal < GOAL else (" " if result.attainment >= goal else "!")
             line += f"   {result.attainment:6.3f}{mark} {result.worker_seconds:8.0f} {saved:6.1%}"
+            before, after = result.reuse_before_shrinks, result.reuse_after_shrinks
+            line += f" {'-' if before is None else f'{before:.2f}>{after:.2f}':>9}"
         rows.append(line)
     return rows
 
@@ -161,14 +185,25 @@ def main() -> None:
     parser.add_argument(
         "--start-workers",
         type=int,
-        default=0,
-        help="planner: the workers a pool starts with (0: the fleet it is capped at, as an operator starting "
-        "a planner on a running fleet; it shrinks once it has measured headroom)",
+        default=2,
+        help="planner: the workers a pool starts with, as an operator starting small (0: its cap, as an operator "
+        "starting a planner on a running fleet; it shrinks once it has measured headroom)",
+    )
+    parser.add_argument(
+        "--cap-at-fleet",
+        action="store_true",
+        help="cap the planners at the smallest fixed fleet that reaches the goal (found by the search, which no "
+        "operator knows) instead of at --most",
     )
     parser.add_argument("--interval", type=float, default=15.0, help="planner: --adjustment-interval")
     parser.add_argument("--startup", type=float, default=15.0, help="planner: --worker-startup-secs")
     parser.add_argument("--sizings", nargs="+", default=["queue", "dynamo"], choices=["queue", "dynamo"])
-    parser.add_argument("--most", type=int, default=24, help="the largest pool the fleet search tries")
+    parser.add_argument(
+        "--most",
+        type=int,
+        default=16,
+        help="the largest pool an operator would pay for: the fleet search's bound and the planners' cap",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="replays run in parallel")
     parser.add_argument("--cache", type=Path, help="a JSON file keeping fixed fleets' results between runs")
     parser.add_argument("--smoke", action="store_true", help="short traces, small fleets (CI): figures mean nothing")
@@ -194,16 +229,18 @@ def main() -> None:
             tables = list(searches.map(lambda case: case_rows(runs, args, *case), cases))
     print(
         f"speed-up {args.arrival_speedup_ratio}, sine period {args.period:g} s amplitude {args.amplitude:g}; "
-        f"planners start at {args.start_workers or 'the fleet'} a pool, capped at the fleet; goal {GOAL}"
+        f"planners start at {args.start_workers or 'their cap'} a pool, capped at "
+        f"{'the fleet' if args.cap_at_fleet else f'{args.most} a pool'}; goal {GOAL}"
     )
-    sizing_heads = "".join(f"   {s:>6}  {'worker-s':>8} {'saved':>6}" for s in args.sizings)
+    sizing_heads = "".join(f"   {s:>6}  {'worker-s':>8} {'saved':>6} {'hit ±shr':>9}" for s in args.sizings)
     print(f"{'case':<48} {'fleet':>8} {'attain':>6} {'1 less':>6} {'worker-s':>8}{sizing_heads}")
     for rows in tables:
         for row in rows:
             print(row)
     print(
         f"(! marks a planner below {GOAL} where the fleet reaches it; - a case where no fleet does: its fleet is "
-        "the smallest within 0.01 of the largest's attainment, a reference without a pass mark)"
+        "the smallest within 0.01 of the largest's attainment, a reference without a pass mark; hit ±shr: the "
+        "prefix reuse of the requests that arrived in the interval before the planner's shrinks > in the one after)"
     )
 
 

@@ -66,17 +66,22 @@ def profile_of(phase: str, period: float, amplitude: float) -> str:
     return f"sine:period={period:g},amplitude={amplitude:g},phase={offset:g}"
 
 
-def planned(fleet: Fleet, start: int, sizing: str, interval: float, startup: float) -> dict:
-    """The planner's options: capped at ``fleet``, starting at ``start`` workers a pool (0: the fleet)."""
-    start = start or max(fleet.prefill, fleet.decode)
+def planned(
+    fleet: Fleet, start: int, sizing: str, interval: float, startup: float, ceiling: Fleet | None = None
+) -> dict:
+    """The planner's options: capped at ``ceiling`` (default: ``fleet``), starting at ``start``
+    workers a pool (0: the cap)."""
+    cap = ceiling or fleet
+    start = start or max(cap.prefill, cap.decode)
     options = {
         "planner": True,
         "sizing": sizing,
-        "workers": min(start, fleet.decode),
-        "max_workers": fleet.decode,
+        "workers": min(start, cap.decode),
+        "max_workers": cap.decode,
         "adjustment_interval": interval,
         "worker_startup_secs": startup,
     }
     if fleet.prefill:
-        options |= {"prefill_workers": min(start, fleet.prefill), "max_prefill_workers": fleet.prefill}
+        prefill_cap = max(cap.prefill, 1)
+        options |= {"prefill_workers": min(start, prefill_cap), "max_prefill_workers": prefill_cap}
     return options
