@@ -8,7 +8,6 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 from kvmesh.common.runtime.run_file import default_namespace, read_run_record
@@ -139,8 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def print_history(steps: list[StoredStep], as_json: bool) -> None:
     if as_json:
-        rows = [{"observation": asdict(s.observation), "decision": asdict(s.decision)} for s in steps]
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([step.to_dict() for step in steps], indent=2))
     else:
         print(render(steps))
 

@@ -3,9 +3,10 @@ raises when the fleet cannot be asked or resized (the connectors: ``kvmesh.plann
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
-from kvmesh.planner.decision import PoolSizes
+from kvmesh.planner.decision import POOLS, PoolSizes
 
 
 class ConnectorError(RuntimeError):
@@ -18,3 +19,12 @@ class Connector(Protocol):
         ...
 
     async def scale(self, target: PoolSizes) -> PoolSizes: ...
+
+
+def by_pool(named: Mapping[str, str], what: str) -> dict[str, str]:
+    """What a connector resizes, keyed by pool (``{"aggregated": "worker"}``, or ``{"prefill": ...,
+    "decode": ...}``); ValueError naming ``what`` where none is given or a key is no pool."""
+    unknown = set(named) - set(POOLS)
+    if unknown or not named:
+        raise ValueError(f"{what} are keyed by pool ({', '.join(POOLS)}), not {sorted(unknown)}")
+    return dict(named)

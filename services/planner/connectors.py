@@ -29,7 +29,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.wire import names
-from kvmesh.planner.connector import Connector, ConnectorError
+from kvmesh.planner.connector import Connector, ConnectorError, by_pool
 from kvmesh.planner.decision import POOLS, PoolSizes
 from kvmesh.planner.kubernetes import KubernetesDeployments
 
@@ -113,13 +113,10 @@ class ComposeService:
         timeout: float = COMMAND_TIMEOUT_S,
         env: Mapping[str, str] | None = None,
     ) -> None:
-        unknown = set(services) - set(POOLS)
-        if unknown or not services:
-            raise ValueError(f"compose services are keyed by pool ({', '.join(POOLS)}), not {sorted(unknown)}")
+        self.services = by_pool(services, "compose services")
         self._compose = [*compose, *(arg for f in files for arg in ("--file", f))]
         if project:
             self._compose += ["--project-name", project]
-        self.services = dict(services)
         self._timeout = timeout
         self._env = dict(env) if env is not None else None  # None: this process's environment
 

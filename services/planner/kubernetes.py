@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
-from kvmesh.planner.connector import ConnectorError
-from kvmesh.planner.decision import POOLS, PoolSizes
+from kvmesh.planner.connector import ConnectorError, by_pool
+from kvmesh.planner.decision import PoolSizes
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 REQUEST_TIMEOUT_S = 10.0
@@ -44,9 +44,7 @@ class KubernetesDeployments:
         credentials: Path = SERVICE_ACCOUNT_DIR,
         environ: Mapping[str, str] | None = None,
     ) -> None:
-        unknown = set(deployments) - set(POOLS)
-        if unknown or not deployments:
-            raise ValueError(f"deployments are keyed by pool ({', '.join(POOLS)}), not {sorted(unknown)}")
+        self.deployments = by_pool(deployments, "deployments")
         environ = os.environ if environ is None else environ
         host, port = environ.get("KUBERNETES_SERVICE_HOST"), environ.get("KUBERNETES_SERVICE_PORT")
         if not host or not port:
@@ -54,7 +52,6 @@ class KubernetesDeployments:
                 "--connector kubernetes runs inside a Kubernetes pod: KUBERNETES_SERVICE_HOST and "
                 "KUBERNETES_SERVICE_PORT are not set"
             )
-        self.deployments = dict(deployments)
         self.credentials = credentials
         for needed in ("token", "ca.crt"):
             if not (credentials / needed).is_file():

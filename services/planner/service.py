@@ -236,8 +236,7 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
 
         async def resumed_planner() -> Planner:
             """A planner that has lived through the recorded steps: it decides as the one that recorded
-            them would have. Made again each time this replica takes the lease, since with a shared
-            store the steps it missed while standing by are another replica's."""
+            them would have."""
             fresh = Planner(config, profile, disaggregated=config.disaggregated)
             history = await state.recent(max(RESUME_STEPS, window_steps))
             last = resume(fresh, history)
@@ -245,7 +244,9 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
                 log.info("resumed", steps=len(history), pools=last.target.total, utilisation_cap=last.utilisation_cap)
             return fresh
 
-        planner = await resumed_planner()  # made again whenever this replica takes the lease
+        # SQLite holds this replica's own steps: resumed once, now. The shared stream holds the acting
+        # replica's: resumed each time this one takes the lease, from every step recorded till then.
+        planner = await resumed_planner() if config.state_store == "sqlite" else None
         workers = await stack.start(DiscoveryWatcher(nc.jetstream(), config.namespace, "worker"))
         reports = await collect(stack, nc, names.load_report_subject(config.namespace), LoadReport.decode, "load")
         router_reports = await collect(
@@ -283,7 +284,7 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
                 log.info(
                     "this planner acts now (it holds the lease)" if acting else "another planner acts; standing by"
                 )
-                if acting and config.state_store == "nats":  # a file of this replica's own has nothing new
+                if acting and config.state_store == "nats":
                     planner = await resumed_planner()
             if not acting:
                 reports[:], router_reports[:] = [], []  # the acting planner counts them
@@ -310,6 +311,7 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
                 registered.total,
                 worker_loads,
             )
+            assert planner is not None  # resumed at the start, or on taking the lease
             decision = planner.step(observation, current)
             await state.record(observation, decision)
             metrics.record(decision, observation.request_rate, observation.sla_attainment, worker_loads)

@@ -59,6 +59,14 @@ class StoredStep:
     observation: IntervalObservation
     decision: Decision
 
+    def to_dict(self) -> dict[str, Any]:
+        """``{"observation": ..., "decision": ...}``: how a step is sent and shown as JSON."""
+        return {"observation": dataclasses.asdict(self.observation), "decision": decision_to_dict(self.decision)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StoredStep:
+        return cls(IntervalObservation.from_dict(data["observation"]), decision_from_dict(data["decision"]))
+
 
 class PlannerState:
     """One SQLite file of planner steps. Use as ``async with PlannerState(path) as state``."""

@@ -16,7 +16,6 @@ were recorded; every namespace keeps its own last ``KEEP_STEPS`` steps, whatever
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 
 import nats.errors
@@ -29,22 +28,13 @@ from kvmesh.common.runtime.jetstream_state import ensure_stream, when_jetstream_
 from kvmesh.common.wire import names
 from kvmesh.planner.decision import Decision
 from kvmesh.planner.load import IntervalObservation
-from kvmesh.planner.state import RESUME_STEPS, StoredStep, decision_from_dict, decision_to_dict
+from kvmesh.planner.state import RESUME_STEPS, StoredStep
 
 log = structlog.get_logger(__name__)
 
 # Steps kept per namespace: four times what a resume replays, so a longer SLA window still fits.
 KEEP_STEPS = 4 * RESUME_STEPS
 FETCH_BATCH = 256
-
-
-def encode_step(observation: IntervalObservation, decision: Decision) -> bytes:
-    return json.dumps({"observation": dataclasses.asdict(observation), "decision": decision_to_dict(decision)}).encode()
-
-
-def decode_step(data: bytes) -> StoredStep:
-    body = json.loads(data)
-    return StoredStep(IntervalObservation.from_dict(body["observation"]), decision_from_dict(body["decision"]))
 
 
 class JetStreamSteps:
@@ -72,7 +62,7 @@ class JetStreamSteps:
         return None
 
     async def record(self, observation: IntervalObservation, decision: Decision) -> None:
-        payload = encode_step(observation, decision)
+        payload = json.dumps(StoredStep(observation, decision).to_dict()).encode()
         await when_jetstream_answers(
             lambda: self._js.publish(self.subject, payload, stream=names.PLANNER_STEPS_STREAM), "planner step"
         )
@@ -87,7 +77,7 @@ class JetStreamSteps:
             message = await self._js.get_last_msg(names.PLANNER_STEPS_STREAM, self.subject)
         except nats.js.errors.NotFoundError:
             return None
-        return decode_step(message.data or b"")
+        return StoredStep.from_dict(json.loads(message.data or b""))
 
     async def recent(self, limit: int) -> list[StoredStep]:
         """The last ``limit`` steps, oldest first (at most ``KEEP_STEPS``: the stream keeps no more)."""
@@ -110,7 +100,7 @@ class JetStreamSteps:
                     messages = await sub.fetch(FETCH_BATCH, timeout=2)
                 except (TimeoutError, nats.errors.TimeoutError):
                     break
-                steps.extend(decode_step(m.data) for m in messages)
+                steps.extend(StoredStep.from_dict(json.loads(m.data)) for m in messages)
                 if messages and messages[-1].metadata.num_pending == 0:
                     break
         finally:
