@@ -12,7 +12,7 @@ from kvmesh.common.core.timing_fit import TimingFit
 from kvmesh.common.wire.worker_key import WorkerKey
 from kvmesh.planner.decision import POOLS, PoolSizes
 from kvmesh.replay.fleet import IntervalRecorder
-from kvmesh.replay.handoff import plan_handoff, unique_blocks
+from kvmesh.replay.handoff import departure_costs, plan_handoff
 from kvmesh.worker.engines.mock.mock_engine import MockEngine
 
 
@@ -81,13 +81,14 @@ class ElasticFleet:
         """Drain ``count`` workers of ``pool``; with --shrink-handoff-blocks, those whose departure
         costs least, each handing its hottest blocks on before it stops (kvmesh.replay.handoff)."""
         assert self.fleet is not None
+        if count == 0:
+            return
         limit = self.config.shrink_handoff_blocks
-        serving = [r.instance_id for r in self.workers.instances()]
-        cost = (lambda w: unique_blocks(w.index, serving, self.engines)) if limit else None
-        for drained in self.fleet.drain(count, pool, now, cost):
+        block_bytes = self.config.block_size * self.config.kv_bytes_per_token
+        costs = departure_costs([r.instance_id for r in self.workers.instances()], self.engines) if limit else None
+        for drained in self.fleet.drain(count, pool, now, costs):
             self.workers.leave(drained.index)  # the router sends it nothing more
             survivors = [r.instance_id for r in self.workers.of_role(pool)]
-            block_bytes = self.config.block_size * self.config.kv_bytes_per_token
             plan = None
             if drained.joins_ms <= now:  # one not yet joined holds nothing
                 plan = plan_handoff(

@@ -7,7 +7,7 @@ the replay disaggregates (``--prefill-workers``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.common.runtime.discovery import InstanceRecord
@@ -51,18 +51,16 @@ class VirtualFleet:
         return [w for w in self.workers if w.draining_since_ms is None and role in (None, w.role)]
 
     def drain(
-        self, count: int, role: str, now_ms: float, cost: Callable[[VirtualWorker], float] | None = None
+        self, count: int, role: str, now_ms: float, costs: Mapping[int, float] | None = None
     ) -> list[VirtualWorker]:
-        """Drain ``count`` workers of pool ``role``, those not yet joined first, then those whose
-        ``cost`` (of leaving) is least, then the youngest."""
-        chosen = sorted(
-            self.live(role),
-            key=lambda w: (
-                w.joins_ms <= now_ms,
-                cost(w) if cost is not None and w.joins_ms <= now_ms else 0,
-                -w.started_ms,
-            ),
-        )[:count]
+        """Drain ``count`` workers of pool ``role``, those not yet joined first, then (given ``costs``,
+        each joined worker's cost of leaving by index, 0 where absent) the cheapest, then the youngest."""
+
+        def order(w: VirtualWorker) -> tuple:
+            joined = w.joins_ms <= now_ms
+            return joined, (costs.get(w.index, 0) if costs is not None and joined else 0), -w.started_ms
+
+        chosen = sorted(self.live(role), key=order)[:count]
         for worker in chosen:
             worker.draining_since_ms = now_ms
         return chosen

@@ -14,6 +14,7 @@ holders. The leaving worker costs worker-seconds until its last block is sent.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,13 +23,12 @@ from kvmesh.worker.engines.mock.mock_engine import MockEngine
 Block = tuple[int, int, int | None]  # (sequence hash, local hash, parent sequence hash)
 
 
-def unique_blocks(worker: int, serving: Sequence[int], engines: Sequence[MockEngine]) -> int:
-    """Cached blocks of ``worker`` that no other serving worker holds: what its departure loses."""
-    others: set[int] = set()
-    for other in serving:
-        if other != worker:
-            others |= engines[other].cached_hashes()
-    return len(engines[worker].cached_hashes() - others)
+def departure_costs(serving: Sequence[int], engines: Sequence[MockEngine]) -> dict[int, int]:
+    """For each serving worker, its cached blocks that no other serving worker holds: what its
+    departure loses (counted once for all of them)."""
+    cached = {worker: engines[worker].cached_hashes() for worker in serving}
+    holders = Counter(h for hashes in cached.values() for h in hashes)
+    return {worker: sum(1 for h in hashes if holders[h] == 1) for worker, hashes in cached.items()}
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,6 @@ class Handoff:
     source: int
     arrives_ms: float
     parts: dict[int, list[Block]]  # receiver -> its blocks, parent first
-
-    @property
-    def blocks(self) -> int:
-        return sum(len(part) for part in self.parts.values())
 
 
 def plan_handoff(
@@ -71,25 +67,25 @@ def plan_handoff(
     if not families:
         return None
     load = {survivor: requests_on(survivor) for survivor in survivors}
+    by_hash = {block[0]: block for block in hot}
     parts: dict[int, list[Block]] = {}
     # the largest families first, each to the survivor with the fewest requests (and blocks given)
     for family in sorted(families.values(), key=len, reverse=True):
         receiver = min(survivors, key=lambda s: (load[s], len(parts.get(s, ())), s))
-        # the family's blocks a survivor holds were skipped: its own prefix must come along
-        prefix = [b for b in hot if b[0] in held and _ancestor_of(b[0], family, hot)]
-        parts.setdefault(receiver, []).extend(prefix + family)
+        parts.setdefault(receiver, []).extend(held_prefix(family[0], by_hash, held) + family)
         load[receiver] += 1
     sent = sum(len(part) for part in parts.values())
     transfer_ms = sent * block_bytes / (transfer_gbps * 1e6)
     return Handoff(source, now_ms + transfer_ms, parts)
 
 
-def _ancestor_of(candidate: int, family: list[Block], hot: list[Block]) -> bool:
-    """Whether ``candidate`` is on the parent chain of the family's first block (within ``hot``)."""
-    parents = {sequence_hash: parent for sequence_hash, _local, parent in hot}
-    node = family[0][2]
+def held_prefix(first: Block, by_hash: dict[int, Block], held: set[int]) -> list[Block]:
+    """The ancestors of a family's first block that a survivor holds (and so were skipped), root
+    first: the receiver may not be that survivor, and the family must hang under them there."""
+    prefix = []
+    node = by_hash.get(first[2]) if first[2] is not None else None
     while node is not None:
-        if node == candidate:
-            return True
-        node = parents.get(node)
-    return False
+        if node[0] in held:
+            prefix.append(node)
+        node = by_hash.get(node[2]) if node[2] is not None else None
+    return prefix[::-1]
