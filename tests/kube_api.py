@@ -104,14 +104,29 @@ class KubernetesApi:
         }
 
     def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
+        """The API's answer to one request, recorded in :attr:`calls`."""
         match = SCALE_PATH.match(path)
-        token = headers.get("authorization", "").removeprefix("Bearer ").strip()
-        user = self.tokens.get(token, "")
+        namespace, deployment = match.groups() if match else ("", "")
+        user = self.tokens.get(headers.get("authorization", "").removeprefix("Bearer ").strip(), "")
+        status, answer = self._decide(method, path, match is not None, namespace, deployment, user, headers, body)
+        self.calls.append(Call(method, namespace, deployment, user, status, json.loads(body) if body else None))
+        return status, answer
+
+    def _decide(
+        self,
+        method: str,
+        path: str,
+        matched: bool,
+        namespace: str,
+        deployment: str,
+        user: str,
+        headers: dict[str, str],
+        body: bytes,
+    ) -> tuple[int, dict[str, Any]]:
         if not user:
             return 401, {"kind": "Status", "reason": "Unauthorized"}
-        if match is None or method not in VERBS:
+        if not matched or method not in VERBS:
             return 404, {"kind": "Status", "reason": "NotFound"}
-        namespace, deployment = match.groups()
         if not self.allowed(user, VERBS[method], namespace, deployment):
             return 403, {"kind": "Status", "reason": "Forbidden", "message": f"{user} cannot {method} {path}"}
         if (namespace, deployment) not in self.replicas:
@@ -139,11 +154,6 @@ class KubernetesApi:
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 with api._lock:
                     status, answer = api.handle(self.command, self.path, headers, body)
-                    match = SCALE_PATH.match(self.path)
-                    namespace, deployment = match.groups() if match else ("", "")
-                    user = api.tokens.get(headers.get("authorization", "").removeprefix("Bearer ").strip(), "")
-                    sent = json.loads(body) if body else None
-                    api.calls.append(Call(self.command, namespace, deployment, user, status, sent))
                 data = json.dumps(answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

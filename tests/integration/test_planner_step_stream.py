@@ -13,31 +13,16 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.planner.decision import PoolSizes
-from kvmesh.planner.load import IntervalObservation
 from kvmesh.planner.options import PlannerOptions
 from kvmesh.planner.planner import Planner
 from kvmesh.planner.state import resume
 from kvmesh.planner.step_stream import JetStreamSteps
 from kvmesh.profiler.mock import profile_mock_engine
+from tests.planner.intervals import interval
 
 pytestmark = pytest.mark.integration
 PROFILE = profile_mock_engine()
 OPTIONS = PlannerOptions(load_predictor="moving-average", min_workers=1, max_workers=12, scale_down_intervals=2)
-
-
-def interval(start: float, rate: float, attainment: float) -> IntervalObservation:
-    return IntervalObservation(
-        start_s=start,
-        duration_s=10.0,
-        requests=int(rate * 10),
-        mean_input_tokens=8000,
-        mean_output_tokens=150,
-        prefix_hit_fraction=0.3,
-        input_tokens_cv2=1.0,
-        ttft_mean_ms=500.0,
-        sla_attainment=attainment,
-        finished=int(rate * 10),
-    )
 
 
 async def test_a_standby_resumed_from_the_stream_decides_as_the_planner_it_replaces(nc: NatsClient):
@@ -47,7 +32,7 @@ async def test_a_standby_resumed_from_the_stream_decides_as_the_planner_it_repla
     async with JetStreamSteps(nc, "steps-a") as state, JetStreamSteps(nc, "steps-b") as other:
         assert await state.recent(10) == [] and await state.last() is None
         for i, rate in enumerate(loads[:-1]):
-            observation = interval(i * 10, rate, 0.9 if i % 2 else 1.0)
+            observation = interval(i * 10, rate, 0.9 if i % 2 else 1.0, ttft=500.0)
             decision = acting.step(observation, pools)
             await state.record(observation, decision)
             await other.record(dataclasses.replace(observation, requests=0), decision)  # another namespace's
@@ -62,7 +47,7 @@ async def test_a_standby_resumed_from_the_stream_decides_as_the_planner_it_repla
         standby = Planner(OPTIONS, PROFILE)
         resumed = resume(standby, recent)
     assert resumed is not None and resumed.target == pools
-    final = interval(70, loads[-1], 1.0)
+    final = interval(70, loads[-1], 1.0, ttft=500.0)
     expected = acting.step(final, pools)
     assert standby.step(final, pools) == expected
     fresh = Planner(OPTIONS, PROFILE)  # a standby without the history decides otherwise
@@ -73,7 +58,7 @@ async def test_planner_history_reads_the_stream(nats_url: str, nc: NatsClient):
     planner = Planner(OPTIONS, PROFILE)
     async with JetStreamSteps(nc, "steps-history") as state:
         for i in range(3):
-            observation = interval(i * 10, 2.0 + i, 1.0)
+            observation = interval(i * 10, 2.0 + i, 1.0, ttft=500.0)
             await state.record(observation, planner.step(observation, PoolSizes(aggregated=1)))
     command = [sys.executable, "-m", "kvmesh", "planner", "history", "--state-store", "nats", "--nats-url", nats_url]
     shown = subprocess.run(

@@ -9,6 +9,7 @@ from kvmesh.planner.options import PlannerOptions
 from kvmesh.planner.planner import Planner
 from kvmesh.planner.state import PlannerState, decision_from_dict, decision_to_dict, resume
 from kvmesh.profiler.mock import profile_mock_engine
+from tests.planner.intervals import interval
 
 PROFILE = profile_mock_engine()
 
@@ -16,21 +17,6 @@ PROFILE = profile_mock_engine()
 def options(**overrides) -> PlannerOptions:
     values = {"load_predictor": "constant", "min_workers": 1, "max_workers": 12, "scale_down_intervals": 2}
     return PlannerOptions(**{**values, **overrides})
-
-
-def interval(start: float, rate: float, attainment: float | None = 1.0, ttft: float = 0.0) -> IntervalObservation:
-    return IntervalObservation(
-        start_s=start,
-        duration_s=10.0,
-        requests=int(rate * 10),
-        mean_input_tokens=8000,
-        mean_output_tokens=150,
-        prefix_hit_fraction=0.3,
-        input_tokens_cv2=1.0,
-        ttft_mean_ms=ttft,
-        sla_attainment=attainment,
-        finished=int(rate * 10),  # keeping up: no backlog
-    )
 
 
 def test_a_pool_grows_with_the_load_at_once_and_shrinks_only_after_enough_quiet_intervals():
