@@ -208,6 +208,12 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
         )
         recovery = GapRecovery(index, workers)
         stack.push_async_callback(recovery.stop)
+        # Restored under the snapshot lock, released once the durable exists: a replica that took a
+        # snapshot and purged between this one's read of the snapshot and its durable (which pins the
+        # purge floor at the snapshot it read) would drop events this one never sees (a CI run did).
+        restore_lock = snapshots.SnapshotLock(js, config.namespace, f"{config.replica_id}:{instance_id}:restore")
+        await when_jetstream_answers(restore_lock.wait_and_acquire, "snapshot lock")
+        stack.push_async_callback(restore_lock.release)  # also when the start fails
         start_after = await restore_snapshot(js, config, index, state)
         for record in workers.instances():  # the snapshot may list as removed a worker that is back
             worker_joined(record)
@@ -231,6 +237,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
             lambda: consumer.start(reset=config.router_reset_states, start_after=start_after), "event consumer"
         )
         stack.push_async_callback(consumer.stop)
+        await restore_lock.release()
         snapshotter = snapshots.Snapshotter(
             js,
             config.namespace,

@@ -297,6 +297,7 @@ class SnapshotLock:
         self.key = f"{namespace}.index-snapshot"
         self.owner = owner
         self._kv = None
+        self.held = False
 
     async def acquire(self) -> bool:
         self._kv = await _locks(self._js)
@@ -304,10 +305,22 @@ class SnapshotLock:
             await self._kv.create(self.key, self.owner.encode())
         except nats.js.errors.KeyWrongLastSequenceError:
             return False
+        self.held = True
         return True
 
+    async def wait_and_acquire(self, poll_s: float = 0.05) -> None:
+        """Acquire, waiting while another holds it (a dead holder's lease lapses in ``LOCK_LEASE_S``)."""
+        waited = False
+        while not await self.acquire():
+            if not waited:
+                log.info("waiting for the replica taking a snapshot", lock=self.key)
+                waited = True
+            await asyncio.sleep(poll_s)
+
     async def release(self) -> None:
-        if self._kv is not None:
+        """Delete the key if this owner still holds it; a no-op once released."""
+        if self._kv is not None and self.held:
+            self.held = False
             try:
                 entry = await self._kv.get(self.key)
             except nats.js.errors.KeyNotFoundError:

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import grpc
+import nats.js.errors
 import pytest
 from nats.aio.client import Client as NatsClient
 
@@ -189,6 +192,58 @@ async def test_snapshot_purge_and_a_new_replica_restores_it(nats_url: str, nc: N
                 lambda: converged(workers, fresh.address), timeout=20, what="restored replica converges"
             )
             assert (await view(fresh.address)).gaps == 0
+    await indexers.stop()
+
+
+async def test_a_replica_restores_only_while_no_other_takes_a_snapshot(nats_url: str, nc: NatsClient):
+    """A new replica reads the snapshot and makes its durable under the snapshot lock: a replica that
+    snapshotted and purged in between would drop events the new one never sees (a CI run lost them)."""
+    js = nc.jetstream()
+    indexers = await watcher(nc, "indexer")
+    snapshotting = indexer_config(
+        nats_url, "s", "--router-snapshot-threshold", "10", "--snapshot-check-interval", "0.2"
+    )
+    async with two_workers(nats_url, nc) as workers, running(indexer_server.serve, snapshotting):
+        await load(workers, requests=60)
+        await wait_until_async(lambda: snapshots.load(js, NAMESPACE), timeout=20, what="a snapshot taken")
+        drill = snapshots.SnapshotLock(js, NAMESPACE, "drill")  # as a replica taking a snapshot holds it
+        await wait_until_async(drill.acquire, timeout=20, what="the snapshot lock free")
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvmesh.indexer", "--nats-url", nats_url, "--namespace", NAMESPACE,
+            "--replica-id", "fresh", "--lease-ttl", "2", "--log-level", "info",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        seen: list[str] = []
+        drain: asyncio.Task[bytes] | None = None
+
+        async def logged(event: str) -> None:
+            assert process.stdout is not None
+            while line := (await process.stdout.readline()).decode():
+                seen.append(line)
+                if f'"{event}"' in line:
+                    return
+            raise AssertionError(f"the indexer ended before logging {event!r}:\n" + "".join(seen))
+
+        try:
+            await asyncio.wait_for(logged("waiting for the replica taking a snapshot"), 60)
+            durable = names.indexer_durable_name(NAMESPACE, "fresh")
+            with pytest.raises(nats.js.errors.NotFoundError):  # nothing read, nothing pinned while it waits
+                await js.consumer_info(names.KV_EVENTS_STREAM, durable)
+            await load(workers, requests=20, seed=2)  # events that no snapshot covers yet
+            await drill.release()
+            drain = asyncio.create_task(process.stdout.read())  # a full pipe would stall the replica
+            await wait_until_async(lambda: len(indexers.instances()) == 2, timeout=30, what="fresh replica up")
+            fresh = next(r for r in indexers.instances() if r.extra["replica_id"] == "fresh")
+            await wait_until_async(lambda: converged(workers, fresh.address), timeout=30, what="fresh converges")
+            assert (await view(fresh.address)).snapshot_sequence > 0  # it did start from the snapshot
+        finally:
+            await drill.release()
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(process.wait(), 30)
+            if drain is not None:
+                await drain
     await indexers.stop()
 
 
