@@ -4,6 +4,8 @@ its adapter, and an adapter's cached blocks are its own."""
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 import httpx
 import openai
@@ -59,9 +61,11 @@ async def test_requests_for_an_adapter_go_to_its_workers_and_never_share_blocks(
         assert with_adapters.extra["lora_adapters"] == ["sql", "chat"]
 
         async def ready() -> bool:
-            listed = {m.id for m in (await client.models.list()).data} == {"kvmesh-tiny", "sql", "chat"}
-            async with httpx.AsyncClient() as http:  # /health says 200 once the frontend knows a router
-                return listed and (await http.get(f"http://127.0.0.1:{port}/health")).status_code == 200
+            with contextlib.suppress(openai.APIConnectionError, httpx.HTTPError):  # not listening yet
+                listed = {m.id for m in (await client.models.list()).data} == {"kvmesh-tiny", "sql", "chat"}
+                async with httpx.AsyncClient() as http:  # /health says 200 once the frontend knows a router
+                    return listed and (await http.get(f"http://127.0.0.1:{port}/health")).status_code == 200
+            return False
 
         await wait_until_async(ready, what="the adapters listed as models, and a router known")
         assert {m.id: getattr(m, "parent", None) for m in (await client.models.list()).data}["sql"] == "kvmesh-tiny"
@@ -116,7 +120,9 @@ async def test_a_worker_that_must_load_the_adapter_is_charged_for_the_load(nats_
 
         async def ready() -> bool:
             async with httpx.AsyncClient() as http:
-                return (await http.get(f"http://127.0.0.1:{port}/health")).status_code == 200
+                with contextlib.suppress(httpx.HTTPError):  # not listening yet
+                    return (await http.get(f"http://127.0.0.1:{port}/health")).status_code == 200
+            return False
 
         await wait_until_async(ready, what="a router known")
         # distinct prompts, which load balancing alone would spread over both
