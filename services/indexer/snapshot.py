@@ -14,6 +14,9 @@ Taking one (when the stream holds more than the threshold of this namespace's ev
    acknowledged *and* that the snapshot covers go. Other namespaces sharing the stream keep theirs:
    their replicas count, snapshot and purge their own subjects;
 4. release the lock.
+
+A new replica holds the same lock from its read of the snapshot until its durable consumer exists:
+that durable's ack floor then keeps the purge at or below the snapshot it read.
 """
 
 from __future__ import annotations
