@@ -10,8 +10,9 @@ fleet found, which no operator knows), and NVIDIA Dynamo's throughput sizing as 
 under the same cap. It prints, per case and seed: the fleet (and one worker fewer), each planner's
 attainment, its worker-seconds, the share it saved against the fleet, and the prefix reuse of the
 requests that arrived in the interval before its shrinks and in the one after (what a worker leaving
-with its cache costs). The planner's goal: attainment at least the goal wherever the fleet reaches
-it, with as many worker-seconds saved as that allows.
+with its cache costs), and how far its rate forecast was from the rate then observed (the error's
+mean size, and its mean sign while the load rose and while it fell). The planner's goal: attainment
+at least the goal wherever the fleet reaches it, with as many worker-seconds saved as that allows.
 
 A disaggregated fleet is (prefill, decode): the smallest prefill pool P that reaches the goal with a
 generous decode pool, then for P, P + 1 and P + 2 the smallest decode pool reaching it, the smallest
@@ -40,7 +41,7 @@ from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.fleet_search import Fleet, planned, profile_of, smallest_fleet
 from kvmesh.replay.mooncake_trace import read_trace
-from kvmesh.replay.report import sla_attainment
+from kvmesh.replay.report import forecast_errors, sla_attainment
 from kvmesh.replay.simulator import ReplaySimulator
 from kvmesh.replay.trace_family import VARIANTS, write_variant
 
@@ -60,6 +61,11 @@ class Result:
     # after (None: no shrink): what a worker leaving with its cache costs the sessions it served
     reuse_before_shrinks: float | None = None
     reuse_after_shrinks: float | None = None
+    # the planner's rate forecast against the rate then observed, (forecast - observed) / observed:
+    # mean of its size, and mean while the load rose and while it fell (None: no such interval)
+    forecast_error: float | None = None
+    forecast_bias_rising: float | None = None
+    forecast_bias_falling: float | None = None
 
 
 def reuse_around_shrinks(records, timeline: list[dict], interval_s: float) -> tuple[float | None, float | None]:
@@ -91,7 +97,7 @@ def replay(trace: Path, options: dict) -> Result:
         seconds = simulator.fleet.worker_seconds(end_ms)
         largest = max(p["workers"] for p in simulator.fleet.timeline)
         around = reuse_around_shrinks(records, simulator.fleet.timeline, config.adjustment_interval)
-        return Result(attainment, seconds, largest, *around)
+        return Result(attainment, seconds, largest, *around, *forecast_errors(simulator.fleet.timeline))
     size = config.workers + config.prefill_workers
     return Result(attainment, size * end_ms / 1000, size)
 
@@ -127,6 +133,10 @@ class Runs:
                 self._cache[key] = [result.attainment, result.worker_seconds, result.largest]  # no shrinks
                 self._cache_path.write_text(json.dumps(self._cache))
         return result
+
+
+def percent(value: float | None, signed: bool = False) -> str:
+    return "-" if value is None else f"{value:{'+' if signed else ''}.0%}"
 
 
 def case_rows(runs: Runs, args: argparse.Namespace, trace: Path, phase: str, mode: str) -> list[str]:
@@ -167,6 +177,8 @@ def case_rows(runs: Runs, args: argparse.Namespace, trace: Path, phase: str, mod
             line += f"   {result.attainment:6.3f}{mark} {result.worker_seconds:8.0f} {saved:6.1%}"
             before, after = result.reuse_before_shrinks, result.reuse_after_shrinks
             line += f" {'-' if before is None else f'{before:.2f}>{after:.2f}':>9}"
+            line += f" {percent(result.forecast_error):>5}/{percent(result.forecast_bias_rising, signed=True):>5}"
+            line += f"/{percent(result.forecast_bias_falling, signed=True):>5}"
         rows.append(line)
     return rows
 
@@ -232,7 +244,9 @@ def main() -> None:
         f"planners start at {args.start_workers or 'their cap'} a pool, capped at "
         f"{'the fleet' if args.cap_at_fleet else f'{args.most} a pool'}; goal {GOAL}"
     )
-    sizing_heads = "".join(f"   {s:>6}  {'worker-s':>8} {'saved':>6} {'hit ±shr':>9}" for s in args.sizings)
+    sizing_heads = "".join(
+        f"   {s:>6}  {'worker-s':>8} {'saved':>6} {'hit ±shr':>9} {'fc err/rise/fall':>17}" for s in args.sizings
+    )
     print(f"{'case':<48} {'fleet':>8} {'attain':>6} {'1 less':>6} {'worker-s':>8}{sizing_heads}")
     for rows in tables:
         for row in rows:
@@ -240,7 +254,9 @@ def main() -> None:
     print(
         f"(! marks a planner below {GOAL} where the fleet reaches it; - a case where no fleet does: its fleet is "
         "the smallest within 0.01 of the largest's attainment, a reference without a pass mark; hit ±shr: the "
-        "prefix reuse of the requests that arrived in the interval before the planner's shrinks > in the one after)"
+        "prefix reuse of the requests that arrived in the interval before the planner's shrinks > in the one after; "
+        "fc err/rise/fall: its rate forecast against the rate then observed, the mean size of the error, and its mean "
+        "while the load rose and while it fell, + for too much)"
     )
 
 

@@ -21,7 +21,7 @@ from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.replay.bounds import reuse_bounds
 from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import TraceError, read_trace
-from kvmesh.replay.report import plot_timeline, sla_attainment, summarise, write_csv
+from kvmesh.replay.report import forecast_errors, plot_timeline, sla_attainment, summarise, write_csv
 from kvmesh.replay.simulator import ReplaySimulator
 
 DESCRIPTION = (
@@ -132,6 +132,8 @@ def fleet_summary(simulator: ReplaySimulator, records: list, config: ReplayConfi
             "pool_size": {"min": min(sizes, default=0), "max": max(sizes, default=0)},
             "timeline": fleet.timeline,
         }
+        error, rising, falling = forecast_errors(fleet.timeline)
+        summary["planner"]["rate_forecast"] = {"mean_error": error, "bias_rising": rising, "bias_falling": falling}
     return summary
 
 

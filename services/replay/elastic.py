@@ -6,6 +6,7 @@ engines, the routable workers, the router, the index, the timers)."""
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Any
 
 from kvmesh.common.core.timing_fit import TimingFit
@@ -51,6 +52,8 @@ class ElasticFleet:
             "target": decision.target.total,
             "observed_rate": observation.request_rate,
             "predicted_rate": decision.forecast.request_rate,
+            # the forecast is for the interval that workers started now would serve first
+            "horizon": 1 + math.ceil(self.planner.worker_startup_s / self.config.adjustment_interval),
         }
         if self.planner.disaggregated:
             point |= {"prefill": current.prefill, "decode": current.decode}

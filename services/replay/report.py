@@ -15,7 +15,7 @@ from kvmesh.replay.config import TOO_LONG
 if TYPE_CHECKING:  # the simulator imports the planner, which this module imports too
     from kvmesh.replay.config import RequestRecord
 
-__all__ = ["percentile", "plot_timeline", "sla_attainment", "summarise", "write_csv"]
+__all__ = ["forecast_errors", "percentile", "plot_timeline", "sla_attainment", "summarise", "write_csv"]
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -150,3 +150,25 @@ def plot_timeline(timeline: Sequence[dict[str, float]], path: Path, title: str) 
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def forecast_errors(timeline: Sequence[dict[str, float]]) -> tuple[float | None, float | None, float | None]:
+    """How far each step's rate forecast was from the rate observed in the interval it was for (the
+    step ``horizon`` steps on): the mean relative error's size, and its mean sign while the load rose
+    and while it fell (positive: it foresaw too much). Intervals with no arrivals are left out."""
+    errors: list[float] = []
+    rising: list[float] = []
+    falling: list[float] = []
+    for i, point in enumerate(timeline):
+        later = i + int(point.get("horizon", 1))
+        if later >= len(timeline) or timeline[later]["observed_rate"] <= 0:
+            continue
+        observed = timeline[later]["observed_rate"]
+        error = (point["predicted_rate"] - observed) / observed
+        errors.append(abs(error))
+        (rising if observed > point["observed_rate"] else falling).append(error)
+
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    return mean(errors), mean(rising), mean(falling)

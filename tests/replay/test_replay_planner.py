@@ -86,6 +86,7 @@ def test_cli_reports_sla_worker_seconds_and_the_timeline_and_records_history(tmp
     assert 0 <= summary["sla"]["sla_attainment"] <= 1
     assert summary["worker_seconds"] > 0
     assert summary["planner"]["decisions"] == len(summary["planner"]["timeline"]) > 0
+    assert summary["planner"]["rate_forecast"]["mean_error"] >= 0  # how far its forecasts were from the load
     assert plot.stat().st_size > 0
 
     from kvmesh.planner import cli as planner_cli
