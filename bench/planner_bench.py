@@ -14,6 +14,10 @@ with its cache costs), and how far its rate forecast was from the rate then obse
 mean size, and its mean sign while the load rose and while it fell). The planner's goal: attainment
 at least the goal wherever the fleet reaches it, with as many worker-seconds saved as that allows.
 
+``--sizings moves`` adds kvmesh's planner with the cache moves of the replay (docs/decisions/0051): a
+shrink hands its hottest blocks to the survivors and a started worker imports the busiest workers'
+before it serves (``--move-blocks`` each).
+
 A disaggregated fleet is (prefill, decode): the smallest prefill pool P that reaches the goal with a
 generous decode pool, then for P, P + 1 and P + 2 the smallest decode pool reaching it, the smallest
 total of those; the planner is capped at each pool.
@@ -21,6 +25,7 @@ total of those; the planner is capped at each pool.
     python -m bench.planner_bench                                  # the shared trace, trough first
     python -m bench.planner_bench TRACE.jsonl --phases trough crest --seeds 0 1 2
     python -m bench.planner_bench --family --phases trough crest --modes aggregated disaggregated
+    python -m bench.planner_bench --family --phases trough crest --sizings queue moves dynamo
     python -m bench.planner_bench --smoke   # first 300 requests, fleets up to 4 (CI; figures mean nothing)
 """
 
@@ -50,6 +55,7 @@ SMOKE_REQUESTS = 300  # --smoke: requests of each trace
 GOAL = 0.95
 PHASES = ("trough", "crest")
 MODES = ("aggregated", "disaggregated")
+SIZING_OF = {"queue": "queue", "dynamo": "dynamo", "moves": "queue"}  # a planner's name -> its --sizing
 
 
 @dataclass(frozen=True)
@@ -170,7 +176,9 @@ def case_rows(runs: Runs, args: argparse.Namespace, trace: Path, phase: str, mod
         line = f"{name:<48} {fleet!s:>8} {fixed.attainment:6.3f} {below:6.3f} {fixed.worker_seconds:8.0f}"
         ceiling = None if args.cap_at_fleet else Fleet(args.most if disaggregated else 0, args.most)
         for sizing in args.sizings:
-            options = planned(fleet, args.start_workers, sizing, args.interval, args.startup, ceiling)
+            options = planned(fleet, args.start_workers, SIZING_OF[sizing], args.interval, args.startup, ceiling)
+            if sizing == "moves":
+                options |= {"shrink_handoff_blocks": args.move_blocks, "join_warmup_blocks": args.move_blocks}
             result = runs.run(trace, {**common, **options})
             saved = 1 - result.worker_seconds / fixed.worker_seconds
             mark = "-" if goal < GOAL else (" " if result.attainment >= goal else "!")
@@ -209,7 +217,15 @@ def main() -> None:
     )
     parser.add_argument("--interval", type=float, default=15.0, help="planner: --adjustment-interval")
     parser.add_argument("--startup", type=float, default=15.0, help="planner: --worker-startup-secs")
-    parser.add_argument("--sizings", nargs="+", default=["queue", "dynamo"], choices=["queue", "dynamo"])
+    parser.add_argument(
+        "--sizings",
+        nargs="+",
+        default=["queue", "dynamo"],
+        choices=list(SIZING_OF),
+        help="planners to run: kvmesh's (queue), Dynamo-style (dynamo), and kvmesh's with the cache moves (moves: "
+        "a shrink hands its cache on and a join starts warm, --move-blocks blocks each)",
+    )
+    parser.add_argument("--move-blocks", type=int, default=4096, help="with --sizings moves: blocks a move carries")
     parser.add_argument(
         "--most",
         type=int,

@@ -103,6 +103,15 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
         "and it first sends its hottest cached blocks (up to this many, with their prefixes) to the survivors over "
         "the KV transfer (--kv-transfer-gbps), staying until they arrive; 0: the youngest leaves with its cache",
     )
+    join_warmup_blocks: int = option(
+        0,
+        "with --planner: a started worker imports up to this many of the fleet's hottest cached blocks (those of "
+        "its pool's busiest workers, with their prefixes) over the KV transfer before it takes requests; 0: it "
+        "starts cold",
+    )
+    join_warmup_secs: float = option(
+        10.0, "with --join-warmup-blocks: the most seconds a worker spends importing before it takes requests"
+    )
     worker_join_secs: float = option(
         -1.0,
         "with --planner: seconds a started virtual worker takes to serve (-1: --worker-startup-secs); another "
@@ -131,8 +140,10 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
         for name in ("workers", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
-        if self.shrink_handoff_blocks < 0:
-            raise ConfigError("--shrink-handoff-blocks must be 0 (off) or positive")
+        if self.shrink_handoff_blocks < 0 or self.join_warmup_blocks < 0:
+            raise ConfigError("--shrink-handoff-blocks and --join-warmup-blocks must be 0 (off) or positive")
+        if self.join_warmup_secs <= 0:
+            raise ConfigError("--join-warmup-secs must be positive")
         if self.trace_block_size <= 0 or self.arrival_speedup_ratio <= 0:
             raise ConfigError("--trace-block-size and --arrival-speedup-ratio must be positive")
         if self.priority_mix:

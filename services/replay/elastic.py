@@ -1,7 +1,7 @@
-"""The replay's side of the planner: its ticks, and the virtual fleet it resizes (workers start,
-join after their start-up, drain, hand their cache on with ``--shrink-handoff-blocks``, and stop),
-as a part of :class:`kvmesh.replay.simulator.ReplaySimulator`, which owns the state it uses (the
-engines, the routable workers, the router, the index, the timers)."""
+"""The replay's side of the planner: its ticks, and the virtual fleet it resizes (workers start, join
+after their start-up, warmed first with ``--join-warmup-blocks``, drain, hand their cache on with
+``--shrink-handoff-blocks``, and stop), as a part of :class:`kvmesh.replay.simulator.ReplaySimulator`,
+which owns the state it uses (the engines, the routable workers, the router, the index, the timers)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kvmesh.common.core.timing_fit import TimingFit
 from kvmesh.common.wire.worker_key import WorkerKey
 from kvmesh.planner.decision import POOLS, PoolSizes
 from kvmesh.replay.fleet import IntervalRecorder
-from kvmesh.replay.handoff import departure_costs, plan_handoff
+from kvmesh.replay.handoff import departure_costs, plan_handoff, plan_warmup
 from kvmesh.worker.engines.mock.mock_engine import MockEngine
 
 
@@ -33,10 +33,8 @@ class ElasticFleet:
         if kind == "handoff":
             self._hand_on(worker, now)
             return
-        if kind == "join":
-            joined = self.fleet.workers[worker]
-            if joined.draining_since_ms is None:
-                self.workers.join(worker, joined.role)
+        if kind in ("join", "warm"):
+            self._join(worker, now, warmed=kind == "warm")
             return
         interval_ms = self.config.adjustment_interval * 1000.0
         current = PoolSizes(*(len(self.fleet.live(pool)) for pool in POOLS))
@@ -79,6 +77,33 @@ class ElasticFleet:
             self.router.chooser.set_timing(WorkerKey(index, 0), self.engine_config.timing)
         worker = self.fleet.start(index, pool, now)
         self._schedule("join", worker.joins_ms, index)
+
+    def _join(self, worker: int, now: float, warmed: bool) -> None:
+        """A started worker's start-up is over (or, ``warmed``, its import has arrived): with
+        --join-warmup-blocks it first imports the fleet's hottest blocks (kvmesh.replay.handoff), then
+        it registers. One drained meanwhile never does."""
+        assert self.fleet is not None
+        state = self.fleet.workers[worker]
+        if state.draining_since_ms is not None:
+            self.warmups.pop(worker, None)
+            return
+        if warmed:
+            plan = self.warmups.pop(worker)
+            self.warmed += self.engines[worker].adopt_blocks(plan.blocks)
+            self.warm_joins[worker] = now
+            self._publish_events(worker, now)
+        elif self.config.join_warmup_blocks:
+            serving = [r.instance_id for r in self.workers.of_role(state.role)]
+            plan = plan_warmup(
+                worker, serving, self.engines, lambda w: self.engines[w].num_requests, self.config.join_warmup_blocks,
+                self.config.block_size * self.config.kv_bytes_per_token, self.config.kv_transfer_gbps,
+                self.config.join_warmup_secs * 1000.0, now,
+            )  # fmt: skip
+            if plan is not None:
+                self.warmups[worker] = plan
+                self._schedule("warm", plan.arrives_ms, worker)
+                return
+        self.workers.join(worker, state.role)
 
     def _shrink(self, pool: str, count: int, now: float) -> None:
         """Drain ``count`` workers of ``pool``; with --shrink-handoff-blocks, those whose departure

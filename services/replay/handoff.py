@@ -10,6 +10,12 @@ each prefix family (the blocks under one root) to the survivor with the fewest r
 The blocks arrive when the bytes would have, are cached on the receivers as if computed there, and
 reach the index through the ordinary KV events, so the router sends those sessions to their new
 holders. The leaving worker costs worker-seconds until its last block is sent.
+
+A join that starts warm (``--join-warmup-blocks``): a worker whose start-up is over first imports
+the fleet's hottest prefixes where demand outruns their holders (the hot blocks of the serving
+workers of its pool with at least their mean of requests in flight, the busiest first, taken from
+each in turn), at most that many blocks and no more than arrive within ``--join-warmup-secs``; it
+registers, and takes requests, once they have arrived. It costs worker-seconds while it imports.
 """
 
 from __future__ import annotations
@@ -89,3 +95,48 @@ def held_prefix(first: Block, by_hash: dict[int, Block], held: set[int]) -> list
             prefix.append(node)
         node = by_hash.get(node[2]) if node[2] is not None else None
     return prefix[::-1]
+
+
+@dataclass(frozen=True)
+class Warmup:
+    newcomer: int
+    arrives_ms: float
+    blocks: list[Block]  # parent first
+
+
+def plan_warmup(
+    newcomer: int,
+    serving: Sequence[int],
+    engines: Sequence[MockEngine],
+    requests_on: Callable[[int], int],
+    limit: int,
+    block_bytes: int,
+    transfer_gbps: float,
+    bound_ms: float,
+    now_ms: float,
+) -> Warmup | None:
+    """What ``newcomer`` imports before it serves (None: nothing to import, or no busy worker).
+
+    Guarantees: every block comes after its parent (each source lists its blocks so, and a block taken
+    from one source was taken with its ancestors before it), none twice, at most ``limit`` blocks and
+    no more than the transfer moves in ``bound_ms``."""
+    if limit <= 0 or not serving:
+        return None
+    load = {worker: requests_on(worker) for worker in serving}
+    mean = sum(load.values()) / len(load)
+    busy = sorted((w for w in serving if load[w] and load[w] >= mean), key=lambda w: (-load[w], w))
+    budget = min(limit, int(bound_ms * transfer_gbps * 1e6 / block_bytes))
+    if not busy or budget <= 0:
+        return None
+    sources = [iter(engines[worker].hot_blocks(budget)) for worker in busy]
+    chosen: dict[int, Block] = {}
+    while sources and len(chosen) < budget:
+        for source in list(sources):
+            block = next((b for b in source if b[0] not in chosen), None)
+            if block is None:
+                sources.remove(source)
+            elif len(chosen) < budget:
+                chosen[block[0]] = block
+    if not chosen:
+        return None
+    return Warmup(newcomer, now_ms + len(chosen) * block_bytes / (transfer_gbps * 1e6), list(chosen.values()))

@@ -41,7 +41,7 @@ from kvmesh.replay.arrival_profile import parse_arrival_profile
 from kvmesh.replay.config import TOO_LONG, ReplayConfig, RequestRecord, router_config
 from kvmesh.replay.elastic import ElasticFleet
 from kvmesh.replay.fleet import REPLAY_MODEL, RoutableWorkers, VirtualFleet
-from kvmesh.replay.handoff import Handoff
+from kvmesh.replay.handoff import Handoff, Warmup
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
 from kvmesh.replay.queue_door import QueueDoor
 from kvmesh.replay.virtual_index import VirtualIndex
@@ -104,10 +104,13 @@ class ReplaySimulator(ElasticFleet):
         self.handoffs: dict[int, Handoff] = {}  # leaving worker -> the blocks it is sending
         self.handed_on = 0  # blocks cached on survivors by handoffs
         self.handoff_ends: dict[int, float] = {}  # leaving worker -> when its last block arrived
+        self.warmups: dict[int, Warmup] = {}  # started worker -> the blocks it imports before it serves
+        self.warmed = 0  # blocks cached on started workers before they served
+        self.warm_joins: dict[int, float] = {}  # warmed worker -> when it registered, its import arrived
         self.fleet: VirtualFleet | None = None
         self.decisions: list[Decision] = []
         self.steps: list[tuple[IntervalObservation, Decision]] = []
-        self._timers: list[tuple[float, int, str, int]] = []  # (at, seq, "tick" | "join", worker)
+        self._timers: list[tuple[float, int, str, int]] = []  # (at, seq, "tick" | "join" | "warm" | "handoff", worker)
 
     @property
     def loads(self):

@@ -153,3 +153,54 @@ def test_a_shrink_that_hands_its_cache_on_keeps_more_of_it_and_the_leaver_waits_
         leaver = handed.fleet.workers[source]
         assert leaver.draining_since_ms is not None and leaver.draining_since_ms < arrived
         assert leaver.stopped_ms is not None and leaver.stopped_ms >= arrived
+
+
+def test_a_join_that_starts_warm_registers_once_its_blocks_arrive():
+    """The load doubles: the planner grows. With --join-warmup-blocks each started worker first
+    imports the busiest workers' hottest blocks over the KV transfer and registers once they arrive,
+    within --join-warmup-secs of its start-up's end, serving nothing before."""
+    warm, warm_records = run(limit=1000, join_warmup_blocks=4096, join_warmup_secs=5.0)
+    assert warm.warmed > 0 and warm.warm_joins
+    assert warm.warmups == {}  # every import arrived
+    for worker, joined in warm.warm_joins.items():
+        started = warm.fleet.workers[worker]
+        assert started.joins_ms < joined <= started.joins_ms + 5000.0  # after its start-up, within the bound
+        served = [r for r in warm_records if r.worker == worker]
+        assert all(r.first_token_ms > joined for r in served)  # it served nothing before it registered
+
+
+@pytest.mark.slow  # two replays of 1,500 requests with the planner
+def test_a_join_that_starts_warm_serves_more_from_the_cache_than_a_cold_one():
+    """The requests the new workers serve find more of their prompts cached than when they start cold."""
+    cold, cold_records = run(limit=1500)
+    warm, warm_records = run(limit=1500, join_warmup_blocks=4096, join_warmup_secs=5.0)
+    assert cold.warmed == 0 and not cold.warm_joins and warm.warmed > 0
+
+    def new_workers_cached_share(records) -> float:
+        served = [r for r in records if r.worker >= PLANNED["workers"]]  # the ones the planner started
+        return sum(r.cached_tokens for r in served) / sum(r.input_length for r in served)
+
+    assert new_workers_cached_share(warm_records) > 1.1 * new_workers_cached_share(cold_records)
+
+
+def test_a_warm_join_takes_the_busiest_workers_blocks_parent_first_within_its_bounds():
+    from kvmesh.replay.handoff import plan_warmup
+    from kvmesh.worker.engines.mock.mock_engine import MockEngine
+
+    simulator, _records = run(limit=400, workers=3, arrival_profile="")
+    engines: list[MockEngine] = simulator.engines
+    serving = [0, 1, 2]
+    busy = {0: 5, 1: 1, 2: 0}  # requests in flight: only worker 0 is at or above the mean
+    plan = plan_warmup(3, serving, engines, busy.__getitem__, 64, 1000, 1.0, 1000.0, 0.0)
+    assert plan is not None and 0 < len(plan.blocks) <= 64
+    taken = [block[0] for block in plan.blocks]
+    assert len(set(taken)) == len(taken) and set(taken) <= engines[0].cached_hashes()
+    seen: set[int] = set()
+    for sequence_hash, _local, parent in plan.blocks:
+        assert parent is None or parent in seen or parent not in engines[0].cached_hashes()
+        seen.add(sequence_hash)
+    assert plan.arrives_ms == pytest.approx(len(plan.blocks) * 1000 / 1e6)  # 1,000 bytes a block at 1 GB/s
+    # the bound: at 1 GB/s, 1 ms moves one 1 MB block
+    bounded = plan_warmup(3, serving, engines, busy.__getitem__, 64, 1_000_000, 1.0, 1.0, 0.0)
+    assert bounded is not None and len(bounded.blocks) == 1
+    assert plan_warmup(3, serving, engines, lambda w: 0, 64, 1000, 1.0, 1000.0, 0.0) is None  # nobody busy
