@@ -163,13 +163,15 @@ async def _applied_some(address: str) -> bool:
         return False
 
 
+def snapshotting(nats_url: str) -> IndexerConfig:
+    """Replica "s", which snapshots and purges once the stream holds 10 of the namespace's events."""
+    return indexer_config(nats_url, "s", "--router-snapshot-threshold", "10", "--snapshot-check-interval", "0.2")
+
+
 async def test_snapshot_purge_and_a_new_replica_restores_it(nats_url: str, nc: NatsClient):
     js = nc.jetstream()
     indexers = await watcher(nc, "indexer")
-    snapshotting = indexer_config(
-        nats_url, "s", "--router-snapshot-threshold", "10", "--snapshot-check-interval", "0.2"
-    )
-    async with two_workers(nats_url, nc) as workers, running(indexer_server.serve, snapshotting):
+    async with two_workers(nats_url, nc) as workers, running(indexer_server.serve, snapshotting(nats_url)):
         await load(workers, requests=80)
 
         async def snapshot_taken_and_purged() -> bool:
@@ -200,10 +202,7 @@ async def test_a_replica_restores_only_while_no_other_takes_a_snapshot(nats_url:
     snapshotted and purged in between would drop events the new one never sees (a CI run lost them)."""
     js = nc.jetstream()
     indexers = await watcher(nc, "indexer")
-    snapshotting = indexer_config(
-        nats_url, "s", "--router-snapshot-threshold", "10", "--snapshot-check-interval", "0.2"
-    )
-    async with two_workers(nats_url, nc) as workers, running(indexer_server.serve, snapshotting):
+    async with two_workers(nats_url, nc) as workers, running(indexer_server.serve, snapshotting(nats_url)):
         await load(workers, requests=60)
         await wait_until_async(lambda: snapshots.load(js, NAMESPACE), timeout=20, what="a snapshot taken")
         drill = snapshots.SnapshotLock(js, NAMESPACE, "drill")  # as a replica taking a snapshot holds it
