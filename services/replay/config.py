@@ -123,6 +123,11 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
         "decode pools it then sizes apart) are the starting sizes",
     )
 
+    def kv_transfer_ms(self, blocks: int) -> float:
+        """How long the modelled KV transfer takes to move ``blocks`` blocks (a remote prefill's, a
+        shrink's handoff, a join's warm-up)."""
+        return blocks * self.block_size * self.kv_bytes_per_token / (self.kv_transfer_gbps * 1e6)
+
     def join_secs(self) -> float:
         """How long a started virtual worker takes to serve."""
         return self.worker_startup_secs if self.worker_join_secs < 0 else self.worker_join_secs

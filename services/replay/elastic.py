@@ -78,6 +78,10 @@ class ElasticFleet:
         worker = self.fleet.start(index, pool, now)
         self._schedule("join", worker.joins_ms, index)
 
+    def _requests_on(self, worker: int) -> int:
+        """Requests in flight on ``worker``: how the cache moves weigh a worker's load."""
+        return self.engines[worker].num_requests
+
     def _join(self, worker: int, now: float, warmed: bool) -> None:
         """A started worker's start-up is over (or, ``warmed``, its import has arrived): with
         --join-warmup-blocks it first imports the fleet's hottest blocks (kvmesh.replay.handoff), then
@@ -95,8 +99,7 @@ class ElasticFleet:
         elif self.config.join_warmup_blocks:
             serving = [r.instance_id for r in self.workers.of_role(state.role)]
             plan = plan_warmup(
-                worker, serving, self.engines, lambda w: self.engines[w].num_requests, self.config.join_warmup_blocks,
-                self.config.block_size * self.config.kv_bytes_per_token, self.config.kv_transfer_gbps,
+                serving, self.engines, self._requests_on, self.config.join_warmup_blocks, self.config.kv_transfer_ms,
                 self.config.join_warmup_secs * 1000.0, now,
             )  # fmt: skip
             if plan is not None:
@@ -112,7 +115,6 @@ class ElasticFleet:
         if count == 0:
             return
         limit = self.config.shrink_handoff_blocks
-        block_bytes = self.config.block_size * self.config.kv_bytes_per_token
         costs = departure_costs([r.instance_id for r in self.workers.instances()], self.engines) if limit else None
         for drained in self.fleet.drain(count, pool, now, costs):
             self.workers.leave(drained.index)  # the router sends it nothing more
@@ -120,9 +122,8 @@ class ElasticFleet:
             plan = None
             if drained.joins_ms <= now:  # one not yet joined holds nothing
                 plan = plan_handoff(
-                    drained.index, survivors, self.engines, lambda w: self.engines[w].num_requests,
-                    limit, block_bytes, self.config.kv_transfer_gbps, now,
-                )  # fmt: skip
+                    drained.index, survivors, self.engines, self._requests_on, limit, self.config.kv_transfer_ms, now
+                )
             if plan is not None:
                 self.handoffs[drained.index] = plan
                 self._schedule("handoff", plan.arrives_ms, drained.index)

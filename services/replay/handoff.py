@@ -39,7 +39,6 @@ def departure_costs(serving: Sequence[int], engines: Sequence[MockEngine]) -> di
 
 @dataclass(frozen=True)
 class Handoff:
-    source: int
     arrives_ms: float
     parts: dict[int, list[Block]]  # receiver -> its blocks, parent first
 
@@ -50,8 +49,7 @@ def plan_handoff(
     engines: Sequence[MockEngine],
     requests_on: Callable[[int], int],
     limit: int,
-    block_bytes: int,
-    transfer_gbps: float,
+    transfer_ms: Callable[[int], float],
     now_ms: float,
 ) -> Handoff | None:
     """What ``source`` sends before it leaves (None: nothing worth sending, or nobody to take it)."""
@@ -80,9 +78,7 @@ def plan_handoff(
         receiver = min(survivors, key=lambda s: (load[s], len(parts.get(s, ())), s))
         parts.setdefault(receiver, []).extend(held_prefix(family[0], by_hash, held) + family)
         load[receiver] += 1
-    sent = sum(len(part) for part in parts.values())
-    transfer_ms = sent * block_bytes / (transfer_gbps * 1e6)
-    return Handoff(source, now_ms + transfer_ms, parts)
+    return Handoff(now_ms + transfer_ms(sum(len(part) for part in parts.values())), parts)
 
 
 def held_prefix(first: Block, by_hash: dict[int, Block], held: set[int]) -> list[Block]:
@@ -99,23 +95,21 @@ def held_prefix(first: Block, by_hash: dict[int, Block], held: set[int]) -> list
 
 @dataclass(frozen=True)
 class Warmup:
-    newcomer: int
     arrives_ms: float
     blocks: list[Block]  # parent first
 
 
 def plan_warmup(
-    newcomer: int,
     serving: Sequence[int],
     engines: Sequence[MockEngine],
     requests_on: Callable[[int], int],
     limit: int,
-    block_bytes: int,
-    transfer_gbps: float,
+    transfer_ms: Callable[[int], float],
     bound_ms: float,
     now_ms: float,
 ) -> Warmup | None:
-    """What ``newcomer`` imports before it serves (None: nothing to import, or no busy worker).
+    """What a started worker imports from ``serving`` before it serves (None: nothing to import, or
+    no busy worker). ``transfer_ms``: how long moving so many blocks takes (linear in them).
 
     Guarantees: every block comes after its parent (each source lists its blocks so, and a block taken
     from one source was taken with its ancestors before it), none twice, at most ``limit`` blocks and
@@ -125,7 +119,7 @@ def plan_warmup(
     load = {worker: requests_on(worker) for worker in serving}
     mean = sum(load.values()) / len(load)
     busy = sorted((w for w in serving if load[w] and load[w] >= mean), key=lambda w: (-load[w], w))
-    budget = min(limit, int(bound_ms * transfer_gbps * 1e6 / block_bytes))
+    budget = min(limit, int(bound_ms / transfer_ms(1)))
     if not busy or budget <= 0:
         return None
     sources = [iter(engines[worker].hot_blocks(budget)) for worker in busy]
@@ -139,4 +133,4 @@ def plan_warmup(
                 chosen[block[0]] = block
     if not chosen:
         return None
-    return Warmup(newcomer, now_ms + len(chosen) * block_bytes / (transfer_gbps * 1e6), list(chosen.values()))
+    return Warmup(now_ms + transfer_ms(len(chosen)), list(chosen.values()))

@@ -357,9 +357,8 @@ class ReplaySimulator(ElasticFleet):
             by_id[request_id].kv_source = "decode_memory"
             engine.add_request(EngineRequestSpec(request_id, prompt, output_length), block_hashes=hashes)
             return decode
-        bytes_moved = plan.num_blocks * self.config.block_size * self.config.kv_bytes_per_token
-        transfer_ms = bytes_moved / (self.config.kv_transfer_gbps * 1e6)
-        heapq.heappush(self._transfers, (now + transfer_ms, next(self._transfer_seq), request_id, decode, prefill))
+        done_ms = now + self.config.kv_transfer_ms(plan.num_blocks)
+        heapq.heappush(self._transfers, (done_ms, next(self._transfer_seq), request_id, decode, prefill))
         return decode
 
     def _finish_step(self, worker: int, result: StepResult, now: float, by_id: dict[str, RequestRecord]) -> list[int]:

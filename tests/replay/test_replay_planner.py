@@ -191,7 +191,11 @@ def test_a_warm_join_takes_the_busiest_workers_blocks_parent_first_within_its_bo
     engines: list[MockEngine] = simulator.engines
     serving = [0, 1, 2]
     busy = {0: 5, 1: 1, 2: 0}  # requests in flight: only worker 0 is at or above the mean
-    plan = plan_warmup(3, serving, engines, busy.__getitem__, 64, 1000, 1.0, 1000.0, 0.0)
+
+    def at_1_gbps(block_bytes: int):
+        return lambda blocks: blocks * block_bytes / 1e6  # milliseconds at 1 GB/s
+
+    plan = plan_warmup(serving, engines, busy.__getitem__, 64, at_1_gbps(1000), 1000.0, 0.0)
     assert plan is not None and 0 < len(plan.blocks) <= 64
     taken = [block[0] for block in plan.blocks]
     assert len(set(taken)) == len(taken) and set(taken) <= engines[0].cached_hashes()
@@ -201,6 +205,6 @@ def test_a_warm_join_takes_the_busiest_workers_blocks_parent_first_within_its_bo
         seen.add(sequence_hash)
     assert plan.arrives_ms == pytest.approx(len(plan.blocks) * 1000 / 1e6)  # 1,000 bytes a block at 1 GB/s
     # the bound: at 1 GB/s, 1 ms moves one 1 MB block
-    bounded = plan_warmup(3, serving, engines, busy.__getitem__, 64, 1_000_000, 1.0, 1.0, 0.0)
+    bounded = plan_warmup(serving, engines, busy.__getitem__, 64, at_1_gbps(1_000_000), 1.0, 0.0)
     assert bounded is not None and len(bounded.blocks) == 1
-    assert plan_warmup(3, serving, engines, lambda w: 0, 64, 1000, 1.0, 1000.0, 0.0) is None  # nobody busy
+    assert plan_warmup(serving, engines, lambda w: 0, 64, at_1_gbps(1000), 1000.0, 0.0) is None  # nobody busy
