@@ -269,3 +269,58 @@ async def router_generate(
     finally:
         await path.close()
         await routers.close()
+
+
+@dataclass
+class WorkerMesh:
+    """A mesh of worker processes behind an in-process indexer and router (:func:`worker_mesh`)."""
+
+    router: str  # addresses
+    indexer: str
+    processes: list[subprocess.Popen[bytes]]
+    workers: DiscoveryWatcher
+
+
+@contextlib.asynccontextmanager
+async def worker_mesh(
+    nc: NatsClient, nats_url: str, namespace: str, worker_flags: tuple[str, ...] = (), workers: int = 2
+) -> AsyncIterator[WorkerMesh]:
+    """An indexer and a router (in this process) and ``workers`` worker processes started with
+    ``worker_flags``, all in ``namespace``, once every one has registered; the workers are killed after."""
+    from kvmesh.indexer import server as indexer_server
+    from kvmesh.indexer.config import IndexerConfig
+    from kvmesh.router import server as router_server
+    from kvmesh.router.config import RouterConfig
+
+    watchers = {c: DiscoveryWatcher(nc.jetstream(), namespace, c) for c in ("worker", "router", "indexer")}
+    for watcher in watchers.values():
+        await watcher.start()
+    processes = [service_process("worker", nats_url, namespace, *worker_flags) for _ in range(workers)]
+    common = ["--nats-url", nats_url, "--namespace", namespace]
+    try:
+        async with (
+            running(indexer_server.serve, service_config(IndexerConfig, common)),
+            running(router_server.serve, service_config(RouterConfig, common)),
+        ):
+            await wait_until_async(
+                lambda: (
+                    len(watchers["worker"].instances()) == workers
+                    and watchers["router"].instances()
+                    and watchers["indexer"].instances()
+                ),
+                timeout=30,
+                what="up",
+            )
+            yield WorkerMesh(
+                watchers["router"].instances()[0].address,
+                watchers["indexer"].instances()[0].address,
+                processes,
+                watchers["worker"],
+            )
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=10)
+        for watcher in watchers.values():
+            await watcher.stop()

@@ -14,6 +14,7 @@ from kvmesh.planner.options import PlannerOptions
 from kvmesh.replay.arrival_profile import parse_arrival_profile
 from kvmesh.router.config import RouterConfig, RoutingOptions
 from kvmesh.router.policy import POLICY_MODES
+from kvmesh.worker.config import CacheMoveOptions
 
 # the modes a replay can simulate (``direct`` needs a caller that names the worker)
 REPLAY_MODES = POLICY_MODES
@@ -40,7 +41,7 @@ TOO_LONG = "too_long"
 
 
 @dataclass
-class ReplayConfig(RoutingOptions, PlannerOptions):
+class ReplayConfig(RoutingOptions, PlannerOptions, CacheMoveOptions):
     """The simulated fleet and trace handling; the routing options are the router's own, the SLA
     targets and scaling options the planner's."""
 
@@ -97,21 +98,6 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
         "with the router queue (--active-*-threshold): each request's priority class, drawn with --seed from these "
         "shares, e.g. high=0.2,normal=0.5,low=0.3 (default: every request normal)",
     )
-    shrink_handoff_blocks: int = option(
-        0,
-        "with --planner: a shrink removes the worker whose departure loses fewest cached blocks no other holds, "
-        "and it first sends its hottest cached blocks (up to this many, with their prefixes) to the survivors over "
-        "the KV transfer (--kv-transfer-gbps), staying until they arrive; 0: the youngest leaves with its cache",
-    )
-    join_warmup_blocks: int = option(
-        0,
-        "with --planner: a started worker imports up to this many of the fleet's hottest cached blocks (those of "
-        "its pool's busiest workers, with their prefixes) over the KV transfer before it takes requests; 0: it "
-        "starts cold",
-    )
-    join_warmup_secs: float = option(
-        10.0, "with --join-warmup-blocks: the most seconds a worker spends importing before it takes requests"
-    )
     worker_join_secs: float = option(
         -1.0,
         "with --planner: seconds a started virtual worker takes to serve (-1: --worker-startup-secs); another "
@@ -145,10 +131,7 @@ class ReplayConfig(RoutingOptions, PlannerOptions):
         for name in ("workers", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
-        if self.shrink_handoff_blocks < 0 or self.join_warmup_blocks < 0:
-            raise ConfigError("--shrink-handoff-blocks and --join-warmup-blocks must be 0 (off) or positive")
-        if self.join_warmup_secs <= 0:
-            raise ConfigError("--join-warmup-secs must be positive")
+        self.check_cache_moves()
         if self.trace_block_size <= 0 or self.arrival_speedup_ratio <= 0:
             raise ConfigError("--trace-block-size and --arrival-speedup-ratio must be positive")
         if self.priority_mix:

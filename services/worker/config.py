@@ -158,7 +158,36 @@ class KvHandoffOptions:
 
 
 @dataclass
-class EngineOptions(MockEngineOptions, LoraOptions, DataParallelOptions, KvHandoffOptions):
+class CacheMoveOptions:
+    """Engine, cache moves: the cache kept when the fleet changes.
+
+    The mock engine's, and the replay's virtual workers' (docs/decisions/0051)."""
+
+    shrink_handoff_blocks: int = option(
+        0,
+        "a worker that leaves (stopped, or removed by the planner, which then picks the one whose departure "
+        "loses fewest cached blocks no other worker holds) first sends its hottest cached blocks, up to this "
+        "many with their prefixes, to the workers that stay, over the KV transfer; 0: it leaves with its cache",
+    )
+    join_warmup_blocks: int = option(
+        0,
+        "a worker that starts first imports up to this many of the fleet's hottest cached blocks (those of the "
+        "busiest workers of its role, with their prefixes) over the KV transfer, and only then takes requests; "
+        "0: it starts cold",
+    )
+    join_warmup_secs: float = option(
+        10.0, "with --join-warmup-blocks: the most seconds a worker spends importing before it takes requests"
+    )
+
+    def check_cache_moves(self) -> None:
+        if self.shrink_handoff_blocks < 0 or self.join_warmup_blocks < 0:
+            raise ConfigError("--shrink-handoff-blocks and --join-warmup-blocks must be 0 (off) or positive")
+        if self.join_warmup_secs <= 0:
+            raise ConfigError("--join-warmup-secs must be positive")
+
+
+@dataclass
+class EngineOptions(MockEngineOptions, LoraOptions, DataParallelOptions, KvHandoffOptions, CacheMoveOptions):
     """Engine: which one, and its KV cache's shape.
 
     The engine options every worker of a mesh shares, declared once with their sub-groups above:
@@ -295,6 +324,9 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
         check_lora_adapters(self)
         check_data_parallel(self, self.role)
         check_served_engine(self)
+        self.check_cache_moves()
+        if (self.shrink_handoff_blocks or self.join_warmup_blocks) and self.engine != "mock":
+            raise ConfigError("--shrink-handoff-blocks and --join-warmup-blocks move the mock engine's blocks")
         if self.engine == "vllm":
             check_block_size(self.block_size)
 

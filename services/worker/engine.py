@@ -272,6 +272,27 @@ class Engine(abc.ABC):
     def dump_kv_state(self) -> tuple[int, list[CachedBlock]]:
         """(last KV event id published, every cached block) as one consistent picture."""
 
+    # ---- cached blocks moved between workers (docs/decisions/0051) -----------------------------
+    moves_blocks = False  # whether the methods below work (the mock engine's do)
+
+    def hot_blocks(self, limit: int) -> list[tuple[int, int, int | None]]:
+        """About ``limit`` of the hottest cached blocks, each with its cached ancestors, parents first:
+        (sequence hash, local hash, parent sequence hash)."""
+        raise EngineRequestError("this engine cannot move its cached blocks")
+
+    def offer_blocks(self, offer_id: str, sequence_hashes: list[int]) -> list[tuple[int, int]]:
+        """Hold these cached blocks for another worker until :meth:`release_held` ``offer_id``:
+        (sequence hash, KV slot) of each, in order (a block no longer cached is left out)."""
+        raise EngineRequestError("this engine cannot move its cached blocks")
+
+    def reserve_intake(self, intake_id: str, blocks: list[tuple[int, int, int | None]]) -> list[int]:
+        """Slots for the first of another worker's offered ``blocks``, as many as fit now."""
+        raise EngineRequestError("this engine cannot move its cached blocks")
+
+    def finish_intake(self, intake_id: str, received: bool) -> int:
+        """Cache the reserved blocks (their bytes arrived) or give them back; how many were cached."""
+        raise EngineRequestError("this engine cannot move its cached blocks")
+
     def dump_pool_state(self) -> tuple[int, list[CachedBlock]] | None:
         """The same for the worker's KV pool segment (its ``pooled`` stream); None without one."""
         return None

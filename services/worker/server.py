@@ -12,7 +12,7 @@ import structlog
 
 from kvmesh.common.core.timing import as_constants
 from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from kvmesh.common.runtime.discovery import Registration, new_instance_id
+from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord, Registration, new_instance_id
 from kvmesh.common.runtime.heap import freeze_startup_heap
 from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
 from kvmesh.common.runtime.metrics import MetricsEndpoint
@@ -20,12 +20,14 @@ from kvmesh.common.runtime.service import ServiceStack, service_main
 from kvmesh.common.wire.gateway_endpoint import GATEWAY_ENDPOINT_KEY, endpoint_of_url
 from kvmesh.common.wire.lora import ADAPTERS_KEY, RESIDENT_KEY, adapter_paths
 from kvmesh.common.wire.worker_key import DATA_PARALLEL_KEY
+from kvmesh.worker.cache_moves import CacheMoves
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.engine import Engine
 from kvmesh.worker.engines.factory import start_engine
 from kvmesh.worker.engines.started import EventPublishers, StartedEngine
 from kvmesh.worker.engines.vllm.vllm_defaults import require_vllm
 from kvmesh.worker.event_publisher import KvEventPublisher
+from kvmesh.worker.kv_transfer.handoff import TransferHandoff
 from kvmesh.worker.lora_slots import AdapterSlots
 from kvmesh.worker.metrics import WorkerMetrics
 from kvmesh.worker.servicer import WorkerServicer
@@ -58,8 +60,15 @@ async def serve(
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
         ranks = [started.engine, *started.ranks]
-        servicer = WorkerServicer(worker_id, config.model_name, started.engine, metrics, started.handoff, slots, ranks)
-        # 4. registered last (deregistered first), with what routers cost it by
+        moves = cache_moves(config, worker_id, started)
+        servicer = WorkerServicer(
+            worker_id, config.model_name, started.engine, metrics, started.handoff, slots, ranks, moves
+        )
+        # 4. warm (with --join-warmup-blocks), then registered last (deregistered first), with what
+        # routers cost it by
+        if moves is not None and config.join_warmup_blocks:
+            peers = await worker_peers(js, config, worker_id)
+            await moves.warm_up(peers, config.join_warmup_blocks, config.join_warmup_secs)
         extra = {**started.extra, **adapter_extra, **endpoint.discovery_extra(), **gateway_extra(config)}
         registration = await register(stack, js, config, worker_id, started, servicer, extra)
         # 5. kept up to date while it serves
@@ -77,6 +86,31 @@ async def serve(
         freeze_startup_heap()  # the engine, model and connections live as long as the process
         await stop.wait()
         log.info("worker shutting down")
+        if moves is not None and config.shrink_handoff_blocks:
+            # out of discovery first: no new request comes while the cache is handed on
+            await registration.stop()
+            survivors = await worker_peers(js, config, worker_id)
+            await moves.hand_on(survivors, config.shrink_handoff_blocks)
+
+
+def cache_moves(config: WorkerConfig, worker_id: int, started: StartedEngine) -> CacheMoves | None:
+    """The worker's cached-block moves to and from other workers (None: its engine cannot move its
+    blocks over a transfer of its own)."""
+    handoff = started.handoff
+    if not started.engine.moves_blocks or not isinstance(handoff, TransferHandoff):
+        return None
+    return CacheMoves(worker_id, started.engine, handoff.transfer, config.kv_transfer_timeout_secs)
+
+
+async def worker_peers(js, config: WorkerConfig, worker_id: int) -> list[InstanceRecord]:
+    """The other registered workers of this worker's role and model, as discovery shows them now."""
+    watcher = DiscoveryWatcher(js, config.namespace, "worker")
+    await watcher.start()
+    try:
+        records = watcher.instances()
+    finally:
+        await watcher.stop()
+    return [r for r in records if r.instance_id != worker_id and r.role == config.role and r.model == config.model_name]
 
 
 def adapter_slots(config: WorkerConfig) -> tuple[AdapterSlots | None, dict[str, object]]:

@@ -22,6 +22,7 @@ from kvmesh.common.wire import disagg
 from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvSource, PrefillOrder
 from kvmesh.common.wire.finish_reasons import to_proto
 from kvmesh.common.wire.kv_events import DEVICE_TIER, POOLED_TIER, stream_of_v1_rank
+from kvmesh.worker.cache_moves import CacheMoves
 from kvmesh.worker.engine import (
     Engine,
     EngineFailure,
@@ -49,10 +50,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         handoff: KvHandoff | None,
         adapters: AdapterSlots | None = None,
         ranks: Sequence[Engine] = (),
+        moves: CacheMoves | None = None,
     ) -> None:
         """``engine`` is data-parallel rank 0, which also serves the worker's status, metrics and
         KV handoff; ``ranks``: every rank's engine in rank order (default: ``engine`` alone);
-        ``adapters``: the LoRA adapters this worker serves and which are loaded (None: none served)."""
+        ``adapters``: the LoRA adapters this worker serves and which are loaded (None: none served);
+        ``moves``: its cached blocks' moves to and from other workers (None: its engine cannot)."""
         self.worker_id = worker_id
         self.model_name = model_name
         self.adapters = adapters
@@ -60,6 +63,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
         self.metrics = metrics
         self.handoff = handoff
+        self.moves = moves
         # each frontend's attached GenerateMany stream, where routers' forwards for it are served
         self.attachments = Attachments()
 
@@ -256,6 +260,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.KvStateDump(
             worker_id=self.worker_id, dp_rank=dp_rank, last_event_id=last_event_id, blocks=cached
         )
+
+    async def OfferBlocks(
+        self, request: worker_pb2.OfferBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.BlockOffer:
+        moves = await self._moves(context)
+        offer = moves.offer_hottest(request.max_blocks, set(request.skip), hold=not request.list_only)
+        log.info("cached blocks offered", blocks=len(offer.blocks), asked=request.max_blocks)
+        return offer
+
+    async def TakeBlocks(
+        self, request: worker_pb2.BlockOffer, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.TakenBlocks:
+        moves = await self._moves(context)
+        if request.blocks and not (request.host and request.port and request.room):
+            await refuse(context, "worker", grpc.StatusCode.INVALID_ARGUMENT, "an offer needs its host, port and room")
+        moved = await moves.take(request)
+        return worker_pb2.TakenBlocks(blocks=moved.blocks, bytes=moved.bytes, seconds=moved.seconds)
+
+    async def _moves(self, context: grpc.aio.ServicerContext) -> CacheMoves:
+        if self.moves is None:
+            await refuse(
+                context, "worker", grpc.StatusCode.FAILED_PRECONDITION, "this worker's engine cannot move cached blocks"
+            )
+        assert self.moves is not None
+        return self.moves
 
     async def GetStatus(
         self, request: worker_pb2.WorkerStatusRequest, context: grpc.aio.ServicerContext

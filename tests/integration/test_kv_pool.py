@@ -17,14 +17,9 @@ from nats.aio.client import Client as NatsClient
 
 from kvmesh.client import RouterApi
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
-from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.ports import pid_listening_on
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
-from kvmesh.indexer import server as indexer_server
-from kvmesh.indexer.config import IndexerConfig
-from kvmesh.router import server as router_server
-from kvmesh.router.config import RouterConfig
-from tests.support import router_generate, running, service_config, service_process, wait_until_async
+from tests.support import router_generate, wait_until_async, worker_mesh
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "pool"
@@ -39,44 +34,12 @@ def pool_dir():
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def config(kind: type, nats_url: str, *extra: str):
-    return service_config(kind, ["--nats-url", nats_url, "--namespace", NAMESPACE, *extra])
-
-
 @contextlib.asynccontextmanager
 async def pool_mesh(nc: NatsClient, nats_url: str, pool: Path, workers: int = 2):
     """An indexer, a router and worker processes sharing ``pool``; yields (router, indexer, processes, watcher)."""
-    watchers = {c: DiscoveryWatcher(nc.jetstream(), NAMESPACE, c) for c in ("worker", "router", "indexer")}
-    for watcher in watchers.values():
-        await watcher.start()
-    flags = ["--kv-pool", str(pool), "--speedup-ratio", "2", "--lease-ttl", "30"]
-    processes = [service_process("worker", nats_url, NAMESPACE, *flags) for _ in range(workers)]
-    try:
-        async with (
-            running(indexer_server.serve, config(IndexerConfig, nats_url)),
-            running(router_server.serve, config(RouterConfig, nats_url)),
-        ):
-            await wait_until_async(
-                lambda: (
-                    len(watchers["worker"].instances()) == workers
-                    and watchers["router"].instances()
-                    and watchers["indexer"].instances()
-                ),
-                timeout=30,
-                what="up",
-            )
-            yield (
-                watchers["router"].instances()[0].address,
-                watchers["indexer"].instances()[0].address,
-                processes,
-                watchers["worker"],
-            )
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait(timeout=10)
-        for watcher in watchers.values():
-            await watcher.stop()
+    flags = ("--kv-pool", str(pool), "--speedup-ratio", "2", "--lease-ttl", "30")
+    async with worker_mesh(nc, nats_url, NAMESPACE, flags, workers) as mesh:
+        yield mesh.router, mesh.indexer, mesh.processes, mesh.workers
 
 
 async def pooled_blocks(indexer: str, prompt: list[int]) -> dict[int, tuple[int, int]]:

@@ -93,6 +93,7 @@ def test_kvmesh_up_help_groups_what_belongs_together():
         "Engine, LoRA adapters",
         "Engine, data parallelism",
         "Engine, KV handoff",
+        "Engine, cache moves",
     ]
 
     def section_of(flag: str) -> str:
@@ -104,6 +105,7 @@ def test_kvmesh_up_help_groups_what_belongs_together():
     assert section_of("--router-queue-size").startswith("Routing, admission")
     assert section_of("--speedup-ratio").startswith("Engine, mock")
     assert section_of("--max-loras").startswith("Engine, LoRA")
+    assert section_of("--shrink-handoff-blocks").startswith("Engine, cache moves")
 
 
 def test_the_kv_pool_is_a_directory_in_kvmesh_up_as_in_a_worker(tmp_path):

@@ -151,8 +151,9 @@ class Registration:
             delete.cancel()
         if error is not None:
             log.warning("could not deregister; the lease will expire", key=self.record.key, error=error)
-            return
-        log.info("deregistered", key=self.record.key)
+        else:
+            log.info("deregistered", key=self.record.key)
+        self._kv = None  # stopped: a second stop does nothing
 
 
 InstanceCallback = Callable[[InstanceRecord], Awaitable[None] | None]

@@ -5,6 +5,7 @@
 - ``request`` — one sequence inside the engine.
 - ``kv_cache_manager`` — a request's blocks: prefix caching, reservation, the host tier's reloads.
 - ``block_manager`` — the block pool: reference counts, LRU eviction, the KV events it queues.
+- ``block_moves`` — cached blocks offered to, and taken from, another worker.
 - ``host_tier`` — evicted blocks kept in host memory, reloaded for a later request.
 - ``engine_loop`` — the asyncio loop that steps the engine in real time and publishes its events.
 """

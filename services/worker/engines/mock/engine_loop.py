@@ -113,6 +113,24 @@ class MockEngineLoop(Engine):
         if self.engine.release_held(request_id):
             self._publish_events()
 
+    moves_blocks = True
+
+    def hot_blocks(self, limit: int) -> list[tuple[int, int, int | None]]:
+        return self.engine.hot_blocks(limit)
+
+    def offer_blocks(self, offer_id: str, sequence_hashes: list[int]) -> list[tuple[int, int]]:
+        return self.engine.offer_blocks(offer_id, sequence_hashes)
+
+    def reserve_intake(self, intake_id: str, blocks: list[tuple[int, int, int | None]]) -> list[int]:
+        slots = self.engine.reserve_intake(intake_id, blocks)
+        self._publish_events()  # making room may have evicted blocks
+        return slots
+
+    def finish_intake(self, intake_id: str, received: bool) -> int:
+        taken = self.engine.finish_intake(intake_id, received)
+        self._publish_events()
+        return taken
+
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         if self.engine.abort(request_id):

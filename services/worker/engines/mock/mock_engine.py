@@ -44,6 +44,7 @@ from kvmesh.worker.engine import (
     TransferPlan,
     transferable_blocks,
 )
+from kvmesh.worker.engines.mock import block_moves
 from kvmesh.worker.engines.mock.block_manager import BlockManager
 from kvmesh.worker.engines.mock.kv_cache_manager import KvCacheManager
 from kvmesh.worker.engines.mock.request import EngineRequest
@@ -118,6 +119,9 @@ class MockEngine:
         self.held: dict[str, EngineRequest] = {}
         # requests whose prompt KV is on its way from another worker
         self.transferring: dict[str, EngineRequest] = {}
+        # cached blocks held for another worker to take, and blocks reserved for ones it gives
+        self.offers: dict[str, block_moves.Offer] = {}
+        self.intakes: dict[str, block_moves.Intake] = {}
         self.capacity_tokens = config.num_blocks * config.block_size
 
     @property
@@ -181,7 +185,12 @@ class MockEngine:
         return [block.slot for block in request.blocks[:num_blocks]]
 
     def release_held(self, request_id: str) -> bool:
-        """Drop a finished prefill's blocks (after its KV transfer, or when nobody came for it)."""
+        """Drop a finished prefill's blocks, or an offer's (after its KV transfer, or when nobody
+        came for it)."""
+        offer = self.offers.pop(request_id, None)
+        if offer is not None:
+            self.cache.blocks.release(offer.held)
+            return True
         request = self.held.pop(request_id, None)
         if request is None:
             return False
@@ -246,6 +255,29 @@ class MockEngine:
 
     def adopt_blocks(self, blocks: list[tuple[int, int, int | None]]) -> int:
         return self.cache.blocks.adopt(blocks)
+
+    # ... and a live one does it over the KV transfer (kvmesh.worker.cache_moves)
+    def offer_blocks(self, offer_id: str, sequence_hashes: list[int]) -> list[tuple[int, int]]:
+        """Hold these cached blocks (those still cached, in order) until :meth:`release_held`
+        ``offer_id``; (sequence hash, KV slot) of each held."""
+        if offer_id in self.offers or offer_id in self.held:
+            raise EngineRequestError(f"{offer_id!r} is already held")
+        offer = self.offers[offer_id] = block_moves.hold(self.cache.blocks, sequence_hashes)
+        return [(block.sequence_hash, block.slot) for block in offer.held]  # type: ignore[misc]
+
+    def reserve_intake(self, intake_id: str, blocks: list[tuple[int, int, int | None]]) -> list[int]:
+        """Fresh blocks for the first of ``blocks`` another worker offers (as many as fit now);
+        their slots, to pull the bytes into. End with :meth:`finish_intake`."""
+        if intake_id in self.intakes:
+            raise EngineRequestError(f"{intake_id!r} is already reserved")
+        intake = self.intakes[intake_id] = block_moves.reserve(self.cache.blocks, blocks)
+        return intake.slots
+
+    def finish_intake(self, intake_id: str, received: bool) -> int:
+        """Cache the reserved blocks whose bytes arrived (``received``) or give them back; how
+        many were cached."""
+        intake = self.intakes.pop(intake_id, None)
+        return block_moves.commit(self.cache.blocks, intake, received) if intake is not None else 0
 
     def drain_host_events(self) -> list[EventData]:
         """The host tier's events (tier ``host``), apart: they are published as another dp rank."""

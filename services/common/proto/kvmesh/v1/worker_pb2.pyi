@@ -7,6 +7,50 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class OfferBlocksRequest(_message.Message):
+    __slots__ = ("max_blocks", "skip", "list_only")
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    LIST_ONLY_FIELD_NUMBER: _ClassVar[int]
+    max_blocks: int
+    skip: _containers.RepeatedScalarFieldContainer[int]
+    list_only: bool
+    def __init__(self, max_blocks: _Optional[int] = ..., skip: _Optional[_Iterable[int]] = ..., list_only: _Optional[bool] = ...) -> None: ...
+
+class OfferedBlock(_message.Message):
+    __slots__ = ("sequence_hash", "tokens_hash", "parent_hash")
+    SEQUENCE_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    sequence_hash: int
+    tokens_hash: int
+    parent_hash: int
+    def __init__(self, sequence_hash: _Optional[int] = ..., tokens_hash: _Optional[int] = ..., parent_hash: _Optional[int] = ...) -> None: ...
+
+class BlockOffer(_message.Message):
+    __slots__ = ("worker_id", "host", "port", "room", "blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    host: str
+    port: int
+    room: int
+    blocks: _containers.RepeatedCompositeFieldContainer[OfferedBlock]
+    def __init__(self, worker_id: _Optional[int] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., room: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[OfferedBlock, _Mapping]]] = ...) -> None: ...
+
+class TakenBlocks(_message.Message):
+    __slots__ = ("blocks", "bytes", "seconds")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    bytes: int
+    seconds: float
+    def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class DumpKvStateRequest(_message.Message):
     __slots__ = ("dp_rank", "tier")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]

@@ -56,6 +56,16 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.DumpKvStateRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.KvStateDump.FromString,
                 _registered_method=True)
+        self.OfferBlocks = channel.unary_unary(
+                '/kvmesh.v1.Worker/OfferBlocks',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.OfferBlocksRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.BlockOffer.FromString,
+                _registered_method=True)
+        self.TakeBlocks = channel.unary_unary(
+                '/kvmesh.v1.Worker/TakeBlocks',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.BlockOffer.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.TakenBlocks.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -92,6 +102,22 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OfferBlocks(self, request, context):
+        """Cached blocks moved between workers (docs/decisions/0051). OfferBlocks holds up to max_blocks of
+        this worker's hottest cached blocks, with their ancestors, for the caller to pull over the KV
+        transfer (a joining worker warms up so). TakeBlocks has this worker pull another's offer into its
+        own cache (a leaving worker hands its cache on so). Engines that cannot: FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TakeBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +140,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.DumpKvState,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.DumpKvStateRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.KvStateDump.SerializeToString,
+            ),
+            'OfferBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferBlocks,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.OfferBlocksRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.BlockOffer.SerializeToString,
+            ),
+            'TakeBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeBlocks,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.BlockOffer.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.TakenBlocks.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +261,60 @@ class Worker:
             '/kvmesh.v1.Worker/DumpKvState',
             kvmesh_dot_v1_dot_worker__pb2.DumpKvStateRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.KvStateDump.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/OfferBlocks',
+            kvmesh_dot_v1_dot_worker__pb2.OfferBlocksRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.BlockOffer.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/TakeBlocks',
+            kvmesh_dot_v1_dot_worker__pb2.BlockOffer.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.TakenBlocks.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,139 @@
+"""Cached blocks moved between live mock workers over real NATS, gRPC and the KV transfer: a worker
+stopped with --shrink-handoff-blocks hands its hot blocks on, so a session's next turn finds its
+prefix cached on a survivor (and is faster than without the move); a worker started with
+--join-warmup-blocks imports the busiest workers' hot blocks before it registers."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+
+import grpc
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.ports import pid_listening_on
+from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
+from tests.support import router_generate, service_process, wait_until_async, worker_mesh
+
+pytestmark = pytest.mark.integration
+NAMESPACE = "moves"
+BLOCK = 16
+TURN_1 = list(range(5000, 5000 + BLOCK * 120 + 3))  # 120 full blocks
+TURN_2 = [*TURN_1, *range(9000, 9000 + BLOCK * 4)]  # the session's next turn: the same history and more
+# slow enough that recomputing 120 blocks shows in the time to first token, fast enough for a test
+FLAGS = ("--speedup-ratio", "1", "--lease-ttl", "30", "--drain-timeout-secs", "2")
+
+
+@contextlib.asynccontextmanager
+async def mesh(nc: NatsClient, nats_url: str, *worker_flags: str, workers: int = 2, namespace: str = NAMESPACE):
+    """Yields (router address, indexer address, worker processes, the workers' watcher)."""
+    async with worker_mesh(nc, nats_url, namespace, (*FLAGS, *worker_flags), workers) as up:
+        yield up.router, up.indexer, up.processes, up.workers
+
+
+async def matched_blocks(indexer: str, prompt: list[int]) -> dict[int, int]:
+    request = indexer_pb2.FindMatchesRequest(sequence_hashes=sequence_hashes(local_block_hashes(prompt, BLOCK)))
+    async with grpc.aio.insecure_channel(indexer) as channel:
+        response = await indexer_pb2_grpc.IndexerStub(channel).FindMatches(request)
+    return {w.worker_id: w.matched_blocks for w in response.workers if w.matched_blocks}
+
+
+async def cached_on(address: str) -> set[int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        dump = await worker_pb2_grpc.WorkerStub(channel).DumpKvState(worker_pb2.DumpKvStateRequest(), timeout=5)
+    return {b.sequence_hash for b in dump.blocks}
+
+
+async def timed_turn(router: str, request_id: str, prompt: list[int]) -> tuple[float, int, int]:
+    """(time to first token in ms, prompt tokens found cached, the worker that served it)."""
+    started = time.perf_counter()
+    first: list[float] = []
+    outputs = await router_generate(
+        router, request_id, prompt, 2, on_output=lambda _: first.append(time.perf_counter()) if not first else None
+    )
+    return (first[0] - started) * 1000, outputs[-1].usage.cached_prompt_tokens, outputs[-1].worker_id
+
+
+async def stop_the_holder(processes, workers: DiscoveryWatcher, worker_id: int) -> None:
+    record = workers.get(worker_id)
+    assert record is not None
+    port = int(record.address.rsplit(":", 1)[1])
+    victim = next(p for p in processes if pid_listening_on(port) == p.pid)
+    victim.send_signal(signal.SIGTERM)
+    await wait_until_async(lambda: _exited(victim), timeout=30, what="the holder stopped")
+
+
+async def _exited(process) -> bool:
+    return process.poll() is not None
+
+
+async def next_turn_after_a_shrink(nc: NatsClient, nats_url: str, *flags: str) -> tuple[float, int, int]:
+    """A session's first turn, its worker stopped, then its next turn: (TTFT ms, cached tokens, the
+    survivor's blocks of the first turn the indexer reported before the next turn)."""
+    namespace = "moves-handed-on" if flags else "moves-cold"
+    async with mesh(nc, nats_url, *flags, namespace=namespace) as (router, indexer, processes, workers):
+        _, _, holder = await timed_turn(router, "turn-1", TURN_1)
+        await stop_the_holder(processes, workers, holder)
+        (survivor,) = [r.instance_id for r in workers.instances() if r.instance_id != holder]
+        if flags:
+            await wait_until_async(
+                lambda: _at_least(matched_blocks(indexer, TURN_1), survivor, 120),
+                timeout=20,
+                what="moved blocks indexed",
+            )
+        held = (await matched_blocks(indexer, TURN_1)).get(survivor, 0)
+        ttft, cached, served_by = await timed_turn(router, "turn-2", TURN_2)
+        assert served_by == survivor
+        return ttft, cached, held
+
+
+async def _at_least(pending, worker: int, blocks: int) -> bool:
+    return (await pending).get(worker, 0) >= blocks
+
+
+async def test_a_stopped_worker_hands_its_cache_on_and_the_next_turn_finds_it(nats_url: str, nc: NatsClient):
+    ttft_moved, cached_moved, held_moved = await next_turn_after_a_shrink(
+        nc, nats_url, "--shrink-handoff-blocks", "4096"
+    )
+    ttft_cold, cached_cold, held_cold = await next_turn_after_a_shrink(nc, nats_url)
+    # the survivor holds the whole first turn, indexed through its own KV events, and serves it
+    assert held_moved == 120 and cached_moved == 120 * BLOCK
+    assert held_cold == 0 and cached_cold == 0
+    # recomputing 120 blocks is what the move saves: the next turn's first token comes sooner
+    assert ttft_moved < ttft_cold, (ttft_moved, ttft_cold)
+
+
+async def test_a_joining_worker_imports_the_hot_blocks_before_it_registers(nats_url: str, nc: NatsClient):
+    async with mesh(nc, nats_url, workers=1) as (router, _indexer, processes, workers):
+        _, _, holder = await timed_turn(router, "hot", TURN_1)
+        hot = sequence_hashes(local_block_hashes(TURN_1, BLOCK))[:120]
+        joiner = service_process("worker", nats_url, NAMESPACE, *FLAGS, "--join-warmup-blocks", "4096")
+        processes.append(joiner)
+        await wait_until_async(lambda: _count(workers, 2), timeout=30, what="the joiner registered")
+        (record,) = [r for r in workers.instances() if r.instance_id != holder]
+        # registered only once warm: every block of the hot prompt is already in its cache
+        assert set(hot) <= await cached_on(record.address)
+        outputs = await router_generate(router, "on-joiner", TURN_2, 2, record.instance_id)
+        assert outputs[-1].usage.cached_prompt_tokens == 120 * BLOCK
+
+
+async def test_an_offer_that_names_no_room_is_refused_and_changes_nothing(nats_url: str, nc: NatsClient):
+    async with mesh(nc, nats_url, workers=1) as (router, _indexer, _processes, workers):
+        await router_generate(router, "warm", TURN_1, 2)
+        (record,) = workers.instances()
+        before = await cached_on(record.address)
+        bad = worker_pb2.BlockOffer(worker_id=1, blocks=[worker_pb2.OfferedBlock(sequence_hash=1, tokens_hash=1)])
+        async with grpc.aio.insecure_channel(record.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await worker_pb2_grpc.WorkerStub(channel).TakeBlocks(bad, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "host, port and room" in (refused.value.details() or "")
+        assert await cached_on(record.address) == before
+
+
+async def _count(workers: DiscoveryWatcher, count: int) -> bool:
+    return len(workers.instances()) == count
