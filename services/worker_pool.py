@@ -1,7 +1,8 @@
 """The worker pools of a ``kvmesh up`` mesh that the planner resizes (the local connector's supervisor
 side): one aggregated pool, or a prefill and a decode pool when the mesh is disaggregated.
 
-Growing starts worker processes; shrinking sends the youngest SIGTERM — a worker then deregisters,
+Growing starts worker processes; shrinking sends the youngest (or, with ``--shrink-handoff-blocks``,
+the cheapest departure: ``kvmesh.up.departures``) SIGTERM — a worker then deregisters,
 serves its open streams for its grace period, and the router continues what is left elsewhere, so
 no request is lost — and keeps them in ``stopping`` until they have exited.
 
@@ -13,7 +14,7 @@ or ``{"error": "..."}`` when the request cannot be carried out (then nothing cha
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -26,6 +27,9 @@ log = structlog.get_logger(__name__)
 
 class Process(Protocol):
     name: str
+
+    @property
+    def pid(self) -> int | None: ...
 
     def start(self) -> None: ...
     def terminate(self) -> None: ...
@@ -57,7 +61,9 @@ class WorkerPool:
     def size(self) -> int:
         return len(self.workers)
 
-    def scale_to(self, wanted: int) -> int:
+    def scale_to(self, wanted: int, leaving: Sequence[Process] = ()) -> int:
+        """Start or stop workers until ``wanted`` (within [low, high]) run; a shrink stops those of
+        ``leaving`` first, in its order, then the youngest."""
         wanted = min(max(wanted, self.low), self.high)
         while self.size < wanted:
             worker = self._make_worker(self._next_index)
@@ -65,8 +71,11 @@ class WorkerPool:
             worker.start()
             self.workers.append(worker)
             self._services.append(worker)
+        first = [worker for worker in leaving if worker in self.workers]
         while self.size > wanted:
-            worker = self.workers.pop()  # the youngest: the least cache to lose
+            # the cheapest departure named, else the youngest: the least cache to lose
+            worker = first.pop(0) if first else self.workers[-1]
+            self.workers.remove(worker)
             self._services.remove(worker)
             worker.terminate()
             self.stopping.append(worker)
@@ -97,7 +106,16 @@ class WorkerPools:
     def sizes(self) -> dict[str, int]:
         return {role: self.pools[role].size if role in self.pools else 0 for role in ROLES}
 
-    def answer(self, request: bytes) -> bytes:
+    def shrinking(self, request: bytes) -> list[str]:
+        """The roles a scale request shrinks (none for a bad one)."""
+        try:
+            wanted = self._parse(request)
+        except (ValueError, TypeError):
+            return []
+        return [role for role, size in wanted.items() if role in self.pools and size < self.pools[role].size]
+
+    def answer(self, request: bytes, leaving: Mapping[str, Sequence[Process]] | None = None) -> bytes:
+        """``leaving``: per role, the workers a shrink stops first (the cheapest departures)."""
         try:
             wanted = self._parse(request)
         except (ValueError, TypeError) as exc:
@@ -105,7 +123,7 @@ class WorkerPools:
         before = self.sizes()
         for role, size in wanted.items():
             if role in self.pools:
-                self.pools[role].scale_to(size)
+                self.pools[role].scale_to(size, (leaving or {}).get(role, ()))
         after = self.sizes()
         if after != before:
             log.info("worker pools resized by the planner", before=before, after=after)

@@ -12,6 +12,7 @@ The test harness that runs ``kvmesh up`` as a child process is ``kvmesh.devtools
 - ``config`` — ``UpConfig``: its own options and the services' option groups it takes.
 - ``processes`` — one process per service, with its flags.
 - ``planner_pools`` — ``--planner``: the planner and the pools it resizes.
+- ``departures`` — which workers a shrink stops first (``--shrink-handoff-blocks``).
 - ``supervisor`` — start, wait, restart, stop.
 """
 

@@ -16,6 +16,7 @@ from kvmesh.common.wire import names
 from kvmesh.planner.options import PlannerOptions
 from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.up.config import UpConfig
+from kvmesh.up.departures import departure_order
 from kvmesh.up.processes import ServiceProcess, common_args, worker_process
 from kvmesh.worker.engines.mock.mock_engine import EngineConfig
 from kvmesh.worker_pool import WorkerPool, WorkerPools
@@ -83,7 +84,13 @@ async def serve_worker_pool(config: UpConfig, nats_url: str, pool: WorkerPools) 
     namespace = config.namespace
 
     async def on_request(message) -> None:
-        await message.respond(pool.answer(message.data))
+        leaving = {}
+        if config.shrink_handoff_blocks:
+            # the workers whose departure loses least go first; each hands its hot blocks on
+            for role in pool.shrinking(message.data):
+                workers = pool.pools[role].workers
+                leaving[role] = await departure_order(nc, namespace, workers, config.shrink_handoff_blocks)
+        await message.respond(pool.answer(message.data, leaving))
 
     await nc.subscribe(names.planner_scale_subject(namespace), cb=on_request)
     return nc

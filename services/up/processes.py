@@ -53,6 +53,10 @@ class ServiceProcess:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, signal.SIGKILL)
 
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
     def exited(self) -> int | None:
         return None if self.process is None else self.process.poll()
 

@@ -25,6 +25,7 @@ class WorkerProcess:
         self.name = name
         self.running = False
         self.terminated = False
+        self.pid = None
 
     def start(self) -> None:
         self.running = True
@@ -110,3 +111,14 @@ def test_a_malformed_scale_request_is_answered_with_an_error_and_changes_nothing
     answer = pools.answer(request_body)
     assert b"bad scale request" in answer
     assert pools.sizes() == {"aggregated": 0, "prefill": 1, "decode": 1}
+
+
+def test_a_shrink_stops_the_named_cheapest_departures_first_then_the_youngest():
+    services: list = []
+    aggregated = pool("aggregated", services, 4)
+    pools = WorkerPools({"aggregated": aggregated})
+    first, second, third, fourth = aggregated.workers
+    assert pools.shrinking(b'{"aggregated": 2}') == ["aggregated"] and pools.shrinking(b'{"aggregated": 5}') == []
+    pools.answer(b'{"aggregated": 2}', {"aggregated": [second]})
+    assert second.terminated and fourth.terminated  # the named one, then the youngest
+    assert aggregated.workers == [first, third] and not (first.terminated or third.terminated)
