@@ -190,7 +190,9 @@ class CacheMoves:
     async def _import_from(self, record: InstanceRecord, max_blocks: int) -> Moved:
         if max_blocks <= 0:
             return Moved()
-        request = worker_pb2.OfferBlocksRequest(max_blocks=max_blocks)
+        # what an earlier peer gave (a shared system prompt) is not offered again
+        _, cached = self.engine.dump_kv_state()
+        request = worker_pb2.OfferBlocksRequest(max_blocks=max_blocks, skip=[b.sequence_hash for b in cached])
         try:
             async with channel_to(record.address) as channel:
                 offer = await worker_pb2_grpc.WorkerStub(channel).OfferBlocks(request, timeout=self.timeout_s)
