@@ -86,6 +86,9 @@ class CacheMoves:
         self.transfer = transfer
         self.timeout_s = timeout_s
         self._ids = itertools.count()
+        # for the worker's metrics: blocks this worker held for others to take, and took from others
+        self.offered_blocks = 0
+        self.taken_blocks = 0
 
     # ---- the two ends ------------------------------------------------------------------------
     def offer(self, blocks: Sequence[Block]) -> worker_pb2.BlockOffer:
@@ -97,6 +100,7 @@ class CacheMoves:
         if not held:
             return offer_message(self.worker_id, self.transfer, 0, [])
         self.transfer.server.ready(room, offer_id, [slot for _, slot in held])
+        self.offered_blocks += len(held)
         return offer_message(self.worker_id, self.transfer, room, [by_hash[h] for h, _ in held])
 
     def offer_hottest(self, max_blocks: int, skip: set[int], hold: bool = True) -> worker_pb2.BlockOffer:
@@ -125,6 +129,7 @@ class CacheMoves:
         finally:
             taken = self.engine.finish_intake(intake_id, received)
         seconds = time.perf_counter() - started
+        self.taken_blocks += taken
         log.info(
             "cached blocks taken", giver=offer.worker_id, blocks=taken, offered=len(blocks), ms=round(seconds * 1e3)
         )

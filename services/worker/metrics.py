@@ -10,16 +10,24 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvmesh.common.core.timing import as_constants
+from kvmesh.worker.cache_moves import CacheMoves
 from kvmesh.worker.engine import Engine
 from kvmesh.worker.event_publisher import KvEventPublisher
 from kvmesh.worker.kv_transfer.transport import KvTransferServer, TransferStats
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: Engine, publisher: KvEventPublisher, transfer: KvTransferServer | None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        publisher: KvEventPublisher,
+        transfer: KvTransferServer | None,
+        moves: CacheMoves | None = None,
+    ) -> None:
         self._engine = engine
         self._publisher = publisher
         self._transfer = transfer
+        self._moves = moves
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         status = self._engine.status()
@@ -57,6 +65,16 @@ class _EngineCollector(Collector):
             pool.add_metric(["imported"], pool_stats.imported_blocks)
             pool.add_metric(["rejected"], pool_stats.rejected_blocks)
             yield pool
+        if self._moves is not None:
+            moves = CounterMetricFamily(
+                "kvmesh_worker_cache_move_blocks",
+                "cached blocks held for another worker to take (a join's warm-up, a shrink's hand-on), and taken "
+                "from others",
+                labels=["direction"],
+            )
+            moves.add_metric(["offered"], self._moves.offered_blocks)
+            moves.add_metric(["taken"], self._moves.taken_blocks)
+            yield moves
         if self._transfer is None:  # an aggregated vLLM worker moves no KV
             return
         backend = GaugeMetricFamily(
@@ -109,8 +127,15 @@ class TransferView:
 
 
 class WorkerMetrics:
-    def __init__(self, engine: Engine, publisher: KvEventPublisher, transfer: TransferView | None) -> None:
-        """``transfer``: what moved KV for this worker (None: nothing does)."""
+    def __init__(
+        self,
+        engine: Engine,
+        publisher: KvEventPublisher,
+        transfer: TransferView | None,
+        moves: CacheMoves | None = None,
+    ) -> None:
+        """``transfer``: what moved KV for this worker (None: nothing does); ``moves``: its cached
+        blocks' moves (None: its engine makes none)."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvmesh_worker_requests", "requests by finish reason", ["finish_reason"], registry=self.registry
@@ -120,4 +145,4 @@ class WorkerMetrics:
             "kvmesh_worker_cached_prompt_tokens", "prompt tokens served from the cache", registry=self.registry
         )
         self.generated_tokens = Counter("kvmesh_worker_generated_tokens", "tokens generated", registry=self.registry)
-        self.registry.register(_EngineCollector(engine, publisher, transfer))
+        self.registry.register(_EngineCollector(engine, publisher, transfer, moves))

@@ -57,11 +57,11 @@ async def serve(
         publishers = EventPublishers(stack, js, config, worker_id, publisher_class)
         started = await start_engine(config, stack, publishers, worker_id)
         # 3. kvmesh.v1.Worker and its metrics
-        metrics = WorkerMetrics(started.engine, started.publisher, started.transfer_view)
+        moves = cache_moves(config, worker_id, started)
+        metrics = WorkerMetrics(started.engine, started.publisher, started.transfer_view, moves)
         endpoint = MetricsEndpoint(config, metrics.registry)
         stack.push_async_callback(endpoint.close)
         ranks = [started.engine, *started.ranks]
-        moves = cache_moves(config, worker_id, started)
         servicer = WorkerServicer(
             worker_id, config.model_name, started.engine, metrics, started.handoff, slots, ranks, moves
         )

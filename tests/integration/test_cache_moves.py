@@ -10,6 +10,7 @@ import signal
 import time
 
 import grpc
+import httpx
 import pytest
 from nats.aio.client import Client as NatsClient
 
@@ -119,6 +120,9 @@ async def test_a_joining_worker_imports_the_hot_blocks_before_it_registers(nats_
         assert set(hot) <= await cached_on(record.address)
         outputs = await router_generate(router, "on-joiner", TURN_2, 2, record.instance_id)
         assert outputs[-1].usage.cached_prompt_tokens == 120 * BLOCK
+        # each worker's metrics say what it gave and took
+        assert move_counters(record) == {"offered": 0, "taken": 120}
+        assert move_counters(workers.get(holder)) == {"offered": 120, "taken": 0}
 
 
 async def test_an_offer_that_names_no_room_is_refused_and_changes_nothing(nats_url: str, nc: NatsClient):
@@ -133,6 +137,15 @@ async def test_an_offer_that_names_no_room_is_refused_and_changes_nothing(nats_u
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "host, port and room" in (refused.value.details() or "")
         assert await cached_on(record.address) == before
+
+
+def move_counters(record) -> dict[str, float]:
+    text = httpx.get(f"http://{record.extra['metrics']}/metrics", timeout=10).text
+    counters = {}
+    for line in text.splitlines():
+        if line.startswith("kvmesh_worker_cache_move_blocks_total{"):
+            counters[line.split('direction="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return counters
 
 
 async def _count(workers: DiscoveryWatcher, count: int) -> bool:
