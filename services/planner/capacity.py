@@ -83,21 +83,26 @@ def _moments(times: list[float]) -> tuple[float, float]:
 
 
 def ttft_attainment(own_ms: list[float], wait_ms: float, rho: float, target_ms: float) -> float:
-    """The share of requests whose wait plus own time (``own_ms``: one per quantile of the requests)
-    is within ``target_ms``. The M/G/1 wait is 0 with probability 1 − ρ and otherwise taken as
-    exponential with mean E[W]/ρ (the usual approximation of its tail), so that a request of own
-    time t meets the target with probability 1 − ρ·exp(−(target − t)·ρ/E[W])."""
+    """The share of the requests a fleet can serve within ``target_ms`` that it does: those whose
+    wait plus own time (``own_ms``: one per quantile of the requests) is within the target, among
+    those whose own time alone is (0 when none is). A request whose prefill alone outlasts the target
+    misses on any fleet: counting it would size the pool to make every other request wait for
+    nothing, which no number of workers buys (a trough's one long prompt asked for seven workers).
+    The M/G/1 wait is 0 with probability 1 − ρ and otherwise taken as exponential with mean E[W]/ρ
+    (the usual approximation of its tail), so that a request of own time t meets the target with
+    probability 1 − ρ·exp(−(target − t)·ρ/E[W])."""
     if not own_ms or math.isinf(target_ms):
         return 1.0
+    meetable = [own for own in own_ms if own <= target_ms]
+    if not meetable:
+        return 0.0
     met = 0.0
-    for own in own_ms:
-        if own > target_ms:
-            continue
+    for own in meetable:
         if rho <= 0 or wait_ms <= 0:
             met += 1.0
         else:
             met += 1.0 - rho * math.exp(-(target_ms - own) * rho / wait_ms)
-    return met / len(own_ms)
+    return met / len(meetable)
 
 
 def _wait_ms(rate_per_worker: float, rho: float, second_moment: float) -> float:

@@ -23,7 +23,12 @@ class PlannerOptions:
     min_workers: int = option(1, "never fewer workers than this in a pool")
     max_workers: int = option(16, "never more workers than this in a pool")
     max_prefill_workers: int = option(0, "never more prefill workers than this (0: --max-workers)")
-    load_predictor: str = option("constant", "how the next interval's load is predicted", choices=PREDICTORS)
+    load_predictor: str = option(
+        "holt-winters",
+        "how the next interval's load is predicted (holt-winters: a damped trend, which foresees a rise and a "
+        "fall that a constant lags; docs/decisions/0052)",
+        choices=PREDICTORS,
+    )
     predictor_window: int = option(3, "intervals the moving average (and Holt-Winters' fallback) looks back")
     season_length: int = option(0, "Holt-Winters: intervals per season (0: trend only)")
     scale_down_intervals: int = option(2, "intervals in a row that must ask for fewer workers before a pool shrinks")
@@ -45,6 +50,12 @@ class PlannerOptions:
     )
     utilisation_cap: float = option(
         0.5, "starting cap on a worker's planned prefill utilisation (then learned from the attainment)"
+    )
+    idle_shrink_utilisation: float = option(
+        0.2,
+        "a pool may shrink while the SLA's window has no misses to spare if the model plans one worker fewer at "
+        "most this busy for the forecast load (0: never): a shrink so far from capacity risks no miss "
+        "(docs/decisions/0052; aggregated pools)",
     )
     shrink_margin: float = option(
         0.65,
@@ -83,5 +94,7 @@ class PlannerOptions:
         low, high = UTILISATION_CAP_BOUNDS
         if not low <= self.utilisation_cap <= high:
             raise ConfigError(f"--utilisation-cap must be in [{low}, {high}]")
+        if not 0 <= self.idle_shrink_utilisation < 1:
+            raise ConfigError("--idle-shrink-utilisation must be in [0, 1)")
         if not 0 < self.shrink_margin <= 1:
             raise ConfigError("--shrink-margin must be in (0, 1]")

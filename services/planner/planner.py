@@ -8,8 +8,8 @@ interval's observed TTFT / ITL were from what the model says for that interval's
 below the goal, whatever the model says; it shrinks one worker a decision, only to a size that meets a
 stricter utilisation cap, only after ``scale_down_intervals`` intervals in a row asked for less, only
 with headroom measured (not predicted) since the pools last changed, and only while the requests
-finished within ``--attainment-window`` met the goal with room to spare (a shrink spends some: the
-worker that leaves takes its cached prefixes along).
+finished within ``--attainment-window`` met the goal with room to spare (a shrink spends some) or
+the pool one smaller would run far from capacity (``--idle-shrink-utilisation``).
 
 The model speaks of means, the SLA of each request; what lies between (requests whose few decode
 steps meet a long prefill chunk, a cache that holds less in a smaller fleet) is learned from the
@@ -46,9 +46,8 @@ MIN_FINISHED_FOR_FEEDBACK = 10
 # they add up to it): fewer say too little about a 0.95 goal
 HEADROOM_REQUESTS = 40
 SHRINK_HEADROOM = 0.03  # a pool shrinks only where the attainment was measured this far above the goal
-# a pool shrinks only while the attainment over --attainment-window is this far above the goal: a
-# shrink spends some of it (a removed worker takes its cached prefixes along), and a window that
-# has none to spend must not pay for savings with misses
+# a pool shrinks near capacity only while the attainment over --attainment-window is this far above
+# the goal: a shrink spends some, and a window that has none must not pay for savings with misses
 BUDGET_MARGIN = 0.01
 KEPT_OBSERVATIONS = 64
 
@@ -76,8 +75,9 @@ class _Series:
 class Planner:
     """Guarantees: targets stay within [min_workers, max_workers] per pool; a pool never shrinks
     before ``scale_down_intervals`` intervals in a row asked for fewer, nor while the attainment over
-    ``attainment_window`` is below the goal + ``BUDGET_MARGIN``; the same observations give
-    the same decisions (a restarted planner replays its stored observations to resume)."""
+    ``attainment_window`` is below the goal + ``BUDGET_MARGIN`` unless the model plans the pool one
+    smaller at most ``idle_shrink_utilisation`` busy; the same observations give the same decisions
+    (a restarted planner replays its stored observations to resume)."""
 
     options: PlannerOptions
     profile: EngineProfile
@@ -97,6 +97,7 @@ class Planner:
     _grown_at: dict[str, float] = field(default_factory=dict, init=False)
     _startup: StartupMeter = field(init=False)
     _resized_at: float = field(default=-math.inf, init=False)  # the last decision that changed a pool
+    _load: LoadForecast | None = field(default=None, init=False)  # the load this step sizes for
 
     def __post_init__(self) -> None:
         o = self.options
@@ -123,6 +124,7 @@ class Planner:
         self._track_backlog(observation)
         forecast = self.forecast()
         load = self._with_backlog(forecast)
+        self._load = load
         wanted, ttft, itl = self._size(load)
         now = observation.start_s + observation.duration_s
         wanted = self._grow_on_missed_goal(observation, wanted, current, now)
@@ -361,10 +363,11 @@ class Planner:
     def _headroom_measured(self) -> bool:
         """Whether the intervals since the pools last changed measured attainment above the goal (+
         ``SHRINK_HEADROOM``): pooled over the newest of them back until ``HEADROOM_REQUESTS``
-        finished (at least ``scale_down_intervals`` intervals), none of them measured below the goal. A pool shrinks
-        only then, and only while the SLA's window (``window_attainment``) is ``BUDGET_MARGIN`` above
-        the goal. Too few requests since the change is no headroom (the model's word is not
-        enough), unless nothing arrived at all in the last intervals: an idle fleet has it."""
+        finished (at least ``scale_down_intervals`` intervals), none of them measured below the goal.
+        A pool shrinks only then, and only while the SLA's window (``window_attainment``) is
+        ``BUDGET_MARGIN`` above the goal or the pool one smaller would run far from capacity
+        (:meth:`_idle_after_one_less`). Too few requests since the change is no headroom (the model's
+        word is not enough), unless nothing arrived at all in the last intervals: an idle fleet has it."""
         intervals = self.options.scale_down_intervals
         newest = self._recent_observations[-intervals:]
         if len(newest) == intervals and not self._backlog and all(o.requests == 0 for o in newest):
@@ -382,14 +385,24 @@ class Planner:
             return False
         goal = self.options.attainment_goal
         budget = self.window_attainment()
-        if budget is not None and budget < goal + BUDGET_MARGIN:
-            return False  # the SLA's window has no misses to spare for a shrink
+        if budget is not None and budget < goal + BUDGET_MARGIN and not self._idle_after_one_less():
+            return False  # the SLA's window has no misses to spare for a shrink near capacity
         pooled = pooled_attainment(window)
         return (
             pooled is not None
             and pooled >= goal + SHRINK_HEADROOM
             and all((o.sla_attainment or 0.0) >= goal for o in window if self._measured(o))
         )
+
+    def _idle_after_one_less(self) -> bool:
+        """Whether the model plans the aggregated pool one smaller at most ``--idle-shrink-utilisation``
+        busy for the load sized for now: a shrink so far from capacity risks no miss, so the window's
+        budget does not hold it (misses spent at a crest start kept a fleet large through the trough)."""
+        low = self.options.idle_shrink_utilisation
+        size = self._last_pools.aggregated if self._last_pools is not None else 0
+        if not low or self.disaggregated or size <= 1 or self._load is None:
+            return False
+        return capacity.aggregated(self.profile, self._load, size - 1).utilisation <= low
 
     def _room_for_one_less(self, size: int) -> bool:
         """Whether the latencies measured in the last interval, scaled by the square of the load each

@@ -182,20 +182,21 @@ def test_a_pool_shrinks_only_with_headroom_measured():
     assert after(*(measured(i * 10, 1.0, finished=5) for i in range(8))) < 4  # enough of them, pooled
 
 
-def test_a_pool_does_not_shrink_while_the_sla_window_has_no_misses_to_spare():
-    def shrinks_after(misses_at: float, window: float) -> bool:
-        """Whether a pool at its ceiling shrinks after misses at ``misses_at`` then quiet, met intervals."""
-        planner = Planner(options(max_workers=4, attainment_window=window), PROFILE)
-        pools = PoolSizes(aggregated=4)
-        # a crest the ceiling could not carry: 120 requests at 0.8 (it cannot grow past 4)
-        for start in (misses_at, misses_at + 10, misses_at + 20):
-            pools = planner.step(measured(start, 0.8), pools).target
-        assert pools.aggregated == 4
-        # then headroom measured: 200 requests all met; the window holds 120 × 0.8 + 200 = 296 of 320
-        for start in range(100, 150, 10):
-            pools = planner.step(measured(start, 1.0), pools).target
-        return pools.aggregated < 4
+def shrinks_after(misses_at: float, window: float, idle_shrink: float = 0.0) -> bool:
+    """Whether a pool at its ceiling shrinks after misses at ``misses_at`` then quiet, met intervals."""
+    planner = Planner(options(max_workers=4, attainment_window=window, idle_shrink_utilisation=idle_shrink), PROFILE)
+    pools = PoolSizes(aggregated=4)
+    # a crest the ceiling could not carry: 120 requests at 0.8 (it cannot grow past 4)
+    for start in (misses_at, misses_at + 10, misses_at + 20):
+        pools = planner.step(measured(start, 0.8), pools).target
+    assert pools.aggregated == 4
+    # then headroom measured: 200 requests all met; the window holds 120 × 0.8 + 200 = 296 of 320
+    for start in range(100, 150, 10):
+        pools = planner.step(measured(start, 1.0), pools).target
+    return pools.aggregated < 4
 
+
+def test_a_pool_near_capacity_does_not_shrink_while_the_sla_window_has_no_misses_to_spare():
     assert not shrinks_after(misses_at=0.0, window=3600.0)  # 0.925 over the window: below 0.95 + margin
     assert shrinks_after(misses_at=0.0, window=100.0)  # the misses have left the window
     planner = Planner(options(attainment_window=60.0), PROFILE)
@@ -203,6 +204,13 @@ def test_a_pool_does_not_shrink_while_the_sla_window_has_no_misses_to_spare():
     planner.step(measured(0, 0.5), PoolSizes(aggregated=4))
     planner.step(measured(10, 1.0, finished=120), PoolSizes(aggregated=4))
     assert planner.window_attainment() == pytest.approx((20 + 120) / 160)
+
+
+def test_a_pool_far_from_capacity_shrinks_even_without_misses_to_spare():
+    # the same misses, then one request a second: three workers would run nearly idle, and a shrink
+    # so far from capacity risks no miss; the budget still holds a pool the model plans busier
+    assert shrinks_after(misses_at=0.0, window=3600.0, idle_shrink=0.2)
+    assert not shrinks_after(misses_at=0.0, window=3600.0, idle_shrink=0.001)
     with pytest.raises(ValueError, match="attainment-window"):
         options(attainment_window=0).validate()
 
