@@ -41,7 +41,7 @@ def moving_mesh() -> Iterator[MeshProcess]:
         "--min-workers", "1",
         "--max-workers", "2",
         "--adjustment-interval", "600",
-        "--speedup-ratio", "1",
+        "--speedup-ratio", "0.5",
         "--block-size", str(BLOCK),
         "--shrink-handoff-blocks", "4096",
         "--join-warmup-blocks", "4096",
