@@ -97,7 +97,6 @@ class Planner:
     _grown_at: dict[str, float] = field(default_factory=dict, init=False)
     _startup: StartupMeter = field(init=False)
     _resized_at: float = field(default=-math.inf, init=False)  # the last decision that changed a pool
-    _load: LoadForecast | None = field(default=None, init=False)  # the load this step sizes for
 
     def __post_init__(self) -> None:
         o = self.options
@@ -124,11 +123,10 @@ class Planner:
         self._track_backlog(observation)
         forecast = self.forecast()
         load = self._with_backlog(forecast)
-        self._load = load
         wanted, ttft, itl = self._size(load)
         now = observation.start_s + observation.duration_s
         wanted = self._grow_on_missed_goal(observation, wanted, current, now)
-        target = self._hysteresis(self._deadband(wanted, current, load), current)
+        target = self._hysteresis(self._deadband(wanted, current, load), current, load)
         for pool in POOLS:
             if getattr(target, pool) > getattr(current, pool):
                 self._grown_at[pool] = now
@@ -360,7 +358,7 @@ class Planner:
         """Whether enough requests finished in the interval for its attainment to say something."""
         return observation.sla_attainment is not None and observation.finished >= MIN_FINISHED_FOR_FEEDBACK
 
-    def _headroom_measured(self) -> bool:
+    def _headroom_measured(self, load: LoadForecast) -> bool:
         """Whether the intervals since the pools last changed measured attainment above the goal (+
         ``SHRINK_HEADROOM``): pooled over the newest of them back until ``HEADROOM_REQUESTS``
         finished (at least ``scale_down_intervals`` intervals), none of them measured below the goal.
@@ -385,7 +383,7 @@ class Planner:
             return False
         goal = self.options.attainment_goal
         budget = self.window_attainment()
-        if budget is not None and budget < goal + BUDGET_MARGIN and not self._idle_after_one_less():
+        if budget is not None and budget < goal + BUDGET_MARGIN and not self._idle_after_one_less(load):
             return False  # the SLA's window has no misses to spare for a shrink near capacity
         pooled = pooled_attainment(window)
         return (
@@ -394,15 +392,15 @@ class Planner:
             and all((o.sla_attainment or 0.0) >= goal for o in window if self._measured(o))
         )
 
-    def _idle_after_one_less(self) -> bool:
+    def _idle_after_one_less(self, load: LoadForecast) -> bool:
         """Whether the model plans the aggregated pool one smaller at most ``--idle-shrink-utilisation``
         busy for the load sized for now: a shrink so far from capacity risks no miss, so the window's
         budget does not hold it (misses spent at a crest start kept a fleet large through the trough)."""
         low = self.options.idle_shrink_utilisation
         size = self._last_pools.aggregated if self._last_pools is not None else 0
-        if not low or self.disaggregated or size <= 1 or self._load is None:
+        if not low or self.disaggregated or size <= 1:
             return False
-        return capacity.aggregated(self.profile, self._load, size - 1).utilisation <= low
+        return capacity.aggregated(self.profile, load, size - 1).utilisation <= low
 
     def _room_for_one_less(self, size: int) -> bool:
         """Whether the latencies measured in the last interval, scaled by the square of the load each
@@ -430,7 +428,7 @@ class Planner:
         kept = {pool: min(getattr(current, pool), getattr(strict, pool)) for pool in shrinking}
         return dataclasses.replace(wanted, **kept)
 
-    def _hysteresis(self, wanted: PoolSizes, current: PoolSizes) -> PoolSizes:
+    def _hysteresis(self, wanted: PoolSizes, current: PoolSizes, load: LoadForecast) -> PoolSizes:
         self._recent_wanted = [*self._recent_wanted, wanted][-self.options.scale_down_intervals :]
         full = len(self._recent_wanted) == self.options.scale_down_intervals
 
@@ -440,7 +438,7 @@ class Planner:
                 return want
             if not full:
                 return now
-            if self.options.sizing == "queue" and not (self._headroom_measured() and self._room_for_one_less(now)):
+            if self.options.sizing == "queue" and not (self._headroom_measured(load) and self._room_for_one_less(now)):
                 return now
             # shrink only if every recent interval asked for less, to the most they asked for, and
             # by one worker a decision: headroom measured at n says nothing of n - 2
