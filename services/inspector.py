@@ -27,7 +27,7 @@ from kvmesh.common.proto.kvmesh.v1 import (
     worker_pb2_grpc,
 )
 from kvmesh.common.rpc.grpc_server import channel_to
-from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.discovery import registered_now
 from kvmesh.common.runtime.jetstream_state import cluster_size, kvmesh_streams
 from kvmesh.common.runtime.process import NATS_CONNECT_TIMEOUT_ENV, connect_nats
 from kvmesh.common.runtime.run_file import default_namespace, resolve_nats_url
@@ -39,10 +39,8 @@ async def _instances(nats_url: str, namespace: str, component: str):
     nc = await connect_nats(nats_url, name="kvmesh-inspect")
     try:
         js = nc.jetstream()
-        watcher = DiscoveryWatcher(js, namespace, component)
-        await watcher.start()
-        records = sorted(watcher.instances(), key=lambda r: (r.extra.get("replica_id", ""), r.instance_id))
-        await watcher.stop()
+        records = await registered_now(js, namespace, component)
+        records.sort(key=lambda r: (r.extra.get("replica_id", ""), r.instance_id))
         try:
             stream_last = (await js.stream_info(names.KV_EVENTS_STREAM)).state.last_seq
         except nats.js.errors.NotFoundError:

@@ -23,7 +23,7 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.common.core.tiny_model import MODEL_DIR
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc
 from kvmesh.common.runtime.config import parse_config
-from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
+from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord, registered_now
 from kvmesh.common.runtime.ports import free_port
 
 __all__ = [
@@ -193,12 +193,7 @@ def service_config(config_class: type[ConfigT], argv: list[str]) -> ConfigT:
 
 async def registered(nc: NatsClient, namespace: str, component: str) -> list[InstanceRecord]:
     """The instances of ``component`` registered right now, as a fresh watcher lists them."""
-    watcher = DiscoveryWatcher(nc.jetstream(), namespace, component)
-    await watcher.start()
-    try:
-        return watcher.instances()
-    finally:
-        await watcher.stop()
+    return await registered_now(nc.jetstream(), namespace, component)
 
 
 async def indexed_blocks(nc: NatsClient, namespace: str) -> dict[tuple[int, int], int]:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import structlog
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
+from kvmesh.common.runtime.discovery import InstanceRecord, registered_now
 from kvmesh.common.runtime.ports import pid_listening_on
 from kvmesh.worker.cache_moves import cached_hashes, hot_list
 from kvmesh.worker_pool import Process
@@ -23,12 +23,7 @@ async def departure_order(nc: NatsClient, namespace: str, workers: Sequence[Proc
     """``workers`` cheapest departure first: by how many of each one's ``hot_blocks`` hottest cached
     blocks no other worker holds. A worker that cannot be asked is not ranked (the pool's own order
     then decides for it)."""
-    watcher = DiscoveryWatcher(nc.jetstream(), namespace, "worker")
-    await watcher.start()
-    try:
-        records = watcher.instances()
-    finally:
-        await watcher.stop()
+    records = await registered_now(nc.jetstream(), namespace, "worker")
     by_pid: dict[int, InstanceRecord] = {}
     for record in records:
         pid = await asyncio.to_thread(_pid_of, record)

@@ -12,7 +12,7 @@ import structlog
 
 from kvmesh.common.core.timing import as_constants
 from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord, Registration, new_instance_id
+from kvmesh.common.runtime.discovery import InstanceRecord, Registration, new_instance_id, registered_now
 from kvmesh.common.runtime.heap import freeze_startup_heap
 from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
 from kvmesh.common.runtime.metrics import MetricsEndpoint
@@ -126,12 +126,7 @@ async def hand_on(moves: CacheMoves, js, config: WorkerConfig, worker_id: int) -
 
 async def worker_peers(js, config: WorkerConfig, worker_id: int) -> list[InstanceRecord]:
     """The other registered workers of this worker's role and model, as discovery shows them now."""
-    watcher = DiscoveryWatcher(js, config.namespace, "worker")
-    await watcher.start()
-    try:
-        records = watcher.instances()
-    finally:
-        await watcher.stop()
+    records = await registered_now(js, config.namespace, "worker")
     return [r for r in records if r.instance_id != worker_id and r.role == config.role and r.model == config.model_name]
 
 

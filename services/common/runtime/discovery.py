@@ -382,6 +382,17 @@ class DiscoveryWatcher:
         return message.time.replace(tzinfo=UTC).timestamp() if message.time.tzinfo is None else message.time.timestamp()
 
 
+async def registered_now(js: JetStreamContext, namespace: str, component: str) -> list[InstanceRecord]:
+    """The instances of ``component`` registered in ``namespace`` right now, as a fresh watcher lists
+    them (for one look; a service that follows changes keeps a :class:`DiscoveryWatcher`)."""
+    watcher = DiscoveryWatcher(js, namespace, component)
+    await watcher.start()
+    try:
+        return watcher.instances()
+    finally:
+        await watcher.stop()
+
+
 def _instance_id_from_key(key: str) -> int | None:
     try:
         return int(key.rsplit(".", 1)[1])
