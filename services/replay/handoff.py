@@ -24,9 +24,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvmesh.worker.engines.mock.block_moves import Block, families
 from kvmesh.worker.engines.mock.mock_engine import MockEngine
-
-Block = tuple[int, int, int | None]  # (sequence hash, local hash, parent sequence hash)
 
 
 def departure_costs(serving: Sequence[int], engines: Sequence[MockEngine]) -> dict[int, int]:
@@ -60,21 +59,14 @@ def plan_handoff(
         held |= engines[survivor].cached_hashes()
     hot = engines[source].hot_blocks(limit)
     # a block whose parent a survivor holds can hang under it there; one a survivor holds is skipped
-    families: dict[int, list[Block]] = {}
-    root_of: dict[int, int] = {}
-    for block in hot:
-        sequence_hash, _local, parent = block
-        root = root_of.get(parent, sequence_hash) if parent is not None else sequence_hash
-        root_of[sequence_hash] = root
-        if sequence_hash not in held:
-            families.setdefault(root, []).append(block)
-    if not families:
+    to_send = families(hot, skip=held)
+    if not to_send:
         return None
     load = {survivor: requests_on(survivor) for survivor in survivors}
     by_hash = {block[0]: block for block in hot}
     parts: dict[int, list[Block]] = {}
     # the largest families first, each to the survivor with the fewest requests (and blocks given)
-    for family in sorted(families.values(), key=len, reverse=True):
+    for family in sorted(to_send, key=len, reverse=True):
         receiver = min(survivors, key=lambda s: (load[s], len(parts.get(s, ())), s))
         parts.setdefault(receiver, []).extend(held_prefix(family[0], by_hash, held) + family)
         load[receiver] += 1

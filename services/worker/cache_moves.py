@@ -25,12 +25,11 @@ from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.common.rpc.grpc_server import channel_to
 from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.worker.engine import Engine
+from kvmesh.worker.engines.mock.block_moves import Block, families
 from kvmesh.worker.kv_transfer.handoff import KvTransfer
 from kvmesh.worker.kv_transfer.transport import TransferError
 
 log = structlog.get_logger(__name__)
-
-Block = tuple[int, int, int | None]  # (sequence hash, local hash, parent sequence hash)
 
 
 @dataclass(frozen=True)
@@ -61,19 +60,6 @@ def blocks_of(offer: worker_pb2.BlockOffer) -> list[Block]:
     return [
         (b.sequence_hash, b.tokens_hash, b.parent_hash if b.HasField("parent_hash") else None) for b in offer.blocks
     ]
-
-
-def families(blocks: Sequence[Block]) -> list[list[Block]]:
-    """``blocks`` (parents first) grouped by the first ancestor among them: each group is one cached
-    prefix and what grew from it, kept in order."""
-    root_of: dict[int, int] = {}
-    groups: dict[int, list[Block]] = {}
-    for block in blocks:
-        sequence_hash, _, parent = block
-        root = root_of.get(parent, sequence_hash) if parent is not None else sequence_hash
-        root_of[sequence_hash] = root
-        groups.setdefault(root, []).append(block)
-    return list(groups.values())
 
 
 class CacheMoves:

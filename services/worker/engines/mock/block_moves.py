@@ -9,12 +9,28 @@ A block is named ``(sequence hash, local hash, parent sequence hash)``, parents 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from kvmesh.worker.engines.mock.block_manager import BlockManager, KvBlock
 
-Block = tuple[int, int, int | None]
+Block = tuple[int, int, int | None]  # (sequence hash, local hash, parent sequence hash)
+
+
+def families(blocks: Sequence[Block], skip: Collection[int] = ()) -> list[list[Block]]:
+    """``blocks`` (parents first) grouped by their first ancestor among them, each group one cached
+    prefix and what grew from it, in order; a block named in ``skip`` (one the receiver holds) is
+    left out of its group but still ties its descendants to it. Groups in order of their first block
+    kept."""
+    root_of: dict[int, int] = {}
+    groups: dict[int, list[Block]] = {}
+    for block in blocks:
+        sequence_hash, _, parent = block
+        root = root_of.get(parent, sequence_hash) if parent is not None else sequence_hash
+        root_of[sequence_hash] = root
+        if sequence_hash not in skip:
+            groups.setdefault(root, []).append(block)
+    return list(groups.values())
 
 
 @dataclass
