@@ -20,11 +20,10 @@ registers, and takes requests, once they have arrived. It costs worker-seconds w
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvmesh.worker.engines.mock.block_moves import Block, families
+from kvmesh.worker.engines.mock.block_moves import Block, families, sole_holdings
 from kvmesh.worker.engines.mock.mock_engine import MockEngine
 
 
@@ -32,8 +31,7 @@ def departure_costs(serving: Sequence[int], engines: Sequence[MockEngine]) -> di
     """For each serving worker, its cached blocks that no other serving worker holds: what its
     departure loses (counted once for all of them)."""
     cached = {worker: engines[worker].cached_hashes() for worker in serving}
-    holders = Counter(h for hashes in cached.values() for h in hashes)
-    return {worker: sum(1 for h in hashes if holders[h] == 1) for worker, hashes in cached.items()}
+    return sole_holdings(cached, cached)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from nats.aio.client import Client as NatsClient
 from kvmesh.common.runtime.discovery import InstanceRecord, registered_now
 from kvmesh.common.runtime.ports import pid_listening_on
 from kvmesh.worker.cache_moves import cached_hashes, hot_list
+from kvmesh.worker.engines.mock.block_moves import sole_holdings
 from kvmesh.worker_pool import Process
 
 log = structlog.get_logger(__name__)
@@ -34,13 +35,9 @@ async def departure_order(nc: NatsClient, namespace: str, workers: Sequence[Proc
         return [worker for worker, _ in ranked]
     hot = await asyncio.gather(*(hot_list(record, hot_blocks) for _, record in ranked))
     held = await asyncio.gather(*(cached_hashes(record) for record in records))
-    costs = []
-    for (worker, record), own in zip(ranked, hot, strict=True):
-        if own is None:
-            continue
-        others = set().union(*(h for r, h in zip(records, held, strict=True) if r.instance_id != record.instance_id))
-        costs.append((len(own - others), worker))
-    costs.sort(key=lambda pair: pair[0])
+    own = {record.instance_id: blocks for (_, record), blocks in zip(ranked, hot, strict=True) if blocks is not None}
+    lost = sole_holdings(own, {record.instance_id: blocks for record, blocks in zip(records, held, strict=True)})
+    costs = sorted(((lost[r.instance_id], worker) for worker, r in ranked if r.instance_id in lost), key=lambda p: p[0])
     log.info("departure costs", costs={worker.name: cost for cost, worker in costs})
     return [worker for _, worker in costs]
 

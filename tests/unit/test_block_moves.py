@@ -55,3 +55,10 @@ def test_a_taker_reserves_only_what_fits():
     intake = block_moves.reserve(taker, [(1, 2, None), (3, 4, 1), (5, 6, 3)])
     assert len(intake.slots) == 2 and [b[0] for b in intake.blocks] == [1, 3]
     assert block_moves.commit(taker, intake, received=True) == 2
+
+
+def test_a_departure_loses_the_blocks_no_other_worker_holds():
+    cached = {1: {10, 11, 12}, 2: {10, 20}, 3: {11}}
+    assert block_moves.sole_holdings(cached, cached) == {1: 1, 2: 1, 3: 0}
+    # weighed by its hot blocks only (a subset of its cache), against every worker's cache
+    assert block_moves.sole_holdings({1: {10, 12}, 2: {20}}, cached) == {1: 1, 2: 1}
