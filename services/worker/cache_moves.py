@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -30,6 +30,11 @@ from kvmesh.worker.kv_transfer.handoff import KvTransfer
 from kvmesh.worker.kv_transfer.transport import TransferError
 
 log = structlog.get_logger(__name__)
+
+# a hand-on's bound beyond the KV transfer's timeout: the survivors' cache reads and the gRPC calls
+HAND_ON_SLACK_S = 10.0
+# the workers to move blocks to or from, as discovery shows them when asked
+Peers = Callable[[], Awaitable[Sequence[InstanceRecord]]]
 
 
 @dataclass(frozen=True)
@@ -122,13 +127,25 @@ class CacheMoves:
         return Moved(taken, result.bytes, seconds)
 
     # ---- a worker that leaves ----------------------------------------------------------------
-    async def hand_on(self, survivors: Sequence[InstanceRecord], max_blocks: int) -> Moved:
-        """Hand up to ``max_blocks`` of the hottest cached blocks on to ``survivors``: each prefix
-        family goes whole to the survivor that holds most of it already (ties: the one given least),
-        less what that survivor holds; every survivor pulls its share at once."""
-        hot = self.engine.hot_blocks(max_blocks)
-        if not hot or not survivors:
-            return Moved()
+    async def hand_on(self, survivors: Peers, max_blocks: int) -> Moved:
+        """Hand up to ``max_blocks`` of the hottest cached blocks on to the workers ``survivors``
+        names: each prefix family goes whole to the survivor that holds most of it already (ties: the
+        one given least), less what that survivor holds; every survivor pulls its share at once. All
+        within the transfer's timeout and ``HAND_ON_SLACK_S``, discovery's answer too: a stop is never
+        held longer; what has not moved by then leaves with this worker."""
+        total, hot, records = Moved(), [], []
+        try:
+            async with asyncio.timeout(self.timeout_s + HAND_ON_SLACK_S):
+                records = await survivors()
+                hot = self.engine.hot_blocks(max_blocks)
+                if hot and records:
+                    total = await self._hand_on(hot, records)
+        except TimeoutError:
+            log.warning("hand-on cut short; the rest of the cache leaves with this worker")
+        log.info("cache handed on", blocks=total.blocks, of_hot=len(hot), survivors=len(records))
+        return total
+
+    async def _hand_on(self, hot: list[Block], survivors: Sequence[InstanceRecord]) -> Moved:
         held = await asyncio.gather(*(cached_hashes(record) for record in survivors))
         shares: list[list[Block]] = [[] for _ in survivors]
         for family in families(hot):
@@ -138,10 +155,7 @@ class CacheMoves:
             )
             shares[best].extend(b for b in family if b[0] not in held[best])
         calls = [self._give(record, share) for record, share in zip(survivors, shares, strict=True) if share]
-        moved = await asyncio.gather(*calls)
-        total = sum(moved, Moved())
-        log.info("cache handed on", blocks=total.blocks, of_hot=len(hot), survivors=len(survivors))
-        return total
+        return sum(await asyncio.gather(*calls), Moved())
 
     async def _give(self, record: InstanceRecord, share: list[Block]) -> Moved:
         offer = self.offer(share)
@@ -154,16 +168,17 @@ class CacheMoves:
         return Moved(reply.blocks, reply.bytes, reply.seconds)
 
     # ---- a worker that joins -----------------------------------------------------------------
-    async def warm_up(self, peers: Sequence[InstanceRecord], max_blocks: int, max_secs: float) -> Moved:
-        """Import up to ``max_blocks`` hot blocks, within ``max_secs``, from the peers with at least
-        their mean of requests in flight (their hottest prefixes have more demand than holders),
-        busiest first, an equal share of each."""
+    async def warm_up(self, peers: Peers, max_blocks: int, max_secs: float) -> Moved:
+        """Import up to ``max_blocks`` hot blocks, within ``max_secs`` (discovery's answer too: a join
+        is never held longer), from the peers with at least their mean of requests in flight (their
+        hottest prefixes have more demand than holders), busiest first, an equal share of each."""
         started = time.perf_counter()
         total = Moved()
         try:
             async with asyncio.timeout(max_secs):
-                loads = await asyncio.gather(*(in_flight(record) for record in peers))
-                known = [(load, record) for load, record in zip(loads, peers, strict=True) if load is not None]
+                records = await peers()
+                loads = await asyncio.gather(*(in_flight(record) for record in records))
+                known = [(load, record) for load, record in zip(loads, records, strict=True) if load is not None]
                 if not known:
                     return total
                 mean = sum(load for load, _ in known) / len(known)

@@ -33,7 +33,6 @@ from kvmesh.worker.metrics import WorkerMetrics
 from kvmesh.worker.servicer import WorkerServicer
 
 log = structlog.get_logger(__name__)
-HAND_ON_SLACK_S = 10.0  # beyond the KV transfer's timeout: the survivors' cache reads and the gRPC calls
 
 
 async def serve(
@@ -68,7 +67,9 @@ async def serve(
         # 4. warm (with --join-warmup-blocks), then registered last (deregistered first), with what
         # routers cost it by
         if moves is not None and config.join_warmup_blocks:
-            await warm_up(moves, js, config, worker_id)
+            await moves.warm_up(
+                lambda: worker_peers(js, config, worker_id), config.join_warmup_blocks, config.join_warmup_secs
+            )
         extra = {**started.extra, **adapter_extra, **endpoint.discovery_extra(), **gateway_extra(config)}
         registration = await register(stack, js, config, worker_id, started, servicer, extra)
         # 5. kept up to date while it serves
@@ -89,7 +90,7 @@ async def serve(
         if moves is not None and config.shrink_handoff_blocks:
             # out of discovery first: no new request comes while the cache is handed on
             await registration.stop()
-            await hand_on(moves, js, config, worker_id)
+            await moves.hand_on(lambda: worker_peers(js, config, worker_id), config.shrink_handoff_blocks)
 
 
 def cache_moves(config: WorkerConfig, worker_id: int, started: StartedEngine) -> CacheMoves | None:
@@ -99,29 +100,6 @@ def cache_moves(config: WorkerConfig, worker_id: int, started: StartedEngine) ->
     if not started.engine.moves_blocks or not isinstance(handoff, TransferHandoff):
         return None
     return CacheMoves(worker_id, started.engine, handoff.transfer, config.kv_transfer_timeout_secs)
-
-
-async def warm_up(moves: CacheMoves, js, config: WorkerConfig, worker_id: int) -> None:
-    """Import the busiest peers' hot blocks, within --join-warmup-secs whatever answers slowly
-    (discovery too): a join is never held longer than that."""
-    try:
-        async with asyncio.timeout(config.join_warmup_secs):
-            peers = await worker_peers(js, config, worker_id)
-            await moves.warm_up(peers, config.join_warmup_blocks, config.join_warmup_secs)
-    except TimeoutError:
-        log.warning("warm-up cut short at its time bound", secs=config.join_warmup_secs)
-
-
-async def hand_on(moves: CacheMoves, js, config: WorkerConfig, worker_id: int) -> None:
-    """Hand the hot blocks on to the workers that stay, within the KV transfer's timeout and a few
-    seconds more whatever answers slowly (discovery too): a stop is never held longer than that."""
-    bound = config.kv_transfer_timeout_secs + HAND_ON_SLACK_S
-    try:
-        async with asyncio.timeout(bound):
-            survivors = await worker_peers(js, config, worker_id)
-            await moves.hand_on(survivors, config.shrink_handoff_blocks)
-    except TimeoutError:
-        log.warning("hand-on cut short; the rest of the cache leaves with this worker", secs=bound)
 
 
 async def worker_peers(js, config: WorkerConfig, worker_id: int) -> list[InstanceRecord]:
