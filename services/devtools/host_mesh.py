@@ -160,6 +160,34 @@ class HostMesh:
         n = len(self.layout.mesh_hosts)
         return {"worker": n * self.layout.workers_per_host, "indexer": n, "router": n}
 
+    def expected_services(self) -> dict[str, tuple[str, str]]:
+        """Every registering service's advertised address: (host, service name)."""
+        expected: dict[str, tuple[str, str]] = {}
+        for host in self.layout.mesh_hosts:
+            address = self.hosts[host].address
+            expected[f"{address}:{INDEXER_PORT}"] = (host, "indexer")
+            expected[f"{address}:{ROUTER_PORT}"] = (host, "router")
+            for i in range(self.layout.workers_per_host):
+                expected[f"{address}:{WORKER_PORT + i}"] = (host, f"worker-{i}")
+        return expected
+
+    def missing_report(self, registered: set[str], log_lines: int = 25) -> str:
+        """For every service not in ``registered`` (advertised addresses): whether its process still
+        runs, and the end of its log; what a failed start needs to be understood after the fact."""
+        parts = []
+        for address, (host, name) in self.expected_services().items():
+            if address in registered:
+                continue
+            process = self.processes[host].services.get(name)
+            status = None if process is None else process.poll()
+            state = "not started" if process is None else "running" if status is None else f"exit status {status}"
+            try:
+                tail = self.log(host, name).read_text(errors="replace").splitlines()[-log_lines:]
+            except OSError as exc:
+                tail = [f"(no log: {exc})"]
+            parts.append(f"--- {name} on {host} ({address}) not registered, {state}; its log ends:\n" + "\n".join(tail))
+        return "\n".join(parts) or "every service registered (a frontend does not answer /health)"
+
     # --- checks, run by a client on one of the hosts ----------------------------------------------
 
     async def wait_ready(self, timeout: float = 90.0) -> None:
@@ -184,7 +212,11 @@ class HostMesh:
                     if counts == expected and await self.frontends_healthy():
                         return
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"host mesh not ready after {timeout} s: registered {counts}")
+                        registered = {r.address for w in watchers.values() for r in w.instances()}
+                        raise TimeoutError(
+                            f"host mesh not ready after {timeout} s: registered {counts}\n"
+                            + self.missing_report(registered)
+                        )
                     await asyncio.sleep(0.2)
             finally:
                 for watcher in watchers.values():

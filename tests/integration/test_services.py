@@ -13,7 +13,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc, worker_pb2_grpc
-from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord, Registration, instances_bucket
+from kvmesh.common.runtime.discovery import (
+    CATCH_UP_INTERVAL_S,
+    DiscoveryWatcher,
+    InstanceRecord,
+    Registration,
+    instances_bucket,
+)
 from kvmesh.common.wire.hashing import local_block_hashes
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
@@ -97,6 +103,25 @@ async def test_a_started_watcher_holds_an_instance_whose_record_is_being_rewritt
         await other.stop()
         await bucket.delete(record.key)
     assert missed == 0, f"{missed} of 500 watchers started without the instance"
+
+
+async def test_a_record_the_watch_never_delivers_is_taken_from_the_bucket(nc: NatsClient):
+    # A watch whose consumer was lost (its stream changing leader under a starting cluster) delivers
+    # nothing more; an instance registered after that must still join the view.
+    namespace = f"lost{uuid.uuid4().hex[:8]}"
+    watcher = DiscoveryWatcher(nc.jetstream(), namespace, "worker")
+    await watcher.start()
+    await watcher._watcher.stop()  # the watch goes silent, as a lost consumer does
+    registration = Registration(nc.jetstream(), InstanceRecord("worker", 91, "h:91", namespace=namespace))
+    await registration.start()
+    try:
+        await wait_until_async(
+            lambda: watcher.get(91) is not None, timeout=CATCH_UP_INTERVAL_S + 5, what="the record caught up"
+        )
+        assert watcher.get(91).address == "h:91"
+    finally:
+        await registration.stop()
+        await watcher.stop()
 
 
 async def test_a_graceful_stop_deregisters_at_once(nc: NatsClient):

@@ -86,6 +86,8 @@ REFRESH_TIMEOUT_S = 1.0
 # Leases a watcher holds instances past their expiry when most of a component lapsed at once.
 MASS_EXPIRY_HOLD_LEASES = 2.0
 RETRY_AFTER_FAILED_REFRESH_S = 0.5
+# How often a watcher compares its view with the bucket's keys, for records its watch never delivered.
+CATCH_UP_INTERVAL_S = 5.0
 
 # Longest a deregistration step may hold up a shutdown.
 STOP_TIMEOUT_S = 2.0
@@ -138,10 +140,12 @@ class Registration:
         # Deleting tells watchers at once; if NATS is slow, the lease expiring does the same later,
         # so shutdown never waits long for it. asyncio.wait (not wait_for) bounds each step even
         # when a NATS call does not give way to cancellation at once: a refresh or delete stuck in
-        # a JetStream request held shutdown for 15 s that way.
+        # a JetStream request held shutdown for 15 s that way. A refresh that swallowed its
+        # cancellation (Python 3.11's wait_for) is cancelled again until it ends, past the bound if
+        # need be, so it cannot put the record back after the delete.
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait({self._task}, timeout=STOP_TIMEOUT_S)
+            stopping = asyncio.ensure_future(cancel_and_wait(self._task))
+            await asyncio.wait({stopping}, timeout=STOP_TIMEOUT_S)
         if self._kv is None:
             return
         delete = asyncio.ensure_future(self._kv.delete(self.record.key))
@@ -163,7 +167,8 @@ class DiscoveryWatcher:
     """Live view of one component's instances in a namespace.
 
     Guarantees: :meth:`instances` holds every instance whose record was written or refreshed within
-    its lease; ``on_removed`` is called exactly once for an instance that leaves (deleted or
+    its lease, from the watch at once or, where the watch lost it, from the bucket within
+    ``CATCH_UP_INTERVAL_S``; ``on_removed`` is called exactly once for an instance that leaves (deleted or
     expired), ``on_added`` once when an instance is first seen.
     """
 
@@ -289,8 +294,12 @@ class DiscoveryWatcher:
             self._changed.notify_all()
 
     async def _expire_forever(self) -> None:
+        next_catch_up = time.monotonic() + CATCH_UP_INTERVAL_S
         while True:
             await asyncio.sleep(0.5)
+            if time.monotonic() >= next_catch_up:
+                next_catch_up = time.monotonic() + CATCH_UP_INTERVAL_S
+                await self._catch_up()
             now = time.time()
             due = [i for i, t in self._expires_at.items() if t <= now]
             if not due or self._mass_expiry(due, now) or not await self._bucket_takes_writes():
@@ -369,8 +378,31 @@ class DiscoveryWatcher:
             await self._remove(instance_id, reason="lease expired")
         return True
 
-    async def _last_written(self, key: str) -> float | None:
-        """When the live record of ``key`` was last written (server time); None if it is gone."""
+    async def _catch_up(self) -> None:
+        """Take from the bucket any live record the watch never delivered. The watch's consumer can
+        lose messages (its stream changing leader, the consumer made again at the wrong place); a
+        missed refresh is caught by the lease check, a missed delete by the lease, but a missed first
+        record would keep an instance out of the view for ever. One listing of keys per round; a
+        bucket that does not answer is asked next round."""
+        try:
+            present = await asyncio.wait_for(self._present_keys(), LEASE_CHECK_TIMEOUT_S)
+            for key in sorted(present):
+                instance_id = _instance_id_from_key(key)
+                if instance_id is None or instance_id in self._records:
+                    continue
+                live = await asyncio.wait_for(self._live_record(key), LEASE_CHECK_TIMEOUT_S)
+                if live is None or instance_id in self._records:
+                    continue  # deleted, or the watch delivered it meanwhile
+                record, written_at = InstanceRecord.decode(live[0]), live[1]
+                if written_at + record.lease_ttl > time.time():
+                    log.warning("the watch missed an instance's record; taken from the bucket", key=key)
+                    await self._upsert(record, written_at)
+        except Exception as exc:  # a timeout, no responders, a malformed record: next round
+            log.debug("could not compare the view with the bucket", error=f"{type(exc).__name__}: {exc}")
+
+    async def _live_record(self, key: str) -> tuple[bytes, float] | None:
+        """The live record of ``key`` (undecoded) and when it was last written (server time); None if
+        it is gone."""
         try:
             message = await self._js.get_msg(
                 names.kv_stream(names.INSTANCES_BUCKET), subject=f"$KV.{names.INSTANCES_BUCKET}.{key}"
@@ -379,7 +411,13 @@ class DiscoveryWatcher:
             return None
         if (message.headers or {}).get("KV-Operation") in (KV_DEL, KV_PURGE) or message.time is None:
             return None
-        return message.time.replace(tzinfo=UTC).timestamp() if message.time.tzinfo is None else message.time.timestamp()
+        written_at = message.time.replace(tzinfo=UTC) if message.time.tzinfo is None else message.time
+        return message.data or b"", written_at.timestamp()
+
+    async def _last_written(self, key: str) -> float | None:
+        """When the live record of ``key`` was last written (server time); None if it is gone."""
+        live = await self._live_record(key)
+        return None if live is None else live[1]
 
 
 async def registered_now(js: JetStreamContext, namespace: str, component: str) -> list[InstanceRecord]:
