@@ -54,8 +54,8 @@ class PlannerOptions:
     idle_shrink_utilisation: float = option(
         0.2,
         "a pool may shrink while the SLA's window has no misses to spare if the model plans one worker fewer at "
-        "most this busy for the forecast load (0: never): a shrink so far from capacity risks no miss "
-        "(docs/decisions/0052; aggregated pools)",
+        "most this busy for the forecast load, and shrinks at once (by half at most) to a size it plans this idle "
+        "(0: never): a shrink so far from capacity risks no miss (docs/decisions/0052, 0053; aggregated pools)",
     )
     shrink_margin: float = option(
         0.65,

@@ -5,11 +5,12 @@ prompt and output lengths and prefix hits, (3) corrects its performance model by
 interval's observed TTFT / ITL were from what the model says for that interval's load and fleet, and
 (4) sizes each pool as the smallest that meets the targets, then (5) puts the SLA first (decision
 38): it grows at once, and grows the pool at fault by one whenever an interval measured attainment
-below the goal, whatever the model says; it shrinks one worker a decision, only to a size that meets a
-stricter utilisation cap, only after ``scale_down_intervals`` intervals in a row asked for less, only
-with headroom measured (not predicted) since the pools last changed, and only while the requests
+below the goal, whatever the model says; it shrinks only to a size that meets a stricter utilisation
+cap, only after ``scale_down_intervals`` intervals in a row asked for less, and one worker a decision,
+only with headroom measured (not predicted) since the pools last changed, and only while the requests
 finished within ``--attainment-window`` met the goal with room to spare (a shrink spends some) or
-the pool one smaller would run far from capacity (``--idle-shrink-utilisation``).
+the pool one smaller would run far from capacity (``--idle-shrink-utilisation``). A pool the model
+plans far from capacity at a smaller size shrinks to it in one decision (at most by half).
 
 The model speaks of means, the SLA of each request; what lies between (requests whose few decode
 steps meet a long prefill chunk, a cache that holds less in a smaller fleet) is learned from the
@@ -27,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvmesh.common.core.engine_profile import EngineProfile
-from kvmesh.planner import capacity
+from kvmesh.planner import capacity, sizing
 from kvmesh.planner.decision import POOLS, Decision, PoolSizes
 from kvmesh.planner.load import IntervalObservation, LoadForecast
 from kvmesh.planner.options import UTILISATION_CAP_BOUNDS, PlannerOptions
@@ -76,7 +77,8 @@ class Planner:
     """Guarantees: targets stay within [min_workers, max_workers] per pool; a pool never shrinks
     before ``scale_down_intervals`` intervals in a row asked for fewer, nor while the attainment over
     ``attainment_window`` is below the goal + ``BUDGET_MARGIN`` unless the model plans the pool one
-    smaller at most ``idle_shrink_utilisation`` busy; the same observations give the same decisions
+    smaller at most ``idle_shrink_utilisation`` busy, nor by more than one worker a decision except to a
+    size the model plans that idle (and never by more than half); the same observations give the same decisions
     (a restarted planner replays its stored observations to resume)."""
 
     options: PlannerOptions
@@ -258,71 +260,15 @@ class Planner:
         return estimate.ttft_ms, estimate.itl_ms
 
     def _size(self, forecast: LoadForecast, cap_margin: float = 1.0) -> tuple[PoolSizes, float, float]:
-        o = self.options
-        if o.sizing == "dynamo":
-            prefill_share, decode_share = capacity.dynamo_shares(
-                self.profile, forecast, o.itl_target_ms, self.ttft_correction, self.itl_correction
-            )
-            if not self.disaggregated:
-                size = min(max(math.ceil(prefill_share + decode_share), o.min_workers), o.max_workers)
-                estimate = capacity.aggregated(self.profile, forecast, size)
-                return PoolSizes(aggregated=size), estimate.ttft_ms, estimate.itl_ms
-            prefill = min(max(math.ceil(prefill_share), o.min_workers, 1), o.prefill_ceiling)
-            decode = min(max(math.ceil(decode_share), o.min_workers, 1), o.max_workers)
-            p = capacity.prefill_pool(self.profile, forecast, prefill)
-            d = capacity.decode_pool(self.profile, forecast, decode)
-            return PoolSizes(prefill=prefill, decode=decode), p.ttft_ms, d.itl_ms
-        ttft_limit = o.ttft_target_ms * o.ttft_headroom / self.ttft_correction
-        itl_limit = o.itl_target_ms * o.itl_headroom / self.itl_correction
-        # the TTFT target as the model's times reach it (they are corrected by observed ÷ modelled)
-        target = o.ttft_target_ms / self.ttft_correction
-        goal = o.attainment_goal
-        cap = self.utilisation_cap * cap_margin
-        if not self.disaggregated:
-            size, estimate = capacity.smallest_pool(
-                lambda n: capacity.aggregated(self.profile, forecast, n, target),
-                lambda e: (
-                    e.ttft_ms <= ttft_limit
-                    and e.itl_ms <= itl_limit
-                    and e.utilisation <= cap
-                    and e.ttft_attainment >= goal
-                ),
-                o.min_workers,
-                o.max_workers,
-            )
-            return PoolSizes(aggregated=size), estimate.ttft_ms, estimate.itl_ms
-
-        def prefill_meets(e: capacity.Estimate) -> bool:
-            return e.ttft_ms <= ttft_limit and e.utilisation <= cap and e.ttft_attainment >= goal
-
-        prefill, p = capacity.smallest_pool(
-            lambda n: capacity.prefill_pool(self.profile, forecast, n, target),
-            prefill_meets,
-            max(o.min_workers, 1),
-            o.prefill_ceiling,
+        """The pools the model asks for under ``forecast`` (with the cap × ``cap_margin``)."""
+        return sizing.smallest_pools(
+            self.profile,
+            self.options,
+            forecast,
+            self.disaggregated,
+            (self.ttft_correction, self.itl_correction),
+            self.utilisation_cap * cap_margin,
         )
-        decode, d = capacity.smallest_pool(
-            lambda n: capacity.decode_pool(self.profile, forecast, n),
-            lambda e: e.itl_ms <= itl_limit,
-            o.min_workers,
-            o.max_workers,
-        )
-        if not (p.stable and prefill_meets(p)):
-            # the prefill pool at its ceiling cannot take the load: the router prefills the rest on
-            # the decode workers (a split that does not pay stays local), so the decode pool is
-            # sized as an aggregated pool for that overflow as well
-            served = capacity.rate_served(lambda rate: prefill_meets(capacity.prefill_pool(
-                self.profile, dataclasses.replace(forecast, request_rate=rate), prefill, target
-            )), forecast.request_rate)  # fmt: skip
-            overflow = dataclasses.replace(forecast, request_rate=forecast.request_rate - served)
-            local, d = capacity.smallest_pool(
-                lambda n: capacity.aggregated(self.profile, overflow, n, target),
-                lambda e: e.ttft_ms <= ttft_limit and e.itl_ms <= itl_limit and e.ttft_attainment >= goal,
-                o.min_workers,
-                o.max_workers,
-            )
-            decode = max(decode, local)
-        return PoolSizes(prefill=prefill, decode=decode), p.ttft_ms, d.itl_ms
 
     def _grow_on_missed_goal(
         self, observation: IntervalObservation, wanted: PoolSizes, current: PoolSizes, now: float
@@ -332,10 +278,7 @@ class Planner:
         for TTFT misses, the decode pool for ITL misses). Not again before a worker it added has
         joined (``worker_startup_secs``): until then more misses are the same shortfall."""
         o = self.options
-        if o.sizing != "queue" or not self._measured(observation):
-            return wanted
-        assert observation.sla_attainment is not None
-        if observation.sla_attainment >= o.attainment_goal:
+        if o.sizing != "queue" or not self._missed(observation):
             return wanted
         if self.disaggregated:
             at_fault = [
@@ -357,6 +300,11 @@ class Planner:
     def _measured(observation: IntervalObservation) -> bool:
         """Whether enough requests finished in the interval for its attainment to say something."""
         return observation.sla_attainment is not None and observation.finished >= MIN_FINISHED_FOR_FEEDBACK
+
+    def _missed(self, observation: IntervalObservation) -> bool:
+        """Whether the interval measured (:meth:`_measured`) an attainment below the goal."""
+        attained = observation.sla_attainment
+        return self._measured(observation) and attained is not None and attained < self.options.attainment_goal
 
     def _headroom_measured(self, load: LoadForecast) -> bool:
         """Whether the intervals since the pools last changed measured attainment above the goal (+
@@ -386,21 +334,37 @@ class Planner:
         if budget is not None and budget < goal + BUDGET_MARGIN and not self._idle_after_one_less(load):
             return False  # the SLA's window has no misses to spare for a shrink near capacity
         pooled = pooled_attainment(window)
-        return (
-            pooled is not None
-            and pooled >= goal + SHRINK_HEADROOM
-            and all((o.sla_attainment or 0.0) >= goal for o in window if self._measured(o))
-        )
+        return pooled is not None and pooled >= goal + SHRINK_HEADROOM and not any(self._missed(o) for o in window)
 
     def _idle_after_one_less(self, load: LoadForecast) -> bool:
         """Whether the model plans the aggregated pool one smaller at most ``--idle-shrink-utilisation``
         busy for the load sized for now: a shrink so far from capacity risks no miss, so the window's
         budget does not hold it (misses spent at a crest start kept a fleet large through the trough)."""
-        low = self.options.idle_shrink_utilisation
         size = self._last_pools.aggregated if self._last_pools is not None else 0
-        if not low or self.disaggregated or size <= 1:
+        return self._idle_at(load, size - 1)
+
+    def _idle_at(self, load: LoadForecast, size: int) -> bool:
+        """Whether the model plans an aggregated pool of ``size`` at most ``--idle-shrink-utilisation``
+        busy for ``load``."""
+        low = self.options.idle_shrink_utilisation
+        if not low or self.disaggregated or size < 1:
             return False
-        return capacity.aggregated(self.profile, load, size - 1).utilisation <= low
+        return capacity.aggregated(self.profile, load, size).utilisation <= low
+
+    def _far_from_capacity(self, now: int, most: int, load: LoadForecast) -> int | None:
+        """The size an aggregated pool of ``now`` far from capacity shrinks to in one decision: the
+        smallest from ``most`` (the most the recent intervals asked for) and at least half the pool
+        that the model plans at most ``--idle-shrink-utilisation`` busy (None: no such size, or a
+        recent interval measured a miss, or a backlog waits). One worker a decision, each after 40
+        requests measured, took a pool of 11 the whole trough to come down at 0.5 requests a second;
+        a size a fifth busy is not near the edge where headroom measured at n says nothing of n − 2."""
+        recent = self._recent_observations[-self.options.scale_down_intervals :]
+        if self._backlog or any(self._missed(o) for o in recent):
+            return None
+        for size in range(max(most, math.ceil(now / 2)), now):
+            if self._idle_at(load, size):
+                return size
+        return None
 
     def _room_for_one_less(self, size: int) -> bool:
         """Whether the latencies measured in the last interval, scaled by the square of the load each
@@ -436,13 +400,18 @@ class Planner:
             now, want = getattr(current, name), getattr(wanted, name)
             if want >= now:
                 return want
-            if not full:
-                return now
-            if self.options.sizing == "queue" and not (self._headroom_measured(load) and self._room_for_one_less(now)):
-                return now
             # shrink only if every recent interval asked for less, to the most they asked for, and
-            # by one worker a decision: headroom measured at n says nothing of n - 2
+            # by one worker a decision (headroom measured at n says nothing of n - 2) unless the pool
+            # is far from capacity
             most = max(getattr(w, name) for w in self._recent_wanted)
-            return max(most, now - 1) if most < now else now
+            if not full or most >= now:
+                return now
+            if self.options.sizing == "queue":
+                far = self._far_from_capacity(now, most, load) if name == "aggregated" else None
+                if far is not None:
+                    return far
+                if not (self._headroom_measured(load) and self._room_for_one_less(now)):
+                    return now
+            return max(most, now - 1)
 
         return PoolSizes(pool("aggregated"), pool("prefill"), pool("decode"))

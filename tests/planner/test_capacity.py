@@ -30,17 +30,40 @@ def test_heavier_tailed_prompts_queue_longer():
 
 def test_the_smallest_pool_meeting_the_limits_is_chosen():
     size, estimate = capacity.smallest_pool(
-        lambda n: capacity.aggregated(PROFILE, LOAD, n), lambda e: e.ttft_ms <= 400, 1, 16
+        lambda n: capacity.aggregated(PROFILE, LOAD, n), capacity.Limits(ttft_ms=400), 1, 16
     )
     assert estimate.ttft_ms <= 400
     assert capacity.aggregated(PROFILE, LOAD, size - 1).ttft_ms > 400
 
 
 def test_limits_no_pool_can_meet_buy_no_more_than_diminishing_returns():
-    size, _ = capacity.smallest_pool(lambda n: capacity.aggregated(PROFILE, LOAD, n), lambda e: e.ttft_ms <= 1, 1, 16)
+    size, _ = capacity.smallest_pool(lambda n: capacity.aggregated(PROFILE, LOAD, n), capacity.Limits(ttft_ms=1), 1, 16)
     assert size < 16
     best = capacity.aggregated(PROFILE, LOAD, 16).ttft_ms
     assert capacity.aggregated(PROFILE, LOAD, size).ttft_ms <= best * capacity.DIMINISHING_RETURNS
+
+
+def test_a_limit_no_pool_meets_gives_way_alone():
+    # long prompts: the mean TTFT of any pool is over a limit its prefill alone exceeds, while the
+    # share within the target is met by a few workers; the pool is sized for that share, not for the
+    # largest pool's
+    long = LoadForecast(0.6, 50_000, 120, 0.0, input_tokens_cv2=0.3)
+    target = 2.5 * PROFILE.ttft_ms(50_000)
+
+    def estimate(n: int) -> capacity.Estimate:
+        return capacity.aggregated(PROFILE, long, n, target)
+
+    unreachable = 0.9 * estimate(16).ttft_ms
+    goal = 0.95
+    size, chosen = capacity.smallest_pool(estimate, capacity.Limits(ttft_ms=unreachable, ttft_attainment=goal), 1, 16)
+    assert chosen.ttft_attainment >= goal
+    assert chosen.ttft_ms <= estimate(16).ttft_ms * capacity.DIMINISHING_RETURNS
+    near_best = capacity.Limits(ttft_ms=estimate(16).ttft_ms * capacity.DIMINISHING_RETURNS)
+    # the kept limit and the loosened one decide together: no larger than either alone asks
+    alone, _ = capacity.smallest_pool(estimate, near_best, 1, 16)
+    by_goal, _ = capacity.smallest_pool(estimate, capacity.Limits(ttft_attainment=goal), 1, 16)
+    assert size == max(alone, by_goal)
+    assert size < 16
 
 
 def test_disaggregated_pools_each_answer_for_their_own_target():

@@ -1,5 +1,7 @@
 import asyncio
 import dataclasses
+import itertools
+import math
 
 import pytest
 
@@ -20,7 +22,7 @@ def options(**overrides) -> PlannerOptions:
 
 
 def test_a_pool_grows_with_the_load_at_once_and_shrinks_only_after_enough_quiet_intervals():
-    planner = Planner(options(), PROFILE)
+    planner = Planner(options(idle_shrink_utilisation=0), PROFILE)  # near capacity: one worker a decision
     low = planner.step(interval(0, 1.0), PoolSizes(aggregated=1)).target.aggregated
     high = planner.step(interval(10, 12.0), PoolSizes(aggregated=low)).target.aggregated
     assert high > low
@@ -170,7 +172,8 @@ def test_a_missed_goal_grows_the_pool_whatever_the_model_says_then_waits_to_see_
 
 def test_a_pool_shrinks_only_with_headroom_measured():
     def after(*observations: IntervalObservation) -> int:
-        planner = Planner(options(), PROFILE)
+        # no idle shrink: every shrink is judged as near capacity (far from it, see below)
+        planner = Planner(options(idle_shrink_utilisation=0), PROFILE)
         pools = PoolSizes(aggregated=4)
         for observation in observations:
             pools = planner.step(observation, pools).target
@@ -215,6 +218,36 @@ def test_a_pool_far_from_capacity_shrinks_even_without_misses_to_spare():
         options(attainment_window=0).validate()
 
 
+def test_a_pool_far_from_capacity_shrinks_by_up_to_half_in_one_decision():
+    def trough(idle_shrink: float, missed_at: float | None = None, queued_at: float | None = None) -> list[int]:
+        """The pool each decision sets after a crest of 40 requests a second falls to 0.5."""
+        planner = Planner(options(idle_shrink_utilisation=idle_shrink), PROFILE)
+        pools = planner.step(interval(0, 40.0), PoolSizes(aggregated=1)).target
+        sizes = [pools.aggregated]
+        for start in range(10, 80, 10):
+            attainment = 0.5 if start == missed_at else 1.0
+            quiet = dataclasses.replace(interval(start, 0.5, attainment), finished=20)
+            if start == queued_at:  # ten more arrived than finished: a backlog waits
+                quiet = dataclasses.replace(quiet, requests=30)
+            pools = planner.step(quiet, pools).target
+            sizes.append(pools.aggregated)
+        return sizes
+
+    far, near = trough(0.2), trough(0.0)
+    assert far[0] == near[0] >= 4
+    # half the pool at most a decision, after the same two quiet intervals: no headroom waited for
+    assert far[1] == far[0] and far[2] == math.ceil(far[0] / 2)
+    assert all(b >= math.ceil(a / 2) for a, b in itertools.pairwise(far))
+    assert far[-1] == 1 and near[-1] > far[-1]  # one worker a decision, each after headroom measured
+    assert all(b >= a - 1 for a, b in itertools.pairwise(near))
+    # a recent interval that missed holds the jump: the pool shrinks as near capacity
+    held = trough(0.2, missed_at=20)
+    assert held[2] == held[0]
+    # a backlog holds it too: one worker, on the headroom measured, where it would have halved
+    queued = trough(0.2, queued_at=20)
+    assert queued[2] == queued[0] - 1 and far[2] < queued[2]
+
+
 def test_a_disaggregated_miss_grows_the_pool_at_fault():
     planner = Planner(options(), PROFILE, disaggregated=True)
     pools = PoolSizes(prefill=2, decode=2)
@@ -237,7 +270,8 @@ def test_the_prefill_pool_has_a_ceiling_of_its_own():
 
 def test_a_pool_keeps_a_worker_whose_loss_the_measured_latencies_could_not_bear():
     def after(ttft_p90_ms: float) -> int:
-        planner = Planner(options(), PROFILE)
+        # near capacity (no idle shrink): the measured latencies are the last word on a shrink
+        planner = Planner(options(idle_shrink_utilisation=0), PROFILE)
         pools = PoolSizes(aggregated=2)
         for i in range(3):
             observation = dataclasses.replace(interval(i * 10, 1.0), finished=40, ttft_p90_ms=ttft_p90_ms)
