@@ -8,11 +8,13 @@ Its sans-I/O core is driven by the live service and by ``kvmesh replay --planner
 - ``load`` — what it observes of one interval, and what it predicts for the next.
 - ``predictors`` — load predictors from past intervals.
 - ``startup`` — how long a worker takes to serve, measured from the planner's own growths.
-- ``capacity`` — the performance model: the smallest pools that meet the SLA under a load.
+- ``capacity`` — the performance model: what a pool gives under a load, and the smallest that meets limits.
+- ``sizing`` — the pools the model asks for: kvmesh's queueing model, or Dynamo's shares.
 - ``service`` — ``kvmesh planner run``: observe, decide, act, every interval.
 - ``connector`` — what every connector is, and the error it raises.
 - ``connectors`` — how decisions reach the fleet (``local``, ``compose``, ``no-operation``).
-- ``kubernetes`` — the ``kubernetes`` connector: Deployments resized through the API's scale subresource.
+- ``kubernetes`` — the ``kubernetes`` connector: Deployments resized through the API's scale subresource,
+  the pod a shrink stops marked by its deletion cost.
 - ``state`` — its memory: every step in SQLite.
 - ``step_stream`` — its shared memory: every step in a replicated JetStream stream, for standbys.
 - ``cli`` — ``kvmesh planner run|history``.

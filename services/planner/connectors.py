@@ -28,10 +28,13 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
+from kvmesh.common.calling.worker_caches import departure_costs
+from kvmesh.common.runtime.discovery import registered_now
 from kvmesh.common.wire import names
+from kvmesh.common.wire.worker_key import POD_KEY
 from kvmesh.planner.connector import Connector, ConnectorError, by_pool
 from kvmesh.planner.decision import POOLS, PoolSizes
-from kvmesh.planner.kubernetes import KubernetesDeployments
+from kvmesh.planner.kubernetes import Departures, KubernetesDeployments
 
 CONNECTORS = ("local", "compose", "kubernetes", "no-operation")
 __all__ = [
@@ -178,7 +181,31 @@ def make_connector(config: Any, nc: NatsClient) -> Connector:
             deployments = {"prefill": config.kubernetes_prefill_deployment, "decode": config.kubernetes_deployment}
         else:
             deployments = {"aggregated": config.kubernetes_deployment}
-        return KubernetesDeployments(deployments, config.kubernetes_namespace, config.kubernetes_credentials)
+        blocks = config.kubernetes_departure_blocks
+        return KubernetesDeployments(
+            deployments,
+            config.kubernetes_namespace,
+            config.kubernetes_credentials,
+            departures=pod_departures(nc, config.namespace, blocks) if blocks else None,
+        )
     if name == "no-operation":
         return NoOperation()
     raise ValueError(f"unknown connector {name!r}; choose one of {', '.join(CONNECTORS)}")
+
+
+def pod_departures(nc: NatsClient, namespace: str, hot_blocks: int) -> Departures:
+    """For a pool, what each of its worker pods would lose by leaving: how many of its ``hot_blocks``
+    hottest cached blocks no other worker of the pool holds. Workers that name no pod (no
+    ``--pod-name``) or do not answer are left out."""
+
+    async def costs(pool: str) -> dict[str, int]:
+        try:
+            records = await registered_now(nc.jetstream(), namespace, "worker")
+        except Exception as exc:  # NATS unreachable or slow: the ReplicaSet picks this time
+            raise ConnectorError(f"cannot list the workers in discovery: {type(exc).__name__}: {exc}") from exc
+        in_pool = [r for r in records if (r.role or "aggregated") == pool]
+        pods = [r for r in in_pool if r.extra.get(POD_KEY)]
+        lost = await departure_costs(pods, in_pool, hot_blocks)
+        return {str(r.extra[POD_KEY]): lost[r.instance_id] for r in pods if r.instance_id in lost}
+
+    return costs

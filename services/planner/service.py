@@ -98,6 +98,14 @@ class PlannerConfig(CommonConfig, PlannerOptions):
         "--connector kubernetes: the folder of the service account's token, ca.crt and namespace (the API server "
         "is $KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT, as for every in-cluster client)",
     )
+    kubernetes_departure_blocks: int = option(
+        0,
+        "--connector kubernetes: before a shrink, mark each of the pool's worker pods with what its departure "
+        "loses, how many of its N hottest cached blocks no other worker of the pool holds, as its "
+        "controller.kubernetes.io/pod-deletion-cost, so that the ReplicaSet stops the pod that loses least (the "
+        "workers need --pod-name, and --shrink-handoff-blocks N to hand those blocks on as they stop; the "
+        "planner's Role must allow patch on pods); 0: the ReplicaSet picks alone",
+    )
     planner_lease_secs: float = option(
         15.0,
         "one planner acts at a time: it holds a lease in NATS for this long, renewed while it runs; another planner "
@@ -112,6 +120,13 @@ class PlannerConfig(CommonConfig, PlannerOptions):
             raise ConfigError("--engine-profile is required (write one with `kvmesh profile`)")
         if self.planner_lease_secs < 1:
             raise ConfigError("--planner-lease-secs must be at least 1")
+        if self.kubernetes_departure_blocks < 0:
+            raise ConfigError("--kubernetes-departure-blocks must be 0 (off) or positive")
+        if self.kubernetes_departure_blocks and self.connector_name() != "kubernetes":
+            raise ConfigError(
+                "--kubernetes-departure-blocks is for --connector kubernetes (under `kvmesh up --planner`, "
+                "--shrink-handoff-blocks picks the cheapest departure)"
+            )
         if (
             self.connector_name() == "compose"
             and self.disaggregated

@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvmesh.worker.engines.mock.block_moves import Block, families, sole_holdings
+from kvmesh.common.calling.worker_caches import sole_holdings
+from kvmesh.worker.engines.mock.block_moves import Block, families
 from kvmesh.worker.engines.mock.mock_engine import MockEngine
 
 

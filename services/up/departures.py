@@ -11,10 +11,9 @@ from collections.abc import Sequence
 import structlog
 from nats.aio.client import Client as NatsClient
 
+from kvmesh.common.calling.worker_caches import departure_costs
 from kvmesh.common.runtime.discovery import InstanceRecord, registered_now
 from kvmesh.common.runtime.ports import pid_listening_on
-from kvmesh.worker.cache_moves import cached_hashes, hot_list
-from kvmesh.worker.engines.mock.block_moves import sole_holdings
 from kvmesh.worker_pool import Process
 
 log = structlog.get_logger(__name__)
@@ -33,10 +32,7 @@ async def departure_order(nc: NatsClient, namespace: str, workers: Sequence[Proc
     ranked = [(worker, by_pid[pid]) for worker in workers if (pid := worker.pid) is not None and pid in by_pid]
     if len(ranked) < 2:
         return [worker for worker, _ in ranked]
-    hot = await asyncio.gather(*(hot_list(record, hot_blocks) for _, record in ranked))
-    held = await asyncio.gather(*(cached_hashes(record) for record in records))
-    own = {record.instance_id: blocks for (_, record), blocks in zip(ranked, hot, strict=True) if blocks is not None}
-    lost = sole_holdings(own, {record.instance_id: blocks for record, blocks in zip(records, held, strict=True)})
+    lost = await departure_costs([record for _, record in ranked], records, hot_blocks)
     costs = sorted(((lost[r.instance_id], worker) for worker, r in ranked if r.instance_id in lost), key=lambda p: p[0])
     log.info("departure costs", costs={worker.name: cost for cost, worker in costs})
     return [worker for _, worker in costs]

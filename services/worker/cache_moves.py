@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from kvmesh.common.calling.worker_caches import cached_hashes
 from kvmesh.common.proto.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.common.rpc.grpc_server import channel_to
 from kvmesh.common.runtime.discovery import InstanceRecord
@@ -206,27 +207,6 @@ class CacheMoves:
             log.warning("a peer offered nothing", worker=record.instance_id, error=exc.details())
             return Moved()
         return await self.take(offer)
-
-
-async def cached_hashes(record: InstanceRecord) -> set[int]:
-    """The sequence hashes a worker's cache holds (its rank 0; empty when it cannot say)."""
-    try:
-        async with channel_to(record.address) as channel:
-            dump = await worker_pb2_grpc.WorkerStub(channel).DumpKvState(worker_pb2.DumpKvStateRequest(), timeout=10)
-    except grpc.aio.AioRpcError:
-        return set()
-    return {b.sequence_hash for b in dump.blocks}
-
-
-async def hot_list(record: InstanceRecord, max_blocks: int) -> set[int] | None:
-    """The sequence hashes of a worker's ``max_blocks`` hottest cached blocks (None: it cannot say)."""
-    request = worker_pb2.OfferBlocksRequest(max_blocks=max_blocks, list_only=True)
-    try:
-        async with channel_to(record.address) as channel:
-            offer = await worker_pb2_grpc.WorkerStub(channel).OfferBlocks(request, timeout=10)
-    except grpc.aio.AioRpcError:
-        return None
-    return {b.sequence_hash for b in offer.blocks}
 
 
 async def in_flight(record: InstanceRecord) -> int | None:

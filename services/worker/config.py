@@ -241,6 +241,12 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
         "server's OpenAI API, named by kvmesh's endpoint picker (frontend --ext-proc-port); default with "
         "--engine served: --engine-url's host and port",
     )
+    pod_name: str = option(
+        "",
+        "the Kubernetes pod this worker runs in (the manifests set it from the downward API's metadata.name), "
+        "named in its discovery record: the planner's --kubernetes-departure-blocks marks each pod with what "
+        "its departure loses, so that a shrink stops the one that loses least",
+    )
     engine_kv_events: str | None = option(
         None,
         "with --engine served: the ZMQ endpoint where the server publishes its KV events (vLLM: the endpoint of "

@@ -19,7 +19,7 @@ from kvmesh.common.runtime.metrics import MetricsEndpoint
 from kvmesh.common.runtime.service import ServiceStack, service_main
 from kvmesh.common.wire.gateway_endpoint import GATEWAY_ENDPOINT_KEY, endpoint_of_url
 from kvmesh.common.wire.lora import ADAPTERS_KEY, RESIDENT_KEY, adapter_paths
-from kvmesh.common.wire.worker_key import DATA_PARALLEL_KEY
+from kvmesh.common.wire.worker_key import DATA_PARALLEL_KEY, POD_KEY
 from kvmesh.worker.cache_moves import CacheMoves
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.engine import Engine
@@ -71,6 +71,8 @@ async def serve(
                 lambda: worker_peers(js, config, worker_id), config.join_warmup_blocks, config.join_warmup_secs
             )
         extra = {**started.extra, **adapter_extra, **endpoint.discovery_extra(), **gateway_extra(config)}
+        if config.pod_name:
+            extra[POD_KEY] = config.pod_name
         registration = await register(stack, js, config, worker_id, started, servicer, extra)
         # 5. kept up to date while it serves
         stack.task(advertise_timing_forever(started.engine, registration, config.timing_advertise_secs), "timing")

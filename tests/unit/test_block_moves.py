@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvmesh.common.calling.worker_caches import sole_holdings
 from kvmesh.common.wire.kv_events import BlocksStored
 from kvmesh.worker.engines.mock import block_moves
 from kvmesh.worker.engines.mock.block_manager import BlockManager
@@ -59,6 +60,6 @@ def test_a_taker_reserves_only_what_fits():
 
 def test_a_departure_loses_the_blocks_no_other_worker_holds():
     cached = {1: {10, 11, 12}, 2: {10, 20}, 3: {11}}
-    assert block_moves.sole_holdings(cached, cached) == {1: 1, 2: 1, 3: 0}
+    assert sole_holdings(cached, cached) == {1: 1, 2: 1, 3: 0}
     # weighed by its hot blocks only (a subset of its cache), against every worker's cache
-    assert block_moves.sole_holdings({1: {10, 12}, 2: {20}}, cached) == {1: 1, 2: 1}
+    assert sole_holdings({1: {10, 12}, 2: {20}}, cached) == {1: 1, 2: 1}

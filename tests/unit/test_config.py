@@ -175,6 +175,24 @@ def test_a_disaggregated_compose_planner_needs_two_services(tmp_path, capsys):
     assert "must name different services" in capsys.readouterr().err
 
 
+def test_only_the_kubernetes_connector_marks_departures(tmp_path, capsys):
+    from kvmesh.planner.service import PlannerConfig
+
+    def planner(*flags: str) -> PlannerConfig:
+        argv = ["--engine-profile", str(tmp_path / "p.json"), *flags]
+        return parse_config(PlannerConfig, argv, prog="p", description="", environ={})
+
+    marking = planner("--connector", "kubernetes", "--kubernetes-departure-blocks", "256")
+    assert marking.kubernetes_departure_blocks == 256
+    for flags, says in (
+        (["--connector", "compose", "--kubernetes-departure-blocks", "256"], "is for --connector kubernetes"),
+        (["--connector", "kubernetes", "--kubernetes-departure-blocks", "-1"], "0 (off) or positive"),
+    ):
+        with pytest.raises(SystemExit):
+            planner(*flags)
+        assert says in capsys.readouterr().err
+
+
 def test_the_kv_pool_is_the_mock_engines(capsys):
     from kvmesh.up.config import UpConfig
     from kvmesh.worker.config import WorkerConfig

@@ -15,6 +15,8 @@ from kvmesh.common.wire.kv_events import DEVICE_TIER
 
 # A worker's discovery record says how many data-parallel ranks it runs under this key (absent: one).
 DATA_PARALLEL_KEY = "data_parallel_size"
+# ... and the Kubernetes pod it runs in under this one (``kvmesh worker --pod-name``; absent: none).
+POD_KEY = "pod"
 
 
 class WorkerKey(NamedTuple):

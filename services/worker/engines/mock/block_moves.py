@@ -9,8 +9,7 @@ A block is named ``(sequence hash, local hash, parent sequence hash)``, parents 
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from kvmesh.worker.engines.mock.block_manager import BlockManager, KvBlock
@@ -32,16 +31,6 @@ def families(blocks: Sequence[Block], skip: Collection[int] = ()) -> list[list[B
         if sequence_hash not in skip:
             groups.setdefault(root, []).append(block)
     return list(groups.values())
-
-
-def sole_holdings(own: Mapping[int, Collection[int]], held: Mapping[int, Collection[int]]) -> dict[int, int]:
-    """For each worker of ``own``, how many of its blocks (sequence hashes) no other worker of
-    ``held`` (every worker's cached blocks) holds: what its departure loses."""
-    holders = Counter(h for hashes in held.values() for h in hashes)
-    return {
-        worker: sum(1 for h in blocks if holders[h] - (h in held.get(worker, ())) == 0)
-        for worker, blocks in own.items()
-    }
 
 
 @dataclass

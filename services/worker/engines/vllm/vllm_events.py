@@ -16,13 +16,13 @@ a gap asks the replay socket for what it missed before going on.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
 import structlog
 
+from kvmesh.common.rpc.tasks import cancel_and_wait
 from kvmesh.common.wire.hashing import hash_block_tokens, lora_seed, next_sequence_hash
 from kvmesh.common.wire.kv_events import (
     DEVICE_TIER,
@@ -166,10 +166,7 @@ class VllmEventRelay:
         self._task = asyncio.create_task(self._run(), name="vllm-kv-events")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         self._sub.close(linger=0)
         self._context.term()
 
