@@ -152,9 +152,17 @@ class Chooser:
                 policy.cost_model.set_timing(key, timing)
 
     def choose(
-        self, prepared: Prepared, view: CacheView, keys: Sequence[WorkerKey], *, commit: bool = True, now: float = 0.0
+        self,
+        prepared: Prepared,
+        view: CacheView,
+        keys: Sequence[WorkerKey],
+        *,
+        commit: bool = True,
+        now: float = 0.0,
+        loop_turn: bool = False,
     ) -> Choice:
-        """The cheapest of ``keys`` for the whole request ``prepared``."""
+        """The cheapest of ``keys`` for the whole request ``prepared``; a ``loop_turn`` (a session's turn
+        close behind its last) is not charged the duplicate penalty."""
         request = prepared.request
         policy = self.policy(prepared.candidates[0])
         decision = policy.choose(
@@ -171,6 +179,7 @@ class Chooser:
             commit=commit,
             moe_hosted=view.moe_hosted,
             load_tokens=self.adapter_loads(prepared.candidates, request.lora),
+            duplicate_penalty=0.0 if loop_turn else None,
         )
         worker_id, rank = decision.worker
         return Choice(prepared.by_id[worker_id], decision.overlap_blocks, prepared.block_hashes, rank)
@@ -186,9 +195,11 @@ class Chooser:
         split_overhead_ms: float | None,
         enforce: bool,
         now: float,
+        loop_turn: bool = False,
     ) -> LocalPrefill | RemotePrefill:
         """Where a request prefills while prefill workers exist (see prefill_placement.py).
         ``split_overhead_ms`` None: split whenever the rules allow (``--disagg-split-when always``).
+        A ``loop_turn`` is not charged the duplicate penalty, as in :meth:`choose`.
         Raises :class:`~kvmesh.router.prefill_placement.NoCapacity` when ``enforce`` leaves no choice."""
         options, request = self.options, prepared.request
         decode_policy = self.policy(prepared.candidates[0], options.decode_policy)
@@ -214,6 +225,7 @@ class Chooser:
             now=now,
             moe_hosted=view.moe_hosted,
             split_overhead_ms=split_overhead_ms,
+            duplicate_penalty=0.0 if loop_turn else None,
         )
         decode_id, decode_rank = placement.decode
         decode = prepared.by_id[decode_id]

@@ -178,6 +178,13 @@ class SessionOptions:
         "indexers' view alone decides (docs/decisions/0046: with exact KV events a credit helped only a fleet past "
         "its capacity)",
     )
+    session_loop_secs: float = option(
+        10.0,
+        "kv mode, with --kv-duplicate-penalty: a session's turn that comes within this many seconds of its last "
+        "turn continues a loop (an agent's tool calls), and the penalty is not charged to it, so a loop's turns are "
+        "not queued behind each other on a busy holder (needs sessions kept: --session-affinity-ttl-secs > 0; "
+        "0: every turn is charged; docs/decisions/0048)",
+    )
 
 
 @dataclass
@@ -241,6 +248,8 @@ class RoutingOptions(KvModeOptions, CacheAwareModeOptions, SplitOptions, Admissi
             raise ConfigError("--disagg-min-uncached-tokens must be >= 0 and --prefill-queue-limit-tokens > 0")
         if self.session_affinity_ttl_secs < 0 or not 0 <= self.session_block_credit <= 1:
             raise ConfigError("--session-affinity-ttl-secs must be >= 0 and --session-block-credit in [0, 1]")
+        if self.session_loop_secs < 0:
+            raise ConfigError("--session-loop-secs must be >= 0")
         if self.router_queue_size < 0 or self.router_queue_timeout_secs <= 0:
             raise ConfigError("--router-queue-size must be >= 0 and --router-queue-timeout-secs > 0")
         try:

@@ -95,7 +95,7 @@ class RoutingPolicy:
             self.cache_aware.forget(worker)
 
     def _charge_duplicates(
-        self, workers: Sequence[WorkerKey], prefills: Sequence[int], overlaps: Mapping[WorkerKey, int]
+        self, workers: Sequence[WorkerKey], prefills: Sequence[int], overlaps: Mapping[WorkerKey, int], penalty: float
     ) -> list[int]:
         """``prefills`` plus, per worker, the duplicate penalty's tokens: the blocks of the prefix the
         best-placed candidate holds beyond this worker's overlap, times the penalty.
@@ -107,7 +107,7 @@ class RoutingPolicy:
         best = max(held)
         if best == 0:
             return list(prefills)
-        tokens_per_block = self.duplicate_penalty * self.block_size
+        tokens_per_block = penalty * self.block_size
         return [prefill + round((best - own) * tokens_per_block) for prefill, own in zip(prefills, held, strict=True)]
 
     def predicted_load(self, worker: WorkerKey) -> float:
@@ -132,6 +132,7 @@ class RoutingPolicy:
         commit: bool = True,
         moe_hosted: Mapping[WorkerKey, float] | None = None,
         load_tokens: Mapping[WorkerKey, int] | None = None,
+        duplicate_penalty: float | None = None,
     ) -> Decision:
         """Pick a worker (per-request weight / temperature override the defaults when given).
 
@@ -140,7 +141,8 @@ class RoutingPolicy:
         ``moe_hosted``: per worker, the share of the request's MoE experts its cached blocks were
         computed with; in kv mode it waives that share × ``moe_score_weight`` of the worker's cost.
         ``load_tokens``: per worker, prefill tokens it must spend first (a LoRA adapter to load); kv
-        mode adds them to its prefill."""
+        mode adds them to its prefill. ``duplicate_penalty``: this request's, where it is not the policy's
+        (0 for a turn that continues a loop)."""
         if not workers:
             raise ValueError("no candidate workers")
         if self.mode == "round-robin":
@@ -162,8 +164,9 @@ class RoutingPolicy:
         )
         if load_tokens:
             prefills = [prefill + load_tokens.get(worker, 0) for worker, prefill in zip(workers, prefills, strict=True)]
-        if self.duplicate_penalty and overlaps:
-            prefills = self._charge_duplicates(workers, prefills, overlaps)
+        penalty = self.duplicate_penalty if duplicate_penalty is None else duplicate_penalty
+        if penalty and overlaps:
+            prefills = self._charge_duplicates(workers, prefills, overlaps, penalty)
         weight = self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight
         costs = self.cost_model.costs(workers, prefills, decodes, weight)
         discounts = None

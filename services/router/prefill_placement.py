@@ -75,17 +75,25 @@ def place_prefill(
     now: float = 0.0,
     moe_hosted: Mapping[WorkerKey, float] | None = None,
     split_overhead_ms: float | None = None,
+    duplicate_penalty: float | None = None,
 ) -> Placement:
     """The per-request decision of the module docstring. ``policy`` chooses decode workers and, unless
     ``prefill_policy`` is given, prefill workers too; ``tokens`` and ``now`` are for cache-aware mode.
+    ``duplicate_penalty``: this request's, where it is not each policy's own.
     The router service and ``kvmesh replay`` both call it, so the replay measures what the service does."""
     prefill_policy = prefill_policy or policy
     args = (block_hashes, prompt_tokens, overlaps, tree_sizes)
-    context = {"tokens": tokens, "now": now, "moe_hosted": moe_hosted}
+    context = {"tokens": tokens, "now": now, "moe_hosted": moe_hosted, "duplicate_penalty": duplicate_penalty}
     local = None
     if policy.needs_overlaps:
         local = policy.choose(
-            decode_workers, *args, overlap_score_weight, temperature, expected_output_tokens, moe_hosted=moe_hosted
+            decode_workers,
+            *args,
+            overlap_score_weight,
+            temperature,
+            expected_output_tokens,
+            moe_hosted=moe_hosted,
+            duplicate_penalty=duplicate_penalty,
         )
         uncached = prompt_tokens - local.overlap_blocks * policy.block_size
         if not enforce and uncached < min_uncached_tokens:

@@ -64,6 +64,13 @@ class SessionAffinity:
         blocks = round(self.credit * shared)
         return (entry.key, blocks) if blocks else None
 
+    def continues_loop(self, session: str, now: float, within_s: float) -> bool:
+        """Whether a turn of ``session`` at ``now`` comes within ``within_s`` of the session's last
+        routed turn (by any replica): a loop's next step, an agent's tool call answered, rather than a
+        person's reply."""
+        entry = self._entries.get(session) if session and within_s > 0 else None
+        return entry is not None and entry.until > now and now - (entry.until - self.ttl_s) < within_s
+
     def forget_worker(self, worker_id: int) -> None:
         for session in [s for s, e in self._entries.items() if e.key.worker_id == worker_id]:
             del self._entries[session]

@@ -130,6 +130,7 @@ CASES: dict[str, Case] = {
         0.0, sessions_trace, {"workers": 4, "num_blocks": 128, "session_block_credit": 0.5}
     ),
     "session_block_credit": Case(0.5, sessions_trace, {"workers": 4, "num_blocks": 128}),
+    "session_loop_secs": Case(0.0, sessions_trace, {"workers": 4, "num_blocks": 128, "kv_duplicate_penalty": 4.0}),
     "router_queue_shares": Case(
         "high=1,normal=1,low=1", LOADED, {**QUEUED, "priority_mix": "high=0.2,normal=0.5,low=0.3"}
     ),

@@ -144,16 +144,19 @@ class TestRoutingPolicy:
         hashes = list(range(100, 110))  # 10 blocks, the first 4 held by two workers
         overlaps = {holder: 4, busier_holder: 4}
 
-        def choice(penalty: float) -> tuple[int, int]:
+        def choice(penalty: float, this_request: float | None = None) -> tuple[int, int]:
             policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), duplicate_penalty=penalty)
             policy.active.add("queued", holder, [900 + i for i in range(6)], 6 * BLOCK, 0)
             policy.active.add("queued more", busier_holder, [800 + i for i in range(12)], 12 * BLOCK, 0)
-            return policy.choose([idle, holder, busier_holder], hashes, 10 * BLOCK, overlaps).worker
+            workers = [idle, holder, busier_holder]
+            return policy.choose(workers, hashes, 10 * BLOCK, overlaps, duplicate_penalty=this_request).worker
 
         assert choice(0.0) == idle  # the copy is cheaper than the holder's queue
         # copying 4 held blocks now costs 8 more blocks of prefill: the less busy holder keeps it
         assert choice(2.0) == holder
         assert choice(8.0) == holder  # holders are never charged against each other
+        assert choice(8.0, this_request=0.0) == idle  # a loop's turn is not charged (the router decides)
+        assert choice(0.0, this_request=2.0) == holder
 
 
 class TestActiveSequenceTracking:

@@ -52,3 +52,17 @@ def test_the_affinity_follows_the_latest_turn_forgets_departed_workers_and_is_bo
     kept = SessionAffinity(ttl_s=60.0, credit=0.0)  # kept and shown, not weighed in the cost
     kept.routed("a", (1, 0), [1, 2], now=0.0)
     assert len(kept) == 1 and kept.credited("a", [1, 2], now=1.0) is None
+
+
+def test_a_turn_close_behind_its_sessions_last_continues_a_loop():
+    affinity = SessionAffinity(ttl_s=60.0, credit=0.0)  # kept without a credit: the default
+    assert not affinity.continues_loop("s", now=0.0, within_s=10.0)  # a first turn
+    affinity.routed("s", (1, 0), [1, 2], now=0.0)
+    assert affinity.continues_loop("s", now=4.0, within_s=10.0)  # an agent's next step
+    assert not affinity.continues_loop("s", now=25.0, within_s=10.0)  # a person's reply
+    assert not affinity.continues_loop("s", now=4.0, within_s=0.0)  # off
+    assert not affinity.continues_loop("", now=4.0, within_s=10.0)  # no session named
+    assert not affinity.continues_loop("other", now=4.0, within_s=10.0)
+    short = SessionAffinity(ttl_s=2.0, credit=0.0)
+    short.routed("s", (1, 0), [1], now=0.0)
+    assert not short.continues_loop("s", now=3.0, within_s=10.0)  # the session expired first
