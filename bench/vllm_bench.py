@@ -12,6 +12,7 @@ prefix group and where a request goes decides what it finds. Each setup is a fre
 prompt tokens vLLM served from its prefix cache (``usage.prompt_tokens_details``), TTFT p50/p99,
 requests/s and output tokens/s, and kv's TTFT p50 against round-robin's; the TTFT distributions are
 plotted together (``--output-dir``/compare_cdf.png).
+``--kv-duplicate-penalty P`` adds a fourth setup, ``kv-penalty``: kv with that duplicate penalty.
 
 ``--part disagg`` compares 1 aggregated vLLM worker with 1 prefill + 1 decode worker (KV over vLLM's
 NIXL connector), splitting every request (``--disagg-split-when always``) and by default (only
@@ -41,6 +42,7 @@ from tests.support import discovered
 ENGINE_ARGS = ["--block-size", "32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.5", "--enforce-eager"]
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 MODES = ("kv", "round-robin", "cache-aware")
+PENALISED = "kv-penalty"  # the fourth setup, with --kv-duplicate-penalty
 CONTEXT = 8192  # the tiny model's positions
 
 
@@ -55,6 +57,13 @@ def trace_window(path: Path, start: int, count: int, block_tokens: int, into: Pa
     return into, len(rows) - len(fits)
 
 
+def router_args(setup: str, args: argparse.Namespace) -> list[str]:
+    """The router options of a setup: a mode of MODES, or kv with the duplicate penalty."""
+    if setup == PENALISED:
+        return ["--router-mode", "kv", "--kv-duplicate-penalty", str(args.kv_duplicate_penalty)]
+    return ["--router-mode", setup]
+
+
 def run_setup(mode: str, trace: Path, args: argparse.Namespace, out_dir: Path) -> dict:
     engine = [
         "--block-size", str(args.trace_block_size), "--num-gpu-blocks-override", str(args.num_gpu_blocks),
@@ -62,7 +71,7 @@ def run_setup(mode: str, trace: Path, args: argparse.Namespace, out_dir: Path) -
         "--dtype", "float32",
     ]  # fmt: skip
     mesh = MeshProcess(
-        "--engine", "vllm", "--workers", str(args.workers), "--router-mode", mode, "--log-level", "warning", *engine
+        "--engine", "vllm", "--workers", str(args.workers), *router_args(mode, args), "--log-level", "warning", *engine
     ).start(timeout=600)
     try:
         return run_load(
@@ -154,6 +163,12 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=1024, help="disagg: tokens per distinct prompt")
     parser.add_argument("--part", choices=("routing", "disagg", "all"), default="all")
     parser.add_argument("--disagg-requests", type=int, default=20)
+    parser.add_argument(
+        "--kv-duplicate-penalty",
+        type=float,
+        default=0.0,
+        help="routing: also run kv with this --kv-duplicate-penalty, a fourth setup named kv-penalty (0: not run)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.part in ("disagg", "all"):
@@ -167,7 +182,8 @@ def main() -> None:
         trace, too_long = trace_window(
             Path(args.trace), args.trace_start, args.trace_requests, args.trace_block_size, window
         )
-        rows = [(mode, run_setup(mode, trace, args, out_dir)) for mode in MODES]
+        setups = [*MODES, PENALISED] if args.kv_duplicate_penalty > 0 else list(MODES)
+        rows = [(mode, run_setup(mode, trace, args, out_dir)) for mode in setups]
     print(
         f"\n{args.workers} vLLM workers (CPU, kvmesh-tiny Llama, {args.num_gpu_blocks} blocks of "
         f"{args.trace_block_size} tokens each), trace requests {args.trace_start}-"
@@ -183,7 +199,7 @@ def main() -> None:
         )
     p50 = {mode: report["ttft_ms"]["p50"] for mode, report in rows}
     print(f"kv TTFT p50 / round-robin's: {p50['kv'] / p50['round-robin']:.2f} (target: 0.50 or less)")
-    reports = [str(out_dir / mode / "report.json") for mode in MODES]
+    reports = [str(out_dir / mode / "report.json") for mode, _ in rows]
     subprocess.run(
         [sys.executable, "-m", "kvmesh", "bench", "--compare", *reports, "--output-dir", str(out_dir)], check=True
     )
