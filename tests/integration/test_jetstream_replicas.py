@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import nats.js.errors
 import pytest
 from nats.js.api import StreamConfig
 from prometheus_client import CollectorRegistry, generate_latest
@@ -114,6 +115,31 @@ async def test_a_lone_server_gets_one_replica_and_refuses_three(nats_url: str, m
         monkeypatch.setenv(REPLICAS_ENV, "3")
         with pytest.raises(ReplicationError, match="NATS refused"):
             await ensure_stream(js, StreamConfig(name=names.KV_EVENTS_STREAM, subjects=["kvmesh.*.kv.*"]))
+    finally:
+        await nc.close()
+
+
+async def test_a_stream_just_made_is_asked_again_while_a_server_does_not_know_it(nats_url: str):
+    """In a cluster a server can answer "stream not found" for a stream another has just made (an
+    indexer died so in CI reading the discovery bucket as it started). With ``made`` that is asked
+    again; without, it is the error it says."""
+    nc = await connect_nats(nats_url, name="test")
+    try:
+        js = nc.jetstream()
+        asked = 0
+
+        async def stream_appearing_on_third_ask():
+            nonlocal asked
+            asked += 1
+            if asked == 3:  # the stream becomes known between two asks of the second call
+                await js.add_stream(StreamConfig(name="LATE", subjects=["late.>"]))
+            return await js.stream_info("LATE")
+
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await when_jetstream_answers(stream_appearing_on_third_ask, "late stream")
+        assert asked == 1
+        info = await when_jetstream_answers(stream_appearing_on_third_ask, "late stream", made=True)
+        assert info.config.name == "LATE" and asked == 3
     finally:
         await nc.close()
 

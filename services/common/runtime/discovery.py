@@ -207,8 +207,8 @@ class DiscoveryWatcher:
         """Start watching; returns once every key present before the call has been handled, so
         :meth:`instances` is complete from the first read."""
         kv = self._kv = await instances_bucket(self._js)
-        present = await when_jetstream_answers(self._present_keys, "discovery keys")
-        self._watcher = await when_jetstream_answers(lambda: kv.watch(self._prefix + "*"), "discovery watch")
+        present = await when_jetstream_answers(self._present_keys, "discovery keys", made=True)
+        self._watcher = await when_jetstream_answers(lambda: kv.watch(self._prefix + "*"), "discovery watch", made=True)
         initial_done = asyncio.Event()
         self._tasks = [
             asyncio.create_task(self._consume(initial_done), name=f"watch-{self._prefix}"),

@@ -104,14 +104,19 @@ _NOT_YET = (
 )
 
 
-async def when_jetstream_answers(operation: Callable[[], Awaitable[T]], what: str) -> T:
-    """``operation()``, tried again while JetStream does not answer (up to ``JETSTREAM_WAIT_S``)."""
+async def when_jetstream_answers(operation: Callable[[], Awaitable[T]], what: str, *, made: bool = False) -> T:
+    """``operation()``, tried again while JetStream does not answer (up to ``JETSTREAM_WAIT_S``).
+
+    ``made``: the stream the operation reads was just made or found by this process, so "stream not
+    found" is not yet too: a cluster's servers learn of a new stream from their meta leader, and one
+    that has not yet answers so (seen in CI, an indexer reading the discovery bucket as it started)."""
     deadline = time.monotonic() + JETSTREAM_WAIT_S
     waited = False
+    not_yet = (*_NOT_YET, nats.js.errors.NotFoundError) if made else _NOT_YET
     while True:
         try:
             result = await operation()
-        except _NOT_YET as exc:
+        except not_yet as exc:
             if time.monotonic() > deadline:
                 raise ReplicationError(
                     f"JetStream did not answer within {JETSTREAM_WAIT_S:g} s ({what}: {type(exc).__name__}); "

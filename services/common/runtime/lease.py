@@ -57,7 +57,9 @@ class Lease:
     async def start(self) -> None:
         self._kv = await ensure_key_value(self._js, KeyValueConfig(bucket=self.bucket, history=1, ttl=self.period_s))
         # The bucket's max age is the lease period, whoever made the bucket: believe it over our own.
-        info = await when_jetstream_answers(lambda: self._js.stream_info(names.kv_stream(self.bucket)), "lease")
+        info = await when_jetstream_answers(
+            lambda: self._js.stream_info(names.kv_stream(self.bucket)), "lease", made=True
+        )
         if info.config.max_age and abs(info.config.max_age - self.period_s) > 1e-3:
             log.warning(
                 "the lease bucket has another period; using it", bucket=self.bucket, period_s=info.config.max_age
