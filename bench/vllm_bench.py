@@ -8,7 +8,9 @@ hash ids becomes ``--trace-block-size`` (32) token ids, one vLLM block, so a pro
 the blocks its trace request shares. Each worker's cache is capped (``--num-gpu-blocks``, 1,024
 blocks) below the window's distinct blocks divided by the workers, so no worker can hold every
 prefix group and where a request goes decides what it finds. Each setup is a fresh ``kvmesh up
---engine vllm --workers 3`` (no setup inherits another's caches). Printed per setup: the fraction of
+--engine vllm --workers 3`` (no setup inherits another's caches) whose workers each serve a few
+prompts of the window's lengths before the window (vLLM's CPU build is slow on a worker's first
+requests; see ``warm_up``). Printed per setup: the fraction of
 prompt tokens vLLM served from its prefix cache (``usage.prompt_tokens_details``), TTFT p50/p99,
 requests/s and output tokens/s, and kv's TTFT p50 against round-robin's; the TTFT distributions are
 plotted together (``--output-dir``/compare_cdf.png).
@@ -27,10 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -57,6 +61,39 @@ def trace_window(path: Path, start: int, count: int, block_tokens: int, into: Pa
     return into, len(rows) - len(fits)
 
 
+# Prompt lengths (tokens, about) each worker serves before a routing setup's window, and how many at
+# once: vLLM's CPU build is slow on the first requests each worker serves (14-32 s TTFTs in the
+# first 20 s of every setup, seen 2026-11-29 before this warm-up), and a policy that sends its first
+# requests to few workers would meet that cost later, inside the window, than one that spreads them.
+WARM_UP_TOKENS = (64, 512, 2048, 6144)
+WARM_UP_BATCH = 4
+
+
+def warm_up(mesh: MeshProcess, model: str = "kvmesh-tiny") -> None:
+    """Each worker serves prompts of ``WARM_UP_TOKENS``, one at a time, then ``WARM_UP_BATCH`` at once,
+    named to it (``kvmesh.worker_id``), all workers together. The prompts are random letters, so
+    they share no prefix with the window or each other beyond a token or two."""
+    rng = random.Random(0)
+    prompts = {
+        # a spaced letter is two of the tiny model's tokens
+        record.instance_id: [" ".join(rng.choice("bcdfghjkmnpqrstvwxz") for _ in range(n // 2)) for n in WARM_UP_TOKENS]
+        for record in discovered(mesh.nats_url, "worker")
+    }
+
+    def send(worker_id: int, prompt: str) -> None:
+        body = {"model": model, "prompt": prompt, "max_tokens": 4, "kvmesh": {"worker_id": worker_id}}
+        httpx.post(f"{mesh.api}/completions", json=body, timeout=600).raise_for_status()
+
+    def one_worker(worker_id: int) -> None:
+        for prompt in prompts[worker_id]:
+            send(worker_id, prompt)
+        with ThreadPoolExecutor(WARM_UP_BATCH) as batch:
+            list(batch.map(lambda prompt: send(worker_id, prompt + " z"), prompts[worker_id][:WARM_UP_BATCH]))
+
+    with ThreadPoolExecutor(len(prompts)) as workers:
+        list(workers.map(one_worker, prompts))
+
+
 def router_args(setup: str, args: argparse.Namespace) -> list[str]:
     """The router options of a setup: a mode of MODES, or kv with the duplicate penalty."""
     if setup == PENALISED:
@@ -74,6 +111,7 @@ def run_setup(mode: str, trace: Path, args: argparse.Namespace, out_dir: Path) -
         "--engine", "vllm", "--workers", str(args.workers), *router_args(mode, args), "--log-level", "warning", *engine
     ).start(timeout=600)
     try:
+        warm_up(mesh)
         return run_load(
             mesh.api,
             mode,
