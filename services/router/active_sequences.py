@@ -194,6 +194,27 @@ class ActiveSequences:
         load = self._loads.get(worker)
         return load.requests - load.prefilling if load is not None else 0
 
+    def with_in_flight(
+        self, workers: Sequence[WorkerKey], block_hashes: Sequence[int], overlaps: Mapping[WorkerKey, int]
+    ) -> dict[WorkerKey, int]:
+        """``overlaps`` with each worker's match raised to the request's leading blocks that a request in
+        flight there also has: queued ahead of this one (FCFS) or running, that one computes them
+        first, so they are as good as cached by the time this one prefills. An index learns of them
+        only once computed, and the short prediction of routed blocks (``--router-predicted-ttl-secs``)
+        lapses while a loaded worker's queue is longer than it (docs/decisions/0054)."""
+        merged = dict(overlaps)
+        if not block_hashes:
+            return merged
+        first = block_hashes[0]
+        loads = self._loads
+        for worker in workers:
+            load = loads.get(worker)
+            if load is not None and first in load.block_refs:
+                active = _active_prefix(load.block_refs, block_hashes)
+                if active > merged.get(worker, 0):
+                    merged[worker] = active
+        return merged
+
     def potential_loads(
         self,
         workers: Sequence[WorkerKey],

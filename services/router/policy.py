@@ -159,12 +159,14 @@ class RoutingPolicy:
             return Decision(choice.worker, choice.matched_tokens // self.block_size)
         overlaps = overlaps or {}
         tree_sizes = tree_sizes or {}
+        penalty = self.duplicate_penalty if duplicate_penalty is None else duplicate_penalty
+        if penalty:  # holding prefixes where they are: where they are about to be counts too
+            overlaps = self.active.with_in_flight(workers, block_hashes, overlaps)
         prefills, decodes = self.active.potential_columns(
             workers, block_hashes, prompt_tokens, overlaps, expected_output_tokens
         )
         if load_tokens:
             prefills = [prefill + load_tokens.get(worker, 0) for worker, prefill in zip(workers, prefills, strict=True)]
-        penalty = self.duplicate_penalty if duplicate_penalty is None else duplicate_penalty
         if penalty and overlaps:
             prefills = self._charge_duplicates(workers, prefills, overlaps, penalty)
         weight = self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight

@@ -158,6 +158,21 @@ class TestRoutingPolicy:
         assert choice(8.0, this_request=0.0) == idle  # a loop's turn is not charged (the router decides)
         assert choice(0.0, this_request=2.0) == holder
 
+    def test_with_the_penalty_a_prefix_a_worker_has_in_flight_counts_as_held_there(self):
+        from kvmesh.router.policy import RoutingPolicy
+
+        idle, computing = (1, 0), (2, 0)
+        hashes = list(range(100, 110))  # 10 blocks; no worker has cached any yet (the index says 0)
+
+        def choice(penalty: float) -> tuple[int, int]:
+            policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), duplicate_penalty=penalty)
+            # a sibling with the same first 8 blocks was just sent to `computing` and waits there
+            policy.active.add("sibling", computing, hashes[:8], 8 * BLOCK, 0)
+            return policy.choose([idle, computing], hashes, 10 * BLOCK, {}).worker
+
+        assert choice(0.0) == idle  # kv alone: the index shows nothing, the idle worker is cheaper
+        assert choice(2.0) == computing  # the sibling computes the 8 blocks first: copying them costs
+
 
 class TestActiveSequenceTracking:
     def test_output_blocks_grow_with_the_output_and_start_at_the_hint(self):
