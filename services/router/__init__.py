@@ -8,6 +8,7 @@ The pipeline (``routing`` strings its stages together; ``kvmesh replay`` drives 
 - ``cache_view`` — what each worker holds of a prompt: the index's answer, tier credits, predictions.
 - ``predicted_blocks``, ``approximate_index`` — predict-on-route; approximate mode's memory.
 - ``session_affinity`` — a session's turns prefer its last turn's worker, softly and for a while.
+- ``loop_turns`` — an anonymous loop's next step, told by its prompt (the duplicate penalty spares it).
 - ``choice`` — the cost and the choice: policies per block size and mode, fitted step times.
 - ``policy`` — one routing mode's choice (kv, round-robin, random, power-of-two, cache-aware).
 - ``scheduler`` — the KV cost models and the simple selectors.

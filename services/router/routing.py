@@ -34,6 +34,7 @@ from kvmesh.router.fleet_checks import FleetChecks
 from kvmesh.router.indexer_client import IndexerClient
 from kvmesh.router.load_picture import LoadPicture
 from kvmesh.router.load_tracker import LoadTracker
+from kvmesh.router.loop_turns import LoopTurns
 from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
 from kvmesh.router.prefill_placement import NoCapacity
 from kvmesh.router.replica_sync import ReplicaSync
@@ -90,6 +91,8 @@ class Router:
             sessions=SessionAffinity(config.session_affinity_ttl_secs, config.session_block_credit),
         )
         self.picture = LoadPicture(config, clock, on_capacity)
+        # only the duplicate penalty reads loop turns: without it nothing is kept
+        self.loop_turns = LoopTurns(config.session_loop_secs if config.kv_duplicate_penalty > 0 else 0.0)
         self.chooser = Chooser(config, self.picture.loads, rng or random.Random(config.seed), prior)
         self.sync: ReplicaSync | None = None
 
@@ -150,6 +153,7 @@ class Router:
         choice = self.chooser.choose(prepared, view, keys, commit=commit, now=now, loop_turn=loop_turn)
         if commit:
             self.cache_views.routed(choice.key, prepared, choice.overlap_blocks)
+            self.loop_turns.routed(prepared.block_hashes, now, max(view.matched.values(), default=0))
         return choice
 
     def place(
@@ -185,17 +189,22 @@ class Router:
         decode = WorkerKey(plan.decode.instance_id, plan.decode_rank)
         self.cache_views.predict(decode, block_size, plan.block_hashes, view.matched.get(decode, 0))
         self.cache_views.sessions.routed(prepared.request.session, decode, plan.block_hashes, self.clock())
+        self.loop_turns.routed(plan.block_hashes, now, max(view.matched.values(), default=0))
         if isinstance(plan, RemotePrefill):
             prefill = WorkerKey(plan.prefill.instance_id, plan.prefill_rank)
             self.cache_views.predict(prefill, block_size, plan.block_hashes, view.matched.get(prefill, 0))
         return plan
 
     def loop_turn(self, prepared: Prepared, now: float) -> bool:
-        """Whether ``prepared`` continues its session's loop (``--session-loop-secs``): the duplicate
+        """Whether ``prepared`` continues a loop (``--session-loop-secs``): its session's last turn, or
+        for a request that names none, a prompt it extends, was routed that recently. The duplicate
         penalty holds a prefix where it is for later requests, but a loop's turns come seconds apart
         and each waits on the last, so holding them on a busy holder queues the loop behind itself
         (agent loops' TTFT p99 1.5-5x with the penalty, within noise of none without; decision 48)."""
-        return self.cache_views.sessions.continues_loop(prepared.request.session, now, self.config.session_loop_secs)
+        session = prepared.request.session
+        if session and self.cache_views.sessions.enabled:
+            return self.cache_views.sessions.continues_loop(session, now, self.config.session_loop_secs)
+        return self.loop_turns.continues(prepared.block_hashes, now)
 
     def view(self, prepared: Prepared, answer: IndexAnswer, *, split: bool = False, exact: bool = False) -> CacheView:
         """What the router takes each candidate to hold of ``prepared`` (nothing where no policy reads it)."""
@@ -284,6 +293,7 @@ class Router:
             key = WorkerKey(message.worker_id, message.dp_rank)
             self.cache_views.predict(key, record.block_size, message.block_hashes, message.overlap_blocks)
             self.cache_views.sessions.routed(message.session, key, message.block_hashes, self.clock())
+            self.loop_turns.routed(message.block_hashes, self.clock(), message.overlap_blocks)
         if message.kind != ADD:
             self.picture.on_capacity()
 

@@ -173,3 +173,12 @@ def test_an_option_the_replay_cannot_model_is_refused_saying_why(option):
         ReplayConfig(**SMALL, **{option: default / 2 if isinstance(default, float) else default + 1}).validate()
     assert f"--{option.replace('_', '-')} has no effect in a replay" in str(refused.value)
     assert REFUSED_OPTIONS[option] in str(refused.value)
+
+
+def test_loop_turns_are_spared_where_requests_name_no_session():
+    """The same chats, their sessions unnamed: the router tells a loop's turn by its prompt, which
+    extends one it routed moments before, and spares it the penalty as it spares a named session's."""
+    anonymous = [dataclasses.replace(r, session=None) for r in sessions_trace()]
+    base = ReplayConfig(**{**SMALL, "workers": 4, "num_blocks": 128, "kv_duplicate_penalty": 4.0})
+    never_spared = dataclasses.replace(base, session_loop_secs=0.0)
+    assert decisions(base, anonymous) != decisions(never_spared, anonymous)

@@ -66,3 +66,64 @@ def test_a_turn_close_behind_its_sessions_last_continues_a_loop():
     short = SessionAffinity(ttl_s=2.0, credit=0.0)
     short.routed("s", (1, 0), [1], now=0.0)
     assert not short.continues_loop("s", now=3.0, within_s=10.0)  # the session expired first
+
+
+def test_an_anonymous_prompt_that_extends_one_routed_just_before_continues_a_loop():
+    from kvmesh.router.loop_turns import LoopTurns
+
+    turns = LoopTurns(within_s=10.0)
+    assert not turns.continues([1, 2, 3], now=0.0)  # nothing routed yet
+    turns.routed([1, 2], now=0.0)  # an agent's step: its prompt's full blocks
+    assert turns.continues([1, 2, 3, 4], now=3.0)  # the next step: the last prompt and more
+    assert not turns.continues([1, 2], now=3.0)  # the same prompt again: a retry, not a step
+    assert not turns.continues([1, 5, 6], now=3.0)  # shares a prefix only: another conversation
+    assert not turns.continues([1, 2, 3, 4], now=12.0)  # a person's reply, seconds later
+    assert len(turns) == 0  # what lapsed is forgotten
+    turns.routed([7, 8], now=20.0, cached_blocks=2)  # a system prompt and a message under a block
+    assert not turns.continues([7, 8, 9], now=21.0)  # every prompt with that prefix is not its turn
+    off = LoopTurns(within_s=0.0)
+    off.routed([1, 2], now=0.0)
+    assert len(off) == 0 and not off.continues([1, 2, 3], now=1.0)
+    bounded = LoopTurns(within_s=10.0, max_prompts=2)
+    for first in (10, 20, 30):
+        bounded.routed([first, first + 1], now=0.0)
+    assert len(bounded) == 2 and not bounded.continues([10, 11, 12], now=1.0)  # the oldest went first
+    assert bounded.continues([30, 31, 32], now=1.0)
+
+
+def test_a_router_replica_tells_a_loop_turn_from_a_prompt_another_replica_routed():
+    """Replica sync's AddRequest carries a request's blocks: the replica that did not route an
+    agent's last step still tells its next one (no session named) as a loop turn."""
+    import random
+
+    from kvmesh.common.rpc.channels import ChannelPool
+    from kvmesh.common.runtime.discovery import InstanceRecord
+    from kvmesh.router.config import RouterConfig
+    from kvmesh.router.indexer_client import IndexerClient
+    from kvmesh.router.routing import RouteInput, Router
+    from kvmesh.router.sync_messages import ADD, SyncMessage
+
+    record = InstanceRecord("worker", 1, "127.0.0.1:9001", model="m", block_size=16, capacity_blocks=4096)
+
+    class OneWorker:
+        def instances(self) -> list[InstanceRecord]:
+            return [record]
+
+        def get(self, instance_id: int) -> InstanceRecord | None:
+            return record if instance_id == 1 else None
+
+    def replica(penalty: float) -> Router:
+        config = RouterConfig(seed=1, kv_duplicate_penalty=penalty)
+        indexers = IndexerClient(None, ChannelPool(), 0.5, random.Random(1))
+        return Router(config, OneWorker(), indexers, clock=lambda: 100.0)
+
+    step = list(range(64))  # an agent's step: 4 blocks of 16
+    next_step = [*step, *range(1000, 1040)]  # the same prompt, the answer and a tool's output appended
+    other = replica(4.0)
+    added = SyncMessage(ADD, "a", "r1", 1, 0, 16, tuple(other.prepare(RouteInput("m", step)).block_hashes), 64)
+    assert not other.loop_turn(other.prepare(RouteInput("m", next_step)), 100.0)  # not told yet
+    other.apply_remote(added)
+    assert other.loop_turn(other.prepare(RouteInput("m", next_step)), 101.0)
+    without_penalty = replica(0.0)  # only the penalty reads loop turns: nothing is kept for it
+    without_penalty.apply_remote(added)
+    assert not without_penalty.loop_turn(without_penalty.prepare(RouteInput("m", next_step)), 101.0)
