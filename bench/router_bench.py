@@ -46,9 +46,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def decision_time(workers: int, samples: int = 2000) -> tuple[float, float]:
+def decision_time(workers: int, samples: int = 2000, duplicate_penalty: float = 0.0) -> tuple[float, float]:
     rng = random.Random(workers)
-    policy = RoutingPolicy("kv", BLOCK, rng=rng, cost_model=make_cost_model("ttft", BLOCK, 8192, 16384))
+    cost_model = make_cost_model("ttft", BLOCK, 8192, 16384)
+    policy = RoutingPolicy("kv", BLOCK, rng=rng, cost_model=cost_model, duplicate_penalty=duplicate_penalty)
     keys = [(w, 0) for w in range(workers)]
     for w in keys:
         for r in range(32):
@@ -191,6 +192,12 @@ def main() -> None:
         "--levels", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="--saturation: concurrencies, rising"
     )
     parser.add_argument("--decision-samples", type=int, default=2000, help="decisions timed at each fleet size")
+    parser.add_argument(
+        "--kv-duplicate-penalty",
+        type=float,
+        default=0.0,
+        help="decision time: the policy's duplicate penalty (with it, also the in-flight prefixes it reads)",
+    )
     args = parser.parse_args()
     if args.saturation:
         for cores in args.router_cores:
@@ -218,7 +225,7 @@ def main() -> None:
                 )
         return
     for workers in (8, 64, 256):
-        p50, p99 = decision_time(workers, args.decision_samples)
+        p50, p99 = decision_time(workers, args.decision_samples, args.kv_duplicate_penalty)
         print(f"routing decision, {workers:>3} workers: p50 {p50:7.1f} µs, p99 {p99:7.1f} µs")
     r = asyncio.run(throughput(args.seconds, args.concurrency))
     print(
