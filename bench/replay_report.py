@@ -2,15 +2,16 @@
 policy next to NVIDIA Dynamo 1.6.1's own replay and the reuse bounds.
 
 Part ``shared``: ``kvmesh replay``'s simulator for every router mode (round-robin, random, SGLang's
-power-of-two and cache-aware, kv with our default predicted-TTFT cost and with Dynamo's block
-formula) on the shared trace at arrival speed-ups 4 (moderate) and 6 (heavy), with Dynamo's mocker
-configuration (8 workers, 64-token blocks, 16,384 blocks, 256 sequences, 8,192 batched tokens),
-then the time of a 12,000-request replay (the trace three times over, back to back).
+power-of-two and cache-aware, kv with our default predicted-TTFT cost and duplicate penalty,
+without the penalty, and with Dynamo's block formula) on the shared trace at arrival speed-ups 4
+(moderate) and 6 (heavy), with Dynamo's mocker configuration (8 workers, 64-token blocks, 16,384
+blocks, 256 sequences, 8,192 batched tokens), then the time of a 12,000-request replay (the trace
+three times over, back to back).
 
 Part ``families``: traces made by ``kvmesh.replay.session_trace`` from the rules and seeds below
 (chats, agent loops, a tenant mix, and two families held out from tuning), each with a cache size
-and arrival speed that load the fleet; round-robin, cache-aware, kv, kv with
-``--kv-duplicate-penalty 2``, and Dynamo's ``kv_router`` replay of the same file when its
+and arrival speed that load the fleet; round-robin, cache-aware, kv (its default duplicate penalty),
+kv with ``--kv-duplicate-penalty 0``, and Dynamo's ``kv_router`` replay of the same file when its
 virtualenv is there (``--dynamo-python``; ``../shared/peers/README.md`` installs it).
 
     python -m bench.replay_report [--part shared|families] [--trace ../shared/data/mooncake_synthetic_trace.jsonl]
@@ -51,9 +52,9 @@ RUNS = [  # (label, options, the Dynamo figures it sits beside)
     ("random", {"router_mode": "random"}, None),
     ("power-of-two (SGLang)", {"router_mode": "power-of-two"}, None),
     ("cache-aware (SGLang, defaults)", {"router_mode": "cache-aware"}, None),
-    ("kv (blocks: Dynamo's formula)", {"kv_cost": "blocks"}, "kv"),
-    ("kv (ttft: default)", {}, None),
-    ("kv, duplicate penalty 2", {"kv_duplicate_penalty": 2.0}, None),
+    ("kv (blocks: Dynamo's formula, no penalty)", {"kv_cost": "blocks", "kv_duplicate_penalty": 0.0}, "kv"),
+    ("kv (ttft, duplicate penalty 128: default)", {}, None),
+    ("kv, no duplicate penalty", {"kv_duplicate_penalty": 0.0}, None),
 ]
 
 
@@ -77,8 +78,8 @@ FAMILIES = (
 FAMILY_RUNS = (
     ("round-robin", {"router_mode": "round-robin"}),
     ("cache-aware (SGLang)", {"router_mode": "cache-aware"}),
-    ("kv (default)", {}),
-    ("kv, duplicate penalty 2", {"kv_duplicate_penalty": 2.0}),
+    ("kv (default: duplicate penalty 128)", {}),
+    ("kv, no duplicate penalty", {"kv_duplicate_penalty": 0.0}),
 )
 # Dynamo's replay, run in its own virtualenv: its kv_router on the same trace and engine shape
 DYNAMO_REPLAY = """

@@ -37,10 +37,12 @@ class KvModeOptions:
     kv_overlap_score_weight: float = option(1.0, "weight of prefill work in the KV cost (0: load only)")
     router_temperature: float = option(0.0, "softmax temperature over normalised costs (0: pick the minimum)")
     kv_duplicate_penalty: float = option(
-        0.0,
+        128.0,
         "kv mode: the cost of copying a prefix a candidate already holds: each such block another worker would "
-        "recompute counts this many extra blocks of its prefill (0: off; 1 to 2 keeps more of the cache and a lower "
-        "median on anonymous shared-prefix traffic, but lengthens agent loops' tails: docs/decisions/0048)",
+        "recompute counts this many extra blocks of its prefill, a prefix a request in flight there has counts as "
+        "held, and a loop's next turn (--session-loop-secs) is not charged. The default holds a prefix on its holder "
+        "unless the holder's queue is far longer: cache-aware's reuse with kv's latency in every replayed trace "
+        "(docs/decisions/0054). 0: plain kv, the cost of the request in hand alone",
     )
     lora_load_tokens: int = option(
         1024,
@@ -180,10 +182,10 @@ class SessionOptions:
     )
     session_loop_secs: float = option(
         10.0,
-        "kv mode, with --kv-duplicate-penalty: a session's turn that comes within this many seconds of its last "
-        "turn continues a loop (an agent's tool calls), and the penalty is not charged to it, so a loop's turns are "
-        "not queued behind each other on a busy holder (needs sessions kept: --session-affinity-ttl-secs > 0; "
-        "0: every turn is charged; docs/decisions/0048)",
+        "kv mode, with --kv-duplicate-penalty: a turn that comes within this many seconds of its session's last "
+        "turn, or that names no session and extends a prompt routed that recently, continues a loop (an agent's "
+        "tool calls), and the penalty is not charged to it, so a loop's turns are not queued behind each other on a "
+        "busy holder (0: every turn is charged; docs/decisions/0048, 0054)",
     )
 
 

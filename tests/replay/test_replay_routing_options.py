@@ -106,12 +106,14 @@ CASES: dict[str, Case] = {
     "eviction_interval_secs": Case(0.05, lambda: groups_trace(80, 8, 50.0), {**CACHE_AWARE, "max_tree_size": 64}),
     "max_tree_size": Case(64, lambda: groups_trace(80, 8, 50.0), {**CACHE_AWARE, "eviction_interval_secs": 0.05}),
     "cache_miss_policy": Case("least-loaded", lambda: groups_trace(80, 80, 5.0), CACHE_AWARE),
-    "kv_cost": Case("blocks", LOADED, {"workers": 4}),
-    "kv_overlap_score_weight": Case(0.0, LOADED, {"workers": 4}),
+    # under plain kv: the default duplicate penalty outweighs the cost's terms on this trace
+    "kv_cost": Case("blocks", LOADED, {"workers": 4, "kv_duplicate_penalty": 0.0}),
+    "kv_overlap_score_weight": Case(0.0, LOADED, {"workers": 4, "kv_duplicate_penalty": 0.0}),
     "router_temperature": Case(5.0, LOADED, {"workers": 4}),
-    "kv_duplicate_penalty": Case(4.0, LOADED, {"workers": 4}),
+    "kv_duplicate_penalty": Case(0.0, LOADED, {"workers": 4}),
     "host_block_credit": Case(0.0, lambda: groups_trace(60, 6, 500.0, shared=8), HOST_TIER),
-    "router_predicted_ttl_secs": Case(0.0, siblings_trace, {"workers": 4}),
+    # plain kv: the default penalty's count of prefixes in flight stands in for the prediction
+    "router_predicted_ttl_secs": Case(0.0, siblings_trace, {"workers": 4, "kv_duplicate_penalty": 0.0}),
     "track_active_blocks": Case(False, LOADED, {"workers": 4}),
     # one prefix group: kv piles it onto few workers until their predicted load (outputs included) tells
     "router_track_output_blocks": Case(
