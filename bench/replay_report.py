@@ -53,7 +53,7 @@ RUNS = [  # (label, options, the Dynamo figures it sits beside)
     ("power-of-two (SGLang)", {"router_mode": "power-of-two"}, None),
     ("cache-aware (SGLang, defaults)", {"router_mode": "cache-aware"}, None),
     ("kv (blocks: Dynamo's formula, no penalty)", {"kv_cost": "blocks", "kv_duplicate_penalty": 0.0}, "kv"),
-    ("kv (ttft, duplicate penalty 128: default)", {}, None),
+    ("kv (ttft: default)", {}, None),
     ("kv, no duplicate penalty", {"kv_duplicate_penalty": 0.0}, None),
 ]
 
@@ -78,7 +78,7 @@ FAMILIES = (
 FAMILY_RUNS = (
     ("round-robin", {"router_mode": "round-robin"}),
     ("cache-aware (SGLang)", {"router_mode": "cache-aware"}),
-    ("kv (default: duplicate penalty 128)", {}),
+    ("kv (default)", {}),
     ("kv, no duplicate penalty", {"kv_duplicate_penalty": 0.0}),
 )
 # Dynamo's replay, run in its own virtualenv: its kv_router on the same trace and engine shape
