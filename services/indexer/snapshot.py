@@ -308,6 +308,12 @@ class SnapshotLock:
             await self._kv.create(self.key, self.owner.encode())
         except nats.js.errors.KeyWrongLastSequenceError:
             return False
+        except nats.js.errors.KeyNotFoundError:
+            # The create was refused (the key is held) and nats-py's read back of the key, made to
+            # tell a deleted key from a held one, found nothing: in a cluster a replica that has not
+            # yet seen the write answers that read, or the holder's lease lapsed in between (seen in
+            # CI). Either way it is not ours now; the caller asks again.
+            return False
         self.held = True
         return True
 
