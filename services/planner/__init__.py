@@ -6,6 +6,7 @@ Its sans-I/O core is driven by the live service and by ``kvmesh replay --planner
 - ``options`` — what it aims for and how it decides, for every command that runs it.
 - ``decision`` — the pools' sizes, and a decision with what led to it.
 - ``load`` — what it observes of one interval, and what it predicts for the next.
+- ``miss_budget`` — the SLA's misses: those no fleet could have served, and what that leaves sizing.
 - ``predictors`` — load predictors from past intervals.
 - ``startup`` — how long a worker takes to serve, measured from the planner's own growths.
 - ``capacity`` — the performance model: what a pool gives under a load, and the smallest that meets limits.

@@ -42,13 +42,17 @@ class IntervalObservation:
     # each worker's load as the routers predicted it, averaged over the interval (live: their
     # reports on kvmesh.<ns>.metrics.router; replay: its router's tracker at the interval's end)
     worker_loads: tuple[WorkerLoad, ...] = ()
+    # the uncached prompt lengths of the finished requests that missed the TTFT target: the planner
+    # tells from them, with its profile, the misses no fleet could have served (miss_budget.py)
+    ttft_missed_uncached: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict) -> IntervalObservation:
         """The inverse of ``dataclasses.asdict`` (what the planner's SQLite state stores)."""
         loads = tuple(WorkerLoad(**load) for load in data.get("worker_loads", ()))
         quantiles = tuple(data.get("uncached_quantiles", ()))
-        return cls(**{**data, "worker_loads": loads, "uncached_quantiles": quantiles})
+        missed = tuple(data.get("ttft_missed_uncached", ()))
+        return cls(**{**data, "worker_loads": loads, "uncached_quantiles": quantiles, "ttft_missed_uncached": missed})
 
     @property
     def backlog_growth(self) -> int:
@@ -149,4 +153,7 @@ def observe_interval(
         ttft_attainment=share(lambda s: s.ttft_ms <= ttft_target_ms),
         itl_attainment=share(lambda s: met_itl(s, itl_target_ms)),
         uncached_quantiles=quantiles([max(0, s.input_tokens - s.cached_tokens) for s in samples]),
+        ttft_missed_uncached=tuple(
+            max(0, s.input_tokens - s.cached_tokens) for s in samples if s.ttft_ms > ttft_target_ms
+        ),
     )

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ from kvmesh.common.core.engine_profile import EngineProfile
 from kvmesh.planner import capacity, sizing
 from kvmesh.planner.decision import POOLS, Decision, PoolSizes
 from kvmesh.planner.load import IntervalObservation, LoadForecast
+from kvmesh.planner.miss_budget import MissBudget, pooled, unservable
 from kvmesh.planner.options import UTILISATION_CAP_BOUNDS, PlannerOptions
 from kvmesh.planner.predictors import Predictor, make_predictor
 from kvmesh.planner.startup import StartupMeter
@@ -51,16 +51,6 @@ SHRINK_HEADROOM = 0.03  # a pool shrinks only where the attainment was measured 
 # the goal: a shrink spends some, and a window that has none must not pay for savings with misses
 BUDGET_MARGIN = 0.01
 KEPT_OBSERVATIONS = 64
-
-
-def pooled_attainment(observations: Iterable[IntervalObservation]) -> float | None:
-    """The attainment of all the requests the intervals finished, pooled: each interval weighs by
-    its finished requests (None: none finished)."""
-    met = finished = 0.0
-    for observation in observations:
-        met += (observation.sla_attainment or 0.0) * observation.finished
-        finished += observation.finished
-    return met / finished if finished else None
 
 
 @dataclass
@@ -94,8 +84,8 @@ class Planner:
     _backlog: float = field(default=0.0, init=False)
     _recent_quantiles: list[tuple[float, ...]] = field(default_factory=list, init=False)
     _recent_observations: list[IntervalObservation] = field(default_factory=list, init=False)
-    # the intervals whose requests finished within --attainment-window, oldest first
-    _window: deque[IntervalObservation] = field(default_factory=deque, init=False)
+    # the requests finished within --attainment-window, and the misses sizing can spend
+    _budget: MissBudget = field(init=False)
     _grown_at: dict[str, float] = field(default_factory=dict, init=False)
     _startup: StartupMeter = field(init=False)
     _resized_at: float = field(default=-math.inf, init=False)  # the last decision that changed a pool
@@ -103,6 +93,7 @@ class Planner:
     def __post_init__(self) -> None:
         o = self.options
         self.utilisation_cap = o.utilisation_cap
+        self._budget = MissBudget(o.attainment_goal, o.attainment_window)
         self._startup = StartupMeter(o.worker_startup_secs)
 
         def rate() -> Predictor:
@@ -185,15 +176,22 @@ class Planner:
             window = self.options.predictor_window
             self._recent_quantiles = [*self._recent_quantiles, observation.uncached_quantiles][-window:]
         self._recent_observations = [*self._recent_observations, observation][-KEPT_OBSERVATIONS:]
-        if observation.finished and observation.sla_attainment is not None:
-            self._window.append(observation)
-        since = observation.start_s + observation.duration_s - self.options.attainment_window
-        while self._window and self._window[0].start_s + self._window[0].duration_s <= since:
-            self._window.popleft()
+        self._budget.add(observation, self._unservable(observation))
 
     def window_attainment(self) -> float | None:
         """The attainment of the requests finished within ``--attainment-window`` (None: none)."""
-        return pooled_attainment(self._window)
+        return self._budget.attainment()
+
+    def _unservable(self, observation: IntervalObservation) -> int:
+        """The interval's TTFT misses whose prefill alone (the model's, as corrected) outlasts the target."""
+        return unservable(
+            observation, lambda tokens: self.profile.ttft_ms(tokens) * self.ttft_correction, self.options.ttft_target_ms
+        )
+
+    def _judged(self, observations: Iterable[IntervalObservation]) -> float | None:
+        """The intervals' pooled attainment with their unservable misses charged at the window's
+        share of them (:meth:`MissBudget.judged`)."""
+        return self._budget.judged(pooled((o, self._unservable(o)) for o in observations))
 
     def _correct(self, observation: IntervalObservation, current: PoolSizes) -> None:
         """Move the corrections toward observed ÷ modelled for the interval just seen."""
@@ -241,13 +239,13 @@ class Planner:
         return abs(observation.request_rate - last.request_rate) <= FORECAST_TOLERANCE * last.request_rate
 
     def _feedback(self, observation: IntervalObservation) -> None:
-        attained = observation.sla_attainment
+        attained = self._judged([observation])
         if attained is None or observation.requests < MIN_FINISHED_FOR_FEEDBACK:
             return
         low, high = UTILISATION_CAP_BOUNDS
         if attained < self.options.attainment_goal:
             self.utilisation_cap = max(low, self.utilisation_cap * TIGHTEN)
-        elif attained > self.options.attainment_goal + ATTAINMENT_SLACK:
+        elif attained > self.options.attainment_goal + self._budget.margin(ATTAINMENT_SLACK):
             self.utilisation_cap = min(high, self.utilisation_cap * RELAX)
 
     def _estimate(self, forecast: LoadForecast, pools: PoolSizes) -> tuple[float, float]:
@@ -302,8 +300,9 @@ class Planner:
         return observation.sla_attainment is not None and observation.finished >= MIN_FINISHED_FOR_FEEDBACK
 
     def _missed(self, observation: IntervalObservation) -> bool:
-        """Whether the interval measured (:meth:`_measured`) an attainment below the goal."""
-        attained = observation.sla_attainment
+        """Whether the interval measured (:meth:`_measured`) an attainment below the goal, judged
+        with its unservable misses charged at their share (:meth:`_judged`)."""
+        attained = self._judged([observation])
         return self._measured(observation) and attained is not None and attained < self.options.attainment_goal
 
     def _headroom_measured(self, load: LoadForecast) -> bool:
@@ -331,10 +330,12 @@ class Planner:
             return False
         goal = self.options.attainment_goal
         budget = self.window_attainment()
-        if budget is not None and budget < goal + BUDGET_MARGIN and not self._idle_after_one_less(load):
+        spare = budget is None or budget >= goal + self._budget.margin(BUDGET_MARGIN)
+        if not spare and not self._idle_after_one_less(load):
             return False  # the SLA's window has no misses to spare for a shrink near capacity
-        pooled = pooled_attainment(window)
-        return pooled is not None and pooled >= goal + SHRINK_HEADROOM and not any(self._missed(o) for o in window)
+        attained = self._judged(window)
+        headroom = goal + self._budget.margin(SHRINK_HEADROOM)
+        return attained is not None and attained >= headroom and not any(self._missed(o) for o in window)
 
     def _idle_after_one_less(self, load: LoadForecast) -> bool:
         """Whether the model plans the aggregated pool one smaller at most ``--idle-shrink-utilisation``
