@@ -40,9 +40,11 @@ class KvModeOptions:
         128.0,
         "kv mode: the cost of copying a prefix a candidate already holds: each such block another worker would "
         "recompute counts this many extra blocks of its prefill, a prefix a request in flight there has counts as "
-        "held, and a loop's next turn (--session-loop-secs) is not charged. The default holds a prefix on its holder "
-        "unless the holder's queue is far longer: cache-aware's reuse with kv's latency in every replayed trace "
-        "(docs/decisions/0054). 0: plain kv, the cost of the request in hand alone",
+        "held, and a loop's next turn (--session-loop-secs) is not charged, nor anything while the candidates' "
+        "requests in flight are imbalanced by --balance-abs-threshold and --balance-rel-threshold "
+        "(docs/decisions/0056). The default holds a prefix on its holder unless the holder's queue is far longer: "
+        "cache-aware's reuse with kv's latency in every replayed trace (docs/decisions/0054). 0: plain kv, the cost "
+        "of the request in hand alone",
     )
     lora_load_tokens: int = option(
         1024,
@@ -87,10 +89,12 @@ class CacheAwareModeOptions:
     )
     balance_abs_threshold: int = option(
         _SGLANG.balance_abs_threshold,
-        "cache-aware: loads are imbalanced when max - min requests in flight exceeds this (and the relative test)",
+        "cache-aware, and kv's duplicate penalty: loads are imbalanced when max - min requests in flight exceeds "
+        "this (and the relative test)",
     )
     balance_rel_threshold: float = option(
-        _SGLANG.balance_rel_threshold, "cache-aware: ... and max exceeds min times this; then the least loaded wins"
+        _SGLANG.balance_rel_threshold,
+        "cache-aware: ... and max exceeds min times this; then the least loaded wins (kv: the penalty is waived)",
     )
     eviction_interval_secs: float = option(
         _SGLANG.eviction_interval_secs, "cache-aware: seconds between trims of each worker's share of the tree"

@@ -79,6 +79,7 @@ class RoutingPolicy:
         self._random = RandomSelector(self._rng)
         self._power_of_two = PowerOfTwoSelector(self._rng)
         self.cache_aware = CacheAwareSelector(cache_aware, self._rng) if mode == "cache-aware" else None
+        self._balance = cache_aware or CacheAwareOptions()
 
     @property
     def needs_overlaps(self) -> bool:
@@ -109,6 +110,16 @@ class RoutingPolicy:
             return list(prefills)
         tokens_per_block = penalty * self.block_size
         return [prefill + round((best - own) * tokens_per_block) for prefill, own in zip(prefills, held, strict=True)]
+
+    def _imbalanced(self, workers: Sequence[WorkerKey]) -> bool:
+        """Whether the candidates' requests in flight are imbalanced by cache-aware's test (the most
+        exceeds the fewest by ``balance_abs_threshold`` and by ``balance_rel_threshold`` times). The
+        duplicate penalty is waived then: it holds a prefix on its holder whatever the holder's load,
+        and a worker that joined a fleet whose holders hold every prefix got nothing while they
+        overflowed (the planner's tenant-mix replay grew to 11 workers, one serving; decision 56)."""
+        loads = [self.active.requests(worker) for worker in workers]
+        high, low = max(loads), min(loads)
+        return high - low > self._balance.balance_abs_threshold and high > low * self._balance.balance_rel_threshold
 
     def predicted_load(self, worker: WorkerKey) -> float:
         """The router's prediction of ``worker``'s load now: the cost model on its queued prefill
@@ -160,6 +171,8 @@ class RoutingPolicy:
         overlaps = overlaps or {}
         tree_sizes = tree_sizes or {}
         penalty = self.duplicate_penalty if duplicate_penalty is None else duplicate_penalty
+        if penalty and self._imbalanced(workers):
+            penalty = 0.0
         if penalty:  # holding prefixes where they are: where they are about to be counts too
             overlaps = self.active.with_in_flight(workers, block_hashes, overlaps)
         prefills, decodes = self.active.potential_columns(

@@ -173,6 +173,23 @@ class TestRoutingPolicy:
         assert choice(0.0) == idle  # kv alone: the index shows nothing, the idle worker is cheaper
         assert choice(2.0) == computing  # the sibling computes the 8 blocks first: copying them costs
 
+    def test_the_penalty_does_not_hold_a_prefix_on_a_holder_far_busier_than_another(self):
+        from kvmesh.router.cache_aware import CacheAwareOptions
+        from kvmesh.router.policy import RoutingPolicy
+
+        joined, holder = (1, 0), (2, 0)  # a worker that just joined, and the one holding every prefix
+        hashes = list(range(100, 110))
+
+        def choice(in_flight: int) -> tuple[int, int]:
+            balance = CacheAwareOptions(balance_abs_threshold=8, balance_rel_threshold=1.5)
+            policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), cache_aware=balance, duplicate_penalty=128.0)
+            for i in range(in_flight):  # decoding, their prompts' blocks cached there
+                policy.active.add(f"r{i}", holder, [900 + i], BLOCK, 1)
+            return policy.choose([joined, holder], hashes, 10 * BLOCK, {holder: 8}).worker
+
+        assert choice(8) == holder  # 8 more in flight: within the balance test, the penalty holds it
+        assert choice(9) == joined  # one more and the loads are imbalanced: kv's cost alone decides
+
 
 class TestActiveSequenceTracking:
     def test_output_blocks_grow_with_the_output_and_start_at_the_hint(self):
