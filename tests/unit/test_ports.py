@@ -45,3 +45,20 @@ def test_no_room_below_the_ephemeral_range_is_a_clear_error(tmp_path, monkeypatc
     monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", setting)
     with pytest.raises(ports.NoFreePortError, match="ephemeral port range starts at 1024"):
         ports.free_port()
+
+
+def test_a_clusters_ports_are_all_distinct_though_draws_repeat(monkeypatch):
+    """Each port is found free before any server binds it, so two draws can return the same one; a
+    cluster's route and client ports are drawn until distinct (CI once saw a route port taken)."""
+    from kvmesh.common.runtime import nats_cluster
+
+    draws = iter([20000, 20000, 20001, 20000, 20002, 20001, 20003, 20004, 20004, 20005])
+    monkeypatch.setattr(nats_cluster, "free_port", lambda host: next(draws))
+    cluster = nats_cluster.EmbeddedNatsCluster(size=3)
+    try:
+        used = [node.port for node in cluster.nodes]
+        for node in cluster.nodes:
+            used += [int(a.rsplit(":", 1)[1]) for a in node.server_args if a.startswith("nats://")][:1]
+        assert sorted(used) == [20000, 20001, 20002, 20003, 20004, 20005]
+    finally:
+        cluster.stop()

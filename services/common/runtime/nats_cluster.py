@@ -40,7 +40,17 @@ class EmbeddedNatsCluster:
         self.host = host
         self._own_store = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="kvmesh-nats-cluster-")
-        route_ports = [free_port(host) for _ in range(size)]
+        # every port of the cluster distinct: each is found free before any server binds it, so two
+        # draws may return the same one (CI once saw a node's route port already bound)
+        taken: set[int] = set()
+
+        def distinct_port() -> int:
+            while (port := free_port(host)) in taken:
+                pass
+            taken.add(port)
+            return port
+
+        route_ports = [distinct_port() for _ in range(size)]
         routes = ",".join(f"nats://{host}:{port}" for port in route_ports)
 
         def cluster_args(i: int) -> list[str]:
@@ -52,6 +62,7 @@ class EmbeddedNatsCluster:
         self.nodes = [
             EmbeddedNatsServer(
                 host=host,
+                port=distinct_port(),
                 store_dir=str(Path(self.store_dir) / f"n{i + 1}"),
                 server_args=[*cluster_args(i), *(server_args or [])],
                 credentials=credentials,
