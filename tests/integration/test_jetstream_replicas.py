@@ -187,3 +187,27 @@ async def test_inspect_and_metrics_show_replicas_leader_and_lag(
     assert "NATS cluster of 3 server(s)" in shown
     assert f"{names.KV_EVENTS_STREAM}: 3 replica(s)" in shown and f"leader {leader}" in shown
     assert "follower n" in shown and "lag " in shown
+
+
+async def test_a_cluster_whose_drawn_port_is_taken_before_it_binds_draws_again(monkeypatch: pytest.MonkeyPatch):
+    """A port is found free before its node binds it; one bound by something else in between (seen
+    in the default suite: a node's route port) costs a fresh draw of every port, not the start."""
+    import socket
+
+    from kvmesh.common.runtime import nats_cluster, ports
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.bind(("127.0.0.1", ports.free_port()))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        draws = iter([taken])  # the first draw (n1's route port) is the squatter's; then real ones
+        monkeypatch.setattr(nats_cluster, "free_port", lambda host: next(draws, None) or ports.free_port(host))
+        cluster = nats_cluster.EmbeddedNatsCluster(size=3)
+        assert f"nats://127.0.0.1:{taken}" in cluster.nodes[0].server_args
+        try:
+            await cluster.start(timeout=30)
+            assert all(f"nats://127.0.0.1:{taken}" not in node.server_args for node in cluster.nodes)
+            nc = await connect_nats(cluster.url, name="test")
+            await nc.close()
+        finally:
+            cluster.stop()

@@ -20,6 +20,7 @@ from kvmesh.common.runtime.nats_server import EmbeddedNatsServer, NatsServerErro
 from kvmesh.common.runtime.ports import free_port
 
 CLUSTER_NAME = "kvmesh"
+START_ATTEMPTS = 3
 
 
 class EmbeddedNatsCluster:
@@ -40,8 +41,14 @@ class EmbeddedNatsCluster:
         self.host = host
         self._own_store = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="kvmesh-nats-cluster-")
-        # every port of the cluster distinct: each is found free before any server binds it, so two
-        # draws may return the same one (CI once saw a node's route port already bound)
+        self._server_args = list(server_args or [])
+        self._credentials = credentials
+        self.nodes = self._make_nodes()
+
+    def _make_nodes(self) -> list[EmbeddedNatsServer]:
+        """The nodes on freshly drawn ports, every one distinct: each is found free before any server
+        binds it, so two draws may return the same one (CI once saw a node's route port bound)."""
+        host, size = self.host, self.size
         taken: set[int] = set()
 
         def distinct_port() -> int:
@@ -59,18 +66,19 @@ class EmbeddedNatsCluster:
             name = ["--server_name", f"n{i + 1}", "--cluster_name", CLUSTER_NAME]
             return [*name, "--cluster", f"nats://{host}:{route_ports[i]}", "--routes", routes]
 
-        self.nodes = [
+        nodes = [
             EmbeddedNatsServer(
                 host=host,
                 port=distinct_port(),
                 store_dir=str(Path(self.store_dir) / f"n{i + 1}"),
-                server_args=[*cluster_args(i), *(server_args or [])],
-                credentials=credentials,
+                server_args=[*cluster_args(i), *self._server_args],
+                credentials=self._credentials,
             )
             for i in range(size)
         ]
-        for node in self.nodes:
+        for node in nodes:
             Path(node.store_dir).mkdir(parents=True, exist_ok=True)
+        return nodes
 
     @property
     def url(self) -> str:
@@ -78,14 +86,26 @@ class EmbeddedNatsCluster:
         return ",".join(node.url for node in self.nodes)
 
     async def start(self, timeout: float = 30.0) -> EmbeddedNatsCluster:
-        for node in self.nodes:
-            node.start_process()
-        try:
-            await asyncio.gather(*(node.wait_healthy(timeout) for node in self.nodes))
-        except NatsServerError:
-            self.stop()
-            raise
-        return self
+        """Starts every node and waits for them to be healthy. A port found free and then bound by
+        something else before its node bound it (seen in the default suite) costs a fresh draw of
+        every port, up to ``START_ATTEMPTS`` times; :attr:`url` is the cluster's once this returns."""
+        attempt = 1
+        while True:
+            for node in self.nodes:
+                node.start_process()
+            try:
+                await asyncio.gather(*(node.wait_healthy(timeout) for node in self.nodes))
+                return self
+            except NatsServerError as exc:
+                for node in self.nodes:
+                    node.stop()
+                if "address already in use" not in str(exc) or attempt == START_ATTEMPTS:
+                    self.stop()
+                    raise
+                for node in self.nodes:  # a fresh start: no stores naming the old ports
+                    shutil.rmtree(node.store_dir, ignore_errors=True)
+                self.nodes = self._make_nodes()
+                attempt += 1
 
     def exited(self) -> list[EmbeddedNatsServer]:
         """The nodes whose process has exited (for a supervisor to restart)."""
