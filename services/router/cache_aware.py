@@ -206,6 +206,12 @@ class CacheAwareOptions:
     # On a miss: "smallest-tree" (SGLang's documented policy) or "least-loaded" (its 0.3.2 code).
     miss_policy: str = "smallest-tree"
 
+    def imbalanced(self, high: int, low: int) -> bool:
+        """Whether loads of ``high`` and ``low`` requests in flight (the most and the fewest among the
+        candidates) are imbalanced: apart by more than ``balance_abs_threshold`` and by more than
+        ``balance_rel_threshold`` times."""
+        return high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold
+
 
 MISS_POLICIES = ("smallest-tree", "least-loaded")
 
@@ -241,8 +247,8 @@ class CacheAwareSelector:
         options = self.options
         ordered = sorted(workers)
         loads = [requests_in_flight.get(worker, 0) for worker in ordered]
-        high, low = max(loads), min(loads)
-        if high - low > options.balance_abs_threshold and high > low * options.balance_rel_threshold:
+        low = min(loads)
+        if options.imbalanced(max(loads), low):
             worker = ordered[loads.index(low)]
             choice = CacheAwareChoice(worker, self.tree.match(tokens, {worker})[0], "imbalanced")
         else:

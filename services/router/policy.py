@@ -118,8 +118,7 @@ class RoutingPolicy:
         and a worker that joined a fleet whose holders hold every prefix got nothing while they
         overflowed (the planner's tenant-mix replay grew to 11 workers, one serving; decision 56)."""
         loads = [self.active.requests(worker) for worker in workers]
-        high, low = max(loads), min(loads)
-        return high - low > self._balance.balance_abs_threshold and high > low * self._balance.balance_rel_threshold
+        return self._balance.imbalanced(max(loads), min(loads))
 
     def predicted_load(self, worker: WorkerKey) -> float:
         """The router's prediction of ``worker``'s load now: the cost model on its queued prefill
