@@ -14,7 +14,9 @@ requests; see ``warm_up``). Printed per setup: the fraction of
 prompt tokens vLLM served from its prefix cache (``usage.prompt_tokens_details``), TTFT p50/p99,
 requests/s and output tokens/s, and kv's TTFT p50 against round-robin's; the TTFT distributions are
 plotted together (``--output-dir``/compare_cdf.png).
-``--kv-duplicate-penalty P`` adds a fourth setup, ``kv-penalty``: kv with that duplicate penalty.
+``kv`` routes with the router's defaults (since decision 54, ``--kv-duplicate-penalty 128``);
+``--kv-duplicate-penalty P`` adds a fourth setup, ``kv-penalty``: kv with that duplicate penalty
+(``0``: plain ``kv``, the default before decision 54).
 
 ``--part disagg`` compares 1 aggregated vLLM worker with 1 prefill + 1 decode worker (KV over vLLM's
 NIXL connector), splitting every request (``--disagg-split-when always``) and by default (only
@@ -204,8 +206,9 @@ def main() -> None:
     parser.add_argument(
         "--kv-duplicate-penalty",
         type=float,
-        default=0.0,
-        help="routing: also run kv with this --kv-duplicate-penalty, a fourth setup named kv-penalty (0: not run)",
+        default=None,
+        help="routing: also run kv with this --kv-duplicate-penalty, a fourth setup named kv-penalty (0: plain kv; "
+        "the kv setup has the router's default, 128); not given: no fourth setup",
     )
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -220,7 +223,7 @@ def main() -> None:
         trace, too_long = trace_window(
             Path(args.trace), args.trace_start, args.trace_requests, args.trace_block_size, window
         )
-        setups = [*MODES, PENALISED] if args.kv_duplicate_penalty > 0 else list(MODES)
+        setups = [*MODES, PENALISED] if args.kv_duplicate_penalty is not None else list(MODES)
         rows = [(mode, run_setup(mode, trace, args, out_dir)) for mode in setups]
     print(
         f"\n{args.workers} vLLM workers (CPU, kvmesh-tiny Llama, {args.num_gpu_blocks} blocks of "
