@@ -23,6 +23,19 @@ CLUSTER_NAME = "kvmesh"
 START_ATTEMPTS = 3
 
 
+async def _all_healthy(nodes: list[EmbeddedNatsServer], timeout: float) -> None:
+    """Waits for every node to be healthy; the first to fail cancels the others' waits (``gather``
+    would leave them probing servers that are about to be stopped) and its error is raised."""
+    waits = [asyncio.ensure_future(node.wait_healthy(timeout)) for node in nodes]
+    try:
+        for finished in asyncio.as_completed(waits):
+            await finished
+    finally:
+        for wait in waits:
+            wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
 class EmbeddedNatsCluster:
     """``size`` ``nats-server -js`` children on ``host``, routed to each other (``size`` 1: one server,
     no routes); :meth:`stop` ends them all and removes the stores it made."""
@@ -94,7 +107,7 @@ class EmbeddedNatsCluster:
             for node in self.nodes:
                 node.start_process()
             try:
-                await asyncio.gather(*(node.wait_healthy(timeout) for node in self.nodes))
+                await _all_healthy(self.nodes, timeout)
                 return self
             except NatsServerError as exc:
                 for node in self.nodes:

@@ -26,6 +26,8 @@ from kvmesh.common.runtime.child_process import ending_with_parent
 from kvmesh.common.runtime.nats_auth import NatsCredentials
 from kvmesh.common.runtime.ports import free_port
 
+PROBE_TIMEOUT_S = 5.0  # one health probe: connect, then a JetStream account-info request
+
 
 class NatsServerError(RuntimeError):
     """The NATS server binary is missing or the server did not become healthy."""
@@ -109,22 +111,29 @@ class EmbeddedNatsServer:
                 await asyncio.sleep(0.02)
                 continue
             try:
-                nc = await nats.connect(
-                    self.url,
-                    connect_timeout=1,
-                    allow_reconnect=False,
-                    error_cb=_ignore_error,
-                    **self.credentials.connect_options(),
-                )
-                try:
-                    await nc.jetstream().account_info()
-                    return
-                finally:
-                    await nc.close()
+                # Bounded: a server that dies while a client is in its handshake can leave nats-py's
+                # connect waiting for ever (seen one start in ten with a node whose route port was
+                # taken); bounded, the next pass sees the exit and reports it.
+                await asyncio.wait_for(self._probe(), min(PROBE_TIMEOUT_S, max(deadline - time.monotonic(), 0.1)))
+                return
             except Exception as exc:  # any failure means "not ready yet"
                 last_error = exc
                 await asyncio.sleep(0.05)
         raise NatsServerError(f"nats-server not healthy after {timeout}s: {last_error}; {self._log_tail()}")
+
+    async def _probe(self) -> None:
+        """Connect and ask JetStream for the account's info; raises unless JetStream answers."""
+        nc = await nats.connect(
+            self.url,
+            connect_timeout=1,
+            allow_reconnect=False,
+            error_cb=_ignore_error,
+            **self.credentials.connect_options(),
+        )
+        try:
+            await nc.jetstream(timeout=PROBE_TIMEOUT_S / 2).account_info()
+        finally:
+            await nc.close()
 
     def _accepting(self) -> bool:
         """Is the port open yet? (A NATS client takes seconds to report a refused first connection.)"""
