@@ -183,9 +183,14 @@ class Planner:
         return self._budget.attainment()
 
     def _unservable(self, observation: IntervalObservation) -> int:
-        """The interval's TTFT misses whose prefill alone (the model's, as corrected) outlasts the target."""
+        """The interval's TTFT misses whose prefill alone (the model's, as corrected, never slowed
+        past the profile) outlasts the target. The correction is observed ÷ modelled TTFT, so queue
+        waits raise it too; uncapped, a crest start's 1.5-1.9 called queued prompts unservable and the
+        planner stopped counting its own shortfall (prompts-2x: 16 workers through the crest)."""
         return unservable(
-            observation, lambda tokens: self.profile.ttft_ms(tokens) * self.ttft_correction, self.options.ttft_target_ms
+            observation,
+            lambda tokens: self.profile.ttft_ms(tokens) * min(self.ttft_correction, 1.0),
+            self.options.ttft_target_ms,
         )
 
     def _judged(self, observations: Iterable[IntervalObservation]) -> float | None:

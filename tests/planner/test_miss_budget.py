@@ -110,3 +110,17 @@ def test_a_pool_shrinks_on_the_headroom_left_by_unservable_misses():
     # of headroom asked of a whole budget are 1.5 of the 2.5 left to sizing
     assert after(1, 0) < 4
     assert after(0, 1) == 4  # the same 0.975 from a miss a fleet could serve: not 3 points above
+
+
+def test_queueing_in_the_ttft_correction_does_not_make_servable_misses_unservable():
+    """The TTFT correction is observed ÷ modelled TTFT, so an interval spent queueing (a start at
+    the crest with two workers) raises it; scaled by it, prompts an idle worker prefills well within
+    the target looked unservable, and the planner stopped counting its own shortfall."""
+    servable = 80_000  # 1.65 s of prefill alone on the mock profile; 2.5 s at a correction of 1.5
+    assert PROFILE.ttft_ms(servable) < 2000.0 < 1.5 * PROFILE.ttft_ms(servable)
+    planner = Planner(options(idle_shrink_utilisation=0, worker_startup_secs=10.0), PROFILE)
+    pools = planner.step(interval(0, 10.0, attainment=0.2, ttft=20_000.0), PoolSizes(aggregated=3)).target
+    assert planner.ttft_correction >= 1.5  # the queue's waits, read as a slower engine
+    short = dataclasses.replace(missed(100, 100, 0, 0), sla_attainment=0.94, ttft_missed_uncached=(servable,) * 6)
+    decision = planner.step(short, pools)
+    assert decision.target.aggregated > pools.aggregated  # a shortfall a larger fleet serves: it grows
