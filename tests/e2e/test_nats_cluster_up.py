@@ -32,6 +32,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "(ended)"
+
+
 async def stream_leader(nats_url: str) -> str:
     nc = await connect_nats(nats_url, name="test")
     try:
@@ -86,7 +94,11 @@ def test_a_dead_cluster_node_is_restarted_under_load_and_nothing_outlives_kvmesh
         assert len(started) >= 3 + 5  # three NATS nodes, two workers, indexer, router, frontend
         mesh.process.kill()
         mesh.process.wait()
-        wait_until(lambda: not any(alive(pid) for pid in started), timeout=30, what="every child of kvmesh up ends")
+        try:
+            wait_until(lambda: not any(alive(pid) for pid in started), timeout=30)
+        except AssertionError:  # name the survivors: CI once saw one and nothing said which
+            survivors = {pid: command_line(pid) for pid in started if alive(pid)}
+            raise AssertionError(f"still running 30 s after kvmesh up was killed: {survivors}") from None
     finally:
         if mesh.process is not None and mesh.process.poll() is None:
             mesh.stop()
