@@ -42,7 +42,8 @@ def _environment_of(pid: int) -> bytes:
         return b""
 
 
-def _command_of(pid: int) -> str:
+def command_of(pid: int) -> str:
+    """A process's command line, its arguments joined by spaces (at most 200 characters; "?": gone)."""
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -73,7 +74,7 @@ def leaked_processes(value: str, name: str = MARKER) -> list[LeakedProcess]:
         if not entry.name.isdigit() or int(entry.name) in mine:
             continue
         if needle in b"\0" + _environment_of(int(entry.name)):
-            found.append(LeakedProcess(int(entry.name), _command_of(int(entry.name))))
+            found.append(LeakedProcess(int(entry.name), command_of(int(entry.name))))
     return found
 
 

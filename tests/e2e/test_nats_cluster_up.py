@@ -17,6 +17,7 @@ from kvmesh.common.runtime.process import connect_nats
 from kvmesh.common.wire import names
 from kvmesh.devtools.mesh_process import MeshProcess
 from tests.e2e.test_nats_restart import index_converges, nats_pids
+from tests.leaks import command_of
 from tests.support import stream_chat, streams_interrupted_by, wait_until, wait_until_async
 
 pytestmark = pytest.mark.e2e
@@ -30,14 +31,6 @@ def alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
     except OSError:
         return False
-
-
-def command_line(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return "(ended)"
 
 
 async def stream_leader(nats_url: str) -> str:
@@ -97,7 +90,7 @@ def test_a_dead_cluster_node_is_restarted_under_load_and_nothing_outlives_kvmesh
         try:
             wait_until(lambda: not any(alive(pid) for pid in started), timeout=30)
         except AssertionError:  # name the survivors: CI once saw one and nothing said which
-            survivors = {pid: command_line(pid) for pid in started if alive(pid)}
+            survivors = {pid: command_of(pid) for pid in started if alive(pid)}
             raise AssertionError(f"still running 30 s after kvmesh up was killed: {survivors}") from None
     finally:
         if mesh.process is not None and mesh.process.poll() is None:
