@@ -207,6 +207,8 @@ async def test_a_cluster_whose_drawn_port_is_taken_before_it_binds_draws_again(m
         try:
             await cluster.start(timeout=30)
             assert all(f"nats://127.0.0.1:{taken}" not in node.server_args for node in cluster.nodes)
+            # the failed attempt's other waits were cancelled, not left probing stopped servers
+            assert not [t for t in asyncio.all_tasks() if "wait_healthy" in repr(t.get_coro())]
             nc = await connect_nats(cluster.url, name="test")
             await nc.close()
         finally:
