@@ -7,6 +7,8 @@ lives in a namespace of its own, never the root namespace, and no namespace has 
 the hosts send reaches the other hosts and nothing else. A process runs on a host through
 ``ip netns exec``; a thread of this process joins a host's namespace with :func:`in_namespace` (the
 network namespace belongs to a thread), so a test can be a client on a host without a subprocess.
+A host's outgoing connections draw their ports from :data:`EPHEMERAL_PORTS`, below the fixed ports
+services listen on, so no connection takes a port before its service binds it.
 
 :meth:`TestHosts.close` kills every process on every host and deletes every namespace; it runs on
 leaving the ``with`` block, also when the body fails, and :func:`remove_stale` deletes what a run
@@ -35,6 +37,12 @@ PREFIX = "kvmt"  # every namespace this tool makes starts so; the creating pid f
 CLONE_NEWNET = 0x40000000
 # A private /24 that nothing on the machine uses: the hosts' addresses are never seen outside them.
 DEFAULT_SUBNET = "10.213.77"
+# The ports a host's outgoing connections draw from. Linux's default, 32768-60999, covers the fixed
+# gRPC ports services listen on (50051 and up), so a worker's connection to NATS could take the port
+# another worker on the same host was about to bind (a slow CI run lost a drill so: 50072 "in use").
+# Stopping at 49151, where IANA's dynamic range begins, leaves every fixed port at 49152 and above,
+# and those below 32768, to the services.
+EPHEMERAL_PORTS = (32768, 49151)
 
 
 class TestHostsError(RuntimeError):
@@ -152,6 +160,11 @@ class TestHosts:
             _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
             _ip("-n", host.namespace, "link", "set", "eth0", "up")
             _ip("-n", host.namespace, "link", "set", "lo", "up")
+            # /proc/sys/net is the namespace's own inside it; `sh` rather than `sysctl`, which a bare
+            # machine may lack.
+            low, high = EPHEMERAL_PORTS
+            path = "/proc/sys/net/ipv4/ip_local_port_range"
+            _ip("netns", "exec", host.namespace, "sh", "-c", f"echo '{low} {high}' > {path}")
 
     def routes(self, host: str) -> str:
         """The host's routing table (the /24 only: no default route, no way out)."""

@@ -6,6 +6,7 @@ host's address. The hosts have no route out and are removed afterwards, also whe
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import openai
 import pytest
@@ -13,9 +14,10 @@ import pytest
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.jetstream_state import kvmesh_streams
 from kvmesh.common.runtime.process import connect_nats
+from kvmesh.devtools import host_mesh
 from kvmesh.devtools.host_mesh import HostMesh
 from kvmesh.devtools.index_truth import converged
-from kvmesh.devtools.test_hosts import TestHosts, namespace_pids
+from kvmesh.devtools.test_hosts import EPHEMERAL_PORTS, TestHosts, namespace_pids
 from tests.hosts.conftest import CLIENT, require_hosts
 from tests.support import wait_until, wait_until_async
 
@@ -85,3 +87,31 @@ def test_the_hosts_are_removed_when_the_test_body_fails():
         raise RuntimeError("the body failed")
     assert len(made) == 3  # two hosts and the switch
     assert hosts.existing() == []
+
+
+def test_a_hosts_outgoing_connections_never_take_a_port_a_mesh_service_listens_on():
+    require_hosts()
+    low, high = EPHEMERAL_PORTS
+    fixed = [host_mesh.NATS_PORT, host_mesh.ROUTE_PORT, host_mesh.HTTP_PORT, host_mesh.ROUTER_PORT]
+    fixed += [host_mesh.INDEXER_PORT, *range(host_mesh.WORKER_PORT, host_mesh.WORKER_PORT + 8)]
+    assert not [p for p in fixed if low <= p <= high]
+    with TestHosts(["a"]) as hosts:
+
+        async def connect_on_a() -> tuple[str, list[int]]:
+            with open("/proc/sys/net/ipv4/ip_local_port_range") as setting:  # this namespace's own
+                configured = setting.read()
+            # Linux draws a connection's port from an offset hashed on its destination, then counts
+            # up: 40 destinations make 40 independent draws, and were the machine's 32768-60999 in
+            # force, all 40 would land at or below `high` about once in 10^9 runs.
+            listeners = [socket.create_server((hosts["a"].address, 0)) for _ in range(40)]
+            sockets = [socket.create_connection(lst.getsockname(), timeout=10) for lst in listeners]
+            try:
+                return configured, [s.getsockname()[1] for s in sockets]
+            finally:
+                for s in [*sockets, *listeners]:
+                    s.close()
+
+        configured, drawn = hosts.in_namespace("a", connect_on_a)
+    assert configured.split() == [str(low), str(high)]
+    assert len(drawn) == 40
+    assert all(low <= port <= high for port in drawn), sorted(drawn)[-5:]
