@@ -8,9 +8,11 @@ Aggregated worker (the router spreads load evenly; λw = λ / N requests/s per w
   ρ   = λw · P / 1000                       share of engine time spent prefilling
   ITL = d(c) / (1 − ρ)                      a step carries decode d(c) plus its share of prefill;
   c   = λw · OSL · ITL / 1000               Little's law: sequences decoding at once (fixed point)
-  TTFT = W + P + chunks · d(c),  W = ρ · P · (1 + cv²) / (2 (1 − ρ))
-                                             M/G/1 (Pollaczek-Khinchine) wait for the prefills queued
-                                             ahead; cv² of the prefill times is that of the prompt lengths
+  TTFT = W + P + chunks · d(c),  W = C(N, ρ) · P · (1 + cv²) / (2 N (1 − ρ))
+                                             M/G/N wait for the prefills queued ahead (the router sends a
+                                             request to a free worker while one is); C is Erlang C, the
+                                             chance all N are busy (ρ for one worker: Pollaczek-Khinchine);
+                                             cv² of the prefill times is that of the prompt lengths
 
 Prefill worker: the same without decode (TTFT = W + P). Decode worker: ITL = d(c), no prefill.
 The model speaks of means; the planner corrects it with what it observes (see planner.py).
@@ -82,15 +84,43 @@ def _moments(times: list[float]) -> tuple[float, float]:
     return sum(times) / len(times), sum(t * t for t in times) / len(times)
 
 
-def ttft_attainment(own_ms: list[float], wait_ms: float, rho: float, target_ms: float) -> float:
+def erlang_c(workers: int, rho: float) -> float:
+    """The probability that an arrival finds all ``workers`` busy (Erlang C) at utilisation ``rho``
+    each: ρ for one worker, far less for several that share the arrivals."""
+    if rho <= 0:
+        return 0.0
+    if rho >= 1:
+        return 1.0
+    offered = rho * workers
+    blocking = 1.0  # Erlang B, by its recursion over the servers
+    for k in range(1, workers + 1):
+        blocking = offered * blocking / (k + offered * blocking)
+    return blocking / (1 - rho * (1 - blocking))
+
+
+def queue_wait(workers: int, rho: float, mean_ms: float, second_moment: float) -> tuple[float, float]:
+    """(E[W] in ms, P(wait)) of a request's wait for a prefill slot on ``workers`` busy ``rho`` each
+    with prefills of mean ``mean_ms`` and mean square ``second_moment``, the router sending each
+    request to a free worker while one is: M/G/n, taken as the M/M/n wait scaled by (1 + cv²)/2 (Lee
+    and Longton). One worker gives Pollaczek-Khinchine's wait, λ E[P²] / 2 (1 − ρ), and ρ. Counting
+    the workers as that many lone queues, each waited on with probability ρ, asked a trough of long
+    prompts (0.6 a second, one worker 36% busy) for six workers to serve within 2 s the 95% that can
+    be (decision 57)."""
+    waiting = erlang_c(workers, rho)
+    if waiting <= 0 or mean_ms <= 0:
+        return 0.0, 0.0
+    return waiting * second_moment / (2 * mean_ms * workers * (1 - rho)), waiting
+
+
+def ttft_attainment(own_ms: list[float], wait_ms: float, waiting: float, target_ms: float) -> float:
     """The share of the requests a fleet can serve within ``target_ms`` that it does: those whose
     wait plus own time (``own_ms``: one per quantile of the requests) is within the target, among
     those whose own time alone is (0 when none is). A request whose prefill alone outlasts the target
     misses on any fleet: counting it would size the pool to make every other request wait for
     nothing, which no number of workers buys (a trough's one long prompt asked for seven workers).
-    The M/G/1 wait is 0 with probability 1 − ρ and otherwise taken as exponential with mean E[W]/ρ
-    (the usual approximation of its tail), so that a request of own time t meets the target with
-    probability 1 − ρ·exp(−(target − t)·ρ/E[W])."""
+    The wait is 0 with probability 1 − ``waiting`` (P(wait), :func:`queue_wait`) and otherwise taken
+    as exponential with mean E[W]/P(wait) (the usual approximation of its tail), so that a request of
+    own time t meets the target with probability 1 − P(wait)·exp(−(target − t)·P(wait)/E[W])."""
     if not own_ms or math.isinf(target_ms):
         return 1.0
     meetable = [own for own in own_ms if own <= target_ms]
@@ -98,16 +128,11 @@ def ttft_attainment(own_ms: list[float], wait_ms: float, rho: float, target_ms: 
         return 0.0
     met = 0.0
     for own in meetable:
-        if rho <= 0 or wait_ms <= 0:
+        if waiting <= 0 or wait_ms <= 0:
             met += 1.0
         else:
-            met += 1.0 - rho * math.exp(-(target_ms - own) * rho / wait_ms)
+            met += 1.0 - waiting * math.exp(-(target_ms - own) * waiting / wait_ms)
     return met / len(meetable)
-
-
-def _wait_ms(rate_per_worker: float, rho: float, second_moment: float) -> float:
-    """Mean wait in a prefill queue (Pollaczek-Khinchine: λ E[P²] / 2 (1 − ρ))."""
-    return rate_per_worker * second_moment / 1000 / (2 * (1 - rho))
 
 
 def aggregated(
@@ -128,10 +153,10 @@ def aggregated(
     budget = profile.max_num_batched_tokens  # 0: unknown (a live profile); its TTFTs hold the chunks
     chunks = max(1, math.ceil(forecast.mean_uncached_tokens / budget)) if budget > 0 else 1
     decode_share = itl * (1 - rho)  # d(c): the decode cost each prefill chunk's step also carries
-    wait = _wait_ms(per_worker, rho, prefill_square)
+    wait, waiting = queue_wait(workers, rho, prefill, prefill_square)
     # each quantile's own time: its prefill and a decode step's share per chunk (as the mean's)
     own = [t + chunks * decode_share * (t / prefill if prefill > 0 else 1.0) for t in times]
-    attained = ttft_attainment(own, wait, rho, ttft_target_ms)
+    attained = ttft_attainment(own, wait, waiting, ttft_target_ms)
     return Estimate(wait + prefill + chunks * decode_share, itl, rho, attained)
 
 
@@ -147,8 +172,8 @@ def prefill_pool(
     rho = per_worker * prefill / 1000
     if rho >= MAX_UTILISATION:
         return Estimate(math.inf, 0.0, rho, 0.0)
-    wait = _wait_ms(per_worker, rho, prefill_square)
-    return Estimate(prefill + wait, 0.0, rho, ttft_attainment(times, wait, rho, ttft_target_ms))
+    wait, waiting = queue_wait(workers, rho, prefill, prefill_square)
+    return Estimate(prefill + wait, 0.0, rho, ttft_attainment(times, wait, waiting, ttft_target_ms))
 
 
 def decode_pool(profile: EngineProfile, forecast: LoadForecast, workers: int) -> Estimate:

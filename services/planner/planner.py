@@ -1,16 +1,17 @@
 """The planner's decision loop, without I/O: an observation in, a decision out.
 
-Each interval it (1) feeds the observation to its predictors, (2) predicts the next interval's rate,
-prompt and output lengths and prefix hits, (3) corrects its performance model by how far the last
-interval's observed TTFT / ITL were from what the model says for that interval's load and fleet, and
-(4) sizes each pool as the smallest that meets the targets, then (5) puts the SLA first (decision
-38): it grows at once, and grows the pool at fault by one whenever an interval measured attainment
-below the goal, whatever the model says; it shrinks only to a size that meets a stricter utilisation
-cap, only after ``scale_down_intervals`` intervals in a row asked for less, and one worker a decision,
-only with headroom measured (not predicted) since the pools last changed, and only while the requests
-finished within ``--attainment-window`` met the goal with room to spare (a shrink spends some) or
-the pool one smaller would run far from capacity (``--idle-shrink-utilisation``). A pool the model
-plans far from capacity at a smaller size shrinks to it in one decision (at most by half).
+Each interval it (1) feeds the observation to its predictors, (2) predicts the highest rate until a
+worker started now would join (decision 57), and the prompt and output lengths and prefix hits, (3)
+corrects its performance model by how far the last interval's observed TTFT / ITL were from what the
+model says for that interval's load and fleet, and (4) sizes each pool as the smallest that meets
+the targets, then (5) puts the SLA first (decision 38): it grows at once, and grows the pool at
+fault by one whenever an interval measured attainment below the goal, whatever the model says; it
+shrinks only to a size that meets a stricter utilisation cap, only after ``scale_down_intervals``
+intervals in a row asked for less, and one worker a decision, only with headroom measured (not
+predicted) since the pools last changed, and only while the requests finished within
+``--attainment-window`` met the goal with room to spare (a shrink spends some) or the pool one
+smaller would run far from capacity (``--idle-shrink-utilisation``). A pool the model plans far from
+capacity at a smaller size shrinks to it in one decision (at most by half).
 
 The model speaks of means, the SLA of each request; what lies between (requests whose few decode
 steps meet a long prefill chunk, a cache that holds less in a smaller fleet) is learned from the
@@ -149,12 +150,16 @@ class Planner:
         return self._startup.seconds
 
     def forecast(self) -> LoadForecast:
-        """The load of the interval that workers started now would serve first."""
+        """The load the pools decided now must serve: the highest rate predicted until workers
+        started now would join. Growth must be there when the load is; a shrink takes effect at once
+        and cannot be undone faster than a start-up, so a falling trend's far end (a damped trend
+        that forecast 0 in prompts-2x's trough, where 0.5 requests a second still came) is no reason
+        to shrink now."""
         s = self._series
         o = self.options
         horizon = 1 + math.ceil(self.worker_startup_s / o.adjustment_interval)
         return LoadForecast(
-            request_rate=max(0.0, s.rate.predict(horizon)),
+            request_rate=max(0.0, s.rate.peak(horizon)),
             mean_input_tokens=max(0.0, s.input_tokens.predict()),
             mean_output_tokens=max(1.0, s.output_tokens.predict()),
             prefix_hit_fraction=min(max(s.prefix_hit.predict(), 0.0), 1.0),

@@ -1,4 +1,5 @@
-"""Load predictors: from the values of past intervals, the next interval's value.
+"""Load predictors: from the values of past intervals, the next intervals' values (``predict``: the
+one ``horizon`` ahead; ``peak``: the largest up to it).
 
 ``constant`` repeats the last interval; ``moving-average`` averages the last ``window``;
 ``holt-winters`` fits additive-trend exponential smoothing (with a season once two seasons of
@@ -27,6 +28,10 @@ class Predictor(Protocol):
         """The value ``horizon`` intervals after the last observed one."""
         ...
 
+    def peak(self, horizon: int = 1) -> float:
+        """The largest value predicted for the next ``horizon`` intervals."""
+        ...
+
 
 class ConstantPredictor:
     """Next = last."""
@@ -38,6 +43,9 @@ class ConstantPredictor:
         self._last = value
 
     def predict(self, horizon: int = 1) -> float:
+        return self._last
+
+    def peak(self, horizon: int = 1) -> float:
         return self._last
 
 
@@ -54,6 +62,9 @@ class MovingAveragePredictor:
 
     def predict(self, horizon: int = 1) -> float:
         return sum(self._values) / len(self._values) if self._values else 0.0
+
+    def peak(self, horizon: int = 1) -> float:
+        return self.predict(horizon)
 
 
 class HoltWintersPredictor:
@@ -72,9 +83,16 @@ class HoltWintersPredictor:
         self._fallback.observe(value)
 
     def predict(self, horizon: int = 1) -> float:
+        return self._path(horizon)[-1]
+
+    def peak(self, horizon: int = 1) -> float:
+        return max(self._path(horizon))
+
+    def _path(self, horizon: int) -> list[float]:
+        """The forecasts for the next ``horizon`` intervals (each at least 0), from one fit."""
         history = list(self._history)
         if len(history) < self.MIN_HISTORY or max(history) == min(history):
-            return self._fallback.predict()
+            return [self._fallback.predict()] * horizon
         from statsmodels.tsa.holtwinters import ExponentialSmoothing  # slow to import: only when used
 
         seasonal = self.season_length >= 2 and len(history) >= 2 * self.season_length
@@ -88,10 +106,10 @@ class HoltWintersPredictor:
                 seasonal_periods=self.season_length if seasonal else None,
                 initialization_method="estimated",
             )
-            forecast = float(model.fit().forecast(horizon)[-1])
-        if not math.isfinite(forecast):
-            return self._fallback.predict()
-        return max(0.0, forecast)
+            path = [float(value) for value in model.fit().forecast(horizon)]
+        if not all(math.isfinite(value) for value in path):
+            return [self._fallback.predict()] * horizon
+        return [max(0.0, value) for value in path]
 
 
 def make_predictor(name: str, window: int = 5, season_length: int = 0) -> Predictor:

@@ -26,6 +26,17 @@ def test_holt_winters_follows_a_ramp_the_moving_average_lags_behind():
     assert trend.predict(horizon=3) > trend.predict(horizon=1)
 
 
+def test_the_peak_is_the_far_end_of_a_rise_and_the_near_end_of_a_fall():
+    rise = replay(HoltWintersPredictor(), [float(v) for v in range(1, 21)])
+    assert rise.peak(horizon=4) == pytest.approx(rise.predict(horizon=4))
+    fall = replay(HoltWintersPredictor(), [float(v) for v in range(20, 0, -1)])
+    assert fall.peak(horizon=4) == pytest.approx(fall.predict(horizon=1))
+    assert fall.peak(horizon=4) > fall.predict(horizon=4)
+    flat = replay(MovingAveragePredictor(window=2), [4.0, 6.0])
+    assert flat.peak(horizon=4) == flat.predict(horizon=4) == 5.0
+    assert replay(ConstantPredictor(), [3.0]).peak(horizon=4) == 3.0
+
+
 def test_holt_winters_learns_a_season():
     season = [10.0, 20.0, 30.0, 20.0]
     predictor = replay(HoltWintersPredictor(season_length=4), season * 6)
