@@ -4,6 +4,7 @@
 - ``consumer`` — the durable pull consumer that applies the stream's events in order.
 - ``standing_pull`` — following a durable pull consumer with standing pull requests.
 - ``recovery`` — a gap in a worker's event ids: ask the worker for its state.
-- ``snapshot`` — index snapshots in the object store, one replica at a time; the purge they allow.
+- ``snapshot`` — index snapshots in the object store, one replica at a time.
+- ``purge`` — the events a snapshot covers, purged once every replica's durable acknowledged them.
 - ``config``, ``metrics`` — the indexer's options; its Prometheus metrics.
 """

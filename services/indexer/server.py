@@ -239,7 +239,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
         stack.push_async_callback(consumer.stop)
         await restore_lock.release()
         snapshotter = snapshots.Snapshotter(
-            js,
+            nc,
             config.namespace,
             f"{config.replica_id}:{instance_id}",
             index,

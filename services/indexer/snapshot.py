@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 import msgpack
 import nats.js.errors
 import structlog
+from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, KeyValueConfig, ObjectStoreConfig, StorageType
+from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
 
 from kvmesh.common.core.prefix_index import UNKNOWN_PARENT, PrefixIndex
 from kvmesh.common.runtime.jetstream_state import ensure_key_value, ensure_object_store
@@ -41,6 +42,7 @@ from kvmesh.common.wire import names
 from kvmesh.common.wire.kv_events import DEVICE_TIER, stream_of_v1_rank
 from kvmesh.common.wire.worker_key import IndexKey, TierKey, index_key
 from kvmesh.indexer.metrics import IndexerState
+from kvmesh.indexer.purge import purge_covered
 
 log = structlog.get_logger(__name__)
 
@@ -338,28 +340,6 @@ class SnapshotLock:
                 await self._kv.delete(self.key, last=entry.revision)
 
 
-async def purge_covered(js: JetStreamContext, namespace: str, snapshot_sequence: int) -> int:
-    """Purge ``namespace``'s events that every durable consumer following them acknowledged and the
-    snapshot covers; returns the new first sequence kept of them (0 when nothing could be purged).
-    Other namespaces' events stay, whatever their sequence."""
-    subject = names.kv_events_wildcard(namespace)
-    floor = snapshot_sequence
-    for info in await js.consumers_info(names.KV_EVENTS_STREAM):
-        if info.config.durable_name and _follows(info.config, subject):
-            floor = min(floor, info.ack_floor.stream_seq if info.ack_floor else 0)
-    if floor <= 0:
-        return 0
-    await js.purge_stream(names.KV_EVENTS_STREAM, seq=floor + 1, subject=subject)
-    return floor + 1
-
-
-def _follows(config: ConsumerConfig, subject: str) -> bool:
-    """Whether a consumer reads ``subject``'s messages (one without a filter reads them all)."""
-    if config.filter_subjects:
-        return subject in config.filter_subjects
-    return not config.filter_subject or config.filter_subject == subject
-
-
 class Snapshotter:
     """Checks the stream every ``interval_s``; past ``threshold`` of the namespace's messages, takes a
     snapshot and purges. Each check also reads how many of them ``durable`` has yet to deliver (the
@@ -370,7 +350,7 @@ class Snapshotter:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        nc: NatsClient,
         namespace: str,
         owner: str,
         index: PrefixIndex,
@@ -380,6 +360,8 @@ class Snapshotter:
         interval_s: float = 5.0,
         durable: str | None = None,
     ) -> None:
+        self._nc = nc
+        js = nc.jetstream()
         self._js = js
         self._subject = names.kv_events_wildcard(namespace)
         self._durable = durable
@@ -422,7 +404,7 @@ class Snapshotter:
             started = time.perf_counter()
             snapshot = capture(self._index, self._applied_sequence())
             written = await upload(self._js, self._namespace, snapshot)
-            purged_below = await purge_covered(self._js, self._namespace, snapshot.stream_sequence)
+            purged_below = await purge_covered(self._nc, self._js, self._namespace, snapshot.stream_sequence)
             state = self._state
             state.last_snapshot_seconds = time.perf_counter() - started
             if written:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
+import nats.errors
 import nats.js.errors
 import pytest
-from nats.js.api import StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvmesh.common.runtime.discovery import InstanceRecord, Registration, instances_bucket
@@ -26,7 +27,7 @@ from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
 from kvmesh.common.runtime.nats_cluster import EmbeddedNatsCluster
 from kvmesh.common.runtime.process import connect_nats, nats_servers
 from kvmesh.common.wire import names
-from kvmesh.indexer import snapshot
+from kvmesh.indexer import purge, snapshot
 from kvmesh.inspector import main as inspect_main
 from kvmesh.planner.step_stream import JetStreamSteps
 from tests.support import wait_until_async
@@ -213,3 +214,39 @@ async def test_a_cluster_whose_drawn_port_is_taken_before_it_binds_draws_again(m
             await nc.close()
         finally:
             cluster.stop()
+
+
+async def test_no_purge_while_the_server_cannot_list_a_replicas_durable(nats_cluster: EmbeddedNatsCluster):
+    """Behind a partition a replica's durable can be out of the stream's reach: the server lists it
+    as missing, and a purge without its ack floor would drop events that replica has not read."""
+    namespace = "unlisted"
+    subject = names.kv_events_wildcard(namespace)
+    nc = await connect_nats(nats_cluster.url, name="test")
+    try:
+        js = nc.jetstream()
+        await ensure_kv_events_stream(js)
+        for i in range(5):
+            await js.publish(names.kv_events_subject(namespace, 1), f"event {i}".encode())
+        durable = names.indexer_durable_name(namespace, "far")
+        config = ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.ALL, filter_subject=subject, num_replicas=1)
+        await js.add_consumer(names.KV_EVENTS_STREAM, config)
+        assert [d.name for d in await purge.durables_following(nc, namespace)] == [durable]
+        leader = (await js.consumer_info(names.KV_EVENTS_STREAM, durable)).cluster.leader
+        held = next(node for i, node in enumerate(nats_cluster.nodes) if f"n{i + 1}" == leader)
+        held.stop()  # the durable's only replica: it has read nothing
+
+        async def listed_as_missing() -> bool:
+            try:
+                await purge.durables_following(nc, namespace)
+            except purge.IncompleteConsumerList:
+                return True
+            except (TimeoutError, nats.errors.Error):
+                pass  # the cluster electing new leaders
+            return False
+
+        await wait_until_async(listed_as_missing, timeout=60, what="the durable listed as missing")
+        assert await purge.purge_covered(nc, js, namespace, snapshot_sequence=5) == 0
+        info = await js.stream_info(names.KV_EVENTS_STREAM, subjects_filter=subject)
+        assert sum((info.state.subjects or {}).values()) == 5
+    finally:
+        await nc.close()

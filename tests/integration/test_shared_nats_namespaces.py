@@ -163,7 +163,7 @@ async def test_another_namespaces_events_neither_trigger_a_snapshot_nor_are_purg
     try:
         await wait_until_async(lambda: index.stats.events_applied == 5, what="quiet replica applies its 5 events")
         snapshotter = snapshots.Snapshotter(
-            js, "quiet", "t", index, lambda: consumer.applied_sequence, state, threshold=10, durable=consumer.durable
+            nc, "quiet", "t", index, lambda: consumer.applied_sequence, state, threshold=10, durable=consumer.durable
         )
         assert not await snapshotter.check()  # 35 messages in the stream, 5 of them quiet's
         assert state.namespace_messages == 5 and state.lag_messages == 0

@@ -1,0 +1,73 @@
+"""Purging the events a snapshot covers (step 3 of ``snapshot.py``): only those that every durable
+consumer of the namespace has acknowledged, and none while the server cannot list every one of
+them."""
+
+from __future__ import annotations
+
+import json
+
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, ConsumerInfo
+
+from kvmesh.common.wire import names
+
+log = structlog.get_logger(__name__)
+JS_API = "$JS.API"  # the JetStream API's subject prefix (no domain: kvmesh's servers run none)
+
+
+class IncompleteConsumerList(RuntimeError):
+    """The server could not list every consumer of the stream: their ack floors are unknown."""
+
+
+async def durables_following(nc: NatsClient, namespace: str) -> list[ConsumerInfo]:
+    """Every durable consumer of the KV events stream that reads ``namespace``'s events, from the
+    JetStream API's consumer list (paged). Raises :class:`IncompleteConsumerList` where the server
+    names consumers it could not read: a clustered stream lists as "missing" those whose leader it
+    cannot reach, and nats-py's ``consumers_info`` drops that list. Behind a partition such a
+    replica's ack floor is unknown; purging without it purged 621 messages one replica had not
+    read, and it kept a worker that published nothing later stale (the partition drill, 2026-11-29)."""
+    subject = names.kv_events_wildcard(namespace)
+    found: list[ConsumerInfo] = []
+    offset = 0
+    while True:
+        request = json.dumps({"offset": offset}).encode()
+        reply = await nc.request(f"{JS_API}.CONSUMER.LIST.{names.KV_EVENTS_STREAM}", request, timeout=5)
+        body = json.loads(reply.data)
+        if body.get("error") or body.get("missing"):
+            raise IncompleteConsumerList(f"error {body.get('error')}, missing {body.get('missing')}")
+        page = body.get("consumers") or []
+        for raw in page:
+            info = ConsumerInfo.from_response(raw)
+            if info.config.durable_name and _follows(info.config, subject):
+                found.append(info)
+        offset += len(page)
+        if not page or offset >= body.get("total", 0):
+            return found
+
+
+async def purge_covered(nc: NatsClient, js: JetStreamContext, namespace: str, snapshot_sequence: int) -> int:
+    """Purge ``namespace``'s events that every durable consumer following them acknowledged and the
+    snapshot covers; returns the new first sequence kept of them (0 when nothing could be purged,
+    also where the server could not list every consumer). Other namespaces' events stay, whatever
+    their sequence."""
+    floor = snapshot_sequence
+    try:
+        durables = await durables_following(nc, namespace)
+    except IncompleteConsumerList as exc:
+        log.warning("not purging: the server could not list every consumer of the events", error=str(exc))
+        return 0
+    for info in durables:
+        floor = min(floor, info.ack_floor.stream_seq if info.ack_floor else 0)
+    if floor <= 0:
+        return 0
+    await js.purge_stream(names.KV_EVENTS_STREAM, seq=floor + 1, subject=names.kv_events_wildcard(namespace))
+    return floor + 1
+
+
+def _follows(config: ConsumerConfig, subject: str) -> bool:
+    """Whether a consumer reads ``subject``'s messages (one without a filter reads them all)."""
+    if config.filter_subjects:
+        return subject in config.filter_subjects
+    return not config.filter_subject or config.filter_subject == subject
