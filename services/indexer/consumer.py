@@ -48,6 +48,10 @@ ACK_EVERY = 64
 # The stream keeps a message an hour by default (--kv-events-max-age): a durable idle longer points
 # at what has aged out anyway, and while it lives it holds the namespace's purge floor.
 DURABLE_INACTIVE_THRESHOLD_S = 3600.0
+# How long a replay keeps asking a stream that holds the messages but does not answer (its leader
+# still recovering from a partition) before it gives them up to gap recovery.
+REPLAY_PATIENCE_S = 60.0
+REPLAY_RETRY_S = 0.5
 
 
 class EventStreamConsumer:
@@ -79,6 +83,7 @@ class EventStreamConsumer:
         self.applied_sequence = 0
         self.malformed_messages = 0
         self.missed_deliveries = 0
+        self.replay_retries = 0  # reads of missed messages asked again (the stream did not answer)
         self._pull: StandingPull | None = None
         # the durable's count of deliveries when we last heard from it: a jump means deliveries that
         # never reached us (see _apply_and_ack)
@@ -100,7 +105,7 @@ class EventStreamConsumer:
         self.applied_sequence = start_after
         ack_floor, delivered, ack_policy, self._consumer_sequence, existing = await self._position()
         if delivered > start_after:
-            await self._replay(start_after + 1, delivered)
+            await self._replay(delivered)
         if ack_floor is not None and ack_policy != AckPolicy.ALL:
             # a durable from before acks were batched: the policy cannot be changed in place, so
             # it is made again, to deliver after what was just replayed
@@ -167,35 +172,71 @@ class EventStreamConsumer:
                 await self._js.delete_consumer(names.KV_EVENTS_STREAM, self._legacy_durable)
             log.info("dropped the durable consumer named before namespaces", durable=self._legacy_durable)
 
-    async def _replay(self, first_sequence: int, last_sequence: int) -> None:
-        """Apply messages first..last with an ephemeral consumer that needs no acks."""
+    async def _replay(self, last_sequence: int) -> None:
+        """Apply the messages after the last one applied up to ``last_sequence``, from the stream.
+        It stops short only where the stream no longer holds the rest (purged or aged out) or has
+        not answered for ``REPLAY_PATIENCE_S``. A read that timed out once had been taken for
+        "purged", so a stream that did not answer for one fetch (its server paused, a leader still
+        being elected) lost the missed messages for good: the next acknowledgement covers them."""
+        deadline = asyncio.get_running_loop().time() + REPLAY_PATIENCE_S
+        while self.applied_sequence < last_sequence:
+            try:
+                await self._read(last_sequence)
+            except (TimeoutError, nats.errors.Error) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                error = "no more messages came"
+            if self.applied_sequence >= last_sequence or not await self._stream_may_hold(last_sequence):
+                break
+            if asyncio.get_running_loop().time() > deadline:
+                log.error(
+                    "the stream did not give the missed messages; gap recovery rebuilds the workers that publish again",
+                    after=self.applied_sequence,
+                    up_to=last_sequence,
+                    error=error,
+                )
+                break
+            self.replay_retries += 1
+            log.warning("reading missed messages again", after=self.applied_sequence, up_to=last_sequence, error=error)
+            await asyncio.sleep(REPLAY_RETRY_S)
+        log.info("replayed stream into the index", up_to=self.applied_sequence)
+
+    async def _read(self, last_sequence: int) -> None:
+        """Apply the messages after the applied one up to ``last_sequence`` with an ephemeral
+        consumer that needs no acks, until one past it comes or none comes within a fetch."""
         sub = await self._js.pull_subscribe(
             self._subject,
             stream=names.KV_EVENTS_STREAM,
             config=ConsumerConfig(
                 ack_policy=AckPolicy.NONE,
                 deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                opt_start_seq=first_sequence,
+                opt_start_seq=self.applied_sequence + 1,
                 inactive_threshold=30,
             ),
         )
         try:
-            done = False
-            while not done and self.applied_sequence < last_sequence:
+            while self.applied_sequence < last_sequence:
                 try:
                     msgs = await sub.fetch(FETCH_BATCH, timeout=2)
                 except TimeoutError:
-                    break  # the stream holds less than the ack floor (messages purged or aged out)
+                    return
                 for msg in msgs:
                     seq = msg.metadata.sequence.stream
                     if seq > last_sequence:
-                        done = True
-                        break
+                        return
                     self._apply(msg.data, seq)
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        log.info("replayed stream into the index", up_to=self.applied_sequence)
+
+    async def _stream_may_hold(self, last_sequence: int) -> bool:
+        """Whether the stream may still hold messages up to ``last_sequence`` that were not read:
+        False once its first message is past them (purged or aged out); True when it does not say."""
+        try:
+            info = await self._js.stream_info(names.KV_EVENTS_STREAM)
+        except (TimeoutError, nats.errors.Error):
+            return True
+        return info.state.first_seq <= last_sequence
 
     async def _apply_and_ack(self, msg: Msg) -> None:
         seq = msg.metadata.sequence.stream
@@ -212,7 +253,7 @@ class EventStreamConsumer:
                 before=seq,
             )
             self.missed_deliveries += deliveries - self._consumer_sequence - 1
-            await self._replay(self.applied_sequence + 1, seq - 1)
+            await self._replay(seq - 1)
         # assigned, not maxed: a new consumer leader that lost uncommitted deliveries counts again
         self._consumer_sequence = deliveries
         if seq > self.applied_sequence:  # else a redelivery of what is applied already

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
+import nats
 import pytest
 from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -11,6 +14,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from kvmesh.common.core.prefix_index import PrefixIndex
 from kvmesh.common.rpc.tasks import cancel_and_wait
 from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
+from kvmesh.common.runtime.nats_server import EmbeddedNatsServer
 from kvmesh.common.wire import names
 from kvmesh.common.wire.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, decode_batch, encode_batch
 from kvmesh.indexer import consumer as consumer_module
@@ -345,3 +349,35 @@ async def test_deliveries_that_never_reached_the_replica_are_read_from_the_strea
     finally:
         await consumer.stop()
         await lost_sub.unsubscribe()
+
+
+async def test_missed_messages_the_stream_does_not_answer_for_at_once_are_read_when_it_does():
+    """A replay that asks a stream too early (its server not answering, as a leader right after a
+    partition heals) asks again, and does not take the silence for messages purged: acknowledging
+    past them would lose them for good."""
+    server = await EmbeddedNatsServer().start()
+    client = await nats.connect(server.url)
+    namespace = "silentstream"
+    index = PrefixIndex()
+    consumer = EventStreamConsumer(client, namespace, "patient", index)
+    try:
+        js = client.jetstream()
+        await ensure_kv_events_stream(js)
+        for worker in (1, 2, 3):
+            event = KvEvent(0, BlocksStored(None, (StoredBlock(worker * 10, worker * 10, 16),)))
+            await js.publish(
+                names.kv_events_subject(namespace, worker), encode_batch(KvEventBatch(worker, 0, 0.0, (event,)))
+            )
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            replay = asyncio.create_task(consumer._replay(3))
+            await wait_until_async(lambda: consumer.replay_retries >= 1, timeout=30, what="a read asked again")
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        await asyncio.wait_for(replay, timeout=60)
+        assert consumer.applied_sequence == 3
+        assert [index.worker_blocks((w, 0)) for w in (1, 2, 3)] == [{10}, {20}, {30}]
+    finally:
+        await client.close()
+        server.stop()
