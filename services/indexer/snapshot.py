@@ -12,7 +12,8 @@ Taking one (when the stream holds more than the threshold of this namespace's ev
 3. purge this namespace's events below ``min(snapshot sequence, the ack floor of every durable
    consumer following them) + 1``: only messages that every replica of the namespace has
    acknowledged *and* that the snapshot covers go. Other namespaces sharing the stream keep theirs:
-   their replicas count, snapshot and purge their own subjects;
+   their replicas count, snapshot and purge their own subjects. No purge while the server cannot
+   list every durable (``purge.py``): one it cannot reach has an unknown floor;
 4. release the lock.
 
 A new replica holds the same lock from its read of the snapshot until its durable consumer exists:
