@@ -104,8 +104,8 @@ def queue_wait(workers: int, rho: float, mean_ms: float, second_moment: float) -
     request to a free worker while one is: M/G/n, taken as the M/M/n wait scaled by (1 + cv²)/2 (Lee
     and Longton). One worker gives Pollaczek-Khinchine's wait, λ E[P²] / 2 (1 − ρ), and ρ. Counting
     the workers as that many lone queues, each waited on with probability ρ, asked a trough of long
-    prompts (0.6 a second, one worker 36% busy) for six workers to serve within 2 s the 95% that can
-    be (decision 57)."""
+    prompts (0.6 a second: two workers 36% busy each) for six workers to serve within 2 s the 95%
+    that can be (decision 57)."""
     waiting = erlang_c(workers, rho)
     if waiting <= 0 or mean_ms <= 0:
         return 0.0, 0.0
