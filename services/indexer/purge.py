@@ -8,7 +8,6 @@ import json
 
 import structlog
 from nats.aio.client import Client as NatsClient
-from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, ConsumerInfo
 
 from kvmesh.common.wire import names
@@ -47,7 +46,7 @@ async def durables_following(nc: NatsClient, namespace: str) -> list[ConsumerInf
             return found
 
 
-async def purge_covered(nc: NatsClient, js: JetStreamContext, namespace: str, snapshot_sequence: int) -> int:
+async def purge_covered(nc: NatsClient, namespace: str, snapshot_sequence: int) -> int:
     """Purge ``namespace``'s events that every durable consumer following them acknowledged and the
     snapshot covers; returns the new first sequence kept of them (0 when nothing could be purged,
     also where the server could not list every consumer). Other namespaces' events stay, whatever
@@ -62,7 +61,8 @@ async def purge_covered(nc: NatsClient, js: JetStreamContext, namespace: str, sn
         floor = min(floor, info.ack_floor.stream_seq if info.ack_floor else 0)
     if floor <= 0:
         return 0
-    await js.purge_stream(names.KV_EVENTS_STREAM, seq=floor + 1, subject=names.kv_events_wildcard(namespace))
+    subject = names.kv_events_wildcard(namespace)
+    await nc.jetstream().purge_stream(names.KV_EVENTS_STREAM, seq=floor + 1, subject=subject)
     return floor + 1
 
 

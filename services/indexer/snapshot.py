@@ -405,7 +405,7 @@ class Snapshotter:
             started = time.perf_counter()
             snapshot = capture(self._index, self._applied_sequence())
             written = await upload(self._js, self._namespace, snapshot)
-            purged_below = await purge_covered(self._nc, self._js, self._namespace, snapshot.stream_sequence)
+            purged_below = await purge_covered(self._nc, self._namespace, snapshot.stream_sequence)
             state = self._state
             state.last_snapshot_seconds = time.perf_counter() - started
             if written:

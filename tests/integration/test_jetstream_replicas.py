@@ -245,7 +245,7 @@ async def test_no_purge_while_the_server_cannot_list_a_replicas_durable(nats_clu
             return False
 
         await wait_until_async(listed_as_missing, timeout=60, what="the durable listed as missing")
-        assert await purge.purge_covered(nc, js, namespace, snapshot_sequence=5) == 0
+        assert await purge.purge_covered(nc, namespace, snapshot_sequence=5) == 0
         info = await js.stream_info(names.KV_EVENTS_STREAM, subjects_filter=subject)
         assert sum((info.state.subjects or {}).values()) == 5
     finally:
