@@ -97,6 +97,7 @@ def build_report(
                 "output_tokens": r.output_tokens,
                 "prompt_tokens": r.prompt_tokens,
                 "cached_tokens": r.cached_tokens,
+                "worker_id": r.worker_id,
                 "chunk_times_s": r.chunk_times_s,
                 "error": r.error,
             }

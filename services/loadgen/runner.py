@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import openai
 
 from kvmesh.common.wire.priority import PRIORITY_HEADER  # kvmesh's; other servers ignore it
+from kvmesh.frontend.gateway import WORKER_ID_HEADER  # kvmesh's; other servers send none
 from kvmesh.loadgen.workload import BenchRequest
 
 
@@ -30,6 +31,7 @@ class RequestResult:
     status: int | None = None  # the HTTP status of a refusal (429, 503, ...)
     retry_after: str | None = None  # its Retry-After header
     priority: str = ""
+    worker_id: str | None = None  # the worker that served it (the frontend's x-kvmesh-worker-id header)
 
     @property
     def ttft_s(self) -> float | None:
@@ -113,6 +115,7 @@ class LoadRunner:
                 )
             else:
                 stream = await self.client.completions.create(prompt=request.prompt, **common)
+            result.worker_id = stream.response.headers.get(WORKER_ID_HEADER)
             async for chunk in stream:
                 if chunk.choices:
                     choice = chunk.choices[0]

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvmesh.loadgen import cli
+from tests.support import discovered
 
 pytestmark = pytest.mark.e2e
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -48,6 +49,9 @@ def test_bench_synthetic_run_writes_report_and_plots(kv_mesh, tmp_path):
     # two shared 256-token prefixes: after the first of each, KV routing serves most from cache
     assert report["cached_token_ratio"] > 0.5
     assert report["output_tokens_per_s"] > 0 and len(report["per_request"]) == 30
+    # each request names the worker that served it, one of the mesh's
+    served_by = {row["worker_id"] for row in report["per_request"]}
+    assert None not in served_by and served_by <= {str(r.instance_id) for r in discovered(kv_mesh.nats_url, "worker")}
     for name in ("latency_cdf.png", "timeline.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
 
