@@ -12,7 +12,8 @@ prefix group and where a request goes decides what it finds. Each setup is a fre
 prompts of the window's lengths before the window (vLLM's CPU build is slow on a worker's first
 requests; see ``warm_up``). Printed per setup: the fraction of
 prompt tokens vLLM served from its prefix cache (``usage.prompt_tokens_details``), TTFT p50/p99,
-requests/s and output tokens/s, and kv's TTFT p50 against round-robin's; the TTFT distributions are
+requests/s and output tokens/s, the same per serving worker (requests, cached share, TTFT p50), and
+kv's TTFT p50 against round-robin's; the TTFT distributions are
 plotted together (``--output-dir``/compare_cdf.png).
 ``kv`` routes with the router's defaults (since decision 54, ``--kv-duplicate-penalty 128``);
 ``--kv-duplicate-penalty P`` adds a fourth setup, ``kv-penalty``: kv with that duplicate penalty
@@ -133,6 +134,24 @@ def run_setup(mode: str, trace: Path, args: argparse.Namespace, out_dir: Path) -
         mesh.stop()
 
 
+def per_worker(report: dict) -> list[str]:
+    """Per serving worker (the report's ``worker_id``): requests, cached share of its prompt tokens,
+    TTFT p50. Why: on 2 cores three engines do not run equally fast (seen 2026-11-29: under
+    round-robin one worker's TTFT p50 was 25× another's), and where each policy put its load reads
+    only per worker."""
+    served: dict[str, list[dict]] = {}
+    for row in report["per_request"]:
+        if row["error"] is None and row["ttft_s"] is not None:
+            served.setdefault(row["worker_id"] or "?", []).append(row)
+    lines = []
+    for worker, done in sorted(served.items(), key=lambda item: -len(item[1])):
+        prompt = sum(row["prompt_tokens"] for row in done) or 1
+        ttft = sorted(row["ttft_s"] for row in done)[len(done) // 2]
+        cached = sum(row["cached_tokens"] for row in done) / prompt
+        lines.append(f"…{worker[-4:]} {len(done)} {cached:.3f} {ttft * 1000:.0f} ms")
+    return lines
+
+
 def router_counters(mesh: MeshProcess) -> dict[str, float]:
     """The router's prefill and KV-transfer counters, by their label text."""
     (router,) = discovered(mesh.nats_url, "router")
@@ -238,6 +257,9 @@ def main() -> None:
             f"{mode:12} {report['completed']:>4} {report['cached_token_ratio']:7.3f} {ttft['p50']:9.1f} "
             f"{ttft['p99']:8.1f} {report['request_throughput_per_s']:6.2f} {report['output_tokens_per_s']:9.1f}"
         )
+    print("per worker (requests, cached share of its prompt tokens, TTFT p50):")
+    for mode, report in rows:
+        print(f"  {mode:12} " + "; ".join(per_worker(report)))
     p50 = {mode: report["ttft_ms"]["p50"] for mode, report in rows}
     print(f"kv TTFT p50 / round-robin's: {p50['kv'] / p50['round-robin']:.2f} (target: 0.50 or less)")
     reports = [str(out_dir / mode / "report.json") for mode, _ in rows]
