@@ -90,6 +90,8 @@ def plan_services(config: UpConfig, nats_url: str) -> list[ServiceProcess]:
     services += [ServiceProcess(f"router-{i}", "kvmesh.router", router_args) for i in range(config.routers)]
     role = "decode" if config.prefill_workers else "aggregated"
     engine_args = [*config.engine_args, *vllm_cpu_defaults(config)]
+    if binding := vllm_cpu_threads(config, 0):
+        log.info("vLLM's CPU build: set the engines' thread binding apart", first_engine=binding)
     services += [worker_process(config, common, i, role, engine_args) for i in range(config.workers)]
     services += [worker_process(config, common, i, "prefill", engine_args) for i in range(config.prefill_workers)]
     load_reports = ["--load-report-secs", str(min(5.0, config.adjustment_interval / 2))] if config.planner else []
@@ -156,4 +158,15 @@ def worker_process(
         *(config.engine_args if engine_args is None else engine_args),
     ]
     name = f"worker-{index}" if role != "prefill" else f"prefill-worker-{index}"
-    return ServiceProcess(name, "kvmesh.worker", [*worker_args, "--role", role])
+    slot = index + (config.workers if role == "prefill" else 0)
+    return ServiceProcess(name, "kvmesh.worker", [*worker_args, "--role", role], vllm_cpu_threads(config, slot))
+
+
+def vllm_cpu_threads(config: UpConfig, slot: int) -> dict[str, str]:
+    """With ``--engine vllm`` on vLLM's CPU build: the environment that gives the worker in ``slot``
+    cores of its own among this host's engines (see :func:`vllm_defaults.cpu_threads`)."""
+    if config.engine != "vllm" or not vllm_defaults.cpu_build():
+        return {}
+    ranks = config.data_parallel_size
+    engines = (config.workers + config.prefill_workers) * ranks
+    return vllm_defaults.cpu_threads(slot, engines, sorted(os.sched_getaffinity(0)), ranks)

@@ -3,6 +3,8 @@ errors for a missing vLLM or NIXL."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvmesh.common.runtime.config import parse_config
@@ -57,6 +59,7 @@ def test_a_missing_engine_or_nixl_is_one_line_naming_what_to_install():
 @pytest.mark.skipif(not vllm_defaults.cpu_build(), reason="vLLM's CPU build is not installed")
 def test_on_the_cpu_build_every_worker_kvmesh_up_starts_gets_the_chosen_arguments(capsys, monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     from kvmesh.up.config import UpConfig
     from kvmesh.up.processes import plan_services
 
@@ -65,6 +68,35 @@ def test_on_the_cpu_build_every_worker_kvmesh_up_starts_gets_the_chosen_argument
     assert len(workers) == 3
     for worker in workers:
         assert {"--kv-cache-memory-bytes", "--max-model-len", "--enforce-eager"} <= set(worker.argv)
+    # the three engines' threads are placed apart, not all on the cores vLLM would pick for each alone
+    cores = sorted(os.sched_getaffinity(0))
+    bindings = [worker.env.get("VLLM_CPU_OMP_THREADS_BIND") for worker in workers]
+    if len(cores) >= 3:
+        assert len(set(bindings)) == 3
+    else:
+        assert bindings == ["nobind"] * 3
     with pytest.raises(SystemExit):
         parse_config(UpConfig, ["--engine", "vllm", "--block-size", "16"], prog="up", description="", environ={})
     assert "needs a multiple of 32" in capsys.readouterr().err
+
+
+def test_engines_sharing_a_host_get_cores_of_their_own_or_share_them_unbound():
+    # as many cores as engines or more: each engine a disjoint slice of its own
+    slices = [vllm_defaults.cpu_threads(slot, 2, [3, 2, 1, 0], env={}) for slot in range(2)]
+    assert slices == [{"VLLM_CPU_OMP_THREADS_BIND": "0,1"}, {"VLLM_CPU_OMP_THREADS_BIND": "2,3"}]
+    # fewer cores than engines (three on two here): none bound, one thread each
+    crowded = vllm_defaults.cpu_threads(2, 3, [0, 1], env={})
+    assert crowded == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    # data-parallel ranks (vLLM reads one list per rank): unbound, the cores split by thread count
+    assert vllm_defaults.cpu_threads(0, 4, list(range(8)), ranks=2, env={}) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "2",
+    }
+
+
+def test_one_engine_or_a_binding_the_user_gave_is_left_to_vllm():
+    assert vllm_defaults.cpu_threads(0, 1, [0, 1], env={}) == {}
+    assert vllm_defaults.cpu_threads(1, 3, [0, 1], env={"VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}) == {}
+    assert vllm_defaults.cpu_threads(1, 3, [0, 1], env={"OMP_NUM_THREADS": "2"}) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind"
+    }

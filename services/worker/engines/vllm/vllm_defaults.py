@@ -8,8 +8,10 @@ first on a host with other work — dies at start-up; and ``torch.compile`` take
 on a small machine. The defaults chosen here: each engine's KV cache gets an equal share of half the
 memory available when the mesh starts, at most 4 GiB (an explicit KV size also skips vLLM's memory
 check and its warm-up pass); the context length is fitted to that cache (vLLM's ``-1``); eager mode;
-for the bundled tiny model, its own float32.
-A flag (or ``VLLM_CPU_KVCACHE_SPACE``) the user gave always wins.
+for the bundled tiny model, its own float32. And where several engines share a host, each gets cores
+of its own (:func:`cpu_threads`): left to itself every engine binds its threads to the same cores.
+A flag (or ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``, ``OMP_NUM_THREADS``) the user
+gave always wins.
 """
 
 from __future__ import annotations
@@ -125,6 +127,32 @@ def cpu_defaults(
         # the bundled model's own dtype: cast to bfloat16, as vLLM casts float32 models on the CPU,
         # its decode after a remote prefill took the AMX kernel, which died with SIGILL here
         chosen["--dtype"] = "float32"
+    return chosen
+
+
+def cpu_threads(
+    slot: int, engines: int, cores: Sequence[int], ranks: int = 1, env: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """The environment for engine ``slot`` of ``engines`` vLLM CPU engines on a host with ``cores``
+    (the CPU ids this process may run on; ``ranks``: data-parallel ranks per worker, each an engine
+    counted in ``engines``), where the user set no binding: each engine its own ``len(cores) //
+    engines`` cores; with fewer cores than engines, or several ranks to a worker (vLLM reads one list
+    per rank then), no binding and ``len(cores) // engines`` threads each, at least one (the kernel
+    shares the cores among them). One engine keeps vLLM's own binding.
+
+    Why: vLLM binds each engine's compute threads to the cores of its NUMA node minus one it keeps
+    for its scheduler, never knowing of the host's other engines, so every engine of a host binds to
+    the same cores. Three engines on this project's 2-core machines all ran on core 0, one core for
+    all three, and their speeds drifted apart by up to 25× (docs/perf, vLLM routing, 2026-11-29)."""
+    if engines <= 1 or not cores or "VLLM_CPU_OMP_THREADS_BIND" in env:
+        return {}
+    per = len(cores) // engines
+    if per and ranks == 1:
+        start = slot % engines * per
+        return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(core) for core in sorted(cores)[start : start + per])}
+    chosen = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    if "OMP_NUM_THREADS" not in env:
+        chosen["OMP_NUM_THREADS"] = str(max(1, per))
     return chosen
 
 
