@@ -14,7 +14,9 @@ rebuild it before its durable consumer is useful. On start the replica
    starts at ``S + 1``.
 
 So a replica acknowledges only what it applied, resumes from its durable consumer after a restart,
-and still ends with exactly the state of a replica that never stopped.
+and still ends with exactly the state of a replica that never stopped. Where the stream no longer
+holds messages it must replay (aged out while it was away, or purged), ``on_lost`` has every
+worker rebuilt from its own dump (gap recovery).
 """
 
 from __future__ import annotations
@@ -69,9 +71,12 @@ class EventStreamConsumer:
         index: PrefixIndex,
         on_applied: Callable[[int], None] | None = None,
         inactive_threshold_s: float = DURABLE_INACTIVE_THRESHOLD_S,
+        on_lost: Callable[[], None] | None = None,
     ) -> None:
         """``inactive_threshold_s``: the server deletes the durable after this long without this
-        replica (a replica scaled away must not pin the purge floor for ever)."""
+        replica (a replica scaled away must not pin the purge floor for ever). ``on_lost``: called
+        when messages this replica never applied are gone from the stream (or it gave up asking),
+        so that every worker is rebuilt from its own state."""
         self._nc = nc
         self._js = nc.jetstream()
         self._subject = names.kv_events_wildcard(namespace)
@@ -80,10 +85,12 @@ class EventStreamConsumer:
         self._inactive_threshold_s = inactive_threshold_s
         self._index = index
         self._on_applied = on_applied
+        self._on_lost = on_lost
         self.applied_sequence = 0
         self.malformed_messages = 0
         self.missed_deliveries = 0
         self.replay_retries = 0  # reads of missed messages asked again (the stream did not answer)
+        self.lost_ranges = 0  # replays that stopped short: the stream no longer held what was missed
         self._pull: StandingPull | None = None
         # the durable's count of deliveries when we last heard from it: a jump means deliveries that
         # never reached us (see _apply_and_ack)
@@ -190,7 +197,7 @@ class EventStreamConsumer:
                 break
             if asyncio.get_running_loop().time() > deadline:
                 log.error(
-                    "the stream did not give the missed messages; gap recovery rebuilds the workers that publish again",
+                    "the stream did not give the missed messages",
                     after=self.applied_sequence,
                     up_to=last_sequence,
                     error=error,
@@ -199,6 +206,13 @@ class EventStreamConsumer:
             self.replay_retries += 1
             log.warning("reading missed messages again", after=self.applied_sequence, up_to=last_sequence, error=error)
             await asyncio.sleep(REPLAY_RETRY_S)
+        if self.applied_sequence < last_sequence:
+            # Gap recovery alone would rebuild only the workers whose later events reveal the hole;
+            # a worker that published nothing since would stay wrong for good.
+            self.lost_ranges += 1
+            log.error("missed messages are gone; rebuilding every worker from its own state", up_to=last_sequence)
+            if self._on_lost is not None:
+                self._on_lost()
         log.info("replayed stream into the index", up_to=self.applied_sequence)
 
     async def _read(self, last_sequence: int) -> None:

@@ -225,6 +225,13 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
             if index.gaps_pending:
                 recovery.poke()
 
+        def lost() -> None:
+            suspects = {key[0] for key in index.workers()} | {record.instance_id for record in workers.instances()}
+            for worker_id in suspects:
+                index.suspect_worker(worker_id)
+            recovery.poke()
+            log.warning("rebuilding every worker from its own dump", workers=len(suspects))
+
         consumer = EventStreamConsumer(
             nc,
             config.namespace,
@@ -232,6 +239,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
             index,
             on_applied=applied,
             inactive_threshold_s=config.durable_inactive_threshold,
+            on_lost=lost,
         )
         await when_jetstream_answers(
             lambda: consumer.start(reset=config.router_reset_states, start_after=start_after), "event consumer"

@@ -284,6 +284,28 @@ async def test_lost_events_are_detected_and_recovered_exactly(nats_url: str, nc:
     await indexers.stop()
 
 
+async def test_a_replica_whose_missed_messages_were_purged_rebuilds_every_worker(nats_url: str, nc: NatsClient):
+    """A replica comes back to find the messages it never read gone from the stream (purged, or aged
+    out while it was away), and the workers publish nothing after them: no gap in their event ids
+    shows the hole, so only a rebuild of every worker from its own dump makes the replica right."""
+    js = nc.jetstream()
+    indexers = await watcher(nc, "indexer")
+    async with two_workers(nats_url, nc) as workers:
+        async with running(indexer_server.serve, indexer_config(nats_url, "away")):
+            await wait_until_async(lambda: len(indexers.instances()) == 1, what="replica registered")
+            await load(workers, requests=40)
+            address = indexers.instances()[0].address
+            await wait_until_async(lambda: converged(workers, address), timeout=20, what="replica converges")
+        await load(workers, requests=40, seed=3)  # events the replica never reads
+        await js.purge_stream(names.KV_EVENTS_STREAM)
+        async with running(indexer_server.serve, indexer_config(nats_url, "away")):
+            await wait_until_async(lambda: len(indexers.instances()) == 1, what="replica back")
+            address = indexers.instances()[0].address
+            await wait_until_async(lambda: converged(workers, address), timeout=20, what="replica rebuilt")
+            assert (await view(address)).recoveries >= 2  # both workers, from their dumps
+    await indexers.stop()
+
+
 async def pool_converged(workers: DiscoveryWatcher, address: str) -> bool:
     """Whether the replica holds exactly each worker's pool segment (its dump of tier ``pooled``)."""
     try:

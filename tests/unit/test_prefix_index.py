@@ -172,6 +172,26 @@ def test_a_readmitted_worker_is_rebuilt_from_its_dump_and_its_new_events_count()
     assert not index.is_removed(1) and not index.gaps_pending
 
 
+def test_a_suspected_worker_is_rebuilt_from_its_dump_though_no_gap_showed():
+    """The stream lost messages this replica never read, and the worker published nothing after them
+    (no gap in its event ids): suspected, it is rebuilt from its dump like a worker with a gap."""
+    index = PrefixIndex()
+    feed = Feed(index)
+    feed.send(1, stored_chain(PROMPT[:8]))  # event 0; event 1 (the rest of the prompt) was in the lost messages
+    feed.next_id[1] = 2
+    index.remove_worker(2)
+    for worker in (1, 2, 3):  # 3: a worker whose only events were lost
+        index.suspect_worker(worker)
+    assert index.gaps_pending == {(1, 0), (3, 0)} and index.in_recovery((1, 0))
+    feed.send(1, stored_chain([9] * 8))  # event 2 comes before the dump: held back, then applied on top
+    assert matches(index, [9] * 8) == {1: 0, 3: 0}
+    index.replace_worker((1, 0), 1, _dump(PROMPT))  # the worker's dump as of event 1
+    index.replace_worker((3, 0), 4, _dump([5] * 8))
+    assert matches(index, PROMPT) == {1: 4, 3: 0} and matches(index, [9] * 8) == {1: 2, 3: 0}
+    assert matches(index, [5] * 8) == {1: 0, 3: 2}
+    assert not index.gaps_pending and index.workers() == [(1, 0), (3, 0)]
+
+
 def test_a_dump_asked_for_before_the_worker_was_removed_and_readmitted_again_is_refused():
     """The indexer asked a readmitted worker for its dump; while the answer travelled, the worker was
     removed (its events ignored) and readmitted once more. That dump misses what it stored meanwhile,

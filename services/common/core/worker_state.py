@@ -159,6 +159,18 @@ class WorkerStateTransfer:
         self._tree_sizes[key] = worker.unique_blocks
         return True
 
+    def suspect_worker(self, worker_id: int) -> None:
+        """Events of this worker may be lost with no gap in its event ids to show it (the stream no
+        longer holds messages this replica never read, and the worker may publish nothing after
+        them): put each of its streams in recovery, as a gap does, so that its own dump rebuilds
+        it. A removed worker is left alone; one the index has not seen is recovered as rank 0."""
+        if worker_id in self._removed_workers:
+            return
+        for key in [key for key in self._workers if key[0] == worker_id] or [WorkerKey(worker_id, 0)]:
+            self._worker(key)
+            self.gaps_pending.add(key)
+            self._held_back.setdefault(key, [])
+
     def export_tiers(self, key: WorkerKey) -> tuple[str, dict[int, int], dict[int, int]]:
         """(resident tier, blocks in transit, evicted metadata) of one worker, for snapshots."""
         worker = self._workers[key]
