@@ -164,8 +164,10 @@ def worker_process(
 
 def vllm_cpu_threads(config: UpConfig, slot: int) -> dict[str, str]:
     """With ``--engine vllm`` on vLLM's CPU build: the environment that gives the worker in ``slot``
-    cores of its own among this host's engines (see :func:`vllm_defaults.cpu_threads`)."""
-    if config.engine != "vllm" or not vllm_defaults.cpu_build():
+    cores of its own among this host's engines (see :func:`vllm_defaults.cpu_threads`). Not with
+    prefill workers: engines with vLLM's NIXL connector keep vLLM's own binding, since undoing it made
+    every KV pull time out (docs/perf, Disaggregation)."""
+    if config.engine != "vllm" or config.prefill_workers or not vllm_defaults.cpu_build():
         return {}
     ranks = config.data_parallel_size
     engines = (config.workers + config.prefill_workers) * ranks

@@ -75,6 +75,11 @@ def test_on_the_cpu_build_every_worker_kvmesh_up_starts_gets_the_chosen_argument
         assert len(set(bindings)) == 3
     else:
         assert bindings == ["nobind"] * 3
+    # engines with vLLM's NIXL connector keep vLLM's own binding (undoing it made KV pulls time out)
+    argv = ["--engine", "vllm", "--workers", "1", "--prefill-workers", "1"]
+    split = parse_config(UpConfig, argv, prog="up", description="", environ={})
+    split_workers = [s for s in plan_services(split, "nats://127.0.0.1:4222") if "worker" in s.name]
+    assert len(split_workers) == 2 and not any("VLLM_CPU_OMP_THREADS_BIND" in w.env for w in split_workers)
     with pytest.raises(SystemExit):
         parse_config(UpConfig, ["--engine", "vllm", "--block-size", "16"], prog="up", description="", environ={})
     assert "needs a multiple of 32" in capsys.readouterr().err
