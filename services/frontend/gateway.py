@@ -46,9 +46,6 @@ _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EX
 DEFAULT_RETRY_AFTER_SECS = 1
 
 
-WORKER_ID_HEADER = "x-kvmesh-worker-id"
-
-
 @dataclass(frozen=True)
 class ServedModel:
     name: str

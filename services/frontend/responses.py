@@ -12,10 +12,11 @@ import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from kvmesh.common.wire.requests import WORKER_ID_HEADER
 from kvmesh.frontend.answer_chunks import AnswerChunks, sse_event
 from kvmesh.frontend.errors import OpenAIError, UpstreamError
 from kvmesh.frontend.event_stream import EventStreamResponse
-from kvmesh.frontend.gateway import WORKER_ID_HEADER, Frontend, UsageCounter
+from kvmesh.frontend.gateway import Frontend, UsageCounter
 from kvmesh.frontend.protocol import ChatCompletionRequest, CompletionRequest
 
 log = structlog.get_logger(__name__)

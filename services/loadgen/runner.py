@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import openai
 
 from kvmesh.common.wire.priority import PRIORITY_HEADER  # kvmesh's; other servers ignore it
-from kvmesh.frontend.gateway import WORKER_ID_HEADER  # kvmesh's; other servers send none
+from kvmesh.common.wire.requests import WORKER_ID_HEADER  # kvmesh's; other servers send none
 from kvmesh.loadgen.workload import BenchRequest
 
 

@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from kvmesh.common.runtime.ports import process_tree
+from kvmesh.common.wire.requests import WORKER_ID_HEADER
 from kvmesh.devtools.mesh_process import MeshProcess
-from kvmesh.frontend.gateway import WORKER_ID_HEADER
 from tests.support import wait_until
 
 

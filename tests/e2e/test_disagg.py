@@ -19,8 +19,8 @@ import pytest
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.common.wire import disagg
+from kvmesh.common.wire.requests import WORKER_ID_HEADER
 from kvmesh.devtools.mesh_process import MeshProcess
-from kvmesh.frontend.gateway import WORKER_ID_HEADER
 from kvmesh.worker.kv_transfer.nixl_agent import nixl_available
 from tests.e2e.conftest import descendants, start_mesh
 from tests.support import discovered, wait_until

@@ -20,9 +20,9 @@ import openai
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from kvmesh.common.wire.requests import WORKER_ID_HEADER
 from kvmesh.frontend import server as frontend_server
 from kvmesh.frontend.config import FrontendConfig
-from kvmesh.frontend.gateway import WORKER_ID_HEADER
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.router import server as router_server

@@ -18,8 +18,8 @@ import pytest
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.common.runtime.ports import pid_listening_on
 from kvmesh.common.wire.hashing import block_set_digest
+from kvmesh.common.wire.requests import WORKER_ID_HEADER
 from kvmesh.devtools.mesh_process import MeshProcess
-from kvmesh.frontend.gateway import WORKER_ID_HEADER
 from tests.support import discovered, wait_until
 
 pytestmark = [

@@ -9,6 +9,9 @@ from kvmesh.common.proto.kvmesh.v1 import common_pb2
 
 # What a worker generates when a request names no max_tokens (the router accounts with the same).
 DEFAULT_MAX_TOKENS = 16
+# The HTTP response header naming the worker that served a request: the frontend sets it, and
+# `kvmesh bench` reads it without importing the frontend.
+WORKER_ID_HEADER = "x-kvmesh-worker-id"
 
 
 def with_disaggregated_params(request: common_pb2.PreprocessedRequest, params: bytes) -> common_pb2.PreprocessedRequest:
