@@ -90,7 +90,6 @@ class EventStreamConsumer:
         self.malformed_messages = 0
         self.missed_deliveries = 0
         self.replay_retries = 0  # reads of missed messages asked again (the stream did not answer)
-        self.lost_ranges = 0  # replays that stopped short: the stream no longer held what was missed
         self._pull: StandingPull | None = None
         # the durable's count of deliveries when we last heard from it: a jump means deliveries that
         # never reached us (see _apply_and_ack)
@@ -186,6 +185,7 @@ class EventStreamConsumer:
         "purged", so a stream that did not answer for one fetch (its server paused, a leader still
         being elected) lost the missed messages for good: the next acknowledgement covers them."""
         deadline = asyncio.get_running_loop().time() + REPLAY_PATIENCE_S
+        error = ""
         while self.applied_sequence < last_sequence:
             try:
                 await self._read(last_sequence)
@@ -196,12 +196,6 @@ class EventStreamConsumer:
             if self.applied_sequence >= last_sequence or not await self._stream_may_hold(last_sequence):
                 break
             if asyncio.get_running_loop().time() > deadline:
-                log.error(
-                    "the stream did not give the missed messages",
-                    after=self.applied_sequence,
-                    up_to=last_sequence,
-                    error=error,
-                )
                 break
             self.replay_retries += 1
             log.warning("reading missed messages again", after=self.applied_sequence, up_to=last_sequence, error=error)
@@ -209,8 +203,7 @@ class EventStreamConsumer:
         if self.applied_sequence < last_sequence:
             # Gap recovery alone would rebuild only the workers whose later events reveal the hole;
             # a worker that published nothing since would stay wrong for good.
-            self.lost_ranges += 1
-            log.error("missed messages are gone; rebuilding every worker from its own state", up_to=last_sequence)
+            log.error("gave up on missed messages", after=self.applied_sequence, up_to=last_sequence, error=error)
             if self._on_lost is not None:
                 self._on_lost()
         log.info("replayed stream into the index", up_to=self.applied_sequence)

@@ -128,9 +128,7 @@ class PrefixIndex(WorkerStateTransfer):
         self._removed_workers.discard(worker_id)
         self._admissions[worker_id] = self._admissions.get(worker_id, 0) + 1
         for key in self._removed_keys.pop(worker_id, [WorkerKey(worker_id, 0)]):
-            self._worker(key)
-            self.gaps_pending.add(key)
-            self._held_back.setdefault(key, [])
+            self._await_dump(key)
 
     def admission(self, worker_id: int) -> int:
         """How many times the worker was removed or readmitted: take it before asking the worker for

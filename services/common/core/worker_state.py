@@ -167,9 +167,14 @@ class WorkerStateTransfer:
         if worker_id in self._removed_workers:
             return
         for key in [key for key in self._workers if key[0] == worker_id] or [WorkerKey(worker_id, 0)]:
-            self._worker(key)
-            self.gaps_pending.add(key)
-            self._held_back.setdefault(key, [])
+            self._await_dump(key)
+
+    def _await_dump(self, key: WorkerKey) -> None:
+        """Put ``key`` in recovery: its events are held back from now until :meth:`replace_worker`
+        loads its dump."""
+        self._worker(key)
+        self.gaps_pending.add(key)
+        self._held_back.setdefault(key, [])
 
     def export_tiers(self, key: WorkerKey) -> tuple[str, dict[int, int], dict[int, int]]:
         """(resident tier, blocks in transit, evicted metadata) of one worker, for snapshots."""
