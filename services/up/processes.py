@@ -127,13 +127,17 @@ def kv_pool_directory(config: UpConfig) -> Path:
     return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"kvmesh-pool-{config.namespace}-{os.getpid()}"
 
 
+def engines_on_host(config: UpConfig) -> int:
+    """The engines ``kvmesh up`` starts on this host: a data-parallel rank is an engine core of its own."""
+    return (config.workers + config.prefill_workers) * config.data_parallel_size
+
+
 def vllm_cpu_defaults(config: UpConfig) -> list[str]:
     """With ``--engine vllm`` on vLLM's CPU build: the engine arguments the user left out that make
     the engines start here (their KV caches share this host's memory), said once in the log."""
     if config.engine != "vllm" or not vllm_defaults.cpu_build():
         return []
-    engines = (config.workers + config.prefill_workers) * config.data_parallel_size  # a rank is an engine core
-    chosen = vllm_defaults.cpu_defaults(config.engine_args, engines, vllm_defaults.available_memory())
+    chosen = vllm_defaults.cpu_defaults(config.engine_args, engines_on_host(config), vllm_defaults.available_memory())
     if chosen:
         argv = vllm_defaults.as_argv(chosen)
         log.info(
@@ -158,8 +162,7 @@ def worker_process(
         *(config.engine_args if engine_args is None else engine_args),
     ]
     name = f"worker-{index}" if role != "prefill" else f"prefill-worker-{index}"
-    slot = index + (config.workers if role == "prefill" else 0)
-    return ServiceProcess(name, "kvmesh.worker", [*worker_args, "--role", role], vllm_cpu_threads(config, slot))
+    return ServiceProcess(name, "kvmesh.worker", [*worker_args, "--role", role], vllm_cpu_threads(config, index))
 
 
 def vllm_cpu_threads(config: UpConfig, slot: int) -> dict[str, str]:
@@ -169,6 +172,5 @@ def vllm_cpu_threads(config: UpConfig, slot: int) -> dict[str, str]:
     every KV pull time out (docs/perf, Disaggregation)."""
     if config.engine != "vllm" or config.prefill_workers or not vllm_defaults.cpu_build():
         return {}
-    ranks = config.data_parallel_size
-    engines = (config.workers + config.prefill_workers) * ranks
-    return vllm_defaults.cpu_threads(slot, engines, sorted(os.sched_getaffinity(0)), ranks)
+    cores = sorted(os.sched_getaffinity(0))
+    return vllm_defaults.cpu_threads(slot, engines_on_host(config), cores, config.data_parallel_size)
