@@ -42,7 +42,9 @@ class KvModeOptions:
         "recompute counts this many extra blocks of its prefill, a prefix a request in flight there has counts as "
         "held, and a loop's next turn (--session-loop-secs) is not charged, nor anything while the candidates' "
         "requests in flight are imbalanced by --balance-abs-threshold and --balance-rel-threshold "
-        "(docs/decisions/0056). The default holds a prefix on its holder unless the holder's queue is far longer: "
+        "(docs/decisions/0056), nor a prompt no candidate holds more than --cache-threshold of (a mostly new "
+        "prompt goes where it is computed soonest, docs/decisions/0058). The default holds a prefix on its holder "
+        "unless the holder's queue is far longer: "
         "cache-aware's reuse with kv's latency in every replayed trace (docs/decisions/0054). 0: plain kv, the cost "
         "of the request in hand alone",
     )
@@ -85,7 +87,9 @@ class CacheAwareModeOptions:
     """Routing, cache-aware mode (SGLang's policy): a tree of what was sent where."""
 
     cache_threshold: float = option(
-        _SGLANG.cache_threshold, "cache-aware: least matched fraction of the prompt that routes to its holder"
+        _SGLANG.cache_threshold,
+        "cache-aware: least matched fraction of the prompt that routes to its holder (kv: that its duplicate penalty "
+        "holds there)",
     )
     balance_abs_threshold: int = option(
         _SGLANG.balance_abs_threshold,

@@ -120,6 +120,17 @@ class RoutingPolicy:
         loads = [self.active.requests(worker) for worker in workers]
         return self._balance.imbalanced(max(loads), min(loads))
 
+    def _poorly_matched(self, overlaps: Mapping[WorkerKey, int], prompt_tokens: int) -> bool:
+        """Whether the best-placed candidate holds less than cache-aware's ``cache_threshold`` of the
+        prompt: then the duplicate penalty is waived and the prompt goes where it is computed soonest.
+        Why: a mostly new prompt is a long prefill, and a holder computing it delays every request
+        queued or arriving there meanwhile (live on vLLM each 1,000 tokens of prefill that joins a
+        request's batches adds about as much to its time to first token as 1,000 of its own); the prefix
+        it would keep there is a small part of it. SGLang's policy calls such a prompt a miss by the
+        same test and option (decision 58)."""
+        best = max(overlaps.values(), default=0)
+        return best * self.block_size <= self._balance.cache_threshold * prompt_tokens
+
     def predicted_load(self, worker: WorkerKey) -> float:
         """The router's prediction of ``worker``'s load now: the cost model on its queued prefill
         and active blocks (what power-of-two compares)."""
@@ -174,6 +185,8 @@ class RoutingPolicy:
             penalty = 0.0
         if penalty:  # holding prefixes where they are: where they are about to be counts too
             overlaps = self.active.with_in_flight(workers, block_hashes, overlaps)
+        if penalty and self._poorly_matched(overlaps, prompt_tokens):
+            penalty = 0.0
         prefills, decodes = self.active.potential_columns(
             workers, block_hashes, prompt_tokens, overlaps, expected_output_tokens
         )

@@ -190,6 +190,24 @@ class TestRoutingPolicy:
         assert choice(8) == holder  # 8 more in flight: within the balance test, the penalty holds it
         assert choice(9) == joined  # one more and the loads are imbalanced: kv's cost alone decides
 
+    def test_the_penalty_does_not_hold_a_mostly_new_prompt_on_the_holder_of_its_short_prefix(self):
+        from kvmesh.router.cache_aware import CacheAwareOptions
+        from kvmesh.router.policy import RoutingPolicy
+
+        idle, holder = (1, 0), (2, 0)
+        hashes = list(range(100, 110))  # 10 blocks
+
+        def choice(held: int, threshold: float = 0.3) -> tuple[int, int]:
+            options = CacheAwareOptions(cache_threshold=threshold)
+            policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), cache_aware=options, duplicate_penalty=128.0)
+            policy.active.add("queued", holder, [900 + i for i in range(6)], 6 * BLOCK, 0)
+            return policy.choose([idle, holder], hashes, 10 * BLOCK, {holder: held}).worker
+
+        assert choice(4) == holder  # 40% of the prompt held: the penalty keeps it there
+        assert choice(3) == idle  # 30%, not more than the threshold: a miss, the idle worker computes it sooner
+        assert choice(3, threshold=0.2) == holder
+        assert choice(0) == idle
+
 
 class TestActiveSequenceTracking:
     def test_output_blocks_grow_with_the_output_and_start_at_the_hint(self):
