@@ -212,6 +212,11 @@ class CacheAwareOptions:
         ``balance_rel_threshold`` times."""
         return high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold
 
+    def hit(self, matched: int, total: int) -> bool:
+        """Whether a prompt of ``total`` tokens, ``matched`` of them held by one worker, is a cache
+        hit: more than ``cache_threshold`` of it matched (an empty prompt never is)."""
+        return total > 0 and matched / total > self.cache_threshold
+
 
 MISS_POLICIES = ("smallest-tree", "least-loaded")
 
@@ -254,7 +259,7 @@ class CacheAwareSelector:
         else:
             matched, holder = self.tree.match(tokens, set(ordered))
             total = len(tokens) // TOKEN_BYTES
-            if holder is not None and total and matched / total > options.cache_threshold:
+            if holder is not None and options.hit(matched, total):
                 choice = CacheAwareChoice(holder, matched, "cache_hit")
             else:
                 tied, reason = self.miss_candidates(ordered, loads)

@@ -121,15 +121,14 @@ class RoutingPolicy:
         return self._balance.imbalanced(max(loads), min(loads))
 
     def _poorly_matched(self, overlaps: Mapping[WorkerKey, int], prompt_tokens: int) -> bool:
-        """Whether the best-placed candidate holds less than cache-aware's ``cache_threshold`` of the
-        prompt: then the duplicate penalty is waived and the prompt goes where it is computed soonest.
-        Why: a mostly new prompt is a long prefill, and a holder computing it delays every request
-        queued or arriving there meanwhile (live on vLLM each 1,000 tokens of prefill that joins a
-        request's batches adds about as much to its time to first token as 1,000 of its own); the prefix
-        it would keep there is a small part of it. SGLang's policy calls such a prompt a miss by the
-        same test and option (decision 58)."""
+        """Whether the best-placed candidate holds no more than cache-aware's ``cache_threshold`` of
+        the prompt (not a hit by cache-aware's own test): then the duplicate penalty is waived and the
+        prompt goes where it is computed soonest. Why: a mostly new prompt is a long prefill, and a
+        holder computing it delays every request queued or arriving there meanwhile (live on vLLM each
+        1,000 tokens of prefill that joins a request's batches adds about as much to its time to first
+        token as 1,000 of its own); the prefix it would keep there is a small part of it (decision 58)."""
         best = max(overlaps.values(), default=0)
-        return best * self.block_size <= self._balance.cache_threshold * prompt_tokens
+        return not self._balance.hit(best * self.block_size, prompt_tokens)
 
     def predicted_load(self, worker: WorkerKey) -> float:
         """The router's prediction of ``worker``'s load now: the cost model on its queued prefill
