@@ -12,6 +12,10 @@ For each worker (and data-parallel rank) the router tracks its in-flight request
 The updates mirror a request's life: :meth:`add` on routing, :meth:`mark_prefill_completed` on its
 first token, :meth:`add_output` as tokens stream (output tracking only), :meth:`free` on completion
 or cancellation. :meth:`expire` drops requests older than a timeout, in case a free was lost.
+
+It also counts the uncached prompt tokens each worker was sent (:meth:`written`): what it has
+written into its cache. Other router replicas' requests arrive through :meth:`add` too, so every
+replica counts the same writes, from the time it started.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class ActiveSequences:
         self.track_output_blocks = track_output_blocks
         self._requests: dict[str, _Request] = {}
         self._loads: dict[WorkerKey, _WorkerLoad] = {}
+        self._written: dict[WorkerKey, int] = {}
 
     def _own_blocks(self, prompt_tokens: int, shared_blocks: int, output_tokens: int) -> int:
         tokens = prompt_tokens + (output_tokens if self.track_output_blocks else 0)
@@ -119,6 +124,7 @@ class ActiveSequences:
         load.prefilling += prefill > 0
         load.prefill_tokens += prefill
         load.own_blocks += request.own_blocks
+        self._written[worker] = self._written.get(worker, 0) + prefill
         for h in request.block_hashes:
             load.block_refs[h] = load.block_refs.get(h, 0) + 1
 
@@ -174,6 +180,8 @@ class ActiveSequences:
             del self._requests[request_id]
         for key in [k for k in self._loads if k[0] == worker_id]:
             del self._loads[key]
+        for key in [k for k in self._written if k[0] == worker_id]:
+            del self._written[key]
         return removed
 
     def load(self, worker: WorkerKey) -> tuple[int, int]:
@@ -182,6 +190,16 @@ class ActiveSequences:
         if load is None:
             return 0, 0
         return load.prefill_tokens, load.decode_blocks if self.track_active_blocks else 0
+
+    def written(self, worker: WorkerKey) -> int:
+        """Uncached prompt tokens routed to ``worker`` since this picture first saw it (0 for one it has
+        not seen): the blocks it has written into its cache, and so how fast its cache turns over."""
+        return self._written.get(worker, 0)
+
+    def written_column(self, workers: Sequence[WorkerKey]) -> list[int]:
+        """:meth:`written` of each of ``workers``, in their order."""
+        counts = self._written
+        return [counts.get(worker, 0) for worker in workers]
 
     def requests(self, worker: WorkerKey) -> int:
         """Requests in flight on ``worker`` (what SGLang's router calls a worker's load)."""

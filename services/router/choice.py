@@ -117,6 +117,7 @@ class Chooser:
                 cache_aware=options.cache_aware_options(),
                 moe_score_weight=options.moe_score_weight,
                 duplicate_penalty=options.kv_duplicate_penalty,
+                write_spread=options.kv_write_spread,
             )
             if isinstance(cost_model, PerWorkerTtftCost):
                 for key, timing in self._timings.items():

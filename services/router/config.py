@@ -48,6 +48,14 @@ class KvModeOptions:
         "cache-aware's reuse with kv's latency in every replayed trace (docs/decisions/0054). 0: plain kv, the cost "
         "of the request in hand alone",
     )
+    kv_write_spread: float = option(
+        0.75,
+        "kv mode, with the duplicate penalty: a mostly new prompt (no candidate holds more than --cache-threshold "
+        "of it) goes to the least-written worker among those written less than this share of the candidates' mean "
+        "uncached tokens, holding as much of it and predicted within --balance-rel-threshold times the cheapest: "
+        "every cache then turns over about as fast, as cache-aware's smallest-tree rule does (docs/decisions/0059). "
+        "0: off, placed by cost alone",
+    )
     lora_load_tokens: int = option(
         1024,
         "kv mode: the prefill tokens loading a LoRA adapter is worth: a worker that serves the adapter a request "
@@ -241,6 +249,8 @@ class RoutingOptions(KvModeOptions, CacheAwareModeOptions, SplitOptions, Admissi
             raise ConfigError("--eviction-interval-secs and --max-tree-size must be positive")
         if self.kv_overlap_score_weight < 0 or self.kv_duplicate_penalty < 0:
             raise ConfigError("--kv-overlap-score-weight and --kv-duplicate-penalty must be >= 0")
+        if not 0 <= self.kv_write_spread <= 1:
+            raise ConfigError("--kv-write-spread must be between 0 and 1")
         if self.lora_load_tokens < 0:
             raise ConfigError("--lora-load-tokens must be >= 0")
         for name in ("pooled_block_credit", "host_block_credit", "disk_block_credit"):

@@ -55,12 +55,16 @@ class RoutingPolicy:
         cache_aware: CacheAwareOptions | None = None,
         moe_score_weight: float = 0.5,
         duplicate_penalty: float = 0.0,
+        write_spread: float = 0.0,
     ) -> None:
         """``cost_model`` defaults to Dynamo's block cost; the service and replay pass the one configured.
         ``active`` is the load picture to read (a :class:`LoadTracker`'s for this block size); by
         default the policy keeps its own. ``cache_aware``: that mode's options (SGLang's defaults).
         ``duplicate_penalty``: kv mode charges a worker this many extra prefill blocks for each block of
-        the prompt's prefix that the best-placed candidate holds and it does not (0: off)."""
+        the prompt's prefix that the best-placed candidate holds and it does not (0: off).
+        ``write_spread``: with the penalty on, a mostly new prompt goes to a worker written less than this
+        share of the candidates' mean where one is predicted within ``balance_rel_threshold`` times the
+        cheapest (:meth:`_spread_writes`; 0: off)."""
         if mode not in POLICY_MODES:
             raise ValueError(f"unknown routing mode {mode!r}")
         self.mode = mode
@@ -69,6 +73,7 @@ class RoutingPolicy:
         self.temperature = temperature
         self.moe_score_weight = moe_score_weight
         self.duplicate_penalty = duplicate_penalty
+        self.write_spread = write_spread
         self._rng = rng or random.Random()
         self.active = (
             active if active is not None else ActiveSequences(block_size, track_active_blocks, track_output_blocks)
@@ -130,6 +135,33 @@ class RoutingPolicy:
         best = max(overlaps.values(), default=0)
         return not self._balance.hit(best * self.block_size, prompt_tokens)
 
+    def _spread_writes(
+        self, workers: Sequence[WorkerKey], costs: Sequence[float], overlaps: Mapping[WorkerKey, int], cheapest: int
+    ) -> int:
+        """The index of the worker a mostly new prompt goes to: the least-written (:meth:`ActiveSequences.written`)
+        of the under-written candidates, those written less than ``write_spread`` times the candidates' mean,
+        that hold at least as much of it as the ``cheapest`` and whose cost is within ``balance_rel_threshold``
+        times its; ``cheapest`` where there is none.
+
+        Why: the default places a mostly new prompt by load alone, and on a fleet whose caches hold a few
+        prompts each the worker that serves a hot prefix's hits, busy with them, is then rarely written: its
+        cache stands still while the others' turn over the faster. Live on vLLM the default's cached share
+        followed how evenly it wrote the workers, and cache-aware, which sends a miss to the smallest tree,
+        writes them evenly (decision 59). Only the under-written are steered, so a fleet written about evenly
+        is placed by cost as before."""
+        written = self.active.written_column(workers)
+        below = self.write_spread * sum(written) / len(written)
+        limit = costs[cheapest] * self._balance.balance_rel_threshold
+        held = overlaps.get(workers[cheapest], 0)
+        under = [
+            i
+            for i, count in enumerate(written)
+            if count < below and costs[i] <= limit and overlaps.get(workers[i], 0) >= held
+        ]
+        if not under:
+            return cheapest
+        return min(under, key=lambda i: (written[i], costs[i]))
+
     def predicted_load(self, worker: WorkerKey) -> float:
         """The router's prediction of ``worker``'s load now: the cost model on its queued prefill
         and active blocks (what power-of-two compares)."""
@@ -184,7 +216,8 @@ class RoutingPolicy:
             penalty = 0.0
         if penalty:  # holding prefixes where they are: where they are about to be counts too
             overlaps = self.active.with_in_flight(workers, block_hashes, overlaps)
-        if penalty and self._poorly_matched(overlaps, prompt_tokens):
+        mostly_new = bool(penalty) and self._poorly_matched(overlaps, prompt_tokens)
+        if mostly_new:
             penalty = 0.0
         prefills, decodes = self.active.potential_columns(
             workers, block_hashes, prompt_tokens, overlaps, expected_output_tokens
@@ -201,5 +234,7 @@ class RoutingPolicy:
         index = self._kv.pick(
             workers, costs, tree_sizes, self.temperature if temperature is None else temperature, discounts
         )
+        if mostly_new and self.write_spread:
+            index = self._spread_writes(workers, costs, overlaps, index)
         chosen = workers[index]
         return Decision(chosen, overlaps.get(chosen, 0))

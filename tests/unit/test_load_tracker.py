@@ -51,6 +51,18 @@ def test_other_replicas_requests_are_tracked_apart_and_dropped_with_their_router
     assert remote_key("other", "r") not in picture
 
 
+def test_every_replica_counts_the_writes_another_replica_routed():
+    """The write count the default spreads mostly new prompts by (decision 59) is the same on every
+    replica: an add from another replica counts its uncached tokens as an own one does, and they stay
+    counted after the request and its router are gone (they were written)."""
+    ours, theirs = LoadTracker(), LoadTracker()
+    add(ours, "r", worker=W2, prompt=60, overlap=1)
+    theirs.apply_remote(SyncMessage(ADD, "a", "r", 2, 0, BLOCK, (11, 12, 13), 60, 1, 0), BLOCK, now=0.0)
+    theirs.apply_remote(SyncMessage(FREE, "a", "r"), None, now=0.0)
+    theirs.forget_router("a")
+    assert ours.sequences(BLOCK).written(W2) == theirs.sequences(BLOCK).written(W2) == 60 - BLOCK
+
+
 def test_an_add_for_an_unknown_worker_is_ignored():
     tracker = LoadTracker()
     tracker.apply_remote(SyncMessage(ADD, "other", "r", 9, 0, BLOCK, (1,), 40, 0, 0), None, now=0.0)

@@ -208,6 +208,49 @@ class TestRoutingPolicy:
         assert choice(3, threshold=0.2) == holder
         assert choice(0) == idle
 
+    def test_a_mostly_new_prompt_goes_to_an_under_written_worker_within_reach(self):
+        from kvmesh.router.policy import RoutingPolicy
+
+        quiet, busy, other = (1, 0), (2, 0), (3, 0)
+        hashes = list(range(100, 110))  # 10 blocks, none held anywhere: a mostly new prompt
+
+        def choice(spread: float, quiet_queue: int, quiet_written: int = 0) -> tuple[int, int]:
+            policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), duplicate_penalty=128.0, write_spread=spread)
+            for n, worker in enumerate((busy, other)):  # both have computed 40 blocks and finished
+                policy.active.add(f"old{n}", worker, [], 40 * BLOCK, 0)
+                policy.active.free(f"old{n}")
+            policy.active.add("done", quiet, [], quiet_written, 0)
+            policy.active.free("done")
+            policy.active.add("queued", quiet, [900 + i for i in range(quiet_queue)], quiet_queue * BLOCK, 0)
+            return policy.choose([busy, other, quiet], hashes, 10 * BLOCK).worker
+
+        assert choice(0.0, quiet_queue=2) in (busy, other)  # off: the idle workers compute it soonest
+        assert choice(0.75, quiet_queue=2) == quiet  # never written, and its short queue is within reach
+        assert choice(0.75, quiet_queue=40) in (busy, other)  # a queue 5x the prompt: out of reach
+        # written 25 blocks and 2 queued: 27 is not under 0.75 of the mean of (40, 40, 27), 26.75: cost decides
+        assert choice(0.75, quiet_queue=2, quiet_written=25 * BLOCK) in (busy, other)
+        assert choice(0.75, quiet_queue=2, quiet_written=24 * BLOCK) == quiet  # 26 < 26.5
+
+    def test_a_well_matched_prompt_is_not_spread(self):
+        from kvmesh.router.policy import RoutingPolicy
+
+        holder, fresh = (1, 0), (2, 0)
+        hashes = list(range(100, 110))
+        policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), duplicate_penalty=128.0, write_spread=0.75)
+        policy.active.add("old", holder, [], 40 * BLOCK, 0)
+        policy.active.free("old")
+        assert policy.choose([holder, fresh], hashes, 10 * BLOCK, {holder: 8}).worker == holder
+
+    def test_the_write_count_is_per_worker_and_goes_with_it(self):
+        active = ActiveSequences(BLOCK)
+        active.add("a", (1, 0), [], prompt_tokens=5 * BLOCK, overlap_blocks=2)
+        active.add("b", (1, 0), [], prompt_tokens=BLOCK, overlap_blocks=0)
+        active.free("a")
+        assert active.written((1, 0)) == 4 * BLOCK  # uncached tokens only, and freeing keeps the count
+        assert active.written((2, 0)) == 0
+        active.remove_worker(1)
+        assert active.written((1, 0)) == 0
+
 
 class TestActiveSequenceTracking:
     def test_output_blocks_grow_with_the_output_and_start_at_the_hint(self):
