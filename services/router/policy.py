@@ -136,12 +136,17 @@ class RoutingPolicy:
         return not self._balance.hit(best * self.block_size, prompt_tokens)
 
     def _spread_writes(
-        self, workers: Sequence[WorkerKey], costs: Sequence[float], overlaps: Mapping[WorkerKey, int], cheapest: int
+        self,
+        workers: Sequence[WorkerKey],
+        costs: Sequence[float],
+        overlaps: Mapping[WorkerKey, int],
+        cheapest: int,
+        moe_hosted: Mapping[WorkerKey, float],
     ) -> int:
         """The index of the worker a mostly new prompt goes to: the least-written (:meth:`ActiveSequences.written`)
         of the under-written candidates, those written less than ``write_spread`` times the candidates' mean,
-        that hold at least as much of it as the ``cheapest`` and whose cost is within ``balance_rel_threshold``
-        times its; ``cheapest`` where there is none.
+        that hold at least as much of it (and host as much of its MoE experts) as the ``cheapest`` and whose
+        cost is within ``balance_rel_threshold`` times its; ``cheapest`` where there is none.
 
         Why: the default places a mostly new prompt by load alone, and on a fleet whose caches hold a few
         prompts each the worker that serves a hot prefix's hits, busy with them, is then rarely written: its
@@ -153,10 +158,14 @@ class RoutingPolicy:
         below = self.write_spread * sum(written) / len(written)
         limit = costs[cheapest] * self._balance.balance_rel_threshold
         held = overlaps.get(workers[cheapest], 0)
+        hosted = moe_hosted.get(workers[cheapest], 0.0)
         under = [
             i
             for i, count in enumerate(written)
-            if count < below and costs[i] <= limit and overlaps.get(workers[i], 0) >= held
+            if count < below
+            and costs[i] <= limit
+            and overlaps.get(workers[i], 0) >= held
+            and moe_hosted.get(workers[i], 0.0) >= hosted
         ]
         if not under:
             return cheapest
@@ -235,6 +244,6 @@ class RoutingPolicy:
             workers, costs, tree_sizes, self.temperature if temperature is None else temperature, discounts
         )
         if mostly_new and self.write_spread:
-            index = self._spread_writes(workers, costs, overlaps, index)
+            index = self._spread_writes(workers, costs, overlaps, index, moe_hosted or {})
         chosen = workers[index]
         return Decision(chosen, overlaps.get(chosen, 0))

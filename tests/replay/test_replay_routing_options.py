@@ -114,7 +114,9 @@ CASES: dict[str, Case] = {
     "host_block_credit": Case(0.0, lambda: groups_trace(60, 6, 500.0, shared=8), HOST_TIER),
     # plain kv: the default penalty's count of prefixes in flight stands in for the prediction
     "router_predicted_ttl_secs": Case(0.0, siblings_trace, {"workers": 4, "kv_duplicate_penalty": 0.0}),
-    "track_active_blocks": Case(False, LOADED, {"workers": 4}),
+    # without decision 59's spread, which on this trace already places the writes that the active blocks move
+    "track_active_blocks": Case(False, LOADED, {"workers": 4, "kv_write_spread": 0.0}),
+    "kv_write_spread": Case(0.0, LOADED, {"workers": 4}),
     # one prefix group: kv piles it onto few workers until their predicted load (outputs included) tells
     "router_track_output_blocks": Case(
         True, lambda: groups_trace(160, 1, 4.0, output=400), {"workers": 4, "kv_cost": "blocks"}
