@@ -13,7 +13,7 @@ The updates mirror a request's life: :meth:`add` on routing, :meth:`mark_prefill
 first token, :meth:`add_output` as tokens stream (output tracking only), :meth:`free` on completion
 or cancellation. :meth:`expire` drops requests older than a timeout, in case a free was lost.
 
-It also counts the uncached prompt tokens each worker was sent (:meth:`written`): what it has
+It also counts the uncached prompt tokens each worker was sent (:meth:`written_column`): what it has
 written into its cache. Other router replicas' requests arrive through :meth:`add` too, so every
 replica counts the same writes, from the time it started.
 """
@@ -191,13 +191,10 @@ class ActiveSequences:
             return 0, 0
         return load.prefill_tokens, load.decode_blocks if self.track_active_blocks else 0
 
-    def written(self, worker: WorkerKey) -> int:
-        """Uncached prompt tokens routed to ``worker`` since this picture first saw it (0 for one it has
-        not seen): the blocks it has written into its cache, and so how fast its cache turns over."""
-        return self._written.get(worker, 0)
-
     def written_column(self, workers: Sequence[WorkerKey]) -> list[int]:
-        """:meth:`written` of each of ``workers``, in their order."""
+        """Per worker of ``workers``, in their order: the uncached prompt tokens routed to it since this
+        picture first saw it (0 for one it has not seen), the blocks it has written into its cache, and
+        so how fast its cache turns over."""
         counts = self._written
         return [counts.get(worker, 0) for worker in workers]
 

@@ -143,8 +143,9 @@ class RoutingPolicy:
         cheapest: int,
         moe_hosted: Mapping[WorkerKey, float],
     ) -> int:
-        """The index of the worker a mostly new prompt goes to: the least-written (:meth:`ActiveSequences.written`)
-        of the under-written candidates, those written less than ``write_spread`` times the candidates' mean,
+        """The index of the worker a mostly new prompt goes to: the least-written
+        (:meth:`ActiveSequences.written_column`) of the under-written candidates, those written less than
+        ``write_spread`` times the candidates' mean,
         that hold at least as much of it (and host as much of its MoE experts) as the ``cheapest`` and whose
         cost is within ``balance_rel_threshold`` times its; ``cheapest`` where there is none.
 

@@ -60,7 +60,7 @@ def test_every_replica_counts_the_writes_another_replica_routed():
     theirs.apply_remote(SyncMessage(ADD, "a", "r", 2, 0, BLOCK, (11, 12, 13), 60, 1, 0), BLOCK, now=0.0)
     theirs.apply_remote(SyncMessage(FREE, "a", "r"), None, now=0.0)
     theirs.forget_router("a")
-    assert ours.sequences(BLOCK).written(W2) == theirs.sequences(BLOCK).written(W2) == 60 - BLOCK
+    assert ours.sequences(BLOCK).written_column([W2]) == theirs.sequences(BLOCK).written_column([W2]) == [60 - BLOCK]
 
 
 def test_an_add_for_an_unknown_worker_is_ignored():

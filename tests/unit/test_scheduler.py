@@ -246,10 +246,10 @@ class TestRoutingPolicy:
         active.add("a", (1, 0), [], prompt_tokens=5 * BLOCK, overlap_blocks=2)
         active.add("b", (1, 0), [], prompt_tokens=BLOCK, overlap_blocks=0)
         active.free("a")
-        assert active.written((1, 0)) == 4 * BLOCK  # uncached tokens only, and freeing keeps the count
-        assert active.written((2, 0)) == 0
+        # uncached tokens only, and freeing keeps the count
+        assert active.written_column([(1, 0), (2, 0)]) == [4 * BLOCK, 0]
         active.remove_worker(1)
-        assert active.written((1, 0)) == 0
+        assert active.written_column([(1, 0)]) == [0]
 
 
 class TestActiveSequenceTracking:
