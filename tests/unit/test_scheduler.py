@@ -241,6 +241,34 @@ class TestRoutingPolicy:
         policy.active.free("old")
         assert policy.choose([holder, fresh], hashes, 10 * BLOCK, {holder: 8}).worker == holder
 
+    def test_the_spread_does_not_take_a_prompt_off_the_worker_that_holds_more_of_it(self):
+        from kvmesh.router.policy import RoutingPolicy
+
+        holder, other, quiet = (1, 0), (2, 0), (3, 0)
+        hashes = list(range(100, 110))  # 10 blocks; the holder has the first 2: 20%, a mostly new prompt
+
+        def choice(held_by_quiet: int) -> tuple[int, int]:
+            policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), duplicate_penalty=128.0, write_spread=0.75)
+            for n, worker in enumerate((holder, other)):
+                policy.active.add(f"old{n}", worker, [], 40 * BLOCK, 0)
+                policy.active.free(f"old{n}")
+            overlaps = {holder: 2, quiet: held_by_quiet}
+            return policy.choose([holder, other, quiet], hashes, 10 * BLOCK, overlaps).worker
+
+        assert choice(held_by_quiet=0) == holder  # quiet is under-written and within reach, but holds less
+        assert choice(held_by_quiet=2) == quiet  # holding as much, it takes the write
+
+    def test_a_well_matched_prompt_stays_with_the_cheaper_of_equal_holders(self):
+        from kvmesh.router.policy import RoutingPolicy
+
+        busy, quiet = (1, 0), (2, 0)
+        hashes = list(range(100, 110))  # both hold 4 of its 10 blocks: 40%, not a mostly new prompt
+        policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), duplicate_penalty=128.0, write_spread=0.75)
+        policy.active.add("old", busy, [], 40 * BLOCK, 0)
+        policy.active.free("old")
+        policy.active.add("queued", quiet, [900], BLOCK, 0)  # quiet: under-written, a block queued
+        assert policy.choose([busy, quiet], hashes, 10 * BLOCK, {busy: 4, quiet: 4}).worker == busy
+
     def test_the_write_count_is_per_worker_and_goes_with_it(self):
         active = ActiveSequences(BLOCK)
         active.add("a", (1, 0), [], prompt_tokens=5 * BLOCK, overlap_blocks=2)
