@@ -15,7 +15,8 @@ or cancellation. :meth:`expire` drops requests older than a timeout, in case a f
 
 It also counts the uncached prompt tokens each worker was sent (:meth:`written_column`): what it has
 written into its cache. Other router replicas' requests arrive through :meth:`add` too, so every
-replica counts the same writes, from the time it started.
+replica counts the same writes, from the time it started. A worker the count first meets after the
+fleet has written starts at the mean of the others (:meth:`_enrol`).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class ActiveSequences:
         self.track_output_blocks = track_output_blocks
         self._requests: dict[str, _Request] = {}
         self._loads: dict[WorkerKey, _WorkerLoad] = {}
-        self._written: dict[WorkerKey, int] = {}
+        self._written: dict[WorkerKey, float] = {}
 
     def _own_blocks(self, prompt_tokens: int, shared_blocks: int, output_tokens: int) -> int:
         tokens = prompt_tokens + (output_tokens if self.track_output_blocks else 0)
@@ -124,7 +125,7 @@ class ActiveSequences:
         load.prefilling += prefill > 0
         load.prefill_tokens += prefill
         load.own_blocks += request.own_blocks
-        self._written[worker] = self._written.get(worker, 0) + prefill
+        self._written[worker] = self._enrol(worker) + prefill
         for h in request.block_hashes:
             load.block_refs[h] = load.block_refs.get(h, 0) + 1
 
@@ -191,12 +192,27 @@ class ActiveSequences:
             return 0, 0
         return load.prefill_tokens, load.decode_blocks if self.track_active_blocks else 0
 
-    def written_column(self, workers: Sequence[WorkerKey]) -> list[int]:
+    def written_column(self, workers: Sequence[WorkerKey]) -> list[float]:
         """Per worker of ``workers``, in their order: the uncached prompt tokens routed to it since this
-        picture first saw it (0 for one it has not seen), the blocks it has written into its cache, and
-        so how fast its cache turns over."""
+        picture first met it, plus its start (:meth:`_enrol`; this call enrols a worker it meets here) —
+        the blocks it has written into its cache, and so how fast its cache turns over."""
         counts = self._written
-        return [counts.get(worker, 0) for worker in workers]
+        return [counts[worker] if worker in counts else self._enrol(worker) for worker in workers]
+
+    def _enrol(self, worker: WorkerKey) -> float:
+        """``worker``'s count, starting it where it has none: at 0 while nothing is counted (a fleet
+        starting together), else at the mean of the workers counted.
+
+        Why not 0 for a worker that joins later: the write spread (decision 59) steers mostly new prompts to
+        workers written less than the mean, and a joiner counted from 0 stayed below it for the rest of the
+        run, so it took those prompts past the cheapest worker long after its empty cache was no longer
+        what the rule is for. In the planner's replays, where workers join all the time, that grew the
+        prompts-2x pool to 16 workers and cost a third of the saving (decision 60)."""
+        counts = self._written
+        count = counts.get(worker)
+        if count is None:
+            count = counts[worker] = sum(counts.values()) / len(counts) if counts else 0.0
+        return count
 
     def requests(self, worker: WorkerKey) -> int:
         """Requests in flight on ``worker`` (what SGLang's router calls a worker's load)."""

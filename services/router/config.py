@@ -53,7 +53,8 @@ class KvModeOptions:
         "kv mode, with the duplicate penalty: a mostly new prompt (no candidate holds more than --cache-threshold "
         "of it) goes to the least-written worker among those written less than this share of the candidates' mean "
         "uncached tokens, holding as much of it and predicted within --balance-rel-threshold times the cheapest: "
-        "every cache then turns over about as fast, as cache-aware's smallest-tree rule does (docs/decisions/0059). "
+        "every cache then turns over about as fast, as cache-aware's smallest-tree rule does (docs/decisions/0059); "
+        "a worker that joins a fleet already written starts at the others' mean (docs/decisions/0060). "
         "0: off, placed by cost alone",
     )
     lora_load_tokens: int = option(

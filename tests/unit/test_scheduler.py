@@ -56,6 +56,12 @@ def test_round_robin_cycles_in_a_stable_order():
     assert [rr.select(workers)[0] for _ in range(6)] == [1, 2, 3, 1, 2, 3]
 
 
+def started_together(policy, workers) -> None:
+    """The fleet's first routing decision meets every worker of ``workers`` before any was written, so
+    each one's write count starts at 0 (a worker met later starts at the others' mean)."""
+    assert policy.active.written_column(list(workers)) == [0] * len(workers)
+
+
 class TestPredictedTtftCost:
     model = PredictedTtftCost(BLOCK, max_num_batched_tokens=1000, capacity_tokens=100 * BLOCK)
     timing = TimingModel()
@@ -214,8 +220,11 @@ class TestRoutingPolicy:
         quiet, busy, other = (1, 0), (2, 0), (3, 0)
         hashes = list(range(100, 110))  # 10 blocks, none held anywhere: a mostly new prompt
 
-        def choice(spread: float, quiet_queue: int, quiet_written: int = 0) -> tuple[int, int]:
+        def choice(
+            spread: float, quiet_queue: int, quiet_written: int = 0, joined_late: bool = False
+        ) -> tuple[int, int]:
             policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), duplicate_penalty=128.0, write_spread=spread)
+            started_together(policy, (busy, other) if joined_late else (busy, other, quiet))
             for n, worker in enumerate((busy, other)):  # both have computed 40 blocks and finished
                 policy.active.add(f"old{n}", worker, [], 40 * BLOCK, 0)
                 policy.active.free(f"old{n}")
@@ -226,6 +235,8 @@ class TestRoutingPolicy:
 
         assert choice(0.0, quiet_queue=2) in (busy, other)  # off: the idle workers compute it soonest
         assert choice(0.75, quiet_queue=2) == quiet  # never written, and its short queue is within reach
+        # the same worker joining after the others were written starts at their mean: cost decides
+        assert choice(0.75, quiet_queue=2, joined_late=True) in (busy, other)
         assert choice(0.75, quiet_queue=40) in (busy, other)  # a queue 5x the prompt: out of reach
         # written 25 blocks and 2 queued: 27 is not under 0.75 of the mean of (40, 40, 27), 26.75: cost decides
         assert choice(0.75, quiet_queue=2, quiet_written=25 * BLOCK) in (busy, other)
@@ -237,6 +248,7 @@ class TestRoutingPolicy:
         holder, fresh = (1, 0), (2, 0)
         hashes = list(range(100, 110))
         policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), duplicate_penalty=128.0, write_spread=0.75)
+        started_together(policy, (holder, fresh))
         policy.active.add("old", holder, [], 40 * BLOCK, 0)
         policy.active.free("old")
         assert policy.choose([holder, fresh], hashes, 10 * BLOCK, {holder: 8}).worker == holder
@@ -249,6 +261,7 @@ class TestRoutingPolicy:
 
         def choice(held_by_quiet: int) -> tuple[int, int]:
             policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), duplicate_penalty=128.0, write_spread=0.75)
+            started_together(policy, (holder, other, quiet))
             for n, worker in enumerate((holder, other)):
                 policy.active.add(f"old{n}", worker, [], 40 * BLOCK, 0)
                 policy.active.free(f"old{n}")
@@ -264,6 +277,7 @@ class TestRoutingPolicy:
         busy, quiet = (1, 0), (2, 0)
         hashes = list(range(100, 110))  # both hold 4 of its 10 blocks: 40%, not a mostly new prompt
         policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), duplicate_penalty=128.0, write_spread=0.75)
+        started_together(policy, (busy, quiet))
         policy.active.add("old", busy, [], 40 * BLOCK, 0)
         policy.active.free("old")
         policy.active.add("queued", quiet, [900], BLOCK, 0)  # quiet: under-written, a block queued
@@ -271,13 +285,25 @@ class TestRoutingPolicy:
 
     def test_the_write_count_is_per_worker_and_goes_with_it(self):
         active = ActiveSequences(BLOCK)
+        assert active.written_column([(1, 0), (2, 0)]) == [0, 0]  # met together: both start at 0
         active.add("a", (1, 0), [], prompt_tokens=5 * BLOCK, overlap_blocks=2)
         active.add("b", (1, 0), [], prompt_tokens=BLOCK, overlap_blocks=0)
         active.free("a")
         # uncached tokens only, and freeing keeps the count
         assert active.written_column([(1, 0), (2, 0)]) == [4 * BLOCK, 0]
         active.remove_worker(1)
-        assert active.written_column([(1, 0)]) == [0]
+        assert active.written_column([(1, 0)]) == [0]  # gone with it: met again at the others' mean, 0
+
+    def test_a_worker_met_after_writes_starts_at_the_mean(self):
+        active = ActiveSequences(BLOCK)
+        active.add("a", (1, 0), [], prompt_tokens=4 * BLOCK, overlap_blocks=0)  # nothing counted yet: from 0
+        active.add("b", (2, 0), [], prompt_tokens=2 * BLOCK, overlap_blocks=0)  # met by a request: from 4
+        assert active.written_column([(1, 0), (2, 0)]) == [4 * BLOCK, 6 * BLOCK]
+        assert active.written_column([(3, 0)]) == [5 * BLOCK]  # met by a decision, and counted from then on
+        active.add("c", (3, 0), [], prompt_tokens=BLOCK, overlap_blocks=0)
+        assert active.written_column([(3, 0)]) == [6 * BLOCK]
+        active.remove_worker(1)
+        assert active.written_column([(1, 0)]) == [6 * BLOCK]  # back again: a joiner like any other
 
 
 class TestActiveSequenceTracking:
