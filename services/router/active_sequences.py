@@ -207,7 +207,8 @@ class ActiveSequences:
         workers written less than the mean, and a joiner counted from 0 stayed below it for the rest of the
         run, so it took those prompts past the cheapest worker long after its empty cache was no longer
         what the rule is for. In the planner's replays, where workers join all the time, that grew the
-        prompts-2x pool to 16 workers and cost a third of the saving (decision 60)."""
+        prompts-2x pool to 16 workers where 10 had served, and cost the shared trough a third of its
+        saving (decision 60)."""
         counts = self._written
         count = counts.get(worker)
         if count is None:
