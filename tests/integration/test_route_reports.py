@@ -91,6 +91,40 @@ async def test_reports_still_waiting_when_the_frontend_closes_are_sent_first():
         await server.stop(0)
 
 
+class StalledRouter(RecordingRouter):
+    """A loaded replica: it answers its first message, then stalls ``stall_s`` before it reads on."""
+
+    def __init__(self, stall_s: float) -> None:
+        super().__init__()
+        self.stall_s = stall_s
+
+    async def RouteMany(
+        self, request_iterator: AsyncIterator[router_pb2.RouteQueries], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.RouteAnswers]:
+        answered = False
+        async for answers in super().RouteMany(request_iterator, context):
+            yield answers
+            if not answered:
+                answered = True
+                await asyncio.sleep(self.stall_s)  # the loaded replica's stall, not a wait on the client
+
+
+async def test_a_report_sent_as_the_frontend_closes_reaches_a_replica_slow_to_read_it():
+    # Cancelling the call once the report is written drops it: the replica had not yet read the
+    # message the cancel overtook. Half-closed instead, the stream ends when the replica has read it.
+    peer = StalledRouter(stall_s=0.3)
+    server, address = await serve(peer)
+    routers = RouterClient(fixed_address=address)
+    try:
+        await routers.route(address, route_query("q1"))
+        last = RequestReport(END, "q1", "cancelled")
+        routers.report(address, last)
+        await routers.close()
+        assert peer.reports() == [last]
+    finally:
+        await server.stop(0)
+
+
 async def test_a_report_to_a_replica_whose_stream_broke_is_dropped_and_the_next_route_reconnects():
     peer = RecordingRouter()
     server, address = await serve(peer)

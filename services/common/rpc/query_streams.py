@@ -67,6 +67,7 @@ class QueryStream(Generic[RequestT, ResponseT]):
         self._reports: list[Any] = []
         self._reports_due: asyncio.TimerHandle | None = None
         self._closing = False
+        self._reported = False  # a report went out: closing then waits for the peer to read it
         self.broken: QueryStreamBroken | None = None
         self._tasks = [
             asyncio.create_task(self._write_all(), name=f"queries-write-{address}"),
@@ -115,6 +116,7 @@ class QueryStream(Generic[RequestT, ResponseT]):
                     continue  # the window's reports already rode with a query
                 if reports and self._kind.attach_reports is not None:
                     self._kind.attach_reports(message, reports)
+                    self._reported = True
                 await self._call.write(message)
         except Exception as exc:  # the call ended (AioRpcError, or InvalidStateError once cancelled)
             self._break(exc)
@@ -145,19 +147,32 @@ class QueryStream(Generic[RequestT, ResponseT]):
         else:
             cause_text = str(cause or "closed by the peer")
         self.broken = QueryStreamBroken(f"the query stream to {self.address} ended ({cause_text})")
+        self._fail_waiting(self.broken)
+
+    def _fail_waiting(self, error: QueryStreamBroken) -> None:
         for waiting in self._waiting.values():
             if not waiting.done():
-                waiting.set_exception(self.broken)
+                waiting.set_exception(error)
         self._waiting.clear()
 
     async def close(self, reports_grace_s: float = 1.0) -> None:
-        """End the stream; reports not yet sent get up to ``reports_grace_s`` to go first (cancelling
-        a write in flight would cut the call, so the writer finishes its own)."""
-        if self._reports and self.broken is None:
+        """End the stream. A stream that carries reports gets up to ``reports_grace_s`` for them to
+        reach the peer: the writer sends what it holds (cancelling a write in flight would cut the
+        call), then the stream is half-closed and ends when the peer has read everything. Cancelling
+        the call as soon as the last write went out would drop it: the peer discards a message it
+        had not yet read when the cancel came (it lost a frontend's last end report under load, and
+        the router then counted that request until ``--request-timeout-secs``)."""
+        # queries still waiting fail now, not after the grace: their askers fail over at once
+        self._fail_waiting(QueryStreamBroken(f"the query stream to {self.address} was closed"))
+        if self.broken is None and (self._reports or self._reported):
             self._closing = True
             self._unsent.wake()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._tasks[0]), reports_grace_s)
+            with contextlib.suppress(TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                async with asyncio.timeout(reports_grace_s):
+                    await asyncio.shield(self._tasks[0])
+                    if self.broken is None:
+                        await self._call.done_writing()
+                        await asyncio.shield(self._tasks[1])  # the peer's end of the call
         if self._reports_due is not None:
             self._reports_due.cancel()
         self._call.cancel()
