@@ -68,7 +68,8 @@ class ReplayConfig(RoutingOptions, PlannerOptions, CacheMoveOptions):
         "exact",
         "what the router's ttft cost knows of each worker's step times: exact (its true model), prior (the "
         "nominal model scaled by --router-prefill-scale / --router-decode-scale, for every worker), or learned "
-        "(fitted from the steps each worker runs, starting from that prior)",
+        "(fitted from the steps each worker runs, starting from that prior, and pooled as the live router pools "
+        "what its workers advertise: one shape, each worker at its own speed)",
         choices=("exact", "prior", "learned"),
     )
     router_prefill_scale: float = option(1.0, "the prior's prefill times are the nominal ones times this")

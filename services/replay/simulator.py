@@ -343,7 +343,10 @@ class ReplaySimulator(ElasticFleet):
             result.prefill_tokens, result.decode_context_tokens, capacity, decoding, result.duration_ms
         )
         if counted and fit.observations % self.config.timing_refit_steps == 0 and self.config.kv_cost == "ttft":
-            self.router.chooser.set_timing(WorkerKey(worker, 0), fit.model())
+            # pooled with the fleet's steps, as the live router pools what its workers advertise
+            step_times = self.router.chooser.step_times
+            step_times.observe(REPLAY_MODEL, worker, fit.evidence(), (WorkerKey(worker, 0),))
+            step_times.refit(force=True)
 
     def _prefill_finished(self, prefill_id: str, prefill: int, cached_tokens: int, now: float, by_id) -> int:
         """A remote prefill ended: reserve the decode side and start the transfer (or prefill there)."""

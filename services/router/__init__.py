@@ -10,6 +10,7 @@ The pipeline (``routing`` strings its stages together; ``kvmesh replay`` drives 
 - ``session_affinity`` — a session's turns prefer its last turn's worker, softly and for a while.
 - ``loop_turns`` — an anonymous loop's next step, told by its prompt (the duplicate penalty spares it).
 - ``choice`` — the cost and the choice: policies per block size and mode, fitted step times.
+- ``step_times`` — the step times each worker is costed with: its model's workers' steps pooled.
 - ``policy`` — one routing mode's choice (kv, round-robin, random, power-of-two, cache-aware).
 - ``scheduler`` — the KV cost models and the simple selectors.
 - ``cache_aware`` — SGLang's cache-aware policy.

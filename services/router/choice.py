@@ -9,16 +9,14 @@ candidates, the cache view and the load picture.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import structlog
-
-from kvmesh.common.core.timing import TimingModel, from_constants
+from kvmesh.common.core.timing import TimingModel
 from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.common.wire.lora import must_load
-from kvmesh.common.wire.worker_key import WorkerKey, keys_of, ranks_of
+from kvmesh.common.wire.worker_key import WorkerKey, keys_of
 from kvmesh.router.cache_view import CacheView
 from kvmesh.router.candidates import Prepared
 from kvmesh.router.config import RoutingOptions
@@ -27,15 +25,10 @@ from kvmesh.router.policy import RoutingPolicy
 from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
 from kvmesh.router.prefill_placement import place_prefill
 from kvmesh.router.scheduler import PerWorkerTtftCost, make_cost_model
-
-log = structlog.get_logger(__name__)
+from kvmesh.router.step_times import StepTimes
 
 # Assumed when a worker does not advertise its step token budget.
 DEFAULT_MAX_BATCHED_TOKENS = 8192
-# A worker's discovery record carries its fitted step-time constants under this key (one fit for all
-# its ranks) and, where its ranks are fitted apart, under TIMING_BY_RANK_KEY (rank -> constants).
-TIMING_KEY = "timing"
-TIMING_BY_RANK_KEY = "timing_by_rank"
 
 
 @dataclass(frozen=True)
@@ -54,16 +47,6 @@ class Choice:
         return WorkerKey(self.worker.instance_id, self.dp_rank or 0)
 
 
-def advertised_timing(extra: dict[str, Any], rank: int) -> Any:
-    """The step-time constants a worker advertises for one of its ranks (None: none yet)."""
-    by_rank = extra.get(TIMING_BY_RANK_KEY)
-    if by_rank:
-        constants = by_rank.get(str(rank))
-        if constants is not None:
-            return constants
-    return extra.get(TIMING_KEY)
-
-
 class Chooser:
     """Guarantees: a choice is among the keys it is given; a worker's fitted step times cost each of
     its ranks as that rank advertises them, and leave with the worker."""
@@ -74,15 +57,16 @@ class Chooser:
         loads: LoadTracker,
         rng: random.Random,
         prior: TimingModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``prior``: the step times a worker is costed with until it advertises its own (default:
-        the nominal model)."""
+        the nominal model); ``clock``: paces the refits of pooled step times."""
         self.options = options
         self.loads = loads
         self.prior = prior
         self._rng = rng
         self._policies: dict[tuple[int, str], RoutingPolicy] = {}  # by (block size, mode)
-        self._timing_seen: dict[WorkerKey, object] = {}  # the advertised constants last adopted
+        self.step_times = StepTimes(self.set_timing, prior, clock)
         self._timings: dict[WorkerKey, TimingModel] = {}  # set by set_timing, for policies made later
 
     def policies(self) -> list[RoutingPolicy]:
@@ -125,24 +109,10 @@ class Chooser:
         return policy
 
     def adopt_timing(self, records: Iterable[InstanceRecord]) -> None:
-        """Each rank's fitted step-time constants (advertised in discovery) into the ttft cost of
-        every policy. A request pays an identity check per rank; a cost is rebuilt only when a rank's
-        constants really changed."""
-        if self.options.kv_cost != "ttft":
-            return
-        for record in records:
-            for rank in ranks_of(record.extra):
-                constants = advertised_timing(record.extra, rank)
-                key = WorkerKey(record.instance_id, rank)
-                seen = self._timing_seen.get(key)
-                if constants is None or seen is constants:
-                    continue
-                self._timing_seen[key] = constants
-                if seen != constants:
-                    try:
-                        self.set_timing(key, from_constants(constants))
-                    except (KeyError, TypeError, ValueError):
-                        log.warning("ignoring unreadable timing constants", worker_id=record.instance_id, rank=rank)
+        """Each rank's advertised step times into the ttft cost of every policy
+        (:class:`~kvmesh.router.step_times.StepTimes`)."""
+        if self.options.kv_cost == "ttft":
+            self.step_times.adopt(records)
 
     def set_timing(self, key: WorkerKey, timing: TimingModel) -> None:
         """Cost ``key`` with these step times from now on (what the replay's workers know exactly or
@@ -253,8 +223,8 @@ class Chooser:
 
     def worker_left(self, record: InstanceRecord) -> None:
         """Forget every rank of a departed worker."""
+        self.step_times.forget(record.instance_id, keys_of(record.instance_id, record.extra))
         for key in keys_of(record.instance_id, record.extra):
-            self._timing_seen.pop(key, None)
             self._timings.pop(key, None)
             for policy in self._policies.values():
                 policy.forget(key)

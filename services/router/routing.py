@@ -93,7 +93,7 @@ class Router:
         self.picture = LoadPicture(config, clock, on_capacity)
         # only the duplicate penalty reads loop turns: without it nothing is kept
         self.loop_turns = LoopTurns(config.session_loop_secs if config.kv_duplicate_penalty > 0 else 0.0)
-        self.chooser = Chooser(config, self.picture.loads, rng or random.Random(config.seed), prior)
+        self.chooser = Chooser(config, self.picture.loads, rng or random.Random(config.seed), prior, clock)
         self.sync: ReplicaSync | None = None
 
     @property

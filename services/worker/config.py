@@ -278,7 +278,9 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
     )
 
     timing_advertise_secs: float = option(
-        5.0, "seconds between updates of the fitted step-time constants this worker advertises to the routers"
+        5.0,
+        "seconds between updates of the step-time constants this worker fitted, and of the steps behind them, "
+        "which it advertises to the routers",
     )
     engine_args: list[str] = option(
         None, "with --engine vllm: the arguments the worker does not know itself, handed to vLLM", passthrough=True

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvmesh.common.core.timing import TimingModel
+from kvmesh.common.core.timing_fit import TimingEvidence
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.common.wire.finish_reasons import FinishReason
 from kvmesh.common.wire.hashing import token_array
@@ -266,6 +267,11 @@ class Engine(abc.ABC):
     def fitted_timing(self) -> TimingModel | None:
         """The step-time model fitted from the steps this engine ran (None before any), which the
         worker advertises for the router's ttft cost."""
+        return None
+
+    def timing_evidence(self) -> TimingEvidence | None:
+        """The steps behind :meth:`fitted_timing`, which the worker advertises too: the router pools
+        a fleet's steps (docs/decisions/0061). None before any step, or for an engine that fits none."""
         return None
 
     @abc.abstractmethod

@@ -19,6 +19,7 @@ from kvmesh.common.runtime.metrics import MetricsEndpoint
 from kvmesh.common.runtime.service import ServiceStack, service_main
 from kvmesh.common.wire.gateway_endpoint import GATEWAY_ENDPOINT_KEY, endpoint_of_url
 from kvmesh.common.wire.lora import ADAPTERS_KEY, RESIDENT_KEY, adapter_paths
+from kvmesh.common.wire.step_timing import TIMING_EVIDENCE_KEY, TIMING_KEY
 from kvmesh.common.wire.worker_key import DATA_PARALLEL_KEY, POD_KEY
 from kvmesh.worker.cache_moves import CacheMoves
 from kvmesh.worker.config import WorkerConfig
@@ -164,17 +165,22 @@ def gateway_extra(config: WorkerConfig) -> dict[str, object]:
 
 
 async def advertise_timing_forever(engine: Engine, registration: Registration, period_s: float) -> None:
-    """Put the engine's fitted step-time constants into this worker's discovery record, for the
-    routers' ttft cost (each worker its own: heterogeneous workers get different costs)."""
+    """Put the engine's fitted step-time constants, and the steps they were fitted on, into this
+    worker's discovery record for the routers' ttft cost: a router pools the steps of a model's
+    workers and costs each at its own speed (docs/decisions/0061), so heterogeneous workers still
+    get different costs."""
     while True:
         await asyncio.sleep(period_s)
         fitted = engine.fitted_timing()
         if fitted is None:
             continue
-        constants = as_constants(fitted)
+        timing = {TIMING_KEY: as_constants(fitted)}
+        evidence = engine.timing_evidence()
+        if evidence is not None:
+            timing[TIMING_EVIDENCE_KEY] = evidence.to_wire()
         record = registration.record
-        if record.extra.get("timing") != constants:
-            await registration.update(dataclasses.replace(record, extra={**record.extra, "timing": constants}))
+        if any(record.extra.get(key) != value for key, value in timing.items()):
+            await registration.update(dataclasses.replace(record, extra={**record.extra, **timing}))
 
 
 async def advertise_adapters_forever(slots: AdapterSlots, registration: Registration) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 
@@ -246,7 +247,9 @@ async def test_a_worker_advertises_the_step_times_it_measured(nats_url: str, nc:
     """The mock worker times its own steps, fits the step-time model and, once it has measured steps,
     puts it into its discovery record, where routers read it. (The fit itself is tested in
     test_timing_fit; here: nothing is advertised before a step, real-time constants after.)"""
-    from kvmesh.common.core.timing import TimingModel, from_constants
+    from kvmesh.common.core.fleet_timing import fleet_models
+    from kvmesh.common.core.timing import TimingModel, from_constants, real_time
+    from kvmesh.common.core.timing_fit import TimingEvidence
 
     argv = ["--nats-url", nats_url, "--namespace", NAMESPACE, "--speedup-ratio", "10", "--timing-advertise-secs", "0.2"]
     workers = await watcher_for(nc, "worker")
@@ -259,6 +262,13 @@ async def test_a_worker_advertises_the_step_times_it_measured(nats_url: str, nc:
                 request.stop.max_tokens = 8
                 [o async for o in worker_pb2_grpc.WorkerStub(channel).Generate(request)]
         await wait_until_async(lambda: "timing" in workers.instances()[0].extra, what="the fitted constants advertised")
-        fitted = from_constants(workers.instances()[0].extra["timing"])
+        extra = workers.instances()[0].extra
+        fitted = from_constants(extra["timing"])
         nominal = TimingModel().prefill_ms(1500)
         assert fitted.prefill_ms(1500) < nominal / 2  # real time at speed-up 10, not the nominal model
+        # with the steps behind it, which a router pools with the other workers' (docs/decisions/0061)
+        steps = TimingEvidence.from_wire(extra["timing_evidence"])
+        assert steps.steps > 0
+        prior = real_time(dataclasses.replace(TimingModel(), speedup_ratio=10))  # the worker's own prior
+        pooled = fleet_models({"alone": steps}, prior)["alone"]
+        assert pooled.prefill_ms(1500) == pytest.approx(fitted.prefill_ms(1500), rel=0.05)

@@ -22,6 +22,8 @@ coefficient is then ≥ 0, which non-negative least squares (SciPy's NNLS) enfor
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from scipy.linalg import cho_factor, solve_triangular
 from scipy.optimize import nnls
@@ -42,7 +44,7 @@ def _features(prefill_tokens: int, utilisation: float, decoding: bool) -> tuple[
     return (t * t, t, prefilling, u - u * u / 2, u * u / 2, 1.0 if decoding else 0.0)
 
 
-def _as_vector(model: TimingModel) -> np.ndarray:
+def as_vector(model: TimingModel) -> np.ndarray:
     """The model in the fit's coordinates (decode slopes at u = 0 and u = 1), each ≥ 0 for a model
     that makes sense; a prior that does not is projected onto the nearest one that does."""
     scale = _T_SCALE
@@ -61,7 +63,7 @@ def _as_vector(model: TimingModel) -> np.ndarray:
     return np.maximum(theta, 0.0)
 
 
-def _as_model(theta: np.ndarray) -> TimingModel:
+def as_model(theta: np.ndarray) -> TimingModel:
     scale = _T_SCALE
     slope_at_0, slope_at_1 = float(theta[3]), float(theta[4])
     return TimingModel(
@@ -84,9 +86,10 @@ class TimingFit:
         self.prior = prior
         self.prior_weight = prior_weight
         self.decay = decay
-        self._theta_prior = _as_vector(prior)
+        self._theta_prior = as_vector(prior)
         self._xtx = np.zeros((_FEATURES, _FEATURES))
         self._xty = np.zeros(_FEATURES)
+        self._weight = 0.0  # the steps' decayed count
         self._held: list[tuple[float, ...]] = []  # (features..., ms) of steps not yet folded in
         self.observations = 0
 
@@ -117,15 +120,57 @@ class TimingFit:
         carried = self.decay ** len(held)
         self._xtx = carried * self._xtx + weighted.T @ x
         self._xty = carried * self._xty + weighted.T @ ms
+        self._weight = carried * self._weight + float(weights.sum())
+
+    def evidence(self) -> TimingEvidence:
+        """The steps observed so far, as the decayed sums a fit solves (for pooling a fleet's steps)."""
+        self._fold()
+        return TimingEvidence(self._xtx.copy(), self._xty.copy(), self._weight)
 
     def model(self) -> TimingModel:
         if not self.observations:
             return self.prior
         self._fold()
-        # Minimise θᵀAθ − 2bᵀθ over θ ≥ 0: with A = LLᵀ that is ‖Lᵀθ − L⁻¹b‖² plus a constant.
-        system = self._xtx + self.prior_weight * np.eye(_FEATURES)
-        target = self._xty + self.prior_weight * self._theta_prior
-        lower, _ = cho_factor(system, lower=True)
-        lower = np.tril(lower)
-        theta, _residual = nnls(lower.T, solve_triangular(lower, target, lower=True))
-        return _as_model(theta)
+        return as_model(solve(self._xtx, self._xty, self.prior_weight, self._theta_prior))
+
+
+@dataclass(frozen=True)
+class TimingEvidence:
+    """A worker's observed steps as the sums a least-squares fit needs: ``xtx`` (XᵀX) and ``xty``
+    (Xᵀy) over the fit's scaled features, and ``steps``, their decayed count."""
+
+    xtx: np.ndarray
+    xty: np.ndarray
+    steps: float
+
+    def to_wire(self) -> dict[str, list[float] | float]:
+        """A plain form for a discovery record: XᵀX's upper triangle (it is symmetric), Xᵀy, steps."""
+        upper = self.xtx[np.triu_indices(_FEATURES)]
+        return {"xtx": [float(v) for v in upper], "xty": [float(v) for v in self.xty], "steps": float(self.steps)}
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> TimingEvidence:
+        """Raises ValueError (or KeyError, TypeError) for a form :meth:`to_wire` did not make."""
+        upper = np.asarray(wire["xtx"], dtype=float)
+        xty = np.asarray(wire["xty"], dtype=float)
+        steps = float(wire["steps"])
+        if upper.shape != (_FEATURES * (_FEATURES + 1) // 2,) or xty.shape != (_FEATURES,) or steps < 0:
+            raise ValueError("timing evidence of the wrong shape")
+        if not (np.isfinite(upper).all() and np.isfinite(xty).all() and np.isfinite(steps)):
+            raise ValueError("timing evidence that is not finite")
+        xtx = np.zeros((_FEATURES, _FEATURES))
+        xtx[np.triu_indices(_FEATURES)] = upper
+        xtx = xtx + np.triu(xtx, 1).T
+        return cls(xtx, xty, steps)
+
+
+def solve(xtx: np.ndarray, xty: np.ndarray, prior_weight: float, theta_prior: np.ndarray) -> np.ndarray:
+    """The fit's coefficients: least squares over the sums, pulled toward ``theta_prior`` with the
+    weight of ``prior_weight`` observations, every coefficient ≥ 0."""
+    # Minimise θᵀAθ − 2bᵀθ over θ ≥ 0: with A = LLᵀ that is ‖Lᵀθ − L⁻¹b‖² plus a constant.
+    system = xtx + prior_weight * np.eye(_FEATURES)
+    target = xty + prior_weight * theta_prior
+    lower, _ = cho_factor(system, lower=True)
+    lower = np.tril(lower)
+    theta, _residual = nnls(lower.T, solve_triangular(lower, target, lower=True))
+    return theta

@@ -11,6 +11,7 @@
 - ``session`` — a request's session: the headers that carry one, its one parser.
 - ``lora`` — LoRA adapters: names, paths, what a worker's record says it serves and holds.
 - ``names`` — every NATS subject, stream and bucket name.
+- ``step_timing`` — the step times a worker advertises: its fitted constants and the steps behind them.
 - ``worker_key`` — how every service names one engine instance: ``WorkerKey(worker_id, dp_rank)``.
 - ``frontend_load`` — what a frontend served, published for the planner.
 - ``worker_load`` — each worker's load as a router predicts it, published for the planner.

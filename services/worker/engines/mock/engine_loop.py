@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 
 from kvmesh.common.core.timing import TimingModel, real_time
-from kvmesh.common.core.timing_fit import TimingFit
+from kvmesh.common.core.timing_fit import TimingEvidence, TimingFit
 from kvmesh.common.rpc.tasks import cancel_and_wait
 from kvmesh.common.wire.kv_events import HOST_TIER
 from kvmesh.worker.engine import (
@@ -208,6 +208,9 @@ class MockEngineLoop(Engine):
 
     def fitted_timing(self) -> TimingModel | None:
         return self.timing_fit.model() if self.timing_fit.observations else None
+
+    def timing_evidence(self) -> TimingEvidence | None:
+        return self.timing_fit.evidence() if self.timing_fit.observations else None
 
     def _observe(self, result: StepResult, measured_ms: float) -> None:
         decoding = result.decoding_requests > 0

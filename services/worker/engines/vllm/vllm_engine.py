@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 
 from kvmesh.common.core.timing import TimingModel
-from kvmesh.common.core.timing_fit import TimingFit
+from kvmesh.common.core.timing_fit import TimingEvidence, TimingFit
 from kvmesh.common.runtime.ports import free_port, free_port_run
 from kvmesh.common.wire.finish_reasons import FinishReason
 from kvmesh.common.wire.kv_events import EventData
@@ -385,6 +385,9 @@ class VllmEngine(StreamingEngine):
     # ---- state -------------------------------------------------------------------------------
     def fitted_timing(self) -> TimingModel | None:
         return self.timing_fit.model() if self.timing_fit.observations else None
+
+    def timing_evidence(self) -> TimingEvidence | None:
+        return self.timing_fit.evidence() if self.timing_fit.observations else None
 
     def dump_tier_state(self, tier: str) -> tuple[int, list[CachedBlock]] | None:
         """The relay's view of the blocks rank 0 offloaded to ``tier`` (``host``: CPU memory, ``disk``)."""
