@@ -28,16 +28,16 @@ SPEED_LIMITS = (0.1, 10.0)  # a speed outside these is a fit gone wrong, not an 
 ALTERNATIONS = 4  # rounds of fitting the shape and the speeds in turn (the figures settle by the third)
 
 
-def pooled_speed(theta: np.ndarray, evidence: TimingEvidence, typical_square: float) -> float:
-    """The factor ``s`` that best fits the worker's steps as ``s`` times the pooled model θ (least
-    squares: s = θᵀXᵀy ÷ θᵀXᵀXθ), pulled toward 1 by :data:`SPEED_PRIOR_STEPS` steps of
-    ``typical_square`` (a pooled step's predicted ms, squared, on average)."""
+def pooled_speeds(theta: np.ndarray, xtx: np.ndarray, xty: np.ndarray, typical_square: float) -> np.ndarray:
+    """Each worker's factor ``s`` that best fits its steps as ``s`` times the pooled model θ (least
+    squares: s = θᵀXᵀy ÷ θᵀXᵀXθ over its sums ``xtx[k]``, ``xty[k]``), pulled toward 1 by
+    :data:`SPEED_PRIOR_STEPS` steps of ``typical_square`` (a pooled step's predicted ms, squared,
+    on average)."""
     prior = SPEED_PRIOR_STEPS * typical_square
-    explained = float(theta @ evidence.xty) + prior
-    predicted = float(theta @ evidence.xtx @ theta) + prior
-    if predicted <= 0:
-        return 1.0
-    return min(max(explained / predicted, SPEED_LIMITS[0]), SPEED_LIMITS[1])
+    explained = xty @ theta + prior
+    predicted = np.einsum("i,kij,j->k", theta, xtx, theta) + prior
+    speeds = np.divide(explained, predicted, out=np.ones_like(explained), where=predicted > 0)
+    return np.clip(speeds, *SPEED_LIMITS)
 
 
 def fleet_models(
@@ -45,22 +45,23 @@ def fleet_models(
 ) -> dict[Hashable, TimingModel]:
     """Each worker's step-time model ``s·θ``: θ, the shape, fitted to every worker's steps together
     (pulled toward ``prior`` as :class:`TimingFit` pulls one worker's), ``s`` its speed
-    (:func:`pooled_speed`). Shape and speeds are fitted in turn (:data:`ALTERNATIONS` rounds): a
+    (:func:`pooled_speeds`). Shape and speeds are fitted in turn (:data:`ALTERNATIONS` rounds): a
     shape fitted to raw pooled steps leans toward whatever the slow workers ran most, which the
     router chose for them (on the shared trace with 4 of 8 workers 2x slower, it fitted a 300-token
     prefill 16% long and a decode step 26% short). Every model returned predicts step times ≥ 0
     and non-decreasing in tokens and context, as a fit's do."""
     if not evidence:
         return {}
+    keys = list(evidence)
+    xtx = np.stack([evidence[key].xtx for key in keys])
+    xty = np.stack([evidence[key].xty for key in keys])
+    steps = sum(evidence[key].steps for key in keys)
+    xtx_all = xtx.sum(axis=0)
     theta_prior = as_vector(prior)
-    xtx_all = sum(e.xtx for e in evidence.values())
-    steps = sum(e.steps for e in evidence.values())
-    speeds = dict.fromkeys(evidence, 1.0)
+    speeds = np.ones(len(keys))
     for _ in range(ALTERNATIONS):
         # the steps of a worker of speed s are s·(the shape's): least squares of the shape given s
-        xtx = sum(speeds[key] ** 2 * e.xtx for key, e in evidence.items())
-        xty = sum(speeds[key] * e.xty for key, e in evidence.items())
-        theta = solve(xtx, xty, prior_weight, theta_prior)
+        theta = solve(np.einsum("k,kij->ij", speeds**2, xtx), speeds @ xty, prior_weight, theta_prior)
         typical_square = float(theta @ xtx_all @ theta) / steps if steps > 0 else 0.0
-        speeds = {key: pooled_speed(theta, e, typical_square) for key, e in evidence.items()}
-    return {key: as_model(speeds[key] * theta) for key in evidence}
+        speeds = pooled_speeds(theta, xtx, xty, typical_square)
+    return {key: as_model(float(speed) * theta) for key, speed in zip(keys, speeds, strict=True)}
