@@ -220,6 +220,12 @@ class ActiveSequences:
         load = self._loads.get(worker)
         return load.requests if load is not None else 0
 
+    def requests_column(self, workers: Sequence[WorkerKey]) -> list[int]:
+        """:meth:`requests` for each of ``workers``, in their order (the routing decision's hot path:
+        at 256 workers a method call each cost a fifth of the default's decision)."""
+        get_load = self._loads.get
+        return [get_load(worker, _NO_LOAD).requests for worker in workers]
+
     def decoding(self, worker: WorkerKey) -> int:
         """Requests on ``worker`` past their prefill: each step it spends on another prefill delays
         their next tokens."""

@@ -109,11 +109,15 @@ class RoutingPolicy:
         Why: the cost compares only this request's time to first token, so under load it copies a
         prefix to an idle worker whenever the copy costs less than the queue; the copy then evicts
         other prefixes there, and later requests pay for them (docs/decisions/0048)."""
-        held = [overlaps.get(worker, 0) for worker in workers]
+        get_overlap = overlaps.get
+        held = [get_overlap(worker, 0) for worker in workers]
         best = max(held)
         if best == 0:
             return list(prefills)
         tokens_per_block = penalty * self.block_size
+        if float(tokens_per_block).is_integer():  # the usual case: the same sums without a round() each
+            whole = int(tokens_per_block)
+            return [prefill + (best - own) * whole for prefill, own in zip(prefills, held, strict=True)]
         return [prefill + round((best - own) * tokens_per_block) for prefill, own in zip(prefills, held, strict=True)]
 
     def _imbalanced(self, workers: Sequence[WorkerKey]) -> bool:
@@ -122,7 +126,7 @@ class RoutingPolicy:
         duplicate penalty is waived then: it holds a prefix on its holder whatever the holder's load,
         and a worker that joined a fleet whose holders hold every prefix got nothing while they
         overflowed (the planner's tenant-mix replay grew to 11 workers, one serving; decision 56)."""
-        loads = [self.active.requests(worker) for worker in workers]
+        loads = self.active.requests_column(workers)
         return self._balance.imbalanced(max(loads), min(loads))
 
     def _poorly_matched(self, overlaps: Mapping[WorkerKey, int], prompt_tokens: int) -> bool:
