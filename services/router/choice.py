@@ -223,8 +223,9 @@ class Chooser:
 
     def worker_left(self, record: InstanceRecord) -> None:
         """Forget every rank of a departed worker."""
-        self.step_times.forget(record.instance_id, keys_of(record.instance_id, record.extra))
-        for key in keys_of(record.instance_id, record.extra):
+        keys = list(keys_of(record.instance_id, record.extra))
+        self.step_times.forget(record.instance_id, keys)
+        for key in keys:
             self._timings.pop(key, None)
             for policy in self._policies.values():
                 policy.forget(key)

@@ -220,7 +220,7 @@ class RoutingPolicy:
         if self.cache_aware is not None:
             if tokens is None:
                 raise ValueError("cache-aware routing needs the prompt's tokens")
-            in_flight = {worker: self.active.requests(worker) for worker in workers}
+            in_flight = dict(zip(workers, self.active.requests_column(workers), strict=True))
             choice = self.cache_aware.select(workers, tokens, in_flight, now, commit)
             return Decision(choice.worker, choice.matched_tokens // self.block_size)
         overlaps = overlaps or {}

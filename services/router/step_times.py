@@ -19,7 +19,7 @@ from kvmesh.common.core.timing import TimingModel, from_constants
 from kvmesh.common.core.timing_fit import TimingEvidence
 from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.common.wire.step_timing import TIMING_EVIDENCE_KEY, advertised_timing, fitted_apart
-from kvmesh.common.wire.worker_key import WorkerKey, ranks_of
+from kvmesh.common.wire.worker_key import WorkerKey, keys_of
 
 log = structlog.get_logger(__name__)
 
@@ -62,14 +62,14 @@ class StepTimes:
                 continue  # discovery replaces a record on every update: the same object says nothing new
             self._read[record.instance_id] = extra
             wire = extra.get(TIMING_EVIDENCE_KEY)
-            shared = tuple(
-                WorkerKey(record.instance_id, rank) for rank in ranks_of(extra) if not fitted_apart(extra, rank)
-            )
-            own = [WorkerKey(record.instance_id, rank) for rank in ranks_of(extra) if fitted_apart(extra, rank)]
+            shared: list[WorkerKey] = []  # ranks costed with the worker's one fit
+            own: list[WorkerKey] = []  # ranks that advertise their own constants
+            for key in keys_of(record.instance_id, extra):
+                (own if fitted_apart(extra, key.dp_rank) else shared).append(key)
             if wire is not None and shared:
                 if self._changed(record.instance_id, wire):
                     try:
-                        self.observe(record.model, record.instance_id, TimingEvidence.from_wire(wire), shared)
+                        self.observe(record.model, record.instance_id, TimingEvidence.from_wire(wire), tuple(shared))
                     except (KeyError, TypeError, ValueError):
                         log.warning("ignoring unreadable step times", worker_id=record.instance_id)
             else:
