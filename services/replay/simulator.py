@@ -345,7 +345,9 @@ class ReplaySimulator(ElasticFleet):
         if counted and fit.observations % self.config.timing_refit_steps == 0 and self.config.kv_cost == "ttft":
             # pooled with the fleet's steps, as the live router pools what its workers advertise
             step_times = self.router.chooser.step_times
-            step_times.observe(REPLAY_MODEL, worker, fit.evidence(), (WorkerKey(worker, 0),))
+            # a slow engine is of a class of its own, as a worker advertises its device (decision 62)
+            speed_class = "slow" if worker < self.config.slow_workers else "normal"
+            step_times.observe(REPLAY_MODEL, worker, fit.evidence(), (WorkerKey(worker, 0),), speed_class)
             step_times.refit(force=True)
 
     def _prefill_finished(self, prefill_id: str, prefill: int, cached_tokens: int, now: float, by_id) -> int:

@@ -2,8 +2,9 @@
 
 Workers advertise the constants they fitted and the steps they fitted them on
 (:mod:`kvmesh.common.wire.step_timing`). Where the steps are advertised, the workers of one model
-are costed with the fit of all their steps together, each scaled to its own speed
-(:mod:`kvmesh.common.core.fleet_timing`, docs/decisions/0061); a worker that advertises only
+are costed with the fit of all their steps together, each scaled to its speed
+(:mod:`kvmesh.common.core.fleet_timing`, docs/decisions/0061): one speed for the workers of one
+speed class, fitted to their steps together (docs/decisions/0062). A worker that advertises only
 constants, or its ranks' own, is costed with those as before.
 """
 
@@ -18,7 +19,7 @@ from kvmesh.common.core.fleet_timing import fleet_models
 from kvmesh.common.core.timing import TimingModel, from_constants
 from kvmesh.common.core.timing_fit import TimingEvidence
 from kvmesh.common.runtime.discovery import InstanceRecord
-from kvmesh.common.wire.step_timing import TIMING_EVIDENCE_KEY, advertised_timing, fitted_apart
+from kvmesh.common.wire.step_timing import SPEED_CLASS_KEY, TIMING_EVIDENCE_KEY, advertised_timing, fitted_apart
 from kvmesh.common.wire.worker_key import WorkerKey, keys_of
 
 log = structlog.get_logger(__name__)
@@ -31,8 +32,8 @@ REFIT_EVERY_S = 1.0
 class StepTimes:
     """Guarantees: every instance that advertised readable step times is costed (through ``apply``)
     with them, pooled with its model's other workers where its worker advertised its steps (a
-    worker counts once in its pool, whatever its ranks); a departed worker leaves its pool
-    (:meth:`forget`)."""
+    worker counts once in its pool, whatever its ranks; the workers of a pool that advertise one
+    speed class are costed at one speed); a departed worker leaves its pool (:meth:`forget`)."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class StepTimes:
         self._read: dict[int, dict] = {}  # each worker's record extra last read
         self._seen: dict[object, object] = {}  # by worker id (its steps) or WorkerKey (constants): last adopted
         self._pools: dict[str, dict[int, TimingEvidence]] = {}  # by model served, then worker id
+        self._classes: dict[int, str] = {}  # worker id -> the speed class it advertised
         self._pooled: dict[int, tuple[str, tuple[WorkerKey, ...]]] = {}  # worker id -> its pool, its ranks costed
         self._stale: set[str] = set()  # pools changed since their last refit
         self._refitted: dict[str, float] = {}
@@ -69,7 +71,10 @@ class StepTimes:
             if wire is not None and shared:
                 if self._changed(record.instance_id, wire):
                     try:
-                        self.observe(record.model, record.instance_id, TimingEvidence.from_wire(wire), tuple(shared))
+                        evidence = TimingEvidence.from_wire(wire)
+                        speed_class = extra.get(SPEED_CLASS_KEY)
+                        speed_class = speed_class if isinstance(speed_class, str) and speed_class else None
+                        self.observe(record.model, record.instance_id, evidence, tuple(shared), speed_class)
                     except (KeyError, TypeError, ValueError):
                         log.warning("ignoring unreadable step times", worker_id=record.instance_id)
             else:
@@ -91,9 +96,17 @@ class StepTimes:
         self._seen[what] = advertised
         return seen != advertised
 
-    def observe(self, model: str, worker_id: int, evidence: TimingEvidence, keys: tuple[WorkerKey, ...]) -> None:
+    def observe(
+        self,
+        model: str,
+        worker_id: int,
+        evidence: TimingEvidence,
+        keys: tuple[WorkerKey, ...],
+        speed_class: str | None = None,
+    ) -> None:
         """``worker_id``'s steps so far, in the pool of the workers serving ``model``, costing
-        ``keys`` (its ranks that share the fit); applied at the next :meth:`refit` that is due."""
+        ``keys`` (its ranks that share the fit), at the speed of its ``speed_class`` (None: a speed
+        of its own); applied at the next :meth:`refit` that is due."""
         if worker_id in self._pooled and self._pooled[worker_id][0] != model:
             self._leave_pool(worker_id)
         pool = self._pools.setdefault(model, {})
@@ -101,6 +114,10 @@ class StepTimes:
             self._refitted.pop(model, None)  # a newcomer is costed from its first advertisement
         pool[worker_id] = evidence
         self._pooled[worker_id] = (model, keys)
+        if speed_class is None:
+            self._classes.pop(worker_id, None)
+        else:
+            self._classes[worker_id] = speed_class
         self._stale.add(model)
 
     def refit(self, force: bool = False) -> None:
@@ -115,7 +132,9 @@ class StepTimes:
                 continue
             self._stale.discard(model)
             self._refitted[model] = now
-            for worker_id, timing in fleet_models(self._pools.get(model, {}), self._prior).items():
+            pool = self._pools.get(model, {})
+            classes = {worker_id: self._classes[worker_id] for worker_id in pool if worker_id in self._classes}
+            for worker_id, timing in fleet_models(pool, self._prior, speed_classes=classes).items():
                 for key in self._pooled[worker_id][1]:
                     self._apply(key, timing)
 
@@ -129,6 +148,7 @@ class StepTimes:
 
     def _leave_pool(self, worker_id: int) -> None:
         pooled = self._pooled.pop(worker_id, None)
+        self._classes.pop(worker_id, None)
         if pooled is not None:
             model = pooled[0]
             self._pools[model].pop(worker_id, None)

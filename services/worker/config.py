@@ -282,6 +282,12 @@ class WorkerConfig(GrpcEndpointConfig, EngineOptions):
         "seconds between updates of the step-time constants this worker fitted, and of the steps behind them, "
         "which it advertises to the routers",
     )
+    speed_class: str | None = option(
+        None,
+        "what this worker's engine has in common with the equally fast (routers cost a model's workers of one "
+        "class at one speed, fitted to their steps together; default: the engine and its device, e.g. "
+        "'vllm cpu torch.float32 tp1 pp1'; name the host kind where hosts differ)",
+    )
     engine_args: list[str] = option(
         None, "with --engine vllm: the arguments the worker does not know itself, handed to vLLM", passthrough=True
     )

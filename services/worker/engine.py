@@ -269,6 +269,10 @@ class Engine(abc.ABC):
         worker advertises for the router's ttft cost."""
         return None
 
+    # What engines alike in speed have in common (its build and device), advertised for the routers:
+    # they cost a model's workers of one class at one speed (docs/decisions/0062). None: unknown.
+    speed_class: str | None = None
+
     def timing_evidence(self) -> TimingEvidence | None:
         """The steps behind :meth:`fitted_timing`, which the worker advertises too: the router pools
         a fleet's steps (docs/decisions/0061). None before any step, or for an engine that fits none."""

@@ -19,7 +19,7 @@ from kvmesh.common.runtime.metrics import MetricsEndpoint
 from kvmesh.common.runtime.service import ServiceStack, service_main
 from kvmesh.common.wire.gateway_endpoint import GATEWAY_ENDPOINT_KEY, endpoint_of_url
 from kvmesh.common.wire.lora import ADAPTERS_KEY, RESIDENT_KEY, adapter_paths
-from kvmesh.common.wire.step_timing import TIMING_EVIDENCE_KEY, TIMING_KEY
+from kvmesh.common.wire.step_timing import SPEED_CLASS_KEY, TIMING_EVIDENCE_KEY, TIMING_KEY
 from kvmesh.common.wire.worker_key import DATA_PARALLEL_KEY, POD_KEY
 from kvmesh.worker.cache_moves import CacheMoves
 from kvmesh.worker.config import WorkerConfig
@@ -135,11 +135,14 @@ async def register(
     extra: dict[str, object],
 ) -> Registration:
     """Serve ``servicer`` over gRPC and register the worker: its role, model, cache shape, step
-    token budget and data-parallel ranks, and ``extra``."""
+    token budget, data-parallel ranks and speed class, and ``extra``."""
     engine = started.engine
     status = engine.status()
     if config.data_parallel_size > 1:
         extra[DATA_PARALLEL_KEY] = config.data_parallel_size
+    speed_class = config.speed_class or engine.speed_class
+    if speed_class:
+        extra[SPEED_CLASS_KEY] = speed_class
     return await stack.grpc_service(
         js,
         config,

@@ -243,19 +243,26 @@ async def test_indexer_answers_and_forgets_a_departed_worker(
     await indexers.stop()
 
 
-async def test_a_worker_advertises_the_step_times_it_measured(nats_url: str, nc: NatsClient):
+@pytest.mark.parametrize(("flags", "speed_class"), [((), "mock x10"), (("--speed-class", "host b"), "host b")])
+async def test_a_worker_advertises_the_step_times_it_measured(nats_url: str, nc: NatsClient, flags, speed_class):
     """The mock worker times its own steps, fits the step-time model and, once it has measured steps,
     puts it into its discovery record, where routers read it. (The fit itself is tested in
-    test_timing_fit; here: nothing is advertised before a step, real-time constants after.)"""
+    test_timing_fit; here: nothing is advertised before a step, real-time constants after, and the
+    engine's speed class from the start.)"""
     from kvmesh.common.core.fleet_timing import fleet_models
     from kvmesh.common.core.timing import TimingModel, from_constants, real_time
     from kvmesh.common.core.timing_fit import TimingEvidence
 
-    argv = ["--nats-url", nats_url, "--namespace", NAMESPACE, "--speedup-ratio", "10", "--timing-advertise-secs", "0.2"]
+    argv = [
+        *("--nats-url", nats_url, "--namespace", NAMESPACE, "--speedup-ratio", "10", "--timing-advertise-secs", "0.2"),
+        *flags,
+    ]
     workers = await watcher_for(nc, "worker")
     async with running(worker_server.serve, service_config(WorkerConfig, argv)):
         await wait_until_async(lambda: len(workers.instances()) == 1, what="worker registered")
         assert "timing" not in workers.instances()[0].extra  # nothing measured yet
+        # its speed class (docs/decisions/0062): mock engines of one speed-up share one, unless told
+        assert workers.instances()[0].extra["speed_class"] == speed_class
         async with grpc.aio.insecure_channel(workers.instances()[0].address) as channel:
             for i in range(5):
                 request = common_pb2.PreprocessedRequest(request_id=f"t{i}", token_ids=list(range(i, 1500 + i)))

@@ -1,5 +1,5 @@
 """A fleet's step-time model: the fit of all its workers' steps, scaled to each worker's speed
-(docs/decisions/0061)."""
+(docs/decisions/0061), one speed for the workers of one speed class (docs/decisions/0062)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,19 @@ def test_a_slower_engine_is_still_costed_slower_by_its_factor():
     fast = np.mean([pooled[i].prefill_ms(LONG_PROMPT) for i in range(3)])
     assert pooled[3].prefill_ms(LONG_PROMPT) / fast == pytest.approx(2.0, rel=0.1)
     assert pooled[3].decode_ms(200, 1000, True) / pooled[0].decode_ms(200, 1000, True) == pytest.approx(2.0, rel=0.15)
+
+
+def test_engines_of_one_class_share_one_speed_whatever_each_measured():
+    # engine 2 is engine 0's and 1's kind but measured 1.6x slow (a busier host); engine 3 is a slower device
+    fits = fitted_fleet([1.0, 1.0, 1.6, 2.0], 2000, seed=7)
+    evidence = {i: fit.evidence() for i, fit in enumerate(fits)}
+    apart = fleet_models(evidence, TimingModel())
+    assert apart[2].prefill_ms(LONG_PROMPT) / apart[0].prefill_ms(LONG_PROMPT) == pytest.approx(1.6, rel=0.1)
+    classed = fleet_models(evidence, TimingModel(), speed_classes={0: "a", 1: "a", 2: "a", 3: "b"})
+    assert {classed[i].prefill_ms(LONG_PROMPT) for i in range(3)} == {classed[0].prefill_ms(LONG_PROMPT)}
+    # class a's speed is its engines' together (about 1.2), and engine 3 keeps its own 2x against it
+    ratio = classed[3].prefill_ms(LONG_PROMPT) / classed[0].prefill_ms(LONG_PROMPT)
+    assert ratio == pytest.approx(2.0 / 1.2, rel=0.1)
 
 
 def test_an_engine_that_has_barely_run_is_costed_at_the_fleets_speed():

@@ -1,5 +1,6 @@
 """What the router's ttft cost knows of each engine instance's step times: pooled where workers
-advertise their steps, their own constants where they advertise only those (docs/decisions/0061)."""
+advertise their steps, their own constants where they advertise only those (docs/decisions/0061),
+one speed for the workers of one speed class (docs/decisions/0062)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,25 @@ def test_workers_that_advertise_their_steps_are_costed_from_the_pool_at_their_ow
     times = StepTimes(costed, clock=Clock())
     times.adopt([record(1, timing_evidence=evidence(1.0, seed=1)), record(2, timing_evidence=evidence(2.0, seed=2))])
     assert costed.long_prefill(2) / costed.long_prefill(1) == pytest.approx(2.0, rel=0.1)
+
+
+def test_workers_of_one_speed_class_are_costed_at_one_speed_and_other_classes_at_their_own():
+    costed = Costed()
+    times = StepTimes(costed, clock=Clock())
+    # worker 2 measured 1.6x slow (a contended host) but advertises its peers' class; worker 3 is a slower device
+    times.adopt(
+        [
+            record(1, timing_evidence=evidence(1.0, seed=1), speed_class="gpu-a"),
+            record(2, timing_evidence=evidence(1.6, seed=2), speed_class="gpu-a"),
+            record(3, timing_evidence=evidence(2.0, seed=3), speed_class="gpu-b"),
+        ]
+    )
+    assert costed.long_prefill(1) == pytest.approx(costed.long_prefill(2), rel=1e-9)
+    # class a's one speed lies between its workers' own, near their mean
+    assert 1.5 < costed.long_prefill(3) / costed.long_prefill(1) < 1.8
+    times.adopt([record(2, timing_evidence=evidence(1.6, seed=2, steps=501))])  # no class now: a speed of its own
+    times.refit(force=True)
+    assert costed.long_prefill(2) / costed.long_prefill(1) == pytest.approx(1.6, rel=0.1)
 
 
 def test_an_unchanged_record_costs_nothing_and_refits_are_paced_but_a_newcomer_is_costed_at_once():

@@ -7,7 +7,9 @@ short. Live, on three vLLM CPU workers of equal speed, a 3,000-token prefill was
 (docs/decisions/0061). Pooled, the fleet's steps fix the model's shape: how a step's time grows
 with its tokens and its decoding context. Each worker's own steps then fix one number, its speed
 against that shape, which a few hundred steps determine well. A worker twice as slow as the others
-is still costed twice as slow.
+is still costed twice as slow. Workers of one speed class share one speed, fitted to their steps
+together: a speed measured per worker reads the load the router put on it as the engine's
+(docs/decisions/0062).
 """
 
 from __future__ import annotations
@@ -41,15 +43,20 @@ def pooled_speeds(theta: np.ndarray, xtx: np.ndarray, xty: np.ndarray, typical_s
 
 
 def fleet_models(
-    evidence: Mapping[Hashable, TimingEvidence], prior: TimingModel, prior_weight: float = 1.0
+    evidence: Mapping[Hashable, TimingEvidence],
+    prior: TimingModel,
+    prior_weight: float = 1.0,
+    speed_classes: Mapping[Hashable, Hashable] | None = None,
 ) -> dict[Hashable, TimingModel]:
     """Each worker's step-time model ``s·θ``: θ, the shape, fitted to every worker's steps together
     (pulled toward ``prior`` as :class:`TimingFit` pulls one worker's), ``s`` its speed
     (:func:`pooled_speeds`). Shape and speeds are fitted in turn (:data:`ALTERNATIONS` rounds): a
     shape fitted to raw pooled steps leans toward whatever the slow workers ran most, which the
     router chose for them (on the shared trace with 4 of 8 workers 2x slower, it fitted a 300-token
-    prefill 16% long and a decode step 26% short). Every model returned predicts step times ≥ 0
-    and non-decreasing in tokens and context, as a fit's do."""
+    prefill 16% long and a decode step 26% short). ``speed_classes``: workers of one class (by
+    key; a key not in it is a class of its own) share one speed, fitted to their steps together
+    (docs/decisions/0062). Every model returned predicts step times ≥ 0 and non-decreasing in
+    tokens and context, as a fit's do."""
     if not evidence:
         return {}
     keys = list(evidence)
@@ -58,10 +65,17 @@ def fleet_models(
     steps = sum(evidence[key].steps for key in keys)
     xtx_all = xtx.sum(axis=0)
     theta_prior = as_vector(prior)
+    classes = speed_classes or {}
+    labels: dict[Hashable, int] = {}
+    member = np.array([labels.setdefault(classes.get(key, ("worker", key)), len(labels)) for key in keys])
+    class_xtx = np.zeros((len(labels), *xtx.shape[1:]))
+    class_xty = np.zeros((len(labels), xty.shape[1]))
+    np.add.at(class_xtx, member, xtx)
+    np.add.at(class_xty, member, xty)
     speeds = np.ones(len(keys))
     for _ in range(ALTERNATIONS):
         # the steps of a worker of speed s are s·(the shape's): least squares of the shape given s
         theta = solve(np.einsum("k,kij->ij", speeds**2, xtx), speeds @ xty, prior_weight, theta_prior)
         typical_square = float(theta @ xtx_all @ theta) / steps if steps > 0 else 0.0
-        speeds = pooled_speeds(theta, xtx, xty, typical_square)
+        speeds = pooled_speeds(theta, class_xtx, class_xty, typical_square)[member]
     return {key: as_model(float(speed) * theta) for key, speed in zip(keys, speeds, strict=True)}

@@ -1,5 +1,5 @@
 """The step times a worker advertises in its discovery record (its ``extra``), for the routers'
-ttft cost: the constants it fitted and the steps it fitted them on."""
+ttft cost: the constants it fitted, the steps it fitted them on, and its speed class."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Any
 TIMING_KEY = "timing"  # its fitted constants (kvmesh.common.core.timing.as_constants), for all its ranks
 TIMING_BY_RANK_KEY = "timing_by_rank"  # rank -> constants, where its ranks are fitted apart
 TIMING_EVIDENCE_KEY = "timing_evidence"  # the steps behind TIMING_KEY (TimingEvidence.to_wire)
+# workers of one model and one speed class share one speed (docs/decisions/0062): its engine and device
+SPEED_CLASS_KEY = "speed_class"
 
 
 def advertised_timing(extra: Mapping[str, Any], rank: int) -> Any:

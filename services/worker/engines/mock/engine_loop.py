@@ -69,6 +69,7 @@ class MockEngineLoop(Engine):
         self.pool_stats = PoolStats()
         # what the steps really took (sleep overshoot and event-loop load included), not the model
         self.timing_fit = TimingFit(real_time(engine.config.timing))
+        self.speed_class = f"mock x{engine.config.timing.speedup_ratio:g}"  # its steps' speed, whatever the host
         self.block_size = engine.block_size
         self.max_num_batched_tokens = engine.config.max_num_batched_tokens
         self._publisher = publisher

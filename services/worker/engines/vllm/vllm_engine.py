@@ -253,6 +253,13 @@ class VllmEngine(StreamingEngine):
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
         self.kv_bytes_per_block = kv_bytes_per_block(config)
         self.model = args.model
+        from vllm.platforms import current_platform
+
+        parallel = config.parallel_config
+        self.speed_class = (  # engines alike in these share one speed in the routers' cost (decision 62)
+            f"vllm {current_platform.get_device_name()} {config.model_config.dtype} "
+            f"tp{parallel.tensor_parallel_size} pp{parallel.pipeline_parallel_size}"
+        )
         for rank in self.ranks:  # every rank an engine core of the same shape
             rank.block_size, rank.num_blocks, rank.max_model_len = self.block_size, self.num_blocks, self.max_model_len
         log.info(
