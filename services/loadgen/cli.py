@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="/v1/completions (prompt as is) or /v1/chat/completions (one user message)",
     )
     workload = parser.add_argument_group("workload (a trace, or the synthetic shared-prefix set)")
-    workload.add_argument("--trace", type=Path, help="Mooncake JSONL trace to replay live")
+    workload.add_argument(
+        "--trace", type=Path, help="Mooncake JSONL trace to replay live (a request's session_id goes as x-session-id)"
+    )
     workload.add_argument("--trace-block-size", type=int, default=512, help="tokens per trace hash id")
     workload.add_argument("--arrival-speedup-ratio", type=float, default=1.0, help="divide trace timestamps by this")
     workload.add_argument("--limit", type=int, help="send only the first N trace requests")

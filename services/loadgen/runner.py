@@ -12,6 +12,7 @@ import openai
 
 from kvmesh.common.wire.priority import PRIORITY_HEADER  # kvmesh's; other servers ignore it
 from kvmesh.common.wire.requests import WORKER_ID_HEADER  # kvmesh's; other servers send none
+from kvmesh.common.wire.session import SESSION_HEADERS
 from kvmesh.loadgen.workload import BenchRequest
 
 
@@ -106,8 +107,11 @@ class LoadRunner:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if request.priority:
-            common["extra_headers"] = {PRIORITY_HEADER: request.priority}
+        headers = {PRIORITY_HEADER: request.priority} if request.priority else {}
+        if request.session:  # a session-structured trace's: the router keeps its turns together
+            headers[SESSION_HEADERS[0]] = request.session
+        if headers:
+            common["extra_headers"] = headers
         try:
             if self.endpoint == "chat":
                 stream = await self.client.chat.completions.create(

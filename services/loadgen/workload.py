@@ -59,6 +59,7 @@ class BenchRequest:
     max_tokens: int
     hash_ids: tuple[int, ...] = ()
     priority: str = ""  # sent as x-kvmesh-priority (empty: no header)
+    session: str = ""  # the trace's session id, sent as x-session-id (empty: no header)
 
 
 class TracePromptBuilder:
@@ -154,6 +155,7 @@ def trace_workload(
                 len(ids),
                 output,
                 row.hash_ids,
+                session=row.session or "",
             )
         )
     return requests

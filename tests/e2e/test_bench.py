@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
+from kvmesh.inspector import inspect_routers
 from kvmesh.loadgen import cli
 from tests.support import discovered
 
@@ -62,8 +64,10 @@ def test_bench_synthetic_run_writes_report_and_plots(kv_mesh, tmp_path):
 
 
 def test_bench_trace_mode_at_a_fixed_rate(kv_mesh, tmp_path):
+    """A trace replayed at a fixed rate; a session-structured trace's session ids reach the router."""
     trace = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": i * 100, "input_length": 100, "output_length": 3, "hash_ids": [0, i % 2]} for i in range(8)]
+    shape = {"input_length": 100, "output_length": 3}
+    rows = [{"timestamp": i * 100, **shape, "hash_ids": [0, i % 2], "session_id": f"s{i % 2}"} for i in range(8)]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "trace-run"
     code = cli.main(
@@ -85,6 +89,8 @@ def test_bench_trace_mode_at_a_fixed_rate(kv_mesh, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["completed"] == 8 and report["prompt_tokens"] == 8 * 100
     assert report["cached_tokens"] > 0  # hash id 0 is shared by every request
+    (router,) = asyncio.run(inspect_routers(kv_mesh.nats_url, "default", timeout=5))
+    assert {"s0", "s1"} <= {s["session_id"] for s in router["recent_sessions"]}
 
 
 def test_bench_rejects_conflicting_pacing(capsys):
