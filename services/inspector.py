@@ -33,6 +33,7 @@ from kvmesh.common.runtime.process import NATS_CONNECT_TIMEOUT_ENV, connect_nats
 from kvmesh.common.runtime.run_file import default_namespace, resolve_nats_url
 from kvmesh.common.runtime.structured_logging import configure_logging
 from kvmesh.common.wire import names
+from kvmesh.common.wire.step_timing import SPEED_CLASS_KEY
 
 
 async def _instances(nats_url: str, namespace: str, component: str):
@@ -113,6 +114,7 @@ async def inspect_workers(nats_url: str, namespace: str, timeout: float) -> list
             "metrics": record.extra.get("metrics"),
             "engine": record.extra.get("engine"),
             "timing": record.extra.get("timing"),
+            "speed_class": record.extra.get(SPEED_CLASS_KEY),
         }
         status, error = await _status(
             record.address,
@@ -270,6 +272,8 @@ def render_workers(rows: list[dict[str, Any]]) -> str:
             )
         else:
             lines.append("    fitted step time: not yet (no steps measured)")
+        if row.get("speed_class"):  # routers cost the workers of one class at one speed (decision 62)
+            lines.append(f"    speed class: {row['speed_class']}")
     return "\n".join(lines)
 
 

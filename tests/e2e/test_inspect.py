@@ -46,8 +46,19 @@ def test_inspect_shows_both_replicas_in_step_with_the_workers(two_indexer_mesh):
     client = openai.OpenAI(base_url=two_indexer_mesh.api, api_key="unused", max_retries=0)
     for i in range(6):
         client.completions.create(model="kvmesh-tiny", prompt=f"inspect me {i} " * 20, max_tokens=3)
-    workers = {w["worker_id"]: w["cached_blocks"] for w in inspect(two_indexer_mesh, "worker")}
+    rows = inspect(two_indexer_mesh, "worker")
+    workers = {w["worker_id"]: w["cached_blocks"] for w in rows}
     assert len(workers) == 2 and sum(workers.values()) > 0
+    # the mock engines of one speed-up share a speed class, which the text shows too (decision 62)
+    assert {w["speed_class"] for w in rows} == {"mock x50"}
+    text = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "inspect", "worker", "--nats-url", two_indexer_mesh.nats_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert text.count("speed class: mock x50") == 2
 
     def replicas_caught_up() -> bool:
         rows = inspect(two_indexer_mesh, "indexer")
