@@ -31,15 +31,14 @@ def two_indexer_mesh() -> Iterator[MeshProcess]:
     yield from start_mesh("--indexers", "2")
 
 
+def inspect_text(mesh: MeshProcess, what: str, *flags: str) -> str:
+    """What `kvmesh inspect WHAT` prints for the mesh."""
+    command = [sys.executable, "-m", "kvmesh", "inspect", what, "--nats-url", mesh.nats_url, *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
+
+
 def inspect(mesh: MeshProcess, what: str) -> list[dict]:
-    result = subprocess.run(
-        [sys.executable, "-m", "kvmesh", "inspect", what, "--nats-url", mesh.nats_url, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return json.loads(result.stdout)  # stdout holds nothing but the JSON
+    return json.loads(inspect_text(mesh, what, "--json"))  # stdout holds nothing but the JSON
 
 
 def test_inspect_shows_both_replicas_in_step_with_the_workers(two_indexer_mesh):
@@ -51,13 +50,7 @@ def test_inspect_shows_both_replicas_in_step_with_the_workers(two_indexer_mesh):
     assert len(workers) == 2 and sum(workers.values()) > 0
     # the mock engines of one speed-up share a speed class, which the text shows too (decision 62)
     assert {w["speed_class"] for w in rows} == {"mock x50"}
-    text = subprocess.run(
-        [sys.executable, "-m", "kvmesh", "inspect", "worker", "--nats-url", two_indexer_mesh.nats_url],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    text = inspect_text(two_indexer_mesh, "worker")
     assert text.count("speed class: mock x50") == 2
 
     def replicas_caught_up() -> bool:
@@ -70,13 +63,7 @@ def test_inspect_shows_both_replicas_in_step_with_the_workers(two_indexer_mesh):
         )
 
     wait_until(replicas_caught_up, timeout=20, what="both replicas report the workers' block counts")
-    text = subprocess.run(
-        [sys.executable, "-m", "kvmesh", "inspect", "indexer", "--nats-url", two_indexer_mesh.nats_url],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    text = inspect_text(two_indexer_mesh, "indexer")
     assert "replica 0" in text and "replica 1" in text and "lag 0" in text
 
     metrics = inspect(two_indexer_mesh, "indexer")[0]["metrics"]
@@ -163,13 +150,7 @@ def test_inspect_router_shows_mode_predicted_load_and_recent_outcomes(two_indexe
     assert after["recent_outcomes"]["completed"] >= 3
     assert after["total_outcomes"]["completed"] >= after["recent_outcomes"]["completed"]
 
-    text = subprocess.run(
-        [sys.executable, "-m", "kvmesh", "inspect", "router", "--nats-url", two_indexer_mesh.nats_url],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    text = inspect_text(two_indexer_mesh, "router")
     assert "mode kv" in text and "predicted" in text and "completed" in text
 
 
