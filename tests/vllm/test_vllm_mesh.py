@@ -185,6 +185,9 @@ def test_workers_advertise_step_times_fitted_from_vllms_own_steps(vllm_mesh: Mes
     record = discovered(vllm_mesh.nats_url, "worker")[0]
     metrics = httpx.get(f"http://{record.extra['metrics']}/metrics", timeout=10).text
     assert 'kvmesh_worker_step_time_constant{constant="prefill_b"}' in metrics
+    # two engines of one build on one device: one speed class, so routers cost them at one speed
+    classes = {r.extra.get("speed_class") for r in discovered(vllm_mesh.nats_url, "worker")}
+    assert len(classes) == 1 and next(iter(classes)).startswith("vllm cpu "), classes
 
 
 def test_a_vllm_worker_killed_mid_stream_hands_the_stream_to_the_other(vllm_mesh: MeshProcess):
