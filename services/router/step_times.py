@@ -49,8 +49,8 @@ class StepTimes:
         self._read: dict[int, dict] = {}  # each worker's record extra last read
         self._seen: dict[object, object] = {}  # by worker id (its steps) or WorkerKey (constants): last adopted
         self._pools: dict[str, dict[int, TimingEvidence]] = {}  # by model served, then worker id
-        self._classes: dict[int, str] = {}  # worker id -> the speed class it advertised
-        self._pooled: dict[int, tuple[str, tuple[WorkerKey, ...]]] = {}  # worker id -> its pool, its ranks costed
+        # worker id -> its pool, its ranks costed, the speed class it advertised (None: none)
+        self._pooled: dict[int, tuple[str, tuple[WorkerKey, ...], str | None]] = {}
         self._stale: set[str] = set()  # pools changed since their last refit
         self._refitted: dict[str, float] = {}
 
@@ -113,11 +113,7 @@ class StepTimes:
         if worker_id not in pool:
             self._refitted.pop(model, None)  # a newcomer is costed from its first advertisement
         pool[worker_id] = evidence
-        self._pooled[worker_id] = (model, keys)
-        if speed_class is None:
-            self._classes.pop(worker_id, None)
-        else:
-            self._classes[worker_id] = speed_class
+        self._pooled[worker_id] = (model, keys, speed_class)
         self._stale.add(model)
 
     def refit(self, force: bool = False) -> None:
@@ -133,7 +129,7 @@ class StepTimes:
             self._stale.discard(model)
             self._refitted[model] = now
             pool = self._pools.get(model, {})
-            classes = {worker_id: self._classes[worker_id] for worker_id in pool if worker_id in self._classes}
+            classes = {worker_id: self._pooled[worker_id][2] for worker_id in pool if self._pooled[worker_id][2]}
             for worker_id, timing in fleet_models(pool, self._prior, speed_classes=classes).items():
                 for key in self._pooled[worker_id][1]:
                     self._apply(key, timing)
@@ -148,7 +144,6 @@ class StepTimes:
 
     def _leave_pool(self, worker_id: int) -> None:
         pooled = self._pooled.pop(worker_id, None)
-        self._classes.pop(worker_id, None)
         if pooled is not None:
             model = pooled[0]
             self._pools[model].pop(worker_id, None)
