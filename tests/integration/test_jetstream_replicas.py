@@ -230,7 +230,17 @@ async def test_no_purge_while_the_server_cannot_list_a_replicas_durable(nats_clu
         durable = names.indexer_durable_name(namespace, "far")
         config = ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.ALL, filter_subject=subject, num_replicas=1)
         await js.add_consumer(names.KV_EVENTS_STREAM, config)
-        assert [d.name for d in await purge.durables_following(nc, namespace)] == [durable]
+        listed: list[list[str]] = []
+
+        async def listed_in_full() -> bool:
+            try:  # a consumer just created is listed as missing until its leader is placed
+                listed.append([d.name for d in await purge.durables_following(nc, namespace)])
+            except purge.IncompleteConsumerList:
+                return False
+            return True
+
+        await wait_until_async(listed_in_full, timeout=30, what="the new durable listed in full")
+        assert listed[-1] == [durable]
         leader = (await js.consumer_info(names.KV_EVENTS_STREAM, durable)).cluster.leader
         held = next(node for i, node in enumerate(nats_cluster.nodes) if f"n{i + 1}" == leader)
         held.stop()  # the durable's only replica: it has read nothing
