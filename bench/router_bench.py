@@ -52,13 +52,21 @@ def decision_time(
     duplicate_penalty: float = 0.0,
     write_spread: float = 0.0,
     mostly_new: bool = False,
+    stall_slack: float = 0.0,
 ) -> tuple[float, float]:
     """p50 and p99 of one decision, in µs. ``mostly_new``: no worker caches more than 29% of the prompt,
-    so with the penalty the decision takes decision 58's and 59's path (the write counts read)."""
+    so with the penalty the decision takes decision 58's and 59's path (the write counts read).
+    ``stall_slack``: decision 63's check, over workers whose prefill queues wait but none past it."""
     rng = random.Random(workers)
     cost_model = make_cost_model("ttft", BLOCK, 8192, 16384)
     policy = RoutingPolicy(
-        "kv", BLOCK, rng=rng, cost_model=cost_model, duplicate_penalty=duplicate_penalty, write_spread=write_spread
+        "kv",
+        BLOCK,
+        rng=rng,
+        cost_model=cost_model,
+        duplicate_penalty=duplicate_penalty,
+        write_spread=write_spread,
+        stall_slack=stall_slack,
     )
     keys = [(w, 0) for w in range(workers)]
     for w in keys:
@@ -212,6 +220,9 @@ def main() -> None:
         "--kv-write-spread", type=float, default=0.0, help="decision time: the policy's write spread (decision 59)"
     )
     parser.add_argument(
+        "--kv-stall-slack", type=float, default=0.0, help="decision time: the policy's stall slack (decision 63)"
+    )
+    parser.add_argument(
         "--mostly-new",
         action="store_true",
         help="decision time: a prompt no worker caches more than 29%% of (with the penalty, decisions 58 and 59)",
@@ -244,7 +255,12 @@ def main() -> None:
         return
     for workers in (8, 64, 256):
         p50, p99 = decision_time(
-            workers, args.decision_samples, args.kv_duplicate_penalty, args.kv_write_spread, args.mostly_new
+            workers,
+            args.decision_samples,
+            args.kv_duplicate_penalty,
+            args.kv_write_spread,
+            args.mostly_new,
+            args.kv_stall_slack,
         )
         print(f"routing decision, {workers:>3} workers: p50 {p50:7.1f} µs, p99 {p99:7.1f} µs")
     r = asyncio.run(throughput(args.seconds, args.concurrency))

@@ -17,6 +17,9 @@ It also counts the uncached prompt tokens each worker was sent (:meth:`written_c
 written into its cache. Other router replicas' requests arrive through :meth:`add` too, so every
 replica counts the same writes, from the time it started. A worker the count first meets after the
 fleet has written starts at the mean of the others (:meth:`_enrol`).
+
+And it notes, for each worker with prefill queued, since when that queue has waited without a sign
+of progress (:meth:`stalled`): the router's only view of an engine that stops (decision 63).
 """
 
 from __future__ import annotations
@@ -98,6 +101,10 @@ class ActiveSequences:
         self._requests: dict[str, _Request] = {}
         self._loads: dict[WorkerKey, _WorkerLoad] = {}
         self._written: dict[WorkerKey, float] = {}
+        # each worker with prefill queued: since when it has waited without a sign of progress (stalled)
+        self._waiting: dict[WorkerKey, float] = {}
+        # a lower bound of its earliest value: a wait only ever restarts later or ends, so it stays one
+        self._earliest_wait = 0.0
 
     def _own_blocks(self, prompt_tokens: int, shared_blocks: int, output_tokens: int) -> int:
         tokens = prompt_tokens + (output_tokens if self.track_output_blocks else 0)
@@ -122,6 +129,8 @@ class ActiveSequences:
         self._requests[request_id] = request
         load = self._loads.setdefault(worker, _WorkerLoad())
         load.requests += 1
+        if prefill > 0 and not load.prefilling:  # the queue starts: its clock starts with it
+            self._wait_from(worker, now)
         load.prefilling += prefill > 0
         load.prefill_tokens += prefill
         load.own_blocks += request.own_blocks
@@ -129,7 +138,8 @@ class ActiveSequences:
         for h in request.block_hashes:
             load.block_refs[h] = load.block_refs.get(h, 0) + 1
 
-    def mark_prefill_completed(self, request_id: str) -> None:
+    def mark_prefill_completed(self, request_id: str, now: float | None = None) -> None:
+        """The request's first token arrived (at ``now``: the worker made progress then)."""
         request = self._requests.get(request_id)
         if request is None or request.prefill_tokens == 0:
             return
@@ -137,6 +147,7 @@ class ActiveSequences:
         load.prefill_tokens -= request.prefill_tokens
         load.prefilling -= 1
         request.prefill_tokens = 0
+        self._progress(request.worker, load, now)
 
     def add_output(self, request_id: str, tokens: int) -> None:
         """``tokens`` more output tokens of a request: its own blocks grow past any expected length."""
@@ -151,13 +162,16 @@ class ActiveSequences:
             self._loads[request.worker].own_blocks += own - request.own_blocks
             request.own_blocks = own
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, now: float | None = None) -> None:
+        """The request ended; ``now``: when it finished on its worker (progress there), None where it
+        was dropped without word from the worker (expired, or its router went silent)."""
         request = self._requests.pop(request_id, None)
         if request is None:
             return
         load = self._loads[request.worker]
         load.requests -= 1
         load.prefilling -= request.prefill_tokens > 0
+        self._progress(request.worker, load, now)
         load.prefill_tokens -= request.prefill_tokens
         load.own_blocks -= request.own_blocks
         for h in request.block_hashes:
@@ -166,6 +180,18 @@ class ActiveSequences:
                 load.block_refs[h] = count
             else:
                 del load.block_refs[h]
+
+    def _progress(self, worker: WorkerKey, load: _WorkerLoad, now: float | None) -> None:
+        """A request on ``worker`` moved on (at ``now``; None: dropped without word from the worker)."""
+        if not load.prefilling:
+            self._waiting.pop(worker, None)
+        elif now is not None:
+            self._wait_from(worker, now)
+
+    def _wait_from(self, worker: WorkerKey, since: float) -> None:
+        self._waiting[worker] = since
+        if since < self._earliest_wait:  # a time given out of order (another replica's, a caller's)
+            self._earliest_wait = since
 
     def expire(self, now: float, max_age: float) -> list[str]:
         """Free requests added more than ``max_age`` ago (their free was lost); returns their ids."""
@@ -183,6 +209,8 @@ class ActiveSequences:
             del self._loads[key]
         for key in [k for k in self._written if k[0] == worker_id]:
             del self._written[key]
+        for key in [k for k in self._waiting if k[0] == worker_id]:
+            del self._waiting[key]
         return removed
 
     def load(self, worker: WorkerKey) -> tuple[int, int]:
@@ -191,6 +219,22 @@ class ActiveSequences:
         if load is None:
             return 0, 0
         return load.prefill_tokens, load.decode_blocks if self.track_active_blocks else 0
+
+    def stalled(self, now: float, longer_than: float) -> dict[WorkerKey, float]:
+        """Each worker whose queued prefill has waited more than ``longer_than`` seconds without a sign
+        of progress (no first token, no request ending there), with that wait; empty, at the cost of
+        one ``min``, when none has (the common case, on the routing decision's hot path).
+
+        A worker serving as predicted shows progress at least once per prefill it runs, so a wait
+        longer than its predicted queue says it is slower than predicted, by at least the difference:
+        an engine stalled or swamped (see :meth:`RoutingPolicy._overdue`)."""
+        if now - self._earliest_wait <= longer_than:
+            return {}
+        waiting = self._waiting
+        self._earliest_wait = min(waiting.values(), default=now)
+        if now - self._earliest_wait <= longer_than:
+            return {}
+        return {worker: now - since for worker, since in waiting.items() if now - since > longer_than}
 
     def written_column(self, workers: Sequence[WorkerKey]) -> list[float]:
         """Per worker of ``workers``, in their order: the uncached prompt tokens routed to it since this

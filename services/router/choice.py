@@ -102,6 +102,7 @@ class Chooser:
                 moe_score_weight=options.moe_score_weight,
                 duplicate_penalty=options.kv_duplicate_penalty,
                 write_spread=options.kv_write_spread,
+                stall_slack=options.kv_stall_slack,
             )
             if isinstance(cost_model, PerWorkerTtftCost):
                 for key, timing in self._timings.items():

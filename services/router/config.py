@@ -57,6 +57,13 @@ class KvModeOptions:
         "a worker that joins a fleet already written starts at the others' mean (docs/decisions/0060). "
         "0: off, placed by cost alone",
     )
+    kv_stall_slack: float = option(
+        2.0,
+        "kv mode: a worker whose queued prefill has gone longer without progress (no first token, no request "
+        "ending there) than this many times the request's predicted cost there, plus 0.25 s, is behind its "
+        "prediction: the excess is added to its cost and the duplicate penalty holds no prefix on it, so a stalled "
+        "engine's sessions move (docs/decisions/0063). 0: off, the prediction trusted",
+    )
     lora_load_tokens: int = option(
         1024,
         "kv mode: the prefill tokens loading a LoRA adapter is worth: a worker that serves the adapter a request "
@@ -250,6 +257,8 @@ class RoutingOptions(KvModeOptions, CacheAwareModeOptions, SplitOptions, Admissi
             raise ConfigError("--eviction-interval-secs and --max-tree-size must be positive")
         if self.kv_overlap_score_weight < 0 or self.kv_duplicate_penalty < 0:
             raise ConfigError("--kv-overlap-score-weight and --kv-duplicate-penalty must be >= 0")
+        if self.kv_stall_slack < 0:
+            raise ConfigError("--kv-stall-slack must be >= 0")
         if not 0 <= self.kv_write_spread <= 1:
             raise ConfigError("--kv-write-spread must be between 0 and 1")
         if self.lora_load_tokens < 0:

@@ -136,18 +136,18 @@ class LoadPicture:
             self._splits[request_id] = (decided_at, predicted_prefill_ms)
 
     def first_token(self, request_id: str) -> None:
+        now = self.clock()
         split = self._splits.pop(request_id, None)
         if split is not None:
-            now = self.clock()
             self.split_overhead.observe((now - split[0]) * 1000.0 - split[1], now)
-        self.loads.first_token(request_id)
+        self.loads.first_token(request_id, now)
         if self.announcer is not None:
             self.announcer.prefill_completed(request_id)
         self.on_capacity()
 
     def free(self, request_id: str) -> None:
         self._splits.pop(request_id, None)
-        self.loads.free(request_id)
+        self.loads.free(request_id, self.clock())
         if self.announcer is not None:
             self.announcer.freed(request_id)
         self.on_capacity()

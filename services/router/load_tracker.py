@@ -75,11 +75,11 @@ class LoadTracker:
         )
         self._block_size_of[request_id] = block_size
 
-    def first_token(self, request_id: str) -> None:
-        """The request's first token arrived: its prefill is done."""
+    def first_token(self, request_id: str, now: float | None = None) -> None:
+        """The request's first token arrived (at ``now``): its prefill is done."""
         block_size = self._block_size_of.get(request_id)
         if block_size is not None:
-            self._sequences[block_size].mark_prefill_completed(request_id)
+            self._sequences[block_size].mark_prefill_completed(request_id, now)
 
     def output(self, request_id: str, tokens: int) -> None:
         """``tokens`` more output tokens (they grow the request's blocks with output tracking)."""
@@ -87,11 +87,11 @@ class LoadTracker:
         if block_size is not None:
             self._sequences[block_size].add_output(request_id, tokens)
 
-    def free(self, request_id: str) -> None:
-        """The request ended (finished, failed or cancelled)."""
+    def free(self, request_id: str, now: float | None = None) -> None:
+        """The request ended (finished, failed or cancelled; at ``now``, None where no worker said so)."""
         block_size = self._block_size_of.pop(request_id, None)
         if block_size is not None:
-            self._sequences[block_size].free(request_id)
+            self._sequences[block_size].free(request_id, now)
 
     # ---- other replicas' requests ----------------------------------------------------------
     def apply_remote(self, message: SyncMessage, block_size: int | None, now: float) -> None:
@@ -113,9 +113,9 @@ class LoadTracker:
             )
             self._remote_by_router.setdefault(message.router_id, set()).add(key)
         elif message.kind == PREFILL_DONE:
-            self.first_token(key)
+            self.first_token(key, now)
         elif message.kind == FREE:
-            self.free(key)
+            self.free(key, now)
             self._remote_by_router.get(message.router_id, set()).discard(key)
 
     def forget_router(self, router_id: str) -> None:

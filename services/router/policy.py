@@ -30,6 +30,9 @@ from kvmesh.router.scheduler import (
 )
 
 POLICY_MODES = ("kv", "round-robin", "random", "power-of-two", "cache-aware")
+# a worker's prefill queue may wait this long beyond its slack before it counts as stalled: an engine
+# step's granularity and a report's way back, beside a prediction of a few milliseconds
+STALL_FLOOR_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class RoutingPolicy:
         moe_score_weight: float = 0.5,
         duplicate_penalty: float = 0.0,
         write_spread: float = 0.0,
+        stall_slack: float = 0.0,
     ) -> None:
         """``cost_model`` defaults to Dynamo's block cost; the service and replay pass the one configured.
         ``active`` is the load picture to read (a :class:`LoadTracker`'s for this block size); by
@@ -64,7 +68,9 @@ class RoutingPolicy:
         the prompt's prefix that the best-placed candidate holds and it does not (0: off).
         ``write_spread``: with the penalty on, a mostly new prompt goes to a worker written less than this
         share of the candidates' mean where one is predicted within ``balance_rel_threshold`` times the
-        cheapest (:meth:`_spread_writes`; 0: off)."""
+        cheapest (:meth:`_spread_writes`; 0: off). ``stall_slack``: kv mode charges a worker whose queued
+        prefill has waited without progress longer than this many times its predicted cost plus
+        :data:`STALL_FLOOR_S` the excess, and lets no penalty hold a prefix there (:meth:`_overdue`; 0: off)."""
         if mode not in POLICY_MODES:
             raise ValueError(f"unknown routing mode {mode!r}")
         self.mode = mode
@@ -74,6 +80,7 @@ class RoutingPolicy:
         self.moe_score_weight = moe_score_weight
         self.duplicate_penalty = duplicate_penalty
         self.write_spread = write_spread
+        self.stall_slack = stall_slack
         self._rng = rng or random.Random()
         self.active = (
             active if active is not None else ActiveSequences(block_size, track_active_blocks, track_output_blocks)
@@ -101,17 +108,27 @@ class RoutingPolicy:
             self.cache_aware.forget(worker)
 
     def _charge_duplicates(
-        self, workers: Sequence[WorkerKey], prefills: Sequence[int], overlaps: Mapping[WorkerKey, int], penalty: float
+        self,
+        workers: Sequence[WorkerKey],
+        prefills: Sequence[int],
+        overlaps: Mapping[WorkerKey, int],
+        penalty: float,
+        overdue: Sequence[float] | None = None,
     ) -> list[int]:
         """``prefills`` plus, per worker, the duplicate penalty's tokens: the blocks of the prefix the
-        best-placed candidate holds beyond this worker's overlap, times the penalty.
+        best-placed candidate holds beyond this worker's overlap, times the penalty. A worker with
+        ``overdue`` time is not counted as a holder: a stalled holder holds nothing soon.
 
         Why: the cost compares only this request's time to first token, so under load it copies a
         prefix to an idle worker whenever the copy costs less than the queue; the copy then evicts
         other prefixes there, and later requests pay for them (docs/decisions/0048)."""
         get_overlap = overlaps.get
         held = [get_overlap(worker, 0) for worker in workers]
-        best = max(held)
+        if overdue is not None:
+            best = max((own for own, late in zip(held, overdue, strict=True) if not late), default=0)
+            held = [min(own, best) for own in held]
+        else:
+            best = max(held)
         if best == 0:
             return list(prefills)
         tokens_per_block = penalty * self.block_size
@@ -119,6 +136,31 @@ class RoutingPolicy:
             whole = int(tokens_per_block)
             return [prefill + (best - own) * whole for prefill, own in zip(prefills, held, strict=True)]
         return [prefill + round((best - own) * tokens_per_block) for prefill, own in zip(prefills, held, strict=True)]
+
+    def _overdue(
+        self, workers: Sequence[WorkerKey], costs: Sequence[float], stalls: Mapping[WorkerKey, float]
+    ) -> list[float] | None:
+        """Per candidate, in ms, how far its prefill queue's wait without progress (``stalls``, seconds:
+        :meth:`ActiveSequences.stalled`) exceeds ``stall_slack`` times its predicted cost (``costs``, ms)
+        plus :data:`STALL_FLOOR_S`; None when no candidate's does.
+
+        Why: the cost trusts the prediction, and the duplicate penalty holds a prefix on its holder
+        whatever its queue. Live on vLLM an engine stalled for seconds while the router kept sending its
+        sessions' turns there, each of which waited 5–7 s (docs/perf, 2026-11-30). A worker that serves
+        as predicted shows progress at least once per predicted queue, so the excess is a lower bound on
+        how far behind it is."""
+        slack, floor_ms = self.stall_slack, STALL_FLOOR_S * 1000.0
+        late: list[float] | None = None
+        for i, worker in enumerate(workers):  # only once some worker has waited past the floor
+            stall = stalls.get(worker)
+            if stall is None:
+                continue
+            excess = stall * 1000.0 - slack * costs[i] - floor_ms
+            if excess > 0:
+                if late is None:
+                    late = [0.0] * len(workers)
+                late[i] = excess
+        return late
 
     def _imbalanced(self, workers: Sequence[WorkerKey]) -> bool:
         """Whether the candidates' requests in flight are imbalanced by cache-aware's test (the most
@@ -238,10 +280,16 @@ class RoutingPolicy:
         )
         if load_tokens:
             prefills = [prefill + load_tokens.get(worker, 0) for worker, prefill in zip(workers, prefills, strict=True)]
-        if penalty and overlaps:
-            prefills = self._charge_duplicates(workers, prefills, overlaps, penalty)
+        charged = self._charge_duplicates(workers, prefills, overlaps, penalty) if penalty and overlaps else prefills
         weight = self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight
-        costs = self.cost_model.costs(workers, prefills, decodes, weight)
+        costs = self.cost_model.costs(workers, charged, decodes, weight)
+        stalls = self.active.stalled(now, STALL_FLOOR_S) if self.stall_slack else None
+        overdue = self._overdue(workers, costs, stalls) if stalls else None
+        if overdue is not None:  # rare: cost again, the late charged for and held by nobody
+            if charged is not prefills:
+                charged = self._charge_duplicates(workers, prefills, overlaps, penalty, overdue)
+                costs = self.cost_model.costs(workers, charged, decodes, weight)
+            costs = [cost + late for cost, late in zip(costs, overdue, strict=True)]
         discounts = None
         if moe_hosted and self.moe_score_weight:
             discounts = {worker: self.moe_score_weight * share for worker, share in moe_hosted.items()}

@@ -117,6 +117,12 @@ CASES: dict[str, Case] = {
     # without decision 59's spread, which on this trace already places the writes that the active blocks move
     "track_active_blocks": Case(False, LOADED, {"workers": 4, "kv_write_spread": 0.0}),
     "kv_write_spread": Case(0.0, LOADED, {"workers": 4}),
+    # a worker 20x slower than the router predicts falls behind it
+    "kv_stall_slack": Case(
+        0.0,
+        lambda: groups_trace(160, 2, 20.0),
+        {"workers": 4, "slow_workers": 1, "slow_worker_factor": 20.0, "router_timing": "prior"},
+    ),
     # one prefix group: kv piles it onto few workers until their predicted load (outputs included) tells
     "router_track_output_blocks": Case(
         True, lambda: groups_trace(160, 1, 4.0, output=400), {"workers": 4, "kv_cost": "blocks"}
