@@ -42,12 +42,14 @@ class _Request:
     added_at: float
     output_tokens: int = 0
     own_blocks: int = 0
+    watched: bool = False  # its prefill keeps the worker's stall clock running (see add)
 
 
 @dataclass(slots=True)
 class _WorkerLoad:
     requests: int = 0
     prefilling: int = 0  # requests whose prefill is still queued or running
+    watched: int = 0  # of those, the ones the stall clock waits on (see add)
     prefill_tokens: int = 0
     own_blocks: int = 0
     block_refs: dict[int, int] = field(default_factory=dict)
@@ -129,8 +131,13 @@ class ActiveSequences:
         self._requests[request_id] = request
         load = self._loads.setdefault(worker, _WorkerLoad())
         load.requests += 1
-        if prefill > 0 and not load.prefilling:  # the queue starts: its clock starts with it
+        # a prefill of less than a block starts no stall clock: a split request's decode half is one,
+        # whose first token waits on its KV's transfer (no part of the prediction), and a prompt cached
+        # but for its last partial block is served within a step
+        request.watched = prefill >= self.block_size
+        if request.watched and not load.watched:  # the queue starts: its clock starts with it
             self._wait_from(worker, now)
+        load.watched += request.watched
         load.prefilling += prefill > 0
         load.prefill_tokens += prefill
         load.own_blocks += request.own_blocks
@@ -141,12 +148,14 @@ class ActiveSequences:
     def mark_prefill_completed(self, request_id: str, now: float | None = None) -> None:
         """The request's first token arrived (at ``now``: the worker made progress then)."""
         request = self._requests.get(request_id)
-        if request is None or request.prefill_tokens == 0:
+        if request is None:
             return
         load = self._loads[request.worker]
-        load.prefill_tokens -= request.prefill_tokens
-        load.prefilling -= 1
-        request.prefill_tokens = 0
+        if request.prefill_tokens:
+            load.prefill_tokens -= request.prefill_tokens
+            load.prefilling -= 1
+            load.watched -= request.watched
+            request.prefill_tokens, request.watched = 0, False
         self._progress(request.worker, load, now)
 
     def add_output(self, request_id: str, tokens: int) -> None:
@@ -171,6 +180,7 @@ class ActiveSequences:
         load = self._loads[request.worker]
         load.requests -= 1
         load.prefilling -= request.prefill_tokens > 0
+        load.watched -= request.watched
         self._progress(request.worker, load, now)
         load.prefill_tokens -= request.prefill_tokens
         load.own_blocks -= request.own_blocks
@@ -183,7 +193,7 @@ class ActiveSequences:
 
     def _progress(self, worker: WorkerKey, load: _WorkerLoad, now: float | None) -> None:
         """A request on ``worker`` moved on (at ``now``; None: dropped without word from the worker)."""
-        if not load.prefilling:
+        if not load.watched:
             self._waiting.pop(worker, None)
         elif now is not None:
             self._wait_from(worker, now)

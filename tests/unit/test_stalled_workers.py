@@ -44,6 +44,16 @@ class TestStalled:
         active.free("lost")  # expired, or its router went silent
         assert active.stalled(now=4.0, longer_than=0.0) == {HOLDER: pytest.approx(4.0)}
 
+    def test_a_prefill_under_a_block_starts_no_clock(self):
+        """A split request's decode half: its KV comes from the prefill worker and only its last
+        partial block is computed here, after a transfer the prediction does not include."""
+        active = ActiveSequences(BLOCK)
+        active.add("decode half", HOLDER, [1, 2], prompt_tokens=2 * BLOCK + 5, overlap_blocks=2, now=0.0)
+        assert active.load(HOLDER)[0] == 5 and active.stalled(now=9.0, longer_than=0.0) == {}
+        active.add("local", HOLDER, [3], BLOCK, 0, now=9.0)
+        active.mark_prefill_completed("decode half", now=10.0)  # its first token is progress all the same
+        assert active.stalled(now=11.0, longer_than=0.0) == {HOLDER: pytest.approx(1.0)}
+
     def test_a_worker_whose_queue_emptied_or_that_left_has_no_stall(self):
         active = ActiveSequences(BLOCK)
         active.add("a", HOLDER, [1], BLOCK, 0, now=0.0)
