@@ -230,21 +230,25 @@ class ActiveSequences:
             return 0, 0
         return load.prefill_tokens, load.decode_blocks if self.track_active_blocks else 0
 
+    def any_waited(self, now: float, longer_than: float) -> bool:
+        """Whether some worker's queued prefill has waited more than ``longer_than`` seconds without a
+        sign of progress (no first token, no request ending there). One comparison where none has
+        since the last call that found one (the common case, on the routing decision's hot path)."""
+        if now - self._earliest_wait <= longer_than:
+            return False
+        self._earliest_wait = min(self._waiting.values(), default=now)
+        return now - self._earliest_wait > longer_than
+
     def stalled(self, now: float, longer_than: float) -> dict[WorkerKey, float]:
         """Each worker whose queued prefill has waited more than ``longer_than`` seconds without a sign
-        of progress (no first token, no request ending there), with that wait; empty, at the cost of
-        one ``min``, when none has (the common case, on the routing decision's hot path).
+        of progress, with that wait (empty where :meth:`any_waited` says none has).
 
         A worker serving as predicted shows progress at least once per prefill it runs, so a wait
         longer than its predicted queue says it is slower than predicted, by at least the difference:
         an engine stalled or swamped (see :meth:`RoutingPolicy._overdue`)."""
-        if now - self._earliest_wait <= longer_than:
+        if not self.any_waited(now, longer_than):
             return {}
-        waiting = self._waiting
-        self._earliest_wait = min(waiting.values(), default=now)
-        if now - self._earliest_wait <= longer_than:
-            return {}
-        return {worker: now - since for worker, since in waiting.items() if now - since > longer_than}
+        return {worker: now - since for worker, since in self._waiting.items() if now - since > longer_than}
 
     def written_column(self, workers: Sequence[WorkerKey]) -> list[float]:
         """Per worker of ``workers``, in their order: the uncached prompt tokens routed to it since this

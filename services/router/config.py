@@ -19,7 +19,7 @@ from kvmesh.common.core.tier_credits import TierCredits
 from kvmesh.common.runtime.config import ConfigError, GrpcEndpointConfig, option
 from kvmesh.common.wire.priority import parse_shares
 from kvmesh.router.cache_aware import MISS_POLICIES, CacheAwareOptions
-from kvmesh.router.policy import POLICY_MODES
+from kvmesh.router.policy import POLICY_MODES, STALL_FLOOR_S
 from kvmesh.router.request_queue import DEFAULT_SHARES, QUEUE_POLICIES, QueueConfig
 from kvmesh.router.scheduler import COST_MODELS
 
@@ -60,9 +60,9 @@ class KvModeOptions:
     kv_stall_slack: float = option(
         2.0,
         "kv mode: a worker whose queued prefill has gone longer without progress (no first token, no request "
-        "ending there) than this many times the request's predicted cost there, plus 0.25 s, is behind its "
-        "prediction: the excess is added to its cost and the duplicate penalty holds no prefix on it, so a stalled "
-        "engine's sessions move (docs/decisions/0063). 0: off, the prediction trusted",
+        f"ending there) than this many times the request's predicted cost there, plus {STALL_FLOOR_S:g} s, is "
+        "behind its prediction: the excess is added to its cost and the duplicate penalty holds no prefix on it, "
+        "so a stalled engine's sessions move (docs/decisions/0063). 0: off, the prediction trusted",
     )
     lora_load_tokens: int = option(
         1024,

@@ -137,11 +137,9 @@ class RoutingPolicy:
             return [prefill + (best - own) * whole for prefill, own in zip(prefills, held, strict=True)]
         return [prefill + round((best - own) * tokens_per_block) for prefill, own in zip(prefills, held, strict=True)]
 
-    def _overdue(
-        self, workers: Sequence[WorkerKey], costs: Sequence[float], stalls: Mapping[WorkerKey, float]
-    ) -> list[float] | None:
-        """Per candidate, in ms, how far its prefill queue's wait without progress (``stalls``, seconds:
-        :meth:`ActiveSequences.stalled`) exceeds ``stall_slack`` times its predicted cost (``costs``, ms)
+    def _overdue(self, workers: Sequence[WorkerKey], costs: Sequence[float], now: float) -> list[float] | None:
+        """Per candidate, in ms, how far its prefill queue's wait without progress at ``now``
+        (:meth:`ActiveSequences.stalled`) exceeds ``stall_slack`` times its predicted cost (``costs``, ms)
         plus :data:`STALL_FLOOR_S`; None when no candidate's does.
 
         Why: the cost trusts the prediction, and the duplicate penalty holds a prefix on its holder
@@ -150,8 +148,15 @@ class RoutingPolicy:
         as predicted shows progress at least once per predicted queue, so the excess is a lower bound on
         how far behind it is."""
         slack, floor_ms = self.stall_slack, STALL_FLOOR_S * 1000.0
+        if not self.active.any_waited(now, STALL_FLOOR_S):
+            return None
+        # no worker waiting less than the floor plus slack times the cheapest cost can be late: under
+        # load, where every queue waits longer than the floor, only the few that might be are read
+        stalls = self.active.stalled(now, STALL_FLOOR_S + slack * min(costs) / 1000.0)
+        if not stalls:
+            return None
         late: list[float] | None = None
-        for i, worker in enumerate(workers):  # only once some worker has waited past the floor
+        for i, worker in enumerate(workers):
             stall = stalls.get(worker)
             if stall is None:
                 continue
@@ -280,13 +285,13 @@ class RoutingPolicy:
         )
         if load_tokens:
             prefills = [prefill + load_tokens.get(worker, 0) for worker, prefill in zip(workers, prefills, strict=True)]
-        charged = self._charge_duplicates(workers, prefills, overlaps, penalty) if penalty and overlaps else prefills
+        charging = bool(penalty and overlaps)
+        charged = self._charge_duplicates(workers, prefills, overlaps, penalty) if charging else prefills
         weight = self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight
         costs = self.cost_model.costs(workers, charged, decodes, weight)
-        stalls = self.active.stalled(now, STALL_FLOOR_S) if self.stall_slack else None
-        overdue = self._overdue(workers, costs, stalls) if stalls else None
+        overdue = self._overdue(workers, costs, now) if self.stall_slack else None
         if overdue is not None:  # rare: cost again, the late charged for and held by nobody
-            if charged is not prefills:
+            if charging:
                 charged = self._charge_duplicates(workers, prefills, overlaps, penalty, overdue)
                 costs = self.cost_model.costs(workers, charged, decodes, weight)
             costs = [cost + late for cost, late in zip(costs, overdue, strict=True)]
