@@ -207,9 +207,11 @@ class SessionOptions:
     session_loop_secs: float = option(
         10.0,
         "kv mode, with --kv-duplicate-penalty: a turn that comes within this many seconds of its session's last "
-        "turn, or that names no session and extends a prompt routed that recently, continues a loop (an agent's "
-        "tool calls), and the penalty is not charged to it, so a loop's turns are not queued behind each other on a "
-        "busy holder (0: every turn is charged; docs/decisions/0048, 0054)",
+        "turn, which came as soon after the one before (or that names no session and extends a prompt routed that "
+        "recently, which extended one routed as recently), continues a loop (an agent's tool calls), and the penalty "
+        "is not charged to it, so a loop's turns are not queued behind each other on a busy holder; one quick turn "
+        "alone is as often a person's reply and is charged (0: every turn is charged; docs/decisions/0048, 0054, "
+        "0064)",
     )
 
 

@@ -10,6 +10,7 @@ turn, and one that left is not a candidate at all.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ class Affinity:
     key: WorkerKey
     block_hashes: tuple[int, ...]
     until: float
+    gap_s: float = math.inf  # after the session's turn before it (inf: none kept)
 
 
 class SessionAffinity:
@@ -44,8 +46,15 @@ class SessionAffinity:
         """A turn of ``session`` was sent to ``key`` (by this replica or, synced, another)."""
         if not session or not self.enabled:
             return
-        self._entries.pop(session, None)
-        self._entries[session] = Affinity(session, WorkerKey(*key), tuple(block_hashes), now + self.ttl_s)
+        blocks = tuple(block_hashes)
+        last = self._entries.pop(session, None)
+        if last is None or last.until <= now:
+            gap = math.inf
+        elif last.block_hashes == blocks:  # the same turn again (a retry, a split's other half): no new gap
+            gap = last.gap_s
+        else:
+            gap = now - (last.until - self.ttl_s)
+        self._entries[session] = Affinity(session, WorkerKey(*key), blocks, now + self.ttl_s, gap)
         self._expire(now)
         while len(self._entries) > self.max_sessions:
             self._entries.popitem(last=False)
@@ -66,10 +75,18 @@ class SessionAffinity:
 
     def continues_loop(self, session: str, now: float, within_s: float) -> bool:
         """Whether a turn of ``session`` at ``now`` comes within ``within_s`` of the session's last
-        routed turn (by any replica): a loop's next step, an agent's tool call answered, rather than a
-        person's reply."""
+        routed turn (by any replica), which itself came within ``within_s`` of the one before: a loop's
+        next step, an agent's tool call answered, rather than a person's reply.
+
+        Why two quick turns in a row: one alone is as often a person's short reply (a chat's think
+        time is exponential, and a fifth of the family's chat turns come within 10 s), and a chat
+        moved off its holder for one such turn lost its prefix there (the held-out chats' reuse
+        0.463 against 0.480 when only a second quick turn counts); an agent's steps come quick after
+        quick, so only its second step is held (docs/decisions/0064)."""
         entry = self._entries.get(session) if session and within_s > 0 else None
-        return entry is not None and entry.until > now and now - (entry.until - self.ttl_s) < within_s
+        if entry is None or entry.until <= now or now - (entry.until - self.ttl_s) >= within_s:
+            return False
+        return entry.gap_s < within_s
 
     def forget_worker(self, worker_id: int) -> None:
         for session in [s for s, e in self._entries.items() if e.key.worker_id == worker_id]:

@@ -54,18 +54,26 @@ def test_the_affinity_follows_the_latest_turn_forgets_departed_workers_and_is_bo
     assert len(kept) == 1 and kept.credited("a", [1, 2], now=1.0) is None
 
 
-def test_a_turn_close_behind_its_sessions_last_continues_a_loop():
+def test_a_second_quick_turn_in_a_row_continues_a_loop():
     affinity = SessionAffinity(ttl_s=60.0, credit=0.0)  # kept without a credit: the default
     assert not affinity.continues_loop("s", now=0.0, within_s=10.0)  # a first turn
     affinity.routed("s", (1, 0), [1, 2], now=0.0)
-    assert affinity.continues_loop("s", now=4.0, within_s=10.0)  # an agent's next step
+    assert not affinity.continues_loop("s", now=4.0, within_s=10.0)  # one quick turn: a person's, maybe
+    affinity.routed("s", (1, 0), [1, 2, 3], now=4.0)
+    assert affinity.continues_loop("s", now=8.0, within_s=10.0)  # quick after quick: an agent's next step
     assert not affinity.continues_loop("s", now=25.0, within_s=10.0)  # a person's reply
-    assert not affinity.continues_loop("s", now=4.0, within_s=0.0)  # off
-    assert not affinity.continues_loop("", now=4.0, within_s=10.0)  # no session named
-    assert not affinity.continues_loop("other", now=4.0, within_s=10.0)
+    assert not affinity.continues_loop("s", now=6.0, within_s=3.0)  # quick, but the turn before was not
+    assert not affinity.continues_loop("s", now=8.0, within_s=0.0)  # off
+    assert not affinity.continues_loop("", now=8.0, within_s=10.0)  # no session named
+    assert not affinity.continues_loop("other", now=8.0, within_s=10.0)
+    affinity.routed("s", (1, 0), [1, 2, 3, 4], now=40.0)  # a person's reply after a pause
+    assert not affinity.continues_loop("s", now=44.0, within_s=10.0)  # its quick answer starts no loop
+    affinity.routed("s", (2, 0), [1, 2, 3, 4], now=40.5)  # the same turn again (a split's other half)
+    assert not affinity.continues_loop("s", now=44.0, within_s=10.0)  # is no quick turn of its own
     short = SessionAffinity(ttl_s=2.0, credit=0.0)
     short.routed("s", (1, 0), [1], now=0.0)
-    assert not short.continues_loop("s", now=3.0, within_s=10.0)  # the session expired first
+    short.routed("s", (1, 0), [1, 2], now=1.0)
+    assert not short.continues_loop("s", now=3.5, within_s=10.0)  # the session expired first
 
 
 def test_an_anonymous_prompt_that_extends_one_routed_just_before_continues_a_loop():
@@ -73,22 +81,29 @@ def test_an_anonymous_prompt_that_extends_one_routed_just_before_continues_a_loo
 
     turns = LoopTurns(within_s=10.0)
     assert not turns.continues([1, 2, 3], now=0.0)  # nothing routed yet
-    turns.routed([1, 2], now=0.0)  # an agent's step: its prompt's full blocks
-    assert turns.continues([1, 2, 3, 4], now=3.0)  # the next step: the last prompt and more
-    assert not turns.continues([1, 2], now=3.0)  # the same prompt again: a retry, not a step
-    assert not turns.continues([1, 5, 6], now=3.0)  # shares a prefix only: another conversation
-    assert not turns.continues([1, 2, 3, 4], now=12.0)  # a person's reply, seconds later
+    turns.routed([1, 2], now=0.0)  # an agent's first step: its prompt's full blocks
+    assert not turns.continues([1, 2, 3], now=3.0)  # one quick turn: a person's, maybe
+    turns.routed([1, 2, 3], now=3.0)  # the next step: the last prompt and more
+    assert turns.continues([1, 2, 3, 4], now=6.0)  # quick after quick: a loop
+    assert not turns.continues([1, 2, 3], now=6.0)  # the same prompt again: a retry, not a step
+    assert not turns.continues([1, 5, 6], now=6.0)  # shares a prefix only: another conversation
+    assert not turns.continues([1, 2, 3, 4], now=14.0)  # a person's reply, seconds later
     assert len(turns) == 0  # what lapsed is forgotten
+    turns.routed([1, 2, 3], now=14.0)  # a prompt extending one long forgotten
+    assert not turns.continues([1, 2, 3, 4], now=15.0)  # starts no loop
     turns.routed([7, 8], now=20.0, cached_blocks=2)  # a system prompt and a message under a block
-    assert not turns.continues([7, 8, 9], now=21.0)  # every prompt with that prefix is not its turn
+    turns.routed([7, 8, 9], now=21.0)
+    assert not turns.continues([7, 8, 9, 10], now=22.0)  # a prefix many share is nobody's last turn
     off = LoopTurns(within_s=0.0)
     off.routed([1, 2], now=0.0)
-    assert len(off) == 0 and not off.continues([1, 2, 3], now=1.0)
+    off.routed([1, 2, 3], now=1.0)
+    assert len(off) == 0 and not off.continues([1, 2, 3, 4], now=2.0)
     bounded = LoopTurns(within_s=10.0, max_prompts=2)
     for first in (10, 20, 30):
         bounded.routed([first, first + 1], now=0.0)
-    assert len(bounded) == 2 and not bounded.continues([10, 11, 12], now=1.0)  # the oldest went first
-    assert bounded.continues([30, 31, 32], now=1.0)
+        bounded.routed([first, first + 1, first + 2], now=0.5)
+    assert len(bounded) == 2 and not bounded.continues([10, 11, 12, 13], now=1.0)  # the oldest went first
+    assert bounded.continues([30, 31, 32, 33], now=1.0)
 
 
 def test_a_router_replica_tells_a_loop_turn_from_a_prompt_another_replica_routed():
@@ -117,13 +132,19 @@ def test_a_router_replica_tells_a_loop_turn_from_a_prompt_another_replica_routed
         indexers = IndexerClient(None, ChannelPool(), 0.5, random.Random(1))
         return Router(config, OneWorker(), indexers, clock=lambda: 100.0)
 
-    step = list(range(64))  # an agent's step: 4 blocks of 16
+    first = list(range(64))  # an agent's first step: 4 blocks of 16
+    step = [*first, *range(2000, 2032)]  # its second, seconds later
     next_step = [*step, *range(1000, 1040)]  # the same prompt, the answer and a tool's output appended
     other = replica(4.0)
-    added = SyncMessage(ADD, "a", "r1", 1, 0, 16, tuple(other.prepare(RouteInput("m", step)).block_hashes), 64)
+
+    def added(prompt: list[int]) -> SyncMessage:
+        return SyncMessage(ADD, "a", "r1", 1, 0, 16, tuple(other.prepare(RouteInput("m", prompt)).block_hashes), 64)
+
     assert not other.loop_turn(other.prepare(RouteInput("m", next_step)), 100.0)  # not told yet
-    other.apply_remote(added)
+    other.apply_remote(added(first))
+    other.apply_remote(added(step))
     assert other.loop_turn(other.prepare(RouteInput("m", next_step)), 101.0)
     without_penalty = replica(0.0)  # only the penalty reads loop turns: nothing is kept for it
-    without_penalty.apply_remote(added)
+    without_penalty.apply_remote(added(first))
+    without_penalty.apply_remote(added(step))
     assert not without_penalty.loop_turn(without_penalty.prepare(RouteInput("m", next_step)), 101.0)
