@@ -5,13 +5,16 @@ had is refused with a message that says how; a client given several URLs survive
 from __future__ import annotations
 
 import asyncio
+import subprocess
 
 import nats.errors
 import nats.js.errors
 import pytest
+from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvmesh.common.runtime import jetstream_state
 from kvmesh.common.runtime.discovery import InstanceRecord, Registration, instances_bucket
 from kvmesh.common.runtime.jetstream_metrics import JetStreamCollector
 from kvmesh.common.runtime.jetstream_state import (
@@ -24,7 +27,9 @@ from kvmesh.common.runtime.jetstream_state import (
     when_jetstream_answers,
 )
 from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
-from kvmesh.common.runtime.nats_cluster import EmbeddedNatsCluster
+from kvmesh.common.runtime.nats_cluster import CLUSTER_NAME, EmbeddedNatsCluster
+from kvmesh.common.runtime.nats_server import EmbeddedNatsServer, find_nats_server
+from kvmesh.common.runtime.ports import free_port
 from kvmesh.common.runtime.process import connect_nats, nats_servers
 from kvmesh.common.wire import names
 from kvmesh.indexer import purge, snapshot
@@ -118,6 +123,59 @@ async def test_a_lone_server_gets_one_replica_and_refuses_three(nats_url: str, m
             await ensure_stream(js, StreamConfig(name=names.KV_EVENTS_STREAM, subjects=["kvmesh.*.kv.*"]))
     finally:
         await nc.close()
+
+
+def _server_without_jetstream(cluster: EmbeddedNatsCluster) -> subprocess.Popen[bytes]:
+    """A third server routed into ``cluster`` that runs no JetStream: the cluster has three servers
+    but JetStream's meta group two peers, as while a server joins it."""
+    args = cluster.nodes[0].server_args
+    routes = args[args.index("--routes") + 1]
+    cluster_args = ["--cluster_name", CLUSTER_NAME, "--cluster", f"nats://127.0.0.1:{free_port()}", "--routes", routes]
+    return subprocess.Popen(
+        [str(find_nats_server()), "-a", "127.0.0.1", "-p", str(free_port()), "--server_name", "plain", *cluster_args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+async def test_replicas_a_cluster_has_servers_for_are_waited_for_until_jetstream_can_place_them(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A cluster whose third server has not joined JetStream's meta group yet refuses to place three
+    replicas ("no suitable peers"), though its servers gossip three URLs (an indexer died so in a CI
+    drill). That is asked again until the peer joins; a peer that never joins is refused in the end."""
+    cluster = await EmbeddedNatsCluster(2).start()
+    plain = _server_without_jetstream(cluster)
+    third: EmbeddedNatsServer | None = None
+    clients: list[NatsClient] = []
+
+    async def three_gossiped() -> bool:  # a client reads the cluster's size from its first INFO
+        clients.append(await connect_nats(cluster.nodes[0].url, name="test"))
+        return cluster_size(clients[-1]) == 3
+
+    try:
+        await wait_until_async(three_gossiped, timeout=30, what="three servers gossiped")
+        js = clients[-1].jetstream()
+        config = StreamConfig(name=names.KV_EVENTS_STREAM, subjects=["kvmesh.*.kv.*"])
+        monkeypatch.setattr(jetstream_state, "JETSTREAM_WAIT_S", 1.0)
+        with pytest.raises(ReplicationError, match=r"no suitable peers.*asked for 1 s"):
+            await ensure_stream(js, config)
+        monkeypatch.setattr(jetstream_state, "JETSTREAM_WAIT_S", 60.0)
+        waiting = asyncio.ensure_future(ensure_stream(js, config))
+        third = EmbeddedNatsServer(server_args=[*cluster.nodes[1].server_args])
+        third.server_args[third.server_args.index("--server_name") + 1] = "n3"
+        third.server_args[third.server_args.index("--cluster") + 1] = f"nats://127.0.0.1:{free_port()}"
+        await third.start(timeout=30)
+        info = await asyncio.wait_for(waiting, 60)
+        assert info.config.num_replicas == 3
+    finally:
+        for client in clients:
+            await client.close()
+        plain.kill()
+        plain.wait()
+        if third is not None:
+            third.stop()
+        cluster.stop()
 
 
 async def test_a_stream_just_made_is_asked_again_while_a_server_does_not_know_it(nats_url: str):

@@ -6,7 +6,9 @@ Every stream, KV bucket and object store kvmesh creates goes through :func:`ensu
 replicas: ``--jetstream-replicas`` / ``$KVMESH_JETSTREAM_REPLICAS`` where set, else 3 on a NATS
 cluster of three or more servers and 1 otherwise. One found with fewer replicas than wanted is
 raised to them (JetStream moves a stream to more peers while it serves); where NATS refuses, the
-service stops with :class:`ReplicationError`, whose message says how to fix it.
+service stops with :class:`ReplicationError`, whose message says how to fix it. A refusal for want
+of peers that the cluster has servers for is asked again while JetStream places them
+(:class:`PlacementPending`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ MAX_REPLICAS = 5  # JetStream's limit
 
 class ReplicationError(RuntimeError):
     """A stream kvmesh uses has fewer replicas than wanted and could not be raised to them."""
+
+
+class PlacementPending(ReplicationError):
+    """JetStream found no peers to place the wanted replicas on although the cluster has the servers
+    for them: one has joined the cluster but not yet JetStream's meta group (seconds after a cluster
+    starts; an indexer died so in a CI drill). Asked again until ``JETSTREAM_WAIT_S``."""
+
+
+# JetStream's error code for "no suitable peers for placement".
+NO_SUITABLE_PEERS = 10005
 
 
 def parse_replicas(raw: str | int | None) -> int | None:
@@ -112,12 +124,14 @@ async def when_jetstream_answers(operation: Callable[[], Awaitable[T]], what: st
     that has not yet answers so (seen in CI, an indexer reading the discovery bucket as it started)."""
     deadline = time.monotonic() + JETSTREAM_WAIT_S
     waited = False
-    not_yet = (*_NOT_YET, nats.js.errors.NotFoundError) if made else _NOT_YET
+    not_yet = (*_NOT_YET, PlacementPending, *((nats.js.errors.NotFoundError,) if made else ()))
     while True:
         try:
             result = await operation()
         except not_yet as exc:
             if time.monotonic() > deadline:
+                if isinstance(exc, PlacementPending):
+                    raise ReplicationError(f"{exc} (asked for {JETSTREAM_WAIT_S:g} s)") from exc
                 raise ReplicationError(
                     f"JetStream did not answer within {JETSTREAM_WAIT_S:g} s ({what}: {type(exc).__name__}); "
                     "is a majority of the NATS cluster's servers up?"
@@ -157,7 +171,7 @@ async def _made_concurrently(js: JetStreamContext, name: str, replicas: int, exc
     try:
         return await js.stream_info(name)
     except nats.js.errors.NotFoundError:
-        raise ReplicationError(_refusal(name, 0, replicas, exc)) from exc
+        raise _refused(js, _refusal(name, 0, replicas, exc), replicas, exc) from exc
 
 
 async def raise_replicas(js: JetStreamContext, info: StreamInfo, replicas: int) -> StreamInfo:
@@ -173,7 +187,16 @@ async def raise_replicas(js: JetStreamContext, info: StreamInfo, replicas: int) 
     except _NOT_YET:
         raise  # no answer is no refusal: asked again
     except nats.js.errors.APIError as exc:
-        raise ReplicationError(_refusal(name, have, replicas, exc)) from exc
+        raise _refused(js, _refusal(name, have, replicas, exc), replicas, exc) from exc
+
+
+def _refused(js: JetStreamContext, message: str, replicas: int, exc: Exception) -> ReplicationError:
+    """The error for a refused placement: :class:`PlacementPending` (asked again) where NATS found no
+    peers but its cluster has the servers to hold ``replicas``, else :class:`ReplicationError`."""
+    no_peers = isinstance(exc, nats.js.errors.APIError) and exc.err_code == NO_SUITABLE_PEERS
+    if no_peers and cluster_size(_connection(js)) >= replicas:
+        return PlacementPending(message)
+    return ReplicationError(message)
 
 
 def _refusal(name: str, have: int, replicas: int, exc: Exception) -> str:
