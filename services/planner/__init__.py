@@ -7,6 +7,7 @@ Its sans-I/O core is driven by the live service and by ``kvmesh replay --planner
 - ``decision`` — the pools' sizes, and a decision with what led to it.
 - ``load`` — what it observes of one interval, and what it predicts for the next.
 - ``miss_budget`` — the SLA's misses: those no fleet could have served, and what that leaves sizing.
+- ``growth_look`` — looks between decisions: growth for a pool clearly behind the goal, seconds after it falls behind.
 - ``predictors`` — load predictors from past intervals.
 - ``startup`` — how long a worker takes to serve, measured from the planner's own growths.
 - ``capacity`` — the performance model: what a pool gives under a load, and the smallest that meets limits.

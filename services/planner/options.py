@@ -38,6 +38,12 @@ class PlannerOptions:
         "seconds from starting a worker to its first request, until the planner has measured it (the slowest of "
         "its last 3 growths, from asking to the workers serving): it sizes for the load then",
     )
+    growth_look_secs: float = option(
+        5.0,
+        "seconds between looks at the interval so far: while the SLA's window has no misses to spare, a pool whose "
+        "finished requests are clearly behind the attainment goal (beyond chance) grows then, to what the model "
+        "asks for at the load seen, instead of at the interval's end (0: no looks; docs/decisions/0065)",
+    )
     ttft_headroom: float = option(
         0.5, "plan for this share of --ttft-target-ms, leaving the rest for requests above the mean"
     )
@@ -83,6 +89,8 @@ class PlannerOptions:
             raise ConfigError("--max-prefill-workers must be 0 (--max-workers) or at least --min-workers and 1")
         if self.adjustment_interval <= 0 or self.worker_startup_secs < 0:
             raise ConfigError("--adjustment-interval must be positive and --worker-startup-secs >= 0")
+        if self.growth_look_secs < 0:
+            raise ConfigError("--growth-look-secs must be 0 (no looks) or positive")
         if self.predictor_window <= 0 or self.scale_down_intervals <= 0 or self.season_length < 0:
             raise ConfigError("--predictor-window and --scale-down-intervals must be positive")
         if not (0 < self.ttft_headroom <= 1 and 0 < self.itl_headroom <= 1):

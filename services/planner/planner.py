@@ -11,7 +11,8 @@ intervals in a row asked for less, and one worker a decision, only with headroom
 predicted) since the pools last changed, and only while the requests finished within
 ``--attainment-window`` met the goal with room to spare (a shrink spends some) or the pool one
 smaller would run far from capacity (``--idle-shrink-utilisation``). A pool the model plans far from
-capacity at a smaller size shrinks to it in one decision (at most by half).
+capacity at a smaller size shrinks to it in one decision (at most by half). Between decisions it
+looks at the interval so far and grows a pool clearly behind the goal at once (decision 65).
 
 The model speaks of means, the SLA of each request; what lies between (requests whose few decode
 steps meet a long prefill chunk, a cache that holds less in a smaller fleet) is learned from the
@@ -28,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvmesh.common.core.engine_profile import EngineProfile
-from kvmesh.planner import capacity, sizing
+from kvmesh.planner import capacity, growth_look, sizing
 from kvmesh.planner.decision import POOLS, Decision, PoolSizes
 from kvmesh.planner.load import IntervalObservation, LoadForecast
 from kvmesh.planner.miss_budget import MissBudget, pooled, unservable
@@ -143,6 +144,35 @@ class Planner:
             self.window_attainment(),
             self.worker_startup_s,
         )
+
+    def look(self, partial: IntervalObservation, current: PoolSizes) -> PoolSizes | None:
+        """Growth between decisions (:mod:`growth_look`) at ``partial``, the interval so far: the pools
+        :meth:`behind` grow to what the model asks for at the load seen, at least by one, within their
+        ceilings, unless a worker added has not joined yet (None: none). Not replayed on resume."""
+        o = self.options
+        now = partial.start_s + partial.duration_s
+        self._startup.observed(now, partial.workers)  # a start-up measured to the look, not the interval
+        behind = self._settled(self.behind(partial), now)
+        load = growth_look.seen_load(partial, self._backlog, BACKLOG_DRAIN_INTERVALS * o.adjustment_interval)
+        sizes = growth_look.one_more(behind, self._size(load)[0] if behind else current, current, o)
+        grown = {pool: size for pool, size in sizes.items() if size > getattr(current, pool)}
+        if not grown:
+            return None
+        self._grown_at |= dict.fromkeys(grown, now)
+        target = dataclasses.replace(current, **grown)
+        self._startup.decided(now, current.total, target.total)
+        self._resized_at = now
+        return target
+
+    def behind(self, partial: IntervalObservation) -> list[str]:
+        """The pools a look at ``partial`` finds clearly behind the goal while the SLA's window has no
+        misses to spare (else the decision is soon enough); none with Dynamo's sizing."""
+        goal, window = self.options.attainment_goal, self.window_attainment()
+        clearly_below = growth_look.clearly_below(goal, partial.finished)
+        spare = window is not None and window >= goal + self._budget.margin(BUDGET_MARGIN)
+        if self.options.sizing != "queue" or spare or not clearly_below(self._judged([partial])):
+            return []
+        return growth_look.pools_at_fault(partial, self.disaggregated, clearly_below)
 
     @property
     def worker_startup_s(self) -> float:
@@ -284,25 +314,17 @@ class Planner:
         """SLA first: when the interval just measured missed the attainment goal, the pool at fault
         grows by one whatever the model says (aggregated: the pool; disaggregated: the prefill pool
         for TTFT misses, the decode pool for ITL misses). Not again before a worker it added has
-        joined (``worker_startup_secs``): until then more misses are the same shortfall."""
+        joined (:meth:`_settled`)."""
         o = self.options
         if o.sizing != "queue" or not self._missed(observation):
             return wanted
-        if self.disaggregated:
-            at_fault = [
-                pool
-                for pool, share in (("prefill", observation.ttft_attainment), ("decode", observation.itl_attainment))
-                if share is not None and share < o.attainment_goal
-            ]
-        else:
-            at_fault = ["aggregated"]
-        settle = self.worker_startup_s
-        grown = {}
-        for pool in at_fault:
-            ceiling = o.prefill_ceiling if pool == "prefill" else o.max_workers
-            if now - self._grown_at.get(pool, -math.inf) >= settle:
-                grown[pool] = min(max(getattr(wanted, pool), getattr(current, pool) + 1), ceiling)
-        return dataclasses.replace(wanted, **grown)
+        at_fault = growth_look.pools_at_fault(observation, self.disaggregated, growth_look.below(o.attainment_goal))
+        return dataclasses.replace(wanted, **growth_look.one_more(self._settled(at_fault, now), wanted, current, o))
+
+    def _settled(self, pools: list[str], now: float) -> list[str]:
+        """``pools`` less those a worker added to has not joined yet (``worker_startup_s``): until it
+        has, more misses are the same shortfall."""
+        return [pool for pool in pools if now - self._grown_at.get(pool, -math.inf) >= self.worker_startup_s]
 
     @staticmethod
     def _measured(observation: IntervalObservation) -> bool:

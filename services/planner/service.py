@@ -32,10 +32,11 @@ from kvmesh.common.runtime.service import ServiceStack
 from kvmesh.common.wire import names
 from kvmesh.common.wire.frontend_load import LoadReport, LoadReportError
 from kvmesh.common.wire.worker_load import RouterLoadReport, WorkerLoad, WorkerLoadError, merge_router_reports
-from kvmesh.planner.connectors import CONNECTORS, ConnectorError, make_connector
+from kvmesh.planner.connector import Connector, ConnectorError
+from kvmesh.planner.connectors import CONNECTORS, make_connector
 from kvmesh.planner.decision import POOLS, Decision, PoolSizes
 from kvmesh.planner.kubernetes import SERVICE_ACCOUNT_DIR
-from kvmesh.planner.load import observe_interval
+from kvmesh.planner.load import IntervalObservation, observe_interval
 from kvmesh.planner.options import PlannerOptions
 from kvmesh.planner.planner import Planner
 from kvmesh.planner.state import RESUME_STEPS, PlannerState, resume
@@ -233,6 +234,68 @@ def merge(reports: Sequence[LoadReport]) -> tuple[int, list]:
     return sum(r.arrivals for r in reports), [s for r in reports for s in r.samples]
 
 
+class Clock:
+    """When the planner decides (every ``interval_s``) and when it looks between decisions (every
+    ``look_s`` after one; 0, or ``interval_s`` or more: never)."""
+
+    def __init__(self, interval_s: float, look_s: float) -> None:
+        self.interval_s = interval_s
+        self.look_s = look_s if 0 < look_s < interval_s else math.inf
+        self.interval_start = time.time()  # wall clock: the observations' times
+        self._decide_at = time.monotonic() + interval_s
+        self._look_at = time.monotonic() + self.look_s
+
+    def until_next(self) -> float:
+        """Seconds to the next look or decision."""
+        return max(0.0, min(self._decide_at, self._look_at) - time.monotonic())
+
+    def looking(self) -> bool:
+        """After a wake-up: True for a look; False for a decision, which starts the next interval."""
+        now = time.monotonic()
+        if now < self._decide_at:
+            self._look_at += self.look_s
+            return True
+        self._decide_at = now + self.interval_s
+        self._look_at = now + self.look_s
+        self.interval_start = time.time()
+        return False
+
+
+async def look(
+    planner: Planner,
+    partial: IntervalObservation,
+    connector: Connector,
+    registered: Iterable[InstanceRecord],
+    lease: Lease,
+) -> None:
+    """A look at the interval so far (``--growth-look-secs``, decision 65): the pools clearly behind
+    the goal grow now; the fleet is read only then (a connector may be slow to ask)."""
+    if not planner.behind(partial):
+        return
+    try:
+        current = await connector.current(registered_pools(registered))
+    except ConnectorError as exc:
+        log.error("cannot read the fleet; skipping this look", error=str(exc))
+        return
+    target = planner.look(partial, current)
+    if target is None or not lease.held():
+        return
+    log.info(
+        "planner look: growing before the interval ends",
+        seconds_into_interval=round(partial.duration_s, 1),
+        finished=partial.finished,
+        attainment=partial.sla_attainment,
+        observed_rate=round(partial.request_rate, 3),
+        workers=pools_text(current),
+        target=pools_text(target),
+    )
+    try:
+        now_pools = await connector.scale(target)
+        log.info("scaled", workers=pools_text(now_pools))
+    except ConnectorError as exc:
+        log.error("scaling failed", error=str(exc))
+
+
 async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
     try:
         profile = EngineProfile.load(config.engine_profile)
@@ -289,11 +352,13 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
         log.info("planner ready", connector=config.connector_name(), interval_s=config.adjustment_interval)
         started = time.time()
         acting: bool | None = None  # None: not known yet, so the first interval logs which it is
+        clock = Clock(config.adjustment_interval, config.growth_look_secs)
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=config.adjustment_interval)
+                await asyncio.wait_for(stop.wait(), timeout=clock.until_next())
             if stop.is_set():
                 break
+            looking = clock.looking()  # else deciding: the wake-up ends the interval
             if lease.held() != acting:
                 acting = lease.held()
                 log.info(
@@ -304,6 +369,18 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
             if not acting:
                 reports[:], router_reports[:] = [], []  # the acting planner counts them
                 started = time.time()
+                continue
+            assert planner is not None  # resumed at the start, or on taking the lease
+            if looking:
+                partial = observe_interval(
+                    *merge(reports),
+                    clock.interval_start,
+                    time.time() - clock.interval_start,
+                    config.ttft_target_ms,
+                    config.itl_target_ms,
+                    registered_pools(workers.instances()).total,
+                )
+                await look(planner, partial, connector, workers.instances(), lease)
                 continue
             now = time.time()
             taken, reports[:] = list(reports), []
@@ -326,7 +403,6 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
                 registered.total,
                 worker_loads,
             )
-            assert planner is not None  # resumed at the start, or on taking the lease
             decision = planner.step(observation, current)
             await state.record(observation, decision)
             metrics.record(decision, observation.request_rate, observation.sla_attainment, worker_loads)

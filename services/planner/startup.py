@@ -12,10 +12,11 @@ STARTUPS_KEPT = 3  # a start-up is planned for as the slowest of the last few me
 @dataclass
 class StartupMeter:
     """Guarantees: :attr:`seconds` is ``guess_s`` until a growth has been served, then the slowest
-    of the last ``STARTUPS_KEPT`` measured; a measurement runs from the decision that asked for
-    more workers to the end of the first interval whose count of serving workers reached it (an
-    upper bound, within one interval); a growth the planner takes back before it is served is not
-    measured. Deterministic in its inputs (a resumed planner measures the same)."""
+    of the last ``STARTUPS_KEPT`` measured; a measurement runs from the decision (or look) that asked
+    for more workers to the end of the first interval, or the first look, whose count of serving
+    workers reached it (an upper bound, within one interval, or one look's spacing with looks); a
+    growth the planner takes back before it is served is not measured. Deterministic in its inputs
+    (a resumed planner, which replays decisions and not looks, measures what its decisions saw)."""
 
     guess_s: float
     _awaited: list[tuple[float, int]] = field(default_factory=list)  # (asked at, workers wanted)

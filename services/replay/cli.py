@@ -131,6 +131,7 @@ def fleet_summary(simulator: ReplaySimulator, records: list, config: ReplayConfi
             "workers_started": len(fleet.workers),
             "pool_size": {"min": min(sizes, default=0), "max": max(sizes, default=0)},
             "timeline": fleet.timeline,
+            "growth_looks": simulator.looks,
         }
         error, rising, falling = forecast_errors(fleet.timeline)
         summary["planner"]["rate_forecast"] = {"mean_error": error, "bias_rising": rising, "bias_falling": falling}

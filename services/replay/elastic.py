@@ -24,6 +24,8 @@ class ElasticFleet:
     config: Any
     planner: Any
     fleet: Any
+    looks: list[dict[str, float]]
+    _interval_start_ms: float
 
     def _schedule(self, kind: str, at_ms: float, worker: int = -1) -> None:
         heapq.heappush(self._timers, (at_ms, next(self._transfer_seq), kind, worker))
@@ -35,6 +37,9 @@ class ElasticFleet:
             return
         if kind in ("join", "warm"):
             self._join(worker, now, warmed=kind == "warm")
+            return
+        if kind == "look":
+            self._look(now)
             return
         interval_ms = self.config.adjustment_interval * 1000.0
         current = PoolSizes(*(len(self.fleet.live(pool)) for pool in POOLS))
@@ -64,6 +69,32 @@ class ElasticFleet:
             self._shrink(pool, max(-change, 0), now)
         if busy:
             self._schedule("tick", now + interval_ms)
+            self._schedule_looks(now)
+
+    def _schedule_looks(self, start_ms: float) -> None:
+        """The looks between the decision at ``start_ms`` and the next (``--growth-look-secs``)."""
+        self._interval_start_ms = start_ms
+        look_ms = self.config.growth_look_secs * 1000.0
+        end_ms = start_ms + self.config.adjustment_interval * 1000.0
+        at = start_ms + look_ms
+        while look_ms and at < end_ms:
+            self._schedule("look", at)
+            at += look_ms
+
+    def _look(self, now: float) -> None:
+        """A look at the interval so far (kvmesh.planner.growth_look): the pools it grows start now."""
+        assert self.planner is not None and self.fleet is not None
+        current = PoolSizes(*(len(self.fleet.live(pool)) for pool in POOLS))
+        recorder = IntervalRecorder(self.config.ttft_target_ms, self.config.itl_target_ms)
+        serving = len(self.workers.instances())
+        partial = recorder.observe(self.records, self._interval_start_ms, now, serving, self.loads.worker_loads())
+        target = self.planner.look(partial, current)
+        if target is None:
+            return
+        self.looks.append({"t_s": now / 1000.0, "workers": current.total, "target": target.total})
+        for pool in POOLS:
+            for _ in range(getattr(target, pool) - getattr(current, pool)):
+                self._add_worker(pool, now)
 
     def _add_worker(self, pool: str, now: float) -> None:
         assert self.fleet is not None

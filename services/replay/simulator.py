@@ -110,7 +110,9 @@ class ReplaySimulator(ElasticFleet):
         self.fleet: VirtualFleet | None = None
         self.decisions: list[Decision] = []
         self.steps: list[tuple[IntervalObservation, Decision]] = []
-        self._timers: list[tuple[float, int, str, int]] = []  # (at, seq, "tick" | "join" | "warm" | "handoff", worker)
+        self.looks: list[dict[str, float]] = []  # growths between decisions: t_s, workers, target
+        # (at, seq, "tick" | "look" | "join" | "warm" | "handoff", worker)
+        self._timers: list[tuple[float, int, str, int]] = []
 
     @property
     def loads(self):
@@ -155,6 +157,7 @@ class ReplaySimulator(ElasticFleet):
         self._trace = trace
         if self.planner is not None:
             self._schedule("tick", self.config.adjustment_interval * 1000.0)
+            self._schedule_looks(0.0)
         by_id: dict[str, RequestRecord] = {}
         completions: list[tuple[float, int, int]] = []  # (end time, tie-breaker, worker)
         in_flight: dict[int, StepResult] = {}

@@ -1,10 +1,11 @@
 """`kvmesh planner run` over real NATS: it merges the frontends' load reports and the routers'
 per-worker loads into its decisions, records every step in SQLite, and after kill -9 resumes with
-its window."""
+its window; between decisions it looks, and grows a fleet far behind at once."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 
@@ -94,6 +95,53 @@ async def test_the_planner_decides_from_load_reports_and_resumes_after_kill_9(na
         after = (await steps(state))[recorded]
         assert after.observation.request_rate == 0
         assert after.decision.forecast.request_rate > 0
+    finally:
+        planner.terminate()
+        planner.wait(timeout=15)
+
+
+async def test_a_look_grows_a_fleet_far_behind_before_the_interval_ends(nats_url, nc, tmp_path):
+    """Decision 65, live: the planner decides every 60 s and looks every second. The frontends report
+    that nearly every request misses its TTFT; within seconds, long before its first decision, it
+    asks `kvmesh up`'s supervisor (the test answers on its subject) for more workers."""
+    profile, state = tmp_path / "profile.json", tmp_path / "planner.sqlite"
+    profile_mock_engine().save(profile)
+    pools = {"aggregated": 2}
+    asked: list[dict] = []
+
+    async def supervisor(message) -> None:
+        body = json.loads(message.data)
+        if body:  # a resize; an empty body asks for the pools
+            asked.append(body)
+            pools.update(body)
+        await message.respond(json.dumps(pools).encode())
+
+    await nc.subscribe(names.planner_scale_subject(NAMESPACE), cb=supervisor)
+    await nc.flush()
+    planner = service_process(
+        "planner",
+        nats_url,
+        NAMESPACE,
+        "--engine-profile", str(profile),
+        "--state-db", str(state),
+        "--connector", "local",
+        "--adjustment-interval", "60",
+        "--growth-look-secs", "1",
+        "--metrics-port", "-1",
+    )  # fmt: skip
+    try:
+        missed = RequestSample(2000, 32, 500, 5000.0, 12.0)  # a 5 s first token: far past the 2 s target
+
+        async def grown() -> bool:
+            report = LoadReport("frontend-test", 0.0, 0.25, 5, (missed,) * 5)
+            await nc.publish(names.load_report_subject(NAMESPACE), report.encode())
+            await nc.flush()
+            await asyncio.sleep(0.25)
+            return bool(asked)
+
+        await wait_until_async(grown, timeout=30, what="a look that grows the fleet")
+        assert asked[0]["aggregated"] > 2
+        assert await steps(state) == []  # no decision yet: the interval has not ended
     finally:
         planner.terminate()
         planner.wait(timeout=15)

@@ -14,7 +14,7 @@ from kvmesh.profiler.mock import profile_mock_engine
 from kvmesh.replay import cli
 from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import read_trace
-from kvmesh.replay.report import summarise
+from kvmesh.replay.report import sla_attainment, summarise
 from kvmesh.replay.simulator import ReplaySimulator
 
 SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
@@ -27,6 +27,9 @@ PLANNED = {
     "arrival_profile": "step:at=60,factor=2",
     "max_workers": 8,
 }
+
+
+PLANNED_SLA = (2000.0, 50.0)  # the default TTFT and ITL targets (ms)
 
 
 def run(limit: int = 700, **overrides):
@@ -65,6 +68,21 @@ def test_the_planner_measures_how_long_a_worker_takes_to_serve_instead_of_trusti
     assert late and all(w.joins_ms == w.started_ms + 35_000 for w in late)
 
 
+def test_looks_between_decisions_grow_a_fleet_far_behind_before_the_first_decision():
+    """Decision 65: one worker started into more load than it serves misses nearly every request;
+    a look 2.5 s apart sees that and starts workers before the interval's end, and more requests
+    meet the SLA than with the decision alone."""
+    looking, looked = run(growth_look_secs=2.5)
+    waiting, waited = run(growth_look_secs=0.0)
+    assert not waiting.looks
+    first = looking.looks[0]
+    assert first["t_s"] < PLANNED["adjustment_interval"] and first["target"] > first["workers"] == 1
+    assert first["target"] > waiting.fleet.timeline[0]["target"]  # more than the first decision asked for
+    started = [w.started_ms for w in looking.fleet.workers if w.started_ms > 0]
+    assert min(started) == first["t_s"] * 1000
+    assert sla_attainment(looked, *PLANNED_SLA) > sla_attainment(waited, *PLANNED_SLA)
+
+
 def test_a_planned_replay_is_deterministic():
     first, first_records = run(limit=400)
     second, second_records = run(limit=400)
@@ -83,12 +101,16 @@ def test_worker_seconds_count_from_start_to_drained_stop():
 def test_cli_reports_sla_worker_seconds_and_the_timeline_and_records_history(tmp_path, capsys):
     plot, state = tmp_path / "timeline.png", tmp_path / "planner.sqlite"
     argv = [str(SHARED_TRACE), "--limit", "300", "--planner", "--workers", "1", "--adjustment-interval", "10"]
+    argv += ["--growth-look-secs", "2"]
     assert cli.main([*argv, "--plot", str(plot), "--state-db", str(state)]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert 0 <= summary["sla"]["sla_attainment"] <= 1
     assert summary["worker_seconds"] > 0
     assert summary["planner"]["decisions"] == len(summary["planner"]["timeline"]) > 0
     assert summary["planner"]["rate_forecast"]["mean_error"] >= 0  # how far its forecasts were from the load
+    # the looks that grew the fleet between decisions: one worker started into the trace falls behind
+    # within seconds
+    assert summary["planner"]["growth_looks"][0]["target"] > summary["planner"]["growth_looks"][0]["workers"]
     assert plot.stat().st_size > 0
 
     from kvmesh.planner import cli as planner_cli
@@ -184,6 +206,9 @@ class ShrinkAt:
         now = observation.start_s + observation.duration_s
         size = PoolSizes(aggregated=self.before if now < self.at_s else self.after)
         return Decision(now, LoadForecast(0.0, 0.0, 1.0, 0.0), size, size, current, 0.0, 0.0, 1.0, 1.0, 0.5)
+
+    def look(self, partial: IntervalObservation, current: PoolSizes) -> None:
+        return None  # the schedule alone resizes
 
 
 def test_on_one_schedule_a_shrink_that_hands_its_cache_on_keeps_more_where_the_survivors_have_room():
