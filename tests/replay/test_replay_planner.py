@@ -72,8 +72,8 @@ def test_looks_between_decisions_grow_a_fleet_far_behind_before_the_first_decisi
     """Decision 65: one worker started into more load than it serves misses nearly every request;
     a look 2.5 s apart sees that and starts workers before the interval's end, and more requests
     meet the SLA than with the decision alone."""
-    looking, looked = run(growth_look_secs=2.5)
-    waiting, waited = run(growth_look_secs=0.0)
+    looking, looked = run(limit=300, growth_look_secs=2.5)
+    waiting, waited = run(limit=300, growth_look_secs=0.0)
     assert not waiting.looks
     first = looking.looks[0]
     assert first["t_s"] < PLANNED["adjustment_interval"] and first["target"] > first["workers"] == 1
