@@ -368,7 +368,7 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
                     planner = await resumed_planner()
             if not acting:
                 reports[:], router_reports[:] = [], []  # the acting planner counts them
-                started = time.time()
+                started = clock.interval_start = time.time()  # a look after taking over sees from here
                 continue
             assert planner is not None  # resumed at the start, or on taking the lease
             if looking:
