@@ -145,16 +145,26 @@ class Planner:
             self.worker_startup_s,
         )
 
-    def look(self, partial: IntervalObservation, current: PoolSizes) -> PoolSizes | None:
-        """Growth between decisions (:mod:`growth_look`) at ``partial``, the interval so far: the pools
-        :meth:`behind` grow to what the model asks for at the load seen, at least by one, within their
-        ceilings, unless a worker added has not joined yet (None: none). Not replayed on resume."""
-        o = self.options
+    def look(self, partial: IntervalObservation) -> list[str]:
+        """A look between decisions (:mod:`growth_look`) at ``partial``, the interval so far: measures a
+        start-up to it, and names the pools clearly behind the goal while the SLA's window has no misses
+        to spare and no worker added to them is still starting; none with Dynamo's sizing. Not resumed."""
         now = partial.start_s + partial.duration_s
         self._startup.observed(now, partial.workers)  # a start-up measured to the look, not the interval
-        behind = self._settled(self.behind(partial), now)
-        load = growth_look.seen_load(partial, self._backlog, BACKLOG_DRAIN_INTERVALS * o.adjustment_interval)
-        sizes = growth_look.one_more(behind, self._size(load)[0] if behind else current, current, o)
+        goal, window = self.options.attainment_goal, self.window_attainment()
+        clearly_below = growth_look.clearly_below(goal, partial.finished)
+        spare = window is not None and window >= goal + self._budget.margin(BUDGET_MARGIN)
+        if self.options.sizing != "queue" or spare or not clearly_below(self._judged([partial])):
+            return []
+        return self._settled(growth_look.pools_at_fault(partial, self.disaggregated, clearly_below), now)
+
+    def grow(self, partial: IntervalObservation, behind: list[str], current: PoolSizes) -> PoolSizes | None:
+        """The pools ``behind`` (:meth:`look`) grown to what the model asks for at the load seen in
+        ``partial``, at least by one, within their ceilings (None: none can grow)."""
+        now = partial.start_s + partial.duration_s
+        drain_s = BACKLOG_DRAIN_INTERVALS * self.options.adjustment_interval
+        wanted = self._size(growth_look.seen_load(partial, self._backlog, drain_s))[0]
+        sizes = growth_look.one_more(behind, wanted, current, self.options)
         grown = {pool: size for pool, size in sizes.items() if size > getattr(current, pool)}
         if not grown:
             return None
@@ -163,16 +173,6 @@ class Planner:
         self._startup.decided(now, current.total, target.total)
         self._resized_at = now
         return target
-
-    def behind(self, partial: IntervalObservation) -> list[str]:
-        """The pools a look at ``partial`` finds clearly behind the goal while the SLA's window has no
-        misses to spare (else the decision is soon enough); none with Dynamo's sizing."""
-        goal, window = self.options.attainment_goal, self.window_attainment()
-        clearly_below = growth_look.clearly_below(goal, partial.finished)
-        spare = window is not None and window >= goal + self._budget.margin(BUDGET_MARGIN)
-        if self.options.sizing != "queue" or spare or not clearly_below(self._judged([partial])):
-            return []
-        return growth_look.pools_at_fault(partial, self.disaggregated, clearly_below)
 
     @property
     def worker_startup_s(self) -> float:

@@ -262,22 +262,19 @@ class Clock:
 
 
 async def look(
-    planner: Planner,
-    partial: IntervalObservation,
-    connector: Connector,
-    registered: Iterable[InstanceRecord],
-    lease: Lease,
+    planner: Planner, partial: IntervalObservation, connector: Connector, registered: PoolSizes, lease: Lease
 ) -> None:
     """A look at the interval so far (``--growth-look-secs``, decision 65): the pools clearly behind
     the goal grow now; the fleet is read only then (a connector may be slow to ask)."""
-    if not planner.behind(partial):
+    behind = planner.look(partial)
+    if not behind:
         return
     try:
-        current = await connector.current(registered_pools(registered))
+        current = await connector.current(registered)
     except ConnectorError as exc:
         log.error("cannot read the fleet; skipping this look", error=str(exc))
         return
-    target = planner.look(partial, current)
+    target = planner.grow(partial, behind, current)
     if target is None or not lease.held():
         return
     log.info(
@@ -372,15 +369,16 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
                 continue
             assert planner is not None  # resumed at the start, or on taking the lease
             if looking:
+                registered = registered_pools(workers.instances())
                 partial = observe_interval(
                     *merge(reports),
                     clock.interval_start,
                     time.time() - clock.interval_start,
                     config.ttft_target_ms,
                     config.itl_target_ms,
-                    registered_pools(workers.instances()).total,
+                    registered.total,
                 )
-                await look(planner, partial, connector, workers.instances(), lease)
+                await look(planner, partial, connector, registered, lease)
                 continue
             now = time.time()
             taken, reports[:] = list(reports), []

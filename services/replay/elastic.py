@@ -12,6 +12,7 @@ from typing import Any
 from kvmesh.common.core.timing_fit import TimingFit
 from kvmesh.common.wire.worker_key import WorkerKey
 from kvmesh.planner.decision import POOLS, PoolSizes
+from kvmesh.planner.load import IntervalObservation
 from kvmesh.replay.fleet import IntervalRecorder
 from kvmesh.replay.handoff import departure_costs, plan_handoff, plan_warmup
 from kvmesh.worker.engines.mock.mock_engine import MockEngine
@@ -42,10 +43,8 @@ class ElasticFleet:
             self._look(now)
             return
         interval_ms = self.config.adjustment_interval * 1000.0
-        current = PoolSizes(*(len(self.fleet.live(pool)) for pool in POOLS))
-        recorder = IntervalRecorder(self.config.ttft_target_ms, self.config.itl_target_ms)
-        serving = len(self.workers.instances())  # joined, as the live planner counts the registered
-        observation = recorder.observe(self.records, now - interval_ms, now, serving, self.loads.worker_loads())
+        current = self._pools()
+        observation = self._observed(now - interval_ms, now)
         decision = self.planner.step(observation, current)
         self.decisions.append(decision)
         self.steps.append((observation, decision))
@@ -83,18 +82,28 @@ class ElasticFleet:
 
     def _look(self, now: float) -> None:
         """A look at the interval so far (kvmesh.planner.growth_look): the pools it grows start now."""
-        assert self.planner is not None and self.fleet is not None
-        current = PoolSizes(*(len(self.fleet.live(pool)) for pool in POOLS))
-        recorder = IntervalRecorder(self.config.ttft_target_ms, self.config.itl_target_ms)
-        serving = len(self.workers.instances())
-        partial = recorder.observe(self.records, self._interval_start_ms, now, serving, self.loads.worker_loads())
-        target = self.planner.look(partial, current)
+        assert self.planner is not None
+        partial = self._observed(self._interval_start_ms, now)
+        behind = self.planner.look(partial)
+        current = self._pools()
+        target = self.planner.grow(partial, behind, current) if behind else None
         if target is None:
             return
         self.looks.append({"t_s": now / 1000.0, "workers": current.total, "target": target.total})
         for pool in POOLS:
             for _ in range(getattr(target, pool) - getattr(current, pool)):
                 self._add_worker(pool, now)
+
+    def _pools(self) -> PoolSizes:
+        """The pools as the virtual connector counts them: started and not draining."""
+        assert self.fleet is not None
+        return PoolSizes(*(len(self.fleet.live(pool)) for pool in POOLS))
+
+    def _observed(self, start_ms: float, end_ms: float) -> IntervalObservation:
+        """The planner's observation of [start_ms, end_ms), as the live planner would make it."""
+        recorder = IntervalRecorder(self.config.ttft_target_ms, self.config.itl_target_ms)
+        serving = len(self.workers.instances())  # joined, as the live planner counts the registered
+        return recorder.observe(self.records, start_ms, end_ms, serving, self.loads.worker_loads())
 
     def _add_worker(self, pool: str, now: float) -> None:
         assert self.fleet is not None

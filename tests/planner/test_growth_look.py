@@ -41,6 +41,12 @@ def so_far(
     return dataclasses.replace(observation, **fields)
 
 
+def looked(planner: Planner, partial: IntervalObservation, current: PoolSizes) -> PoolSizes | None:
+    """A look as the planner service and the replay make one: the pools behind, then their growth."""
+    behind = planner.look(partial)
+    return planner.grow(partial, behind, current) if behind else None
+
+
 def test_behind_the_goal_means_beyond_what_chance_explains():
     # 33 requests at a 0.95 goal: 1.65 misses expected, 3 standard deviations is 3.8 more
     assert clearly_below(0.95, 33)(1 - 6 / 33)
@@ -53,34 +59,34 @@ def test_a_look_grows_a_pool_far_behind_at_once_and_not_again_before_its_worker_
     planner = Planner(options(), PROFILE)
     pools = PoolSizes(aggregated=2)
     # started into a crest: 5 s into the first interval, 30 of 33 finished requests missed
-    grown = planner.look(so_far(15, 5, 30.0, 33, 3 / 33), pools)
+    grown = looked(planner, so_far(15, 5, 30.0, 33, 3 / 33), pools)
     assert grown is not None and grown.aggregated >= pools.aggregated + 1
     assert grown.aggregated >= pools.aggregated + 2  # sized by the model at the rate seen, not one at a time
     # the workers it asked for take 15 s: five seconds later the same shortfall grows nothing
-    assert planner.look(so_far(15, 10, 30.0, 60, 0.1), grown) is None
+    assert looked(planner, so_far(15, 10, 30.0, 60, 0.1), grown) is None
     # nor does the decision at the interval's end grow by one more for the misses it saw
     decision = planner.step(dataclasses.replace(interval(15, 30.0, attainment=0.1), finished=100), grown)
     assert decision.target.aggregated == max(grown.aggregated, decision.wanted.aggregated)
     # once they have had their start-up, a load still outgrowing them grows the pool again
-    again = planner.look(so_far(30, 5, 60.0, 33, 0.1), decision.target)
+    again = looked(planner, so_far(30, 5, 60.0, 33, 0.1), decision.target)
     assert again is not None and again.aggregated > decision.target.aggregated
 
 
 def test_a_look_grows_nothing_on_chance_misses_few_requests_or_at_the_ceiling():
     planner = Planner(options(), PROFILE)
     pools = PoolSizes(aggregated=3)
-    assert planner.look(so_far(0, 5, 7.0, 33, 1 - 4 / 33), pools) is None  # within chance
-    assert planner.look(so_far(0, 5, 7.0, 8, 0.0), pools) is None  # too few finished
-    assert planner.look(so_far(0, 5, 7.0, 33, 0.1), PoolSizes(aggregated=12)) is None  # at the ceiling
+    assert looked(planner, so_far(0, 5, 7.0, 33, 1 - 4 / 33), pools) is None  # within chance
+    assert looked(planner, so_far(0, 5, 7.0, 8, 0.0), pools) is None  # too few finished
+    assert looked(planner, so_far(0, 5, 7.0, 33, 0.1), PoolSizes(aggregated=12)) is None  # at the ceiling
     dynamo = Planner(options(sizing="dynamo"), PROFILE)
-    assert dynamo.look(so_far(0, 5, 7.0, 33, 0.1), pools) is None  # Dynamo's sizing has no looks
+    assert looked(dynamo, so_far(0, 5, 7.0, 33, 0.1), pools) is None  # Dynamo's sizing has no looks
 
 
 def test_a_disaggregated_look_grows_the_pool_whose_target_is_missed():
     planner = Planner(options(), PROFILE, disaggregated=True)
     pools = PoolSizes(prefill=2, decode=2)
     slow_first_tokens = so_far(0, 5, 7.0, 33, 0.2, ttft_attainment=0.2, itl_attainment=1.0)
-    grown = planner.look(slow_first_tokens, pools)
+    grown = looked(planner, slow_first_tokens, pools)
     assert grown is not None and grown.prefill > 2 and grown.decode == 2
 
 
@@ -88,9 +94,9 @@ def test_a_look_leaves_growth_to_the_decision_while_the_sla_window_has_misses_to
     planner = Planner(options(), PROFILE)
     pools = planner.step(dataclasses.replace(interval(0, 4.0), finished=400), PoolSizes(aggregated=3)).target
     assert planner.window_attainment() == 1.0
-    assert planner.look(so_far(15, 5, 30.0, 33, 3 / 33), pools) is None
+    assert looked(planner, so_far(15, 5, 30.0, 33, 3 / 33), pools) is None
     # once the window has spent its spare misses (and the worker that miss added has joined), the
     # same look grows the pool
     pools = planner.step(dataclasses.replace(interval(15, 4.0, attainment=0.8), finished=400), pools).target
     assert planner.window_attainment() == 0.9
-    assert planner.look(so_far(35, 5, 30.0, 33, 3 / 33), pools) is not None
+    assert looked(planner, so_far(35, 5, 30.0, 33, 3 / 33), pools) is not None

@@ -207,8 +207,8 @@ class ShrinkAt:
         size = PoolSizes(aggregated=self.before if now < self.at_s else self.after)
         return Decision(now, LoadForecast(0.0, 0.0, 1.0, 0.0), size, size, current, 0.0, 0.0, 1.0, 1.0, 0.5)
 
-    def look(self, partial: IntervalObservation, current: PoolSizes) -> None:
-        return None  # the schedule alone resizes
+    def look(self, partial: IntervalObservation) -> list[str]:
+        return []  # the schedule alone resizes
 
 
 def test_on_one_schedule_a_shrink_that_hands_its_cache_on_keeps_more_where_the_survivors_have_room():
