@@ -100,3 +100,12 @@ def test_a_look_leaves_growth_to_the_decision_while_the_sla_window_has_misses_to
     pools = planner.step(dataclasses.replace(interval(15, 4.0, attainment=0.8), finished=400), pools).target
     assert planner.window_attainment() == 0.9
     assert looked(planner, so_far(35, 5, 30.0, 33, 3 / 33), pools) is not None
+
+
+def test_a_look_measures_a_start_up_to_itself_not_to_the_interval_end():
+    planner = Planner(options(worker_startup_secs=30.0), PROFILE)  # a guess the fleet beats
+    grown = looked(planner, so_far(15, 5, 30.0, 33, 3 / 33), PoolSizes(aggregated=2))  # asked at 20 s
+    assert grown is not None
+    # the workers serve by the look at 35 s (5 s into the interval from 30 s): measured 15 s
+    planner.look(so_far(30, 5, 4.0, 20, 1.0, workers=grown.aggregated))
+    assert planner.worker_startup_s == 15.0
