@@ -10,6 +10,7 @@ Its sans-I/O core is driven by the live service and by ``kvmesh replay --planner
 - ``growth_look`` — looks between decisions: growth for a pool clearly behind the goal, seconds after it falls behind.
 - ``predictors`` — load predictors from past intervals.
 - ``startup`` — how long a worker takes to serve, measured from the planner's own growths.
+- ``correction`` — the performance model's corrections: observed ÷ modelled latencies, smoothed.
 - ``capacity`` — the performance model: what a pool gives under a load, and the smallest that meets limits.
 - ``sizing`` — the pools the model asks for: kvmesh's queueing model, or Dynamo's shares.
 - ``service`` — ``kvmesh planner run``: observe, decide, act, every interval.

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvmesh.common.core.engine_profile import EngineProfile
-from kvmesh.planner import capacity, growth_look, sizing
+from kvmesh.planner import capacity, correction, growth_look, sizing
 from kvmesh.planner.decision import POOLS, Decision, PoolSizes
 from kvmesh.planner.load import IntervalObservation, LoadForecast
 from kvmesh.planner.miss_budget import MissBudget, pooled, unservable
@@ -37,9 +37,6 @@ from kvmesh.planner.options import UTILISATION_CAP_BOUNDS, PlannerOptions
 from kvmesh.planner.predictors import Predictor, make_predictor
 from kvmesh.planner.startup import StartupMeter
 
-# how far one interval's observations may move the model's correction, and its bounds
-CORRECTION_SMOOTHING = 0.5
-CORRECTION_BOUNDS = (0.5, 2.0)
 TIGHTEN, RELAX = 0.85, 1.05
 ATTAINMENT_SLACK = 0.02  # relax only above goal + this
 BACKLOG_DRAIN_INTERVALS = 2  # a backlog is planned to drain within this many intervals
@@ -234,31 +231,15 @@ class Planner:
         return self._budget.judged(pooled((o, self._unservable(o)) for o in observations))
 
     def _correct(self, observation: IntervalObservation, current: PoolSizes) -> None:
-        """Move the corrections toward observed ÷ modelled for the interval just seen."""
-        if not observation.requests or not observation.ttft_mean_ms:
-            return
-        seen = LoadForecast(
-            observation.request_rate,
-            observation.mean_input_tokens,
-            observation.mean_output_tokens,
-            observation.prefix_hit_fraction,
-            observation.input_tokens_cv2,
+        """Move the corrections toward observed ÷ modelled for the interval just seen (:mod:`correction`)."""
+        self.ttft_correction, self.itl_correction = correction.corrected(
+            (self.ttft_correction, self.itl_correction),
+            observation,
+            current,
+            self.profile,
+            disaggregated=self.disaggregated,
+            dynamo=self.options.sizing == "dynamo",
         )
-        ttft, itl = self._estimate(seen, current)
-        if self.options.sizing == "dynamo":
-            # Dynamo expects the profiled TTFT of the whole prompt and the profiled ITL at the load seen
-            per_worker = seen.request_rate / max(current.total, 1)
-            concurrency = per_worker * seen.mean_output_tokens * (observation.itl_mean_ms or 1.0) / 1000
-            context = seen.mean_input_tokens + seen.mean_output_tokens / 2
-            ttft = self.profile.ttft_ms(seen.mean_input_tokens)
-            itl = self.profile.itl_ms(max(concurrency, 1.0), context)
-        low, high = CORRECTION_BOUNDS
-        if math.isfinite(ttft) and ttft > 0:
-            ratio = min(max(observation.ttft_mean_ms / ttft, low), high)
-            self.ttft_correction += CORRECTION_SMOOTHING * (ratio - self.ttft_correction)
-        if math.isfinite(itl) and itl > 0 and observation.itl_mean_ms:
-            ratio = min(max(observation.itl_mean_ms / itl, low), high)
-            self.itl_correction += CORRECTION_SMOOTHING * (ratio - self.itl_correction)
 
     def _track_backlog(self, observation: IntervalObservation) -> None:
         """Requests queued beyond what the fleet finishes: they grow while arrivals outrun
@@ -287,15 +268,6 @@ class Planner:
             self.utilisation_cap = max(low, self.utilisation_cap * TIGHTEN)
         elif attained > self.options.attainment_goal + self._budget.margin(ATTAINMENT_SLACK):
             self.utilisation_cap = min(high, self.utilisation_cap * RELAX)
-
-    def _estimate(self, forecast: LoadForecast, pools: PoolSizes) -> tuple[float, float]:
-        if self.disaggregated:
-            return (
-                capacity.prefill_pool(self.profile, forecast, pools.prefill).ttft_ms,
-                capacity.decode_pool(self.profile, forecast, pools.decode).itl_ms,
-            )
-        estimate = capacity.aggregated(self.profile, forecast, pools.aggregated)
-        return estimate.ttft_ms, estimate.itl_ms
 
     def _size(self, forecast: LoadForecast, cap_margin: float = 1.0) -> tuple[PoolSizes, float, float]:
         """The pools the model asks for under ``forecast`` (with the cap × ``cap_margin``)."""
