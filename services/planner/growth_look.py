@@ -7,7 +7,8 @@ early in an interval is served short for most of two. A look sees the requests f
 interval began. It grows a pool only where their attainment is below the goal by more than chance
 explains (:func:`clearly_below`): a few seconds of requests are noisy, and a growth is held by the
 shrink guards for minutes. A look feeds no predictor and teaches the cap nothing; the decision at the
-interval's end sees the whole interval, as before.
+interval's end sees the whole interval, as before, and judges it by the same test while the SLA's
+window has misses to spare (decision 66).
 """
 
 from __future__ import annotations

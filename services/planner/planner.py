@@ -5,7 +5,8 @@ worker started now would join (decision 57), and the prompt and output lengths a
 corrects its performance model by how far the last interval's observed TTFT / ITL were from what the
 model says for that interval's load and fleet, and (4) sizes each pool as the smallest that meets
 the targets, then (5) puts the SLA first (decision 38): it grows at once, and grows the pool at
-fault by one whenever an interval measured attainment below the goal, whatever the model says; it
+fault by one whenever an interval measured attainment below the goal (by more than chance explains
+while the SLA's window has misses to spare: decision 66), whatever the model says; it
 shrinks only to a size that meets a stricter utilisation cap, only after ``scale_down_intervals``
 intervals in a row asked for less, and one worker a decision, only with headroom measured (not
 predicted) since the pools last changed, and only while the requests finished within
@@ -148,10 +149,8 @@ class Planner:
         to spare and no worker added to them is still starting; none with Dynamo's sizing. Not resumed."""
         now = partial.start_s + partial.duration_s
         self._startup.observed(now, partial.workers)  # a start-up measured to the look, not the interval
-        goal, window = self.options.attainment_goal, self.window_attainment()
-        clearly_below = growth_look.clearly_below(goal, partial.finished)
-        spare = window is not None and window >= goal + self._budget.margin(BUDGET_MARGIN)
-        if self.options.sizing != "queue" or spare or not clearly_below(self._judged([partial])):
+        clearly_below = growth_look.clearly_below(self.options.attainment_goal, partial.finished)
+        if self.options.sizing != "queue" or self._window_spare() or not clearly_below(self._judged([partial])):
             return []
         return self._settled(growth_look.pools_at_fault(partial, self.disaggregated, clearly_below), now)
 
@@ -285,13 +284,25 @@ class Planner:
     ) -> PoolSizes:
         """SLA first: when the interval just measured missed the attainment goal, the pool at fault
         grows by one whatever the model says (aggregated: the pool; disaggregated: the prefill pool
-        for TTFT misses, the decode pool for ITL misses). Not again before a worker it added has
-        joined (:meth:`_settled`)."""
+        for TTFT misses, the decode pool for ITL misses). While the SLA's window has misses to spare,
+        only an interval below the goal by more than chance explains (as a look judges one): one miss
+        short in 72 requests held a worker for minutes. Not again before a worker it added has joined
+        (:meth:`_settled`)."""
         o = self.options
         if o.sizing != "queue" or not self._missed(observation):
             return wanted
-        at_fault = growth_look.pools_at_fault(observation, self.disaggregated, growth_look.below(o.attainment_goal))
+        missed = growth_look.below(o.attainment_goal)
+        if self._window_spare():  # the window's spare misses pay for an interval short by chance
+            missed = growth_look.clearly_below(o.attainment_goal, observation.finished)
+            if not missed(self._judged([observation])):
+                return wanted
+        at_fault = growth_look.pools_at_fault(observation, self.disaggregated, missed)
         return dataclasses.replace(wanted, **growth_look.one_more(self._settled(at_fault, now), wanted, current, o))
+
+    def _window_spare(self) -> bool:
+        """Whether the SLA's window has misses to spare: measured ``BUDGET_MARGIN`` above the goal."""
+        window = self.window_attainment()
+        return window is not None and window >= self.options.attainment_goal + self._budget.margin(BUDGET_MARGIN)
 
     def _settled(self, pools: list[str], now: float) -> list[str]:
         """``pools`` less those a worker added to has not joined yet (``worker_startup_s``): until it

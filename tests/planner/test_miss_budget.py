@@ -94,7 +94,11 @@ def test_unservable_misses_landing_together_neither_tighten_the_cap_nor_grow_the
     # the same attainment from misses a larger fleet would have served is a shortfall
     short, pools = after_usual_unservable_misses()
     decision = short.step(missed(100, 100, long_misses=2, short_misses=4), pools)  # 0.94 measured
-    assert decision.utilisation_cap < cap and decision.target.aggregated > pools.aggregated
+    assert decision.utilisation_cap < cap
+    # it is judged below the goal; the window's spare misses pay for a shortfall this near it, which
+    # grows a pool only where the window has none to spare (decision 66)
+    assert short._missed(missed(100, 100, long_misses=2, short_misses=4))
+    assert not unlucky._missed(missed(100, 100, long_misses=6, short_misses=0))
 
 
 def test_a_pool_shrinks_on_the_headroom_left_by_unservable_misses():

@@ -170,6 +170,25 @@ def test_a_missed_goal_grows_the_pool_whatever_the_model_says_then_waits_to_see_
     assert planner.step(measured(30, 0.5, finished=3), later.target).target.aggregated == 5
 
 
+def test_a_window_with_misses_to_spare_pays_for_an_interval_short_by_chance():
+    """Decision 66: one miss under the goal in 72 requests grows no worker while the SLA's window has
+    misses to spare; an interval clearly below the goal still does, and without spare misses any
+    interval below the goal does."""
+
+    def grown_after(window_attainment: float, attainment: float) -> bool:
+        planner = Planner(options(min_workers=3, adjustment_interval=10.0), PROFILE)
+        pools = PoolSizes(aggregated=3)
+        for start in range(0, 50, 10):  # 200 requests in the window, quiet: the model asks for one worker
+            pools = planner.step(measured(start, window_attainment), pools).target
+        assert pools.aggregated == 3
+        return planner.step(measured(50, attainment, finished=72), pools).target.aggregated > 3
+
+    short_by_chance, clearly_short = 68 / 72, 60 / 72  # 4 misses (3.6 expected at 0.95), and 12
+    assert not grown_after(window_attainment=1.0, attainment=short_by_chance)
+    assert grown_after(window_attainment=1.0, attainment=clearly_short)
+    assert grown_after(window_attainment=0.95, attainment=short_by_chance)  # no misses to spare
+
+
 def test_a_pool_shrinks_only_with_headroom_measured():
     def after(*observations: IntervalObservation) -> int:
         # no idle shrink: every shrink is judged as near capacity (far from it, see below)
