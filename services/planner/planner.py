@@ -343,13 +343,12 @@ class Planner:
                 break
         if len(window) < intervals or finished < HEADROOM_REQUESTS:
             return False
-        goal = self.options.attainment_goal
-        budget = self.window_attainment()
-        spare = budget is None or budget >= goal + self._budget.margin(BUDGET_MARGIN)
+        # an empty window has spent nothing: here it counts as spare, unlike for growth
+        spare = self.window_attainment() is None or self._window_spare()
         if not spare and not self._idle_after_one_less(load):
             return False  # the SLA's window has no misses to spare for a shrink near capacity
         attained = self._judged(window)
-        headroom = goal + self._budget.margin(SHRINK_HEADROOM)
+        headroom = self.options.attainment_goal + self._budget.margin(SHRINK_HEADROOM)
         return attained is not None and attained >= headroom and not any(self._missed(o) for o in window)
 
     def _idle_after_one_less(self, load: LoadForecast) -> bool:
