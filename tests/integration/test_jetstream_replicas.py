@@ -229,7 +229,8 @@ async def test_inspect_and_metrics_show_replicas_leader_and_lag(
     try:
         js = nc.jetstream()
         await ensure_kv_events_stream(js)
-        await js.publish("kvmesh.default.kv.1", b"x")
+        # a stream just made on a cluster answers publishes once its leader is placed
+        await when_jetstream_answers(lambda: js.publish("kvmesh.default.kv.1", b"x"), "a first event")
         collector = JetStreamCollector()
         collector.states = await kvmesh_streams(js)
         registry = CollectorRegistry()
@@ -283,8 +284,11 @@ async def test_no_purge_while_the_server_cannot_list_a_replicas_durable(nats_clu
     try:
         js = nc.jetstream()
         await ensure_kv_events_stream(js)
-        for i in range(5):
-            await js.publish(names.kv_events_subject(namespace, 1), f"event {i}".encode())
+        for i in range(5):  # the first waits out the new stream's leader election (seen under load)
+            event = f"event {i}".encode()
+            await when_jetstream_answers(
+                lambda event=event: js.publish(names.kv_events_subject(namespace, 1), event), "an event"
+            )
         durable = names.indexer_durable_name(namespace, "far")
         config = ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.ALL, filter_subject=subject, num_replicas=1)
         await js.add_consumer(names.KV_EVENTS_STREAM, config)
