@@ -396,6 +396,6 @@ class ReplaySimulator(ElasticFleet):
             record.tokens += 1
             record.last_token_ms = now
             if output.finish_reason is not None:
-                self.router.picture.free(output.request_id)
+                self.router.picture.free(output.request_id, record.tokens)
                 del by_id[output.request_id]
         return woken

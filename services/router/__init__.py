@@ -18,6 +18,7 @@ The pipeline (``routing`` strings its stages together; ``kvmesh replay`` drives 
 - ``split_overhead`` — what a split adds to time to first token, measured.
 - ``load_picture`` — admission (busy thresholds) and the load it leaves behind.
 - ``load_tracker``, ``active_sequences`` — each worker's predicted load through a request's life.
+- ``decode_pace`` — each worker's measured inter-token latency, lately: new sessions avoid one behind.
 
 The service around it:
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from kvmesh.common.wire.hashing import blocks_needed
 from kvmesh.common.wire.worker_key import WorkerKey
 from kvmesh.common.wire.worker_load import WorkerLoad
+from kvmesh.router.decode_pace import DecodePace
 
 
 @dataclass(slots=True)
@@ -43,6 +44,7 @@ class _Request:
     output_tokens: int = 0
     own_blocks: int = 0
     watched: bool = False  # its prefill keeps the worker's stall clock running (see add)
+    first_token_at: float | None = None  # when its first token was seen (None: not yet, or no time given)
 
 
 @dataclass(slots=True)
@@ -107,6 +109,8 @@ class ActiveSequences:
         self._waiting: dict[WorkerKey, float] = {}
         # a lower bound of its earliest value: a wait only ever restarts later or ends, so it stays one
         self._earliest_wait = 0.0
+        # the mean inter-token latency of the requests that ended on each worker lately
+        self.decode_pace = DecodePace()
 
     def _own_blocks(self, prompt_tokens: int, shared_blocks: int, output_tokens: int) -> int:
         tokens = prompt_tokens + (output_tokens if self.track_output_blocks else 0)
@@ -150,6 +154,8 @@ class ActiveSequences:
         request = self._requests.get(request_id)
         if request is None:
             return
+        if now is not None and request.first_token_at is None:
+            request.first_token_at = now
         load = self._loads[request.worker]
         if request.prefill_tokens:
             load.prefill_tokens -= request.prefill_tokens
@@ -171,12 +177,16 @@ class ActiveSequences:
             self._loads[request.worker].own_blocks += own - request.own_blocks
             request.own_blocks = own
 
-    def free(self, request_id: str, now: float | None = None) -> None:
+    def free(self, request_id: str, now: float | None = None, output_tokens: int = 0) -> None:
         """The request ended; ``now``: when it finished on its worker (progress there), None where it
-        was dropped without word from the worker (expired, or its router went silent)."""
+        was dropped without word from the worker (expired, or its router went silent);
+        ``output_tokens``: how many it produced, where its end says (its decode pace is then known)."""
         request = self._requests.pop(request_id, None)
         if request is None:
             return
+        if now is not None and request.first_token_at is not None and output_tokens > 1:
+            itl_ms = (now - request.first_token_at) * 1000.0 / (output_tokens - 1)
+            self.decode_pace.ended(request.worker, now, itl_ms)
         load = self._loads[request.worker]
         load.requests -= 1
         load.prefilling -= request.prefill_tokens > 0
@@ -221,6 +231,7 @@ class ActiveSequences:
             del self._written[key]
         for key in [k for k in self._waiting if k[0] == worker_id]:
             del self._waiting[key]
+        self.decode_pace.forget(worker_id)
         return removed
 
     def load(self, worker: WorkerKey) -> tuple[int, int]:

@@ -103,6 +103,7 @@ class Chooser:
                 duplicate_penalty=options.kv_duplicate_penalty,
                 write_spread=options.kv_write_spread,
                 stall_slack=options.kv_stall_slack,
+                itl_target_ms=options.kv_itl_target_ms,
             )
             if isinstance(cost_model, PerWorkerTtftCost):
                 for key, timing in self._timings.items():
@@ -132,9 +133,11 @@ class Chooser:
         commit: bool = True,
         now: float = 0.0,
         loop_turn: bool = False,
+        new_session: bool = False,
     ) -> Choice:
         """The cheapest of ``keys`` for the whole request ``prepared``; a ``loop_turn`` (a session's turn
-        close behind its last) is not charged the duplicate penalty."""
+        close behind its last) is not charged the duplicate penalty; a ``new_session``'s first turn avoids
+        workers whose decodes are behind (:meth:`RoutingPolicy.choose`)."""
         request = prepared.request
         policy = self.policy(prepared.candidates[0])
         decision = policy.choose(
@@ -152,6 +155,7 @@ class Chooser:
             moe_hosted=view.moe_hosted,
             load_tokens=self.adapter_loads(prepared.candidates, request.lora),
             duplicate_penalty=0.0 if loop_turn else None,
+            new_session=new_session,
         )
         worker_id, rank = decision.worker
         return Choice(prepared.by_id[worker_id], decision.overlap_blocks, prepared.block_hashes, rank)

@@ -64,6 +64,14 @@ class KvModeOptions:
         "behind its prediction: the excess is added to its cost and the duplicate penalty holds no prefix on it, "
         "so a stalled engine's sessions move (docs/decisions/0063). 0: off, the prediction trusted",
     )
+    kv_itl_target_ms: float = option(
+        50.0,
+        "kv mode: the inter-token latency a worker's decodes should keep (a request's mean, as measured from its "
+        "first token to its end). A session's first turn is charged 500 ms on a worker where more than 10%% of the "
+        "requests ended in the last 20 s missed it, while another candidate's missed at most 2%%, and is not held "
+        "there by the duplicate penalty: new sessions start where decodes keep pace, and no session already "
+        "placed is moved (docs/decisions/0067). 0: off",
+    )
     lora_load_tokens: int = option(
         1024,
         "kv mode: the prefill tokens loading a LoRA adapter is worth: a worker that serves the adapter a request "
@@ -261,6 +269,8 @@ class RoutingOptions(KvModeOptions, CacheAwareModeOptions, SplitOptions, Admissi
             raise ConfigError("--kv-overlap-score-weight and --kv-duplicate-penalty must be >= 0")
         if self.kv_stall_slack < 0:
             raise ConfigError("--kv-stall-slack must be >= 0")
+        if self.kv_itl_target_ms < 0:
+            raise ConfigError("--kv-itl-target-ms must be >= 0 (0: off)")
         if not 0 <= self.kv_write_spread <= 1:
             raise ConfigError("--kv-write-spread must be between 0 and 1")
         if self.lora_load_tokens < 0:

@@ -145,9 +145,11 @@ class LoadPicture:
             self.announcer.prefill_completed(request_id)
         self.on_capacity()
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, output_tokens: int = 0) -> None:
+        """The request ended, having produced ``output_tokens`` (0: not said; with them its worker's
+        decode pace is measured, see :mod:`~kvmesh.router.decode_pace`)."""
         self._splits.pop(request_id, None)
-        self.loads.free(request_id, self.clock())
+        self.loads.free(request_id, self.clock(), output_tokens)
         if self.announcer is not None:
             self.announcer.freed(request_id)
         self.on_capacity()

@@ -87,11 +87,12 @@ class LoadTracker:
         if block_size is not None:
             self._sequences[block_size].add_output(request_id, tokens)
 
-    def free(self, request_id: str, now: float | None = None) -> None:
-        """The request ended (finished, failed or cancelled; at ``now``, None where no worker said so)."""
+    def free(self, request_id: str, now: float | None = None, output_tokens: int = 0) -> None:
+        """The request ended (finished, failed or cancelled; at ``now``, None where no worker said so),
+        having produced ``output_tokens`` (0: not said)."""
         block_size = self._block_size_of.pop(request_id, None)
         if block_size is not None:
-            self._sequences[block_size].free(request_id, now)
+            self._sequences[block_size].free(request_id, now, output_tokens)
 
     # ---- other replicas' requests ----------------------------------------------------------
     def apply_remote(self, message: SyncMessage, block_size: int | None, now: float) -> None:

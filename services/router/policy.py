@@ -60,6 +60,7 @@ class RoutingPolicy:
         duplicate_penalty: float = 0.0,
         write_spread: float = 0.0,
         stall_slack: float = 0.0,
+        itl_target_ms: float = 0.0,
     ) -> None:
         """``cost_model`` defaults to Dynamo's block cost; the service and replay pass the one configured.
         ``active`` is the load picture to read (a :class:`LoadTracker`'s for this block size); by
@@ -70,7 +71,9 @@ class RoutingPolicy:
         share of the candidates' mean where one is predicted within ``balance_rel_threshold`` times the
         cheapest (:meth:`_spread_writes`; 0: off). ``stall_slack``: kv mode charges a worker whose queued
         prefill has waited without progress longer than this many times its predicted cost plus
-        :data:`STALL_FLOOR_S` the excess, and lets no penalty hold a prefix there (:meth:`_overdue`; 0: off)."""
+        :data:`STALL_FLOOR_S` the excess, and lets no penalty hold a prefix there (:meth:`_overdue`; 0: off).
+        ``itl_target_ms``: a new session's first turn is charged on, and not held by the penalty at, a worker
+        whose decodes are behind this target while another's keep it (:meth:`DecodePace.behind`; 0: off)."""
         if mode not in POLICY_MODES:
             raise ValueError(f"unknown routing mode {mode!r}")
         self.mode = mode
@@ -81,6 +84,7 @@ class RoutingPolicy:
         self.duplicate_penalty = duplicate_penalty
         self.write_spread = write_spread
         self.stall_slack = stall_slack
+        self.itl_target_ms = itl_target_ms
         self._rng = rng or random.Random()
         self.active = (
             active if active is not None else ActiveSequences(block_size, track_active_blocks, track_output_blocks)
@@ -167,6 +171,24 @@ class RoutingPolicy:
                 late[i] = excess
         return late
 
+    def _behind(self, workers: Sequence[WorkerKey], now: float, overdue: list[float] | None) -> list[float] | None:
+        """``overdue`` plus, per candidate, the charge for decodes behind ``itl_target_ms`` while
+        another's keep it (:meth:`DecodePace.behind`), for a session's first turn: such a worker holds
+        no prefix for it either.
+
+        Why only a first turn: a session's later turns find their context on its worker, and moving one
+        rebuilds it elsewhere. Moving every turn off a worker whose decodes missed cost the chat families
+        a tenth of their reuse and tripled the held-out chats' median; steering only new sessions left
+        every family as it was and still emptied the worker in time, as its sessions ended. The planner's
+        session mix had grown its fleet to 7 while one worker, holding every session, missed its ITL
+        target (docs/decisions/0067)."""
+        behind = self.active.decode_pace.behind(workers, now, self.itl_target_ms)
+        if behind is None:
+            return overdue
+        if overdue is None:
+            return behind
+        return [late + charge for late, charge in zip(overdue, behind, strict=True)]
+
     def _imbalanced(self, workers: Sequence[WorkerKey]) -> bool:
         """Whether the candidates' requests in flight are imbalanced by cache-aware's test (the most
         exceeds the fewest by ``balance_abs_threshold`` and by ``balance_rel_threshold`` times). The
@@ -246,6 +268,7 @@ class RoutingPolicy:
         moe_hosted: Mapping[WorkerKey, float] | None = None,
         load_tokens: Mapping[WorkerKey, int] | None = None,
         duplicate_penalty: float | None = None,
+        new_session: bool = False,
     ) -> Decision:
         """Pick a worker (per-request weight / temperature override the defaults when given).
 
@@ -255,7 +278,8 @@ class RoutingPolicy:
         computed with; in kv mode it waives that share × ``moe_score_weight`` of the worker's cost.
         ``load_tokens``: per worker, prefill tokens it must spend first (a LoRA adapter to load); kv
         mode adds them to its prefill. ``duplicate_penalty``: this request's, where it is not the policy's
-        (0 for a turn that continues a loop)."""
+        (0 for a turn that continues a loop). ``new_session``: the request starts a session; kv mode then
+        charges workers whose decodes are behind ``itl_target_ms`` (:meth:`_behind`)."""
         if not workers:
             raise ValueError("no candidate workers")
         if self.mode == "round-robin":
@@ -290,6 +314,8 @@ class RoutingPolicy:
         weight = self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight
         costs = self.cost_model.costs(workers, charged, decodes, weight)
         overdue = self._overdue(workers, costs, now) if self.stall_slack else None
+        if new_session and self.itl_target_ms:
+            overdue = self._behind(workers, now, overdue)
         if overdue is not None:  # rare: cost again, the late charged for and held by nobody
             if charging:
                 charged = self._charge_duplicates(workers, prefills, overlaps, penalty, overdue)

@@ -54,4 +54,4 @@ class ReportListener:
         if report.kind == FIRST_TOKEN:
             router.picture.first_token(report.request_id)
         else:
-            router.picture.free(report.request_id)
+            router.picture.free(report.request_id, report.output_tokens)

@@ -150,7 +150,11 @@ class Router:
             raise
         now = self.clock()
         loop_turn = self.loop_turn(prepared, now)
-        choice = self.chooser.choose(prepared, view, keys, commit=commit, now=now, loop_turn=loop_turn)
+        session = prepared.request.session
+        new_session = bool(session) and self.cache_views.sessions.starts(session, now)
+        choice = self.chooser.choose(
+            prepared, view, keys, commit=commit, now=now, loop_turn=loop_turn, new_session=new_session
+        )
         if commit:
             self.cache_views.routed(choice.key, prepared, choice.overlap_blocks)
             self.loop_turns.routed(prepared.block_hashes, now, max(view.matched.values(), default=0))

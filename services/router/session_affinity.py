@@ -88,6 +88,14 @@ class SessionAffinity:
             return False
         return entry.gap_s < within_s
 
+    def starts(self, session: str, now: float) -> bool:
+        """Whether a turn of ``session`` at ``now`` starts it, as far as this router knows: sessions are
+        kept and none of its turns was routed within ``ttl_s`` (no worker holds its context for it)."""
+        if not session or not self.enabled:
+            return False
+        entry = self._entries.get(session)
+        return entry is None or entry.until <= now
+
     def forget_worker(self, worker_id: int) -> None:
         for session in [s for s, e in self._entries.items() if e.key.worker_id == worker_id]:
             del self._entries[session]

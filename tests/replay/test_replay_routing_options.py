@@ -79,6 +79,20 @@ def sessions_trace() -> list[TraceRequest]:
     ]
 
 
+def behind_worker_trace() -> list[TraceRequest]:
+    """A loaded fleet's 160 anonymous requests, then from 5 s a new session every 0.5 s (one turn each,
+    4 blocks of its own): with one worker 20x slower than the router predicts (:data:`BEHIND`), every
+    request that ends there has missed the ITL target by the time the sessions come."""
+    trace = groups_trace(160, 8, 4.0)
+    for i in range(30):
+        blocks = tuple(range(500_000 + 4 * i, 500_004 + 4 * i))
+        trace.append(TraceRequest(5000.0 + i * 500.0, 4 * 32, 8, blocks, f"s{i}"))
+    return trace
+
+
+BEHIND = {"workers": 4, "slow_workers": 1, "slow_worker_factor": 20.0, "router_timing": "prior"}
+
+
 @dataclass
 class Case:
     """A replay (its options and trace) whose decisions the option's ``changed`` value changes."""
@@ -140,6 +154,8 @@ CASES: dict[str, Case] = {
         0.0, sessions_trace, {"workers": 4, "num_blocks": 128, "session_block_credit": 0.5}
     ),
     "session_block_credit": Case(0.5, sessions_trace, {"workers": 4, "num_blocks": 128}),
+    # a worker 20x slower than the router predicts decodes past the ITL target: new sessions start elsewhere
+    "kv_itl_target_ms": Case(0.0, lambda: behind_worker_trace(), BEHIND),
     "session_loop_secs": Case(0.0, sessions_trace, {"workers": 4, "num_blocks": 128, "kv_duplicate_penalty": 4.0}),
     "router_queue_shares": Case(
         "high=1,normal=1,low=1", LOADED, {**QUEUED, "priority_mix": "high=0.2,normal=0.5,low=0.3"}
@@ -192,3 +208,18 @@ def test_loop_turns_are_spared_where_requests_name_no_session():
     base = ReplayConfig(**{**SMALL, "workers": 4, "num_blocks": 128, "kv_duplicate_penalty": 4.0})
     never_spared = dataclasses.replace(base, session_loop_secs=0.0)
     assert decisions(base, anonymous) != decisions(never_spared, anonymous)
+
+
+def test_new_sessions_start_off_a_worker_whose_decodes_are_behind():
+    """Worker 0 decodes 20 times slower than the router predicts: each request ending there missed the
+    ITL target while the others kept it, so no new session starts there; without the target (0) the
+    prediction alone sends it some (decision 67)."""
+    trace = behind_worker_trace()
+
+    def sessions_on_the_slow_worker(config: ReplayConfig) -> int:
+        return sum(1 for r in ReplaySimulator(config).run(trace) if r.session and r.worker == 0)
+
+    kept = ReplayConfig(**{**SMALL, **BEHIND})
+    assert kept.kv_itl_target_ms == 50.0  # the default
+    assert sessions_on_the_slow_worker(kept) == 0
+    assert sessions_on_the_slow_worker(dataclasses.replace(kept, kv_itl_target_ms=0.0)) > 0
