@@ -178,8 +178,8 @@ class RoutingPolicy:
 
         Why only a first turn: a session's later turns find their context on its worker, and moving one
         rebuilds it elsewhere. Moving every turn off a worker whose decodes missed cost the chat families
-        a tenth of their reuse and tripled the held-out chats' median; steering only new sessions left
-        every family as it was and still emptied the worker in time, as its sessions ended. The planner's
+        4-11% of their reuse and four times the held-out chats' median; steering only new sessions left
+        every family as it was and still brought the mix trough to its goal (0.985). The planner's
         session mix had grown its fleet to 7 while one worker, holding every session, missed its ITL
         target (docs/decisions/0067)."""
         behind = self.active.decode_pace.behind(workers, now, self.itl_target_ms)
