@@ -36,6 +36,14 @@ class TestDecodePace:
         ended(pace, IDLE, now=0.0, missed=MIN_REQUESTS - 1, kept=0)
         assert pace.missed_share(IDLE, now=0.0, target_ms=50.0) is None  # too few to tell
 
+    def test_the_counted_misses_follow_samples_in_and_out_of_the_window(self):
+        pace = DecodePace()
+        ended(pace, HOLDER, now=0.0, missed=5, kept=15)
+        assert pace.missed_share(HOLDER, now=1.0, target_ms=50.0) == pytest.approx(0.25)  # counted from here on
+        ended(pace, HOLDER, now=15.0, missed=2, kept=18)
+        assert pace.missed_share(HOLDER, now=16.0, target_ms=50.0) == pytest.approx(7 / 40)
+        assert pace.missed_share(HOLDER, now=WINDOW_S + 5.0, target_ms=50.0) == pytest.approx(2 / 20)  # the first left
+
     def test_a_worker_is_behind_only_while_another_keeps_pace(self):
         pace = DecodePace()
         ended(pace, HOLDER, now=0.0, missed=5, kept=15)
