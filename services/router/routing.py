@@ -150,8 +150,7 @@ class Router:
             raise
         now = self.clock()
         loop_turn = self.loop_turn(prepared, now)
-        session = prepared.request.session
-        new_session = bool(session) and self.cache_views.sessions.starts(session, now)
+        new_session = self.cache_views.sessions.starts(prepared.request.session, now)
         choice = self.chooser.choose(
             prepared, view, keys, commit=commit, now=now, loop_turn=loop_turn, new_session=new_session
         )
