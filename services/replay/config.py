@@ -172,6 +172,7 @@ class RequestRecord:
     # with prefill workers: where the KV came from ("remote", or the local reason)
     kv_source: str = ""
     session: str = ""  # the session it belongs to (a session-structured trace's)
+    steered_by: str = ""  # the rule that moved it off the worker its cost rated cheapest (Decision.steered_by)
     priority: str = "normal"  # its class at the router queue
     queued_ms: float = 0.0  # time it waited in the router queue
     # why it was refused: the router queue's "full", "timeout" or "busy", or TOO_LONG (no worker can

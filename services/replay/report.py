@@ -52,8 +52,18 @@ def summarise(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "output_tokens_per_s": output_tokens / duration_s if duration_s > 0 else 0.0,
         "simulated_duration_s": duration_s,
         **_kv_sources(records),
+        **_steered(records),
         **_queue(records),
     }
+
+
+def _steered(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """How many requests a rule moved off the worker their cost rated cheapest, by rule (decisions 63, 67)."""
+    rules: dict[str, int] = {}
+    for r in records:
+        if r.steered_by:
+            rules[r.steered_by] = rules.get(r.steered_by, 0) + 1
+    return {"steered": dict(sorted(rules.items()))} if rules else {}
 
 
 def _queue(records: Sequence[RequestRecord]) -> dict[str, Any]:

@@ -300,7 +300,7 @@ class ReplaySimulator(ElasticFleet):
             choice.dp_rank or 0,
             session=prepared.request.session,
         )
-        record.worker = worker
+        record.worker, record.steered_by = worker, choice.steered_by
         return worker
 
     def _route_split(self, record: RequestRecord, request_id: str, prepared: Prepared, pool, exact: bool) -> int:

@@ -35,12 +35,13 @@ DEFAULT_MAX_BATCHED_TOKENS = 8192
 class Choice:
     """The worker chosen for a whole request, its cached prefix there and the prompt's block hashes;
     ``dp_rank``: its data-parallel rank chosen (None: the worker picks, for a request that named
-    the worker but no rank)."""
+    the worker but no rank); ``steered_by``: see :class:`~kvmesh.router.policy.Decision`."""
 
     worker: InstanceRecord
     overlap_blocks: int
     block_hashes: list[int]
     dp_rank: int | None = 0
+    steered_by: str = ""
 
     @property
     def key(self) -> WorkerKey:
@@ -158,7 +159,9 @@ class Chooser:
             new_session=new_session,
         )
         worker_id, rank = decision.worker
-        return Choice(prepared.by_id[worker_id], decision.overlap_blocks, prepared.block_hashes, rank)
+        return Choice(
+            prepared.by_id[worker_id], decision.overlap_blocks, prepared.block_hashes, rank, decision.steered_by
+        )
 
     def place(
         self,

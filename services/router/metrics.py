@@ -81,6 +81,14 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.forwards_sent = self.forwards.labels("sent")  # once per request: the child looked up once
+        self.steered = Counter(
+            "kvmesh_router_steered",
+            "requests sent away from the worker their cost rated cheapest because it was late: stalled (its prefill "
+            "queue showed no progress; docs/decisions/0063) or decodes behind (a session's first turn, while its "
+            "decodes missed --kv-itl-target-ms; docs/decisions/0067)",
+            ["rule"],
+            registry=self.registry,
+        )
         self.queue = QueueMetrics(self.registry)
         self.findings = Findings(self.registry)  # misconfigurations (kvmesh.router.fleet_checks)
         self.registry.register(_LoadCollector(pictures, peers))

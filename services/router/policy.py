@@ -35,10 +35,19 @@ POLICY_MODES = ("kv", "round-robin", "random", "power-of-two", "cache-aware")
 STALL_FLOOR_S = 0.25
 
 
+STALLED = "stalled"
+DECODES_BEHIND = "decodes behind"
+
+
 @dataclass(frozen=True)
 class Decision:
+    """The chosen worker and its cached blocks. ``steered_by``: why the worker the cost alone rated
+    cheapest was not chosen, where a charge for being late moved the request (:data:`STALLED`, or
+    :data:`DECODES_BEHIND` for a session's first turn); empty otherwise."""
+
     worker: WorkerKey
     overlap_blocks: int
+    steered_by: str = ""
 
 
 class RoutingPolicy:
@@ -171,10 +180,10 @@ class RoutingPolicy:
                 late[i] = excess
         return late
 
-    def _behind(self, workers: Sequence[WorkerKey], now: float, overdue: list[float] | None) -> list[float] | None:
-        """``overdue`` plus, per candidate, the charge for decodes behind ``itl_target_ms`` while
-        another's keep it (:meth:`DecodePace.behind`), for a session's first turn: such a worker holds
-        no prefix for it either.
+    def _behind(self, workers: Sequence[WorkerKey], now: float) -> list[float] | None:
+        """Per candidate, the charge for decodes behind ``itl_target_ms`` while another's keep it
+        (:meth:`DecodePace.behind`), for a session's first turn: such a worker holds no prefix for it
+        either. None when no candidate is behind.
 
         Why only a first turn: a session's later turns find their context on its worker, and moving one
         rebuilds it elsewhere. Moving every turn off a worker whose decodes missed cost the chat families
@@ -182,12 +191,7 @@ class RoutingPolicy:
         every family as it was and still brought the mix trough to its goal (0.985). The planner's
         session mix had grown its fleet to 7 while one worker, holding every session, missed its ITL
         target (docs/decisions/0067)."""
-        behind = self.active.decode_pace.behind(workers, now, self.itl_target_ms)
-        if behind is None:
-            return overdue
-        if overdue is None:
-            return behind
-        return [late + charge for late, charge in zip(overdue, behind, strict=True)]
+        return self.active.decode_pace.behind(workers, now, self.itl_target_ms)
 
     def _imbalanced(self, workers: Sequence[WorkerKey]) -> bool:
         """Whether the candidates' requests in flight are imbalanced by cache-aware's test (the most
@@ -313,10 +317,12 @@ class RoutingPolicy:
         charged = self._charge_duplicates(workers, prefills, overlaps, penalty) if charging else prefills
         weight = self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight
         costs = self.cost_model.costs(workers, charged, decodes, weight)
-        overdue = self._overdue(workers, costs, now) if self.stall_slack else None
-        if new_session and self.itl_target_ms:
-            overdue = self._behind(workers, now, overdue)
+        stalled = self._overdue(workers, costs, now) if self.stall_slack else None
+        behind = self._behind(workers, now) if new_session and self.itl_target_ms else None
+        overdue = _summed(stalled, behind)
+        cheapest = -1
         if overdue is not None:  # rare: cost again, the late charged for and held by nobody
+            cheapest = min(range(len(costs)), key=costs.__getitem__)
             if charging:
                 charged = self._charge_duplicates(workers, prefills, overlaps, penalty, overdue)
                 costs = self.cost_model.costs(workers, charged, decodes, weight)
@@ -330,4 +336,14 @@ class RoutingPolicy:
         if mostly_new and self.write_spread:
             index = self._spread_writes(workers, costs, overlaps, index, moe_hosted or {})
         chosen = workers[index]
-        return Decision(chosen, overlaps.get(chosen, 0))
+        steered_by = ""
+        if overdue is not None and index != cheapest and overdue[cheapest] > 0:
+            steered_by = STALLED if stalled is not None and stalled[cheapest] > 0 else DECODES_BEHIND
+        return Decision(chosen, overlaps.get(chosen, 0), steered_by)
+
+
+def _summed(first: list[float] | None, second: list[float] | None) -> list[float] | None:
+    """Two optional per-candidate charges added; None when neither is given."""
+    if first is None or second is None:
+        return first if second is None else second
+    return [a + b for a, b in zip(first, second, strict=True)]

@@ -101,10 +101,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         with self.metrics.decision_seconds.time():
             plan = None if forced or migration else await self.router.plan_prefill(sent)
             rank: int | None = 0
+            steered_by = ""
             if plan is None:
                 choice = await self.router.choose(sent)
                 worker, overlap, block_hashes = choice.worker, choice.overlap_blocks, choice.block_hashes
-                rank = choice.dp_rank
+                rank, steered_by = choice.dp_rank, choice.steered_by
             elif isinstance(plan, LocalPrefill):
                 worker, overlap, block_hashes = plan.decode, plan.overlap, plan.block_hashes
                 rank = plan.decode_rank
@@ -143,6 +144,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
         if isinstance(plan, RemotePrefill):  # tracked now: its free or its expiry forgets the timing
             self.router.picture.split_started(sent.request_id, plan.predicted_prefill_ms, decided)
+        if steered_by:  # named only where it happened: the rules are meant to be rare
+            self.metrics.steered.labels(steered_by).inc()
         log.info(
             "routed",
             worker_id=worker.instance_id,
@@ -150,6 +153,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             mode=self.router.config.router_mode,
             migration=migration,
             prefill_worker_id=plan.prefill.instance_id if isinstance(plan, RemotePrefill) else None,
+            **({"steered_by": steered_by} if steered_by else {}),
         )
         return response
 

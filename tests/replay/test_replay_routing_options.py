@@ -16,6 +16,7 @@ import pytest
 from kvmesh.common.runtime.config import ConfigError
 from kvmesh.replay.config import REFUSED_OPTIONS, ReplayConfig
 from kvmesh.replay.mooncake_trace import TraceRequest
+from kvmesh.replay.report import summarise
 from kvmesh.replay.session_trace import SessionRules, generate
 from kvmesh.replay.simulator import ReplaySimulator
 from kvmesh.router.config import RoutingOptions
@@ -216,10 +217,15 @@ def test_new_sessions_start_off_a_worker_whose_decodes_are_behind():
     prediction alone sends it some (decision 67)."""
     trace = behind_worker_trace()
 
-    def sessions_on_the_slow_worker(config: ReplayConfig) -> int:
-        return sum(1 for r in ReplaySimulator(config).run(trace) if r.session and r.worker == 0)
+    def sessions_on_the_slow_worker(config: ReplayConfig) -> tuple[int, dict[str, int]]:
+        records = ReplaySimulator(config).run(trace)
+        return sum(1 for r in records if r.session and r.worker == 0), summarise(records).get("steered", {})
 
     kept = ReplayConfig(**{**SMALL, **BEHIND})
     assert kept.kv_itl_target_ms == 50.0  # the default
-    assert sessions_on_the_slow_worker(kept) == 0
-    assert sessions_on_the_slow_worker(dataclasses.replace(kept, kv_itl_target_ms=0.0)) > 0
+    on_slow, steered = sessions_on_the_slow_worker(kept)
+    assert on_slow == 0
+    assert steered.get("decodes behind", 0) > 0  # the summary says the rule moved them
+    on_slow, steered = sessions_on_the_slow_worker(dataclasses.replace(kept, kv_itl_target_ms=0.0))
+    assert on_slow > 0
+    assert "decodes behind" not in steered

@@ -11,7 +11,7 @@ import pytest
 
 from kvmesh.router.active_sequences import ActiveSequences
 from kvmesh.router.decode_pace import BEHIND_PENALTY_MS, MIN_REQUESTS, WINDOW_S, DecodePace
-from kvmesh.router.policy import RoutingPolicy
+from kvmesh.router.policy import DECODES_BEHIND, Decision, RoutingPolicy
 from kvmesh.router.session_affinity import SessionAffinity
 
 BLOCK = 16
@@ -80,17 +80,26 @@ class TestDecodePace:
         assert active.decode_pace.missed_share(HOLDER, 5.0, target_ms=50.0) is None
 
 
-def choice(new_session: bool, target_ms: float = 50.0) -> tuple[int, int]:
+def decision(new_session: bool, target_ms: float = 50.0) -> Decision:
     """Where a request sharing 4 of its 10 blocks with the holder goes, the holder's recent decodes
     having missed the target in 5 of 20 requests and the idle worker's in none of 20."""
     policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), duplicate_penalty=128.0, itl_target_ms=target_ms)
     ended(policy.active.decode_pace, HOLDER, now=0.0, missed=5, kept=15)
     ended(policy.active.decode_pace, IDLE, now=0.0, missed=0, kept=20)
-    return policy.choose([IDLE, HOLDER], HASHES, 10 * BLOCK, {HOLDER: 4}, now=1.0, new_session=new_session).worker
+    return policy.choose([IDLE, HOLDER], HASHES, 10 * BLOCK, {HOLDER: 4}, now=1.0, new_session=new_session)
+
+
+def choice(new_session: bool, target_ms: float = 50.0) -> tuple[int, int]:
+    return decision(new_session, target_ms).worker
 
 
 def test_a_new_session_starts_where_decodes_keep_pace():
     assert choice(new_session=True) == IDLE
+
+
+def test_a_session_steered_off_a_worker_behind_says_so():
+    assert decision(new_session=True).steered_by == DECODES_BEHIND  # the router logs and counts it
+    assert decision(new_session=False).steered_by == ""
 
 
 def test_a_later_turn_stays_with_its_context_and_the_rule_can_be_turned_off():

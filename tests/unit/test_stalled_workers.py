@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.router.active_sequences import ActiveSequences
 from kvmesh.router.load_tracker import LoadTracker
-from kvmesh.router.policy import STALL_FLOOR_S, RoutingPolicy
+from kvmesh.router.policy import STALL_FLOOR_S, STALLED, Decision, RoutingPolicy
 from kvmesh.router.sync_messages import ADD, FREE, PREFILL_DONE, SyncMessage
 
 BLOCK = 16
@@ -77,7 +77,7 @@ def test_another_replicas_first_token_and_end_are_progress_and_its_silence_is_no
     assert tracker.sequences(BLOCK).stalled(now=6.0, longer_than=0.0) == {HOLDER: pytest.approx(2.0)}
 
 
-def choice(now: float, slack: float = 2.0, progress_at: float | None = None) -> tuple[int, int]:
+def decision(now: float, slack: float = 2.0, progress_at: float | None = None) -> Decision:
     """Where a turn of a session the holder holds 8 of 10 blocks of goes at ``now``, the holder
     having had one request queued since time 0 (and its first token at ``progress_at``)."""
     policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), duplicate_penalty=128.0, stall_slack=slack)
@@ -85,7 +85,11 @@ def choice(now: float, slack: float = 2.0, progress_at: float | None = None) -> 
     policy.active.add("behind", HOLDER, [902], BLOCK, 0, now=0.0)
     if progress_at is not None:
         policy.active.mark_prefill_completed("queued", now=progress_at)
-    return policy.choose([IDLE, HOLDER], HASHES, 10 * BLOCK, {HOLDER: 8}, now=now).worker
+    return policy.choose([IDLE, HOLDER], HASHES, 10 * BLOCK, {HOLDER: 8}, now=now)
+
+
+def choice(now: float, slack: float = 2.0, progress_at: float | None = None) -> tuple[int, int]:
+    return decision(now, slack, progress_at).worker
 
 
 def test_a_holder_within_its_prediction_keeps_the_session():
@@ -96,6 +100,11 @@ def test_a_stalled_holder_loses_the_session_to_an_idle_worker():
     assert choice(now=5.0) == IDLE  # 5 s without progress on a queue predicted in milliseconds
     assert choice(now=5.0, slack=0.0) == HOLDER  # off: the prediction trusted, the penalty holds it
     assert choice(now=5.0, progress_at=4.9) == HOLDER  # it moved 0.1 s ago: not behind
+
+
+def test_a_request_moved_off_a_stalled_worker_says_so():
+    assert decision(now=5.0).steered_by == STALLED  # the router logs and counts it
+    assert decision(now=STALL_FLOOR_S / 2).steered_by == ""  # kept where the cost alone put it
 
 
 def test_a_stalled_worker_is_charged_the_excess_among_equals():
