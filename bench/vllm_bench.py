@@ -115,7 +115,7 @@ def run_setup(mode: str, trace: Path, args: argparse.Namespace, out_dir: Path) -
     ).start(timeout=600)
     try:
         warm_up(mesh)
-        return run_load(
+        report = run_load(
             mesh.api,
             mode,
             "--endpoint",
@@ -130,6 +130,12 @@ def run_setup(mode: str, trace: Path, args: argparse.Namespace, out_dir: Path) -
             str(args.output_tokens),
             out_dir=out_dir / mode,
         )
+        # requests decisions 63 and 67 moved off the worker the cost rated cheapest (a stalled worker,
+        # decodes behind the ITL target): whether those rules fired in the run
+        report["steered"] = {
+            re.sub(r'.*rule="([^"]*)".*', r"\1", key): count for key, count in router_counters(mesh, "steered").items()
+        }
+        return report
     finally:
         mesh.stop()
 
@@ -152,11 +158,12 @@ def per_worker(report: dict) -> list[str]:
     return lines
 
 
-def router_counters(mesh: MeshProcess) -> dict[str, float]:
-    """The router's prefill and KV-transfer counters, by their label text."""
+def router_counters(mesh: MeshProcess, names: str = "prefills|kv_transfer_bytes") -> dict[str, float]:
+    """The router's counters ``names`` (a regex alternation; by default its prefill and KV-transfer
+    counters), by their label text."""
     (router,) = discovered(mesh.nats_url, "router")
     text = httpx.get(f"http://{router.extra['metrics']}/metrics", timeout=10).text
-    found = re.findall(r"^kvmesh_router_(prefills|kv_transfer_bytes)_total\{([^}]*)\} (\S+)$", text, re.MULTILINE)
+    found = re.findall(rf"^kvmesh_router_({names})_total\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE)
     return {f"{name}{{{labels}}}": float(value) for name, labels, value in found}
 
 
@@ -260,6 +267,8 @@ def main() -> None:
     print("per worker (requests, cached share of its prompt tokens, TTFT p50):")
     for mode, report in rows:
         print(f"  {mode:12} " + "; ".join(per_worker(report)))
+    steered = [f"{mode} {report['steered']}" for mode, report in rows if report.get("steered")]
+    print("requests moved off a stalled worker or one whose decodes were behind: " + ("; ".join(steered) or "none"))
     p50 = {mode: report["ttft_ms"]["p50"] for mode, report in rows}
     print(f"kv TTFT p50 / round-robin's: {p50['kv'] / p50['round-robin']:.2f} (target: 0.50 or less)")
     reports = [str(out_dir / mode / "report.json") for mode, _ in rows]
