@@ -12,8 +12,10 @@ prefix group and where a request goes decides what it finds. Each setup is a fre
 prompts of the window's lengths before the window (vLLM's CPU build is slow on a worker's first
 requests; see ``warm_up``). Printed per setup: the fraction of
 prompt tokens vLLM served from its prefix cache (``usage.prompt_tokens_details``), TTFT p50/p99,
-requests/s and output tokens/s, the same per serving worker (requests, cached share, TTFT p50), and
-kv's TTFT p50 against round-robin's; the TTFT distributions are
+requests/s and output tokens/s, the same per serving worker (requests, cached share, TTFT p50), the
+requests the router moved off a stalled worker or one whose decodes were behind (its
+``kvmesh_router_steered_total``, decisions 63 and 67), and kv's TTFT p50 against round-robin's; the
+TTFT distributions are
 plotted together (``--output-dir``/compare_cdf.png).
 ``kv`` routes with the router's defaults (since decision 54, ``--kv-duplicate-penalty 128``);
 ``--kv-duplicate-penalty P`` adds a fourth setup, ``kv-penalty``: kv with that duplicate penalty
