@@ -2,18 +2,21 @@
 and gRPC, with mock worker processes, the holder of a session's prefix is stopped (SIGSTOP: it stays
 registered and keeps its cache) with a turn of that session queued there. The session's next turn
 goes to the other worker and is served while the holder is stopped; the queued turn completes once
-the holder goes on."""
+the holder goes on. The router counts the turn it moved (``kvmesh_router_steered_total``)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 
 import grpc
+import httpx
 import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.proto.kvmesh.v1 import router_pb2, router_pb2_grpc
+from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.ports import pid_listening_on
 from tests.support import router_generate, wait_until_async, worker_mesh
 
@@ -57,7 +60,22 @@ async def test_a_stopped_holder_is_left_and_its_queued_turn_completes_after(nats
                 third = await asyncio.wait_for(router_generate(up.router, "turn-3", TURN_3, 2), timeout=10)
                 assert third[-1].worker_id == other
                 assert not stuck.done()
+                assert await steered_off_stalled(nc) >= 1  # the router says it moved the turn
             finally:
                 process.send_signal(signal.SIGCONT)
             second = await asyncio.wait_for(stuck, timeout=30)
             assert second[-1].worker_id == holder and second[-1].finish_reason
+
+
+async def steered_off_stalled(nc: NatsClient) -> float:
+    """The router's count of requests moved off a stalled worker, read from its /metrics."""
+    watcher = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "router")
+    await watcher.start()
+    try:
+        (router,) = watcher.instances()
+    finally:
+        await watcher.stop()
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"http://{router.extra['metrics']}/metrics", timeout=10)).text
+    match = re.search(r'^kvmesh_router_steered_total\{rule="stalled"\} (\S+)$', text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
