@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,11 +60,8 @@ def summarise(records: Sequence[RequestRecord]) -> dict[str, Any]:
 
 def _steered(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """How many requests a rule moved off the worker their cost rated cheapest, by rule (decisions 63, 67)."""
-    rules: dict[str, int] = {}
-    for r in records:
-        if r.steered_by:
-            rules[r.steered_by] = rules.get(r.steered_by, 0) + 1
-    return {"steered": dict(sorted(rules.items()))} if rules else {}
+    rules = _tally(r.steered_by for r in records)
+    return {"steered": rules} if rules else {}
 
 
 def _queue(records: Sequence[RequestRecord]) -> dict[str, Any]:
@@ -87,11 +85,13 @@ def _queue(records: Sequence[RequestRecord]) -> dict[str, Any]:
 
 def _kv_sources(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """With prefill workers: how many requests prefilled remotely, and locally for which reason."""
-    sources: dict[str, int] = {}
-    for r in records:
-        if r.kv_source:
-            sources[r.kv_source] = sources.get(r.kv_source, 0) + 1
-    return {"prefills": dict(sorted(sources.items()))} if sources else {}
+    sources = _tally(r.kv_source for r in records)
+    return {"prefills": sources} if sources else {}
+
+
+def _tally(labels: Iterable[str]) -> dict[str, int]:
+    """How often each non-empty label occurs, in label order."""
+    return dict(sorted(Counter(label for label in labels if label).items()))
 
 
 def write_csv(records: Sequence[RequestRecord], path: Path) -> None:
