@@ -342,7 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--nats-connect-timeout",
         type=float,
         default=None,
-        help="seconds to wait for NATS before giving up (default 5, or $KVMESH_NATS_CONNECT_TIMEOUT)",
+        help="seconds to wait for NATS before giving up (default 5, or $KVMESH_NATS_CONNECT_TIMEOUT); a refused "
+        "login fails at once",
     )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each instance")
     parser.add_argument("--json", action="store_true", help="machine-readable output")

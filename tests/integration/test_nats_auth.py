@@ -63,6 +63,7 @@ async def test_user_and_password_from_flags_or_the_environment(password_server):
     refused = run(["kvmesh", "inspect", "worker", "--nats-url", server.url])
     assert refused.returncode != 0
     assert f"cannot connect to NATS at {server.url}" in refused.stderr and "uthoriz" in refused.stderr
+    assert "the login was refused" in refused.stderr
 
     with_env = run(
         ["kvmesh", "inspect", "worker", "--nats-url", server.url],
@@ -159,6 +160,8 @@ async def test_a_service_without_the_creds_file_is_refused_in_operator_mode(oper
     refused = run([f"kvmesh.{service}", "--nats-url", server.url])
     assert refused.returncode != 0
     assert f"cannot connect to NATS at {server.url}" in refused.stderr and "uthoriz" in refused.stderr
+    # given up at the refusal, not after retrying it until the connect timeout
+    assert "the login was refused" in refused.stderr
 
 
 async def test_the_nats_creds_flag_reaches_every_service_of_kvmesh_up_and_a_standalone_worker(

@@ -227,7 +227,8 @@ class CommonConfig:
     nats_connect_timeout: float | None = option(
         None,
         "seconds to wait for the first connection to NATS before giving up (default 5, or "
-        "$KVMESH_NATS_CONNECT_TIMEOUT); reconnects after it are unlimited",
+        "$KVMESH_NATS_CONNECT_TIMEOUT); a login every server refuses fails at once; reconnects after it are "
+        "unlimited",
     )
     jetstream_replicas: int | None = option(
         None,

@@ -71,15 +71,21 @@ async def connect_nats(
     async def on_reconnect() -> None:
         log.info("NATS reconnected", url=url, server=str(nc.connected_url.netloc) if nc.connected_url else None)
 
+    servers = nats_servers(url)
+    # A refused login does not pass by retrying: once each server named has refused (a cluster's seeds
+    # may differ), the first connect gives up at once instead of at its timeout.
+    all_refused = asyncio.Event()
+
     async def on_error(error: Exception) -> None:
         if not connected:  # while first connecting, the one line at the end says it
             last_error.append(error)
+            if sum(1 for e in last_error if _refused(e)) >= len(servers):
+                all_refused.set()
             return
         # nats-py would print a traceback per failed reconnect attempt; one line says enough
         if not nc.is_closed:
             log.warning("NATS error", url=url, error=f"{type(error).__name__}: {error}")
 
-    servers = nats_servers(url)
     connect = nc.connect(
         servers=servers,
         name=name,
@@ -97,13 +103,13 @@ async def connect_nats(
         **auth,
     )
     try:
-        await asyncio.wait_for(connect, timeout)
-    except Exception as exc:  # a timeout, or an error nats-py gave up on
+        await _first_connect(connect, all_refused, timeout)
+    except Exception as exc:  # a timeout, a refusal, or an error nats-py gave up on
         with contextlib.suppress(Exception):
             await nc.close()
         # A refused login is the error that explains the others: after it the server just drops the
         # connection, and the last attempt may have seen only that ("connection reset").
-        refused = [e for e in last_error if "authoriz" in str(e).lower()]
+        refused = [e for e in last_error if _refused(e)]
         cause = refused[0] if refused else last_error[-1] if last_error else exc
         reason = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
         hint = (
@@ -111,9 +117,32 @@ async def connect_nats(
             if refused
             else "is a NATS server running there? (`kvmesh up` starts one; --nats-url or KVMESH_NATS_URL names another)"
         )
-        raise SystemExit(f"{name}: cannot connect to NATS at {url} within {timeout:g} s ({reason}); {hint}") from exc
+        when = "the login was refused" if all_refused.is_set() else f"within {timeout:g} s"
+        raise SystemExit(f"{name}: cannot connect to NATS at {url}: {when} ({reason}); {hint}") from exc
     connected = True
     return nc
+
+
+def _refused(error: Exception) -> bool:
+    """Whether ``error`` is the server refusing the login (NATS's "Authorization Violation")."""
+    return "authoriz" in str(error).lower()
+
+
+async def _first_connect(connect: Awaitable[None], all_refused: asyncio.Event, timeout: float) -> None:
+    """Await ``connect`` for at most ``timeout`` seconds, or until ``all_refused`` is set; raises
+    :class:`TimeoutError` on either (``connect`` is cancelled) and whatever ``connect`` raised."""
+    connecting = asyncio.ensure_future(connect)
+    refusal = asyncio.ensure_future(all_refused.wait())
+    try:
+        await asyncio.wait((connecting, refusal), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        refusal.cancel()
+    if not connecting.done():
+        connecting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await connecting
+        raise TimeoutError
+    connecting.result()
 
 
 # Set by a supervisor (``kvmesh up``) in its children's environment: the pid they must outlive not.
