@@ -35,6 +35,9 @@ def planner_process(nats_url: str, profile, state) -> subprocess.Popen[bytes]:
         "--load-predictor", "moving-average",
         "--predictor-window", "3",
         "--metrics-port", "-1",
+        # a planner restarted after kill -9 waits out its predecessor's lease before it acts: 15 s by
+        # default, which this test would spend idle (leases have their own tests)
+        "--planner-lease-secs", "2",
     )  # fmt: skip
 
 
