@@ -16,9 +16,8 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.proto.kvmesh.v1 import router_pb2, router_pb2_grpc
-from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.ports import pid_listening_on
-from tests.support import router_generate, wait_until_async, worker_mesh
+from tests.support import registered, router_generate, wait_until_async, worker_mesh
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "stalled"
@@ -69,12 +68,7 @@ async def test_a_stopped_holder_is_left_and_its_queued_turn_completes_after(nats
 
 async def steered_off_stalled(nc: NatsClient) -> float:
     """The router's count of requests moved off a stalled worker, read from its /metrics."""
-    watcher = DiscoveryWatcher(nc.jetstream(), NAMESPACE, "router")
-    await watcher.start()
-    try:
-        (router,) = watcher.instances()
-    finally:
-        await watcher.stop()
+    (router,) = await registered(nc, NAMESPACE, "router")
     async with httpx.AsyncClient() as client:
         text = (await client.get(f"http://{router.extra['metrics']}/metrics", timeout=10)).text
     match = re.search(r'^kvmesh_router_steered_total\{rule="stalled"\} (\S+)$', text, re.MULTILINE)
