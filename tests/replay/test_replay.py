@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -190,23 +190,35 @@ def shared_trace():
     return read_trace(SHARED_TRACE)
 
 
-def replay_shared(mode: str, speedup: float) -> dict:
-    """The shared trace's summary under ``mode`` at ``speedup`` (run in a child process)."""
-    return summarise(
-        ReplaySimulator(ReplayConfig(router_mode=mode, arrival_speedup_ratio=speedup)).run(read_trace(SHARED_TRACE))
-    )
-
-
 @functools.cache
 def shared_summaries(speedup: float) -> dict[str, dict]:
     """Round-robin's and kv's summaries of the shared trace at ``speedup``, replayed side by side.
 
     Why two processes: each replay takes about 20 s of one core, and the suite's machine has two; the
-    two tests below read one each. Spawned, not forked: earlier tests leave gRPC's threads in this
-    process."""
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {mode: pool.submit(replay_shared, mode, speedup) for mode in ("round-robin", "kv")}
-        return {mode: future.result() for mode, future in futures.items()}
+    two tests below read one each. Each is ``kvmesh replay`` run as a child process, which ends with
+    its answer: a multiprocessing pool would leave its resource tracker running until pytest exits."""
+    replay = [sys.executable, "-m", "kvmesh", "replay", str(SHARED_TRACE), "--no-reuse-bounds"]
+    children = {
+        mode: subprocess.Popen(
+            [*replay, "--router-mode", mode, "--arrival-speedup-ratio", str(speedup)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for mode in ("round-robin", "kv")
+    }
+    summaries = {}
+    try:
+        for mode, child in children.items():
+            out, err = child.communicate(timeout=300)
+            assert child.returncode == 0, f"kvmesh replay --router-mode {mode} failed: {err[-2000:]}"
+            summaries[mode] = json.loads(out)
+    finally:
+        for child in children.values():
+            if child.poll() is None:  # the other one failed or timed out: leave nothing running
+                child.kill()
+                child.wait()
+    return summaries
 
 
 @needs_trace
