@@ -21,22 +21,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from bench.live_load import run_load
-from kvmesh.common.runtime.discovery import DiscoveryWatcher
-from kvmesh.common.runtime.process import connect_nats
 from kvmesh.devtools.mesh_process import MeshProcess
 from kvmesh.worker.kv_transfer.kv_buffer import KvBuffer
 from kvmesh.worker.kv_transfer.nixl_agent import NixlAgent, nixl_available
 from kvmesh.worker.kv_transfer.transport import KvTransferClient, KvTransferServer
+from tests.support import discovered, metric_samples
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_BYTES = 256 << 10  # 256 KiB blocks: 64 MiB is 256 of them
@@ -112,23 +108,16 @@ def transfer_part(rounds: int) -> None:
 
 
 # ---- serving a trace -----------------------------------------------------------------------------
-async def router_prefill_counts(nats_url: str) -> dict[str, float]:
-    nc = await connect_nats(nats_url, name="disagg-bench")
-    watcher = DiscoveryWatcher(nc.jetstream(), "default", "router")
-    await watcher.start()
-    address = watcher.instances()[0].extra["metrics"]
-    await watcher.stop()
-    await nc.close()
-    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+def router_prefill_counts(nats_url: str) -> dict[str, float]:
+    """The router's prefills by where they ran (and why, for those with a reason), and the MiB its
+    KV transfers moved by backend."""
+    (router,) = discovered(nats_url, "router")
+    address = router.extra["metrics"]
     counts: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r'kvmesh_router_prefills_total\{reason="([^"]*)",where="(\w+)"\} (\S+)', line)
-        if match:
-            key = match.group(2) + (f"/{match.group(1)}" if match.group(1) else "")
-            counts[key] = float(match.group(3))
-        match = re.match(r'kvmesh_router_kv_transfer_bytes_total\{backend="(\w+)"\} (\S+)', line)
-        if match:
-            counts[f"MiB/{match.group(1)}"] = round(float(match.group(2)) / 2**20, 1)
+    for labels, value in metric_samples(address, "kvmesh_router_prefills_total"):
+        counts[labels["where"] + (f"/{labels['reason']}" if labels["reason"] else "")] = value
+    for labels, value in metric_samples(address, "kvmesh_router_kv_transfer_bytes_total"):
+        counts[f"MiB/{labels['backend']}"] = round(value / 2**20, 1)
     return counts
 
 
@@ -160,7 +149,7 @@ def serving_part(args: argparse.Namespace) -> None:
                 "--max-output-tokens",
                 str(args.max_output_tokens),
             )
-            prefills = asyncio.run(router_prefill_counts(mesh.nats_url))
+            prefills = router_prefill_counts(mesh.nats_url)
         finally:
             mesh.stop()
         rows.append((label, report, prefills))

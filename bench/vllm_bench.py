@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,7 @@ import httpx
 
 from bench.live_load import run_load
 from kvmesh.devtools.mesh_process import MeshProcess
-from tests.support import discovered
+from tests.support import discovered, metric_samples
 
 ENGINE_ARGS = ["--block-size", "32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.5", "--enforce-eager"]
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
@@ -134,9 +133,8 @@ def run_setup(mode: str, trace: Path, args: argparse.Namespace, out_dir: Path) -
         )
         # requests decisions 63 and 67 moved off the worker the cost rated cheapest (a stalled worker,
         # decodes behind the ITL target): whether those rules fired in the run
-        report["steered"] = {
-            re.sub(r'.*rule="([^"]*)".*', r"\1", key): count for key, count in router_counters(mesh, "steered").items()
-        }
+        steered = router_samples(mesh, "kvmesh_router_steered_total")
+        report["steered"] = {labels["rule"]: count for labels, count in steered}
         return report
     finally:
         mesh.stop()
@@ -160,13 +158,10 @@ def per_worker(report: dict) -> list[str]:
     return lines
 
 
-def router_counters(mesh: MeshProcess, names: str = "prefills|kv_transfer_bytes") -> dict[str, float]:
-    """The router's counters ``names`` (a regex alternation; by default its prefill and KV-transfer
-    counters), by their label text."""
+def router_samples(mesh: MeshProcess, name: str) -> list[tuple[dict[str, str], float]]:
+    """The mesh's router's samples of the metric ``name``, each with its labels."""
     (router,) = discovered(mesh.nats_url, "router")
-    text = httpx.get(f"http://{router.extra['metrics']}/metrics", timeout=10).text
-    found = re.findall(rf"^kvmesh_router_({names})_total\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE)
-    return {f"{name}{{{labels}}}": float(value) for name, labels, value in found}
+    return metric_samples(router.extra["metrics"], name)
 
 
 def disagg_part(args: argparse.Namespace) -> None:
@@ -199,7 +194,9 @@ def disagg_part(args: argparse.Namespace) -> None:
                 "--concurrency",
                 "1",
             )
-            counters = router_counters(mesh)
+            moved = sum(value for _, value in router_samples(mesh, "kvmesh_router_kv_transfer_bytes_total"))
+            prefills = router_samples(mesh, "kvmesh_router_prefills_total")
+            counters = {"moved": moved, "remote": sum(n for labels, n in prefills if labels["where"] == "remote")}
         finally:
             mesh.stop()
         rows.append((label, report, counters))
@@ -208,8 +205,7 @@ def disagg_part(args: argparse.Namespace) -> None:
     print(f"{header} {'KV bytes/request':>17} {'remote prefills':>16}")
     for label, report, counters in rows:
         ttft = report["ttft_ms"]
-        moved = sum(v for k, v in counters.items() if k.startswith("kv_transfer_bytes"))
-        remote = sum(v for k, v in counters.items() if k.startswith("prefills") and 'where="remote"' in k)
+        moved, remote = counters["moved"], counters["remote"]
         per_request = moved / remote if remote else 0
         print(
             f"{label:22} {report['completed']:>4} {ttft['p50']:9.1f} {ttft['mean']:8.1f} {ttft['p99']:8.1f} "

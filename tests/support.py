@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+import httpx
 import nats
 import openai
 from nats.aio.client import Client as NatsClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.common.core.tiny_model import MODEL_DIR
 from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc
@@ -31,6 +33,8 @@ __all__ = [
     "api_answers",
     "discovered",
     "free_port",
+    "metric_samples",
+    "metric_value",
     "running",
     "service_config",
     "service_process",
@@ -319,3 +323,28 @@ async def worker_mesh(
             process.wait(timeout=10)
         for watcher in watchers.values():
             await watcher.stop()
+
+
+def metric_samples(address: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples named ``name`` (with its suffix, such as ``_total``) that the service whose
+    metrics endpoint is ``address`` (``host:port``, its registration's ``extra["metrics"]``) exposes
+    now, each with its labels. Empty where it has none yet: a labelled counter appears once it counts.
+    """
+    page = httpx.get(f"http://{address}/metrics", timeout=10).text
+    return [
+        (sample.labels, sample.value)
+        for family in text_string_to_metric_families(page)
+        for sample in family.samples
+        if sample.name == name
+    ]
+
+
+def metric_value(address: str, name: str, default: float | None = None, **labels: str) -> float:
+    """The value of the one sample ``name`` whose labels include ``labels`` at ``address``; ``default``
+    where there is none (an AssertionError where no default is given)."""
+    values = [value for found, value in metric_samples(address, name) if labels.items() <= found.items()]
+    assert len(values) <= 1, f"{name}{labels} matches {len(values)} samples"
+    if values:
+        return values[0]
+    assert default is not None, f"{address} exposes no {name}{labels}"
+    return default

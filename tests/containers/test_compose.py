@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -26,6 +25,7 @@ from tests.support import (
     assert_every_stream_whole,
     discovered,
     free_port,
+    metric_value,
     streams_interrupted_by,
     wait_until,
 )
@@ -92,9 +92,7 @@ def compose_mesh() -> Iterator[ComposeMesh]:
 def router_migrations(mesh: ComposeMesh) -> float:
     """The router's count of streams continued on another worker (from its Prometheus endpoint)."""
     (router,) = discovered(mesh.nats_url, "router")
-    metrics = httpx.get(f"http://{router.extra['metrics']}/metrics", timeout=5).text
-    counts = [line.split()[-1] for line in metrics.splitlines() if line.startswith("kvmesh_router_migrations_total")]
-    return sum(float(count) for count in counts)
+    return metric_value(router.extra["metrics"], "kvmesh_router_migrations_total", 0.0)
 
 
 def client(mesh: ComposeMesh) -> openai.OpenAI:

@@ -6,13 +6,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import httpx
 import openai
 import pytest
 
@@ -23,7 +21,7 @@ from kvmesh.common.wire.requests import WORKER_ID_HEADER
 from kvmesh.devtools.mesh_process import MeshProcess
 from kvmesh.worker.kv_transfer.nixl_agent import nixl_available
 from tests.e2e.conftest import descendants, start_mesh
-from tests.support import discovered, wait_until
+from tests.support import discovered, metric_samples, wait_until
 
 pytestmark = pytest.mark.e2e
 MODEL = "kvmesh-tiny"
@@ -64,12 +62,10 @@ def instances(mesh: MeshProcess, component: str) -> list[InstanceRecord]:
 def router_metrics(mesh: MeshProcess) -> dict[str, float]:
     """The router's kvmesh_router_prefills / kv_transfer_bytes samples, keyed by their label text."""
     address = instances(mesh, "router")[0].extra["metrics"]
-    text = httpx.get(f"http://{address}/metrics", timeout=10).text
     samples = {}
-    for line in text.splitlines():
-        match = re.match(r"(kvmesh_router_(?:prefills|kv_transfer_bytes)_total)(\{[^}]*\})? (\S+)", line)
-        if match:
-            samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    for name in ("kvmesh_router_prefills_total", "kvmesh_router_kv_transfer_bytes_total"):
+        for labels, value in metric_samples(address, name):
+            samples[name + "{" + ",".join(f'{key}="{text}"' for key, text in labels.items()) + "}"] = value
     return samples
 
 

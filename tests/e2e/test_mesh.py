@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +18,7 @@ from kvmesh.common.proto.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grp
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.wire.request_reports import END, RequestReport, encode_reports
 from tests.e2e.conftest import chat
-from tests.support import discovered, wait_until_async
+from tests.support import discovered, metric_samples, wait_until_async
 
 pytestmark = pytest.mark.e2e
 MODEL = "kvmesh-tiny"
@@ -96,10 +95,7 @@ def forwards(mesh) -> dict[str, float]:
     """The router's kvmesh_router_forwards_total samples by result."""
     address = discovered(mesh.nats_url, "router")[0].extra["metrics"]
     counts = dict.fromkeys(("sent", "refused", "lost"), 0.0)
-    for line in httpx.get(f"http://{address}/metrics", timeout=10).text.splitlines():
-        match = re.match(r'kvmesh_router_forwards_total\{result="(\w+)"\} (\S+)', line)
-        if match:
-            counts[match.group(1)] = float(match.group(2))
+    counts |= {labels["result"]: value for labels, value in metric_samples(address, "kvmesh_router_forwards_total")}
     return counts
 
 

@@ -10,7 +10,6 @@ import signal
 import time
 
 import grpc
-import httpx
 import pytest
 from nats.aio.client import Client as NatsClient
 
@@ -18,7 +17,7 @@ from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.ports import pid_listening_on
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
-from tests.support import router_generate, service_process, wait_until_async, worker_mesh
+from tests.support import metric_samples, router_generate, service_process, wait_until_async, worker_mesh
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "moves"
@@ -141,12 +140,8 @@ async def test_an_offer_that_names_no_room_is_refused_and_changes_nothing(nats_u
 
 
 def move_counters(record) -> dict[str, float]:
-    text = httpx.get(f"http://{record.extra['metrics']}/metrics", timeout=10).text
-    counters = {}
-    for line in text.splitlines():
-        if line.startswith("kvmesh_worker_cache_move_blocks_total{"):
-            counters[line.split('direction="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-    return counters
+    samples = metric_samples(record.extra["metrics"], "kvmesh_worker_cache_move_blocks_total")
+    return {labels["direction"]: value for labels, value in samples}
 
 
 async def _count(workers: DiscoveryWatcher, count: int) -> bool:

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import signal
 import subprocess
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from kvmesh.common.runtime.ports import free_port
@@ -20,6 +18,7 @@ from tests.support import (
     api_answers,
     assert_every_stream_whole,
     discovered,
+    metric_value,
     service_process,
     streams_interrupted_by,
     wait_until,
@@ -118,10 +117,7 @@ def test_a_router_replica_stopped_under_load_loses_no_request(nats_url: str):
 
 def router_migrations(nats_url: str) -> float:
     (router,) = discovered(nats_url, "router", NAMESPACE)
-    text = httpx.get(f"http://{router.extra['metrics']}/metrics", timeout=10).text
-    match = re.search(r"^kvmesh_router_migrations_total (\S+)$", text, re.MULTILINE)
-    assert match is not None
-    return float(match.group(1))
+    return metric_value(router.extra["metrics"], "kvmesh_router_migrations_total")
 
 
 def test_a_worker_given_time_to_drain_finishes_its_own_streams(nats_url: str):

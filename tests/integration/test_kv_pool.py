@@ -11,7 +11,6 @@ import tempfile
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 from nats.aio.client import Client as NatsClient
 
@@ -19,7 +18,7 @@ from kvmesh.client import RouterApi
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh.common.runtime.ports import pid_listening_on
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
-from tests.support import router_generate, wait_until_async, worker_mesh
+from tests.support import metric_samples, router_generate, wait_until_async, worker_mesh
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "pool"
@@ -51,13 +50,8 @@ async def pooled_blocks(indexer: str, prompt: list[int]) -> dict[int, tuple[int,
 
 
 def pool_counters(record) -> dict[str, float]:
-    text = httpx.get(f"http://{record.extra['metrics']}/metrics", timeout=10).text
-    counters = {}
-    for line in text.splitlines():
-        if line.startswith("kvmesh_worker_kv_pool_blocks_total{"):
-            direction = line.split('direction="')[1].split('"')[0]
-            counters[direction] = float(line.rsplit(" ", 1)[1])
-    return counters
+    samples = metric_samples(record.extra["metrics"], "kvmesh_worker_kv_pool_blocks_total")
+    return {labels["direction"]: value for labels, value in samples}
 
 
 async def test_a_block_one_worker_computed_is_imported_by_another(nats_url: str, nc: NatsClient, pool_dir: Path):

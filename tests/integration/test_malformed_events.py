@@ -4,9 +4,6 @@ exactly what the worker holds."""
 
 from __future__ import annotations
 
-import re
-
-import httpx
 import msgpack
 import pytest
 from nats.aio.client import Client as NatsClient
@@ -20,7 +17,7 @@ from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
-from tests.support import running, service_config, wait_until_async
+from tests.support import metric_value, running, service_config, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "poison"
@@ -33,10 +30,7 @@ POISON = [
 
 
 def malformed_count(metrics_address: str) -> float:
-    text = httpx.get(f"http://{metrics_address}/metrics", timeout=10).text
-    match = re.search(r"^kvmesh_indexer_malformed_messages_total (\S+)$", text, re.MULTILINE)
-    assert match is not None
-    return float(match.group(1))
+    return metric_value(metrics_address, "kvmesh_indexer_malformed_messages_total")
 
 
 async def test_poison_messages_are_counted_and_skipped(nats_url: str, nc: NatsClient):

@@ -23,7 +23,7 @@ from kvmesh.router import server as router_server
 from kvmesh.router.config import RouterConfig
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
-from tests.support import free_port, router_generate, running, service_config, wait_until_async
+from tests.support import free_port, metric_value, router_generate, running, service_config, wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -70,12 +70,8 @@ async def said(address: str, words: str, timeout: float = 20.0) -> str:
 
 
 async def gauge(metrics_address: str, kind: str) -> float:
-    async with httpx.AsyncClient(timeout=5) as http:
-        text = (await http.get(f"http://{metrics_address}/metrics")).text
-    line = next(
-        (line for line in text.splitlines() if line.startswith(f'kvmesh_misconfigurations{{kind="{kind}"}}')), ""
-    )
-    return float(line.split()[-1]) if line else 0.0
+    # the service's /metrics answers from a thread of its own, so a blocking read is safe here
+    return metric_value(metrics_address, "kvmesh_misconfigurations", 0.0, kind=kind)
 
 
 async def test_workers_of_one_model_with_different_block_sizes(nats_url: str, nc: NatsClient):

@@ -7,17 +7,15 @@ the holder goes on. The router counts the turn it moved (``kvmesh_router_steered
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 
 import grpc
-import httpx
 import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvmesh.common.proto.kvmesh.v1 import router_pb2, router_pb2_grpc
 from kvmesh.common.runtime.ports import pid_listening_on
-from tests.support import registered, router_generate, wait_until_async, worker_mesh
+from tests.support import metric_value, registered, router_generate, wait_until_async, worker_mesh
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "stalled"
@@ -69,7 +67,4 @@ async def test_a_stopped_holder_is_left_and_its_queued_turn_completes_after(nats
 async def steered_off_stalled(nc: NatsClient) -> float:
     """The router's count of requests moved off a stalled worker, read from its /metrics."""
     (router,) = await registered(nc, NAMESPACE, "router")
-    async with httpx.AsyncClient() as client:
-        text = (await client.get(f"http://{router.extra['metrics']}/metrics", timeout=10)).text
-    match = re.search(r'^kvmesh_router_steered_total\{rule="stalled"\} (\S+)$', text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+    return metric_value(router.extra["metrics"], "kvmesh_router_steered_total", 0.0, rule="stalled")

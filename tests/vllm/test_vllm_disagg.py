@@ -11,17 +11,15 @@ import contextlib
 import importlib.util
 import os
 import random
-import re
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from kvmesh.common.calling.request_path import RequestPath
 from kvmesh.common.calling.router_client import RouterClient
 from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.devtools.mesh_process import MeshProcess
-from tests.support import discovered, wait_until
+from tests.support import discovered, metric_value, wait_until
 
 pytestmark = [
     pytest.mark.vllm,
@@ -92,11 +90,12 @@ def log_shown_on_failure(mesh: MeshProcess) -> Iterator[None]:
         raise
 
 
-def router_counters(mesh: MeshProcess) -> dict[str, float]:
+def router_counters(mesh: MeshProcess) -> tuple[float, float]:
+    """The router's count of remote prefills, and the bytes its NIXL transfers moved."""
     (router,) = discovered(mesh.nats_url, "router")
-    text = httpx.get(f"http://{router.extra['metrics']}/metrics", timeout=10).text
-    found = re.findall(r"^(kvmesh_router_(?:prefills|kv_transfer_bytes)_total\{[^}]*\}) (\S+)$", text, re.MULTILINE)
-    return {name: float(value) for name, value in found}
+    address = router.extra["metrics"]
+    remote = metric_value(address, "kvmesh_router_prefills_total", 0.0, reason="", where="remote")
+    return remote, metric_value(address, "kvmesh_router_kv_transfer_bytes_total", 0.0, backend="nixl")
 
 
 def test_one_prefill_and_one_decode_vllm_worker_answer_as_one_aggregated_worker():
@@ -115,17 +114,16 @@ def test_one_prefill_and_one_decode_vllm_worker_answer_as_one_aggregated_worker(
     try:
         with log_shown_on_failure(split):
             assert greedy_tokens(split) == expected
-            counters = router_counters(split)
+            remote_prefills, nixl_bytes = router_counters(split)
             decode = next(r for r in discovered(split.nats_url, "worker") if r.role == "decode")
 
             def pulls_timed() -> bool:
-                text = httpx.get(f"http://{decode.extra['metrics']}/metrics", timeout=10).text
-                match = re.search(r'^kvmesh_worker_kv_pull_seconds_total\{backend="nixl"\} (\S+)$', text, re.MULTILINE)
-                return match is not None and float(match.group(1)) > 0
+                pulls = "kvmesh_worker_kv_pull_seconds_total"
+                return metric_value(decode.extra["metrics"], pulls, 0.0, backend="nixl") > 0
 
             # vLLM reports its connector's transfers with its periodic stats
             wait_until(pulls_timed, timeout=30, what="the decode worker to report how long its NIXL pulls took")
     finally:
         assert split.stop() == 0
-    assert counters.get('kvmesh_router_prefills_total{reason="",where="remote"}') == len(PROMPTS)
-    assert counters.get('kvmesh_router_kv_transfer_bytes_total{backend="nixl"}', 0) > 0
+    assert remote_prefills == len(PROMPTS)
+    assert nixl_bytes > 0
