@@ -32,7 +32,7 @@ from kvmesh.devtools.mesh_process import MeshProcess
 from kvmesh.worker.kv_transfer.kv_buffer import KvBuffer
 from kvmesh.worker.kv_transfer.nixl_agent import NixlAgent, nixl_available
 from kvmesh.worker.kv_transfer.transport import KvTransferClient, KvTransferServer
-from tests.support import discovered, metric_samples
+from tests.support import discovered, scrape
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_BYTES = 256 << 10  # 256 KiB blocks: 64 MiB is 256 of them
@@ -112,11 +112,11 @@ def router_prefill_counts(nats_url: str) -> dict[str, float]:
     """The router's prefills by where they ran (and why, for those with a reason), and the MiB its
     KV transfers moved by backend."""
     (router,) = discovered(nats_url, "router")
-    address = router.extra["metrics"]
+    page = scrape(router.extra["metrics"])
     counts: dict[str, float] = {}
-    for labels, value in metric_samples(address, "kvmesh_router_prefills_total"):
+    for labels, value in page.get("kvmesh_router_prefills_total", []):
         counts[labels["where"] + (f"/{labels['reason']}" if labels["reason"] else "")] = value
-    for labels, value in metric_samples(address, "kvmesh_router_kv_transfer_bytes_total"):
+    for labels, value in page.get("kvmesh_router_kv_transfer_bytes_total", []):
         counts[f"MiB/{labels['backend']}"] = round(value / 2**20, 1)
     return counts
 

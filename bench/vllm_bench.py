@@ -45,7 +45,7 @@ import httpx
 
 from bench.live_load import run_load
 from kvmesh.devtools.mesh_process import MeshProcess
-from tests.support import discovered, metric_samples
+from tests.support import discovered, scrape
 
 ENGINE_ARGS = ["--block-size", "32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.5", "--enforce-eager"]
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
@@ -133,7 +133,7 @@ def run_setup(mode: str, trace: Path, args: argparse.Namespace, out_dir: Path) -
         )
         # requests decisions 63 and 67 moved off the worker the cost rated cheapest (a stalled worker,
         # decodes behind the ITL target): whether those rules fired in the run
-        steered = router_samples(mesh, "kvmesh_router_steered_total")
+        steered = router_metrics(mesh).get("kvmesh_router_steered_total", [])
         report["steered"] = {labels["rule"]: count for labels, count in steered}
         return report
     finally:
@@ -158,10 +158,10 @@ def per_worker(report: dict) -> list[str]:
     return lines
 
 
-def router_samples(mesh: MeshProcess, name: str) -> list[tuple[dict[str, str], float]]:
-    """The mesh's router's samples of the metric ``name``, each with its labels."""
+def router_metrics(mesh: MeshProcess) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The mesh's router's metric samples by name, each with its labels (:func:`tests.support.scrape`)."""
     (router,) = discovered(mesh.nats_url, "router")
-    return metric_samples(router.extra["metrics"], name)
+    return scrape(router.extra["metrics"])
 
 
 def disagg_part(args: argparse.Namespace) -> None:
@@ -194,8 +194,9 @@ def disagg_part(args: argparse.Namespace) -> None:
                 "--concurrency",
                 "1",
             )
-            moved = sum(value for _, value in router_samples(mesh, "kvmesh_router_kv_transfer_bytes_total"))
-            prefills = router_samples(mesh, "kvmesh_router_prefills_total")
+            page = router_metrics(mesh)
+            moved = sum(value for _, value in page.get("kvmesh_router_kv_transfer_bytes_total", []))
+            prefills = page.get("kvmesh_router_prefills_total", [])
             counters = {"moved": moved, "remote": sum(n for labels, n in prefills if labels["where"] == "remote")}
         finally:
             mesh.stop()

@@ -36,6 +36,7 @@ __all__ = [
     "metric_samples",
     "metric_value",
     "running",
+    "scrape",
     "service_config",
     "service_process",
     "small_context_model",
@@ -325,18 +326,22 @@ async def worker_mesh(
             await watcher.stop()
 
 
-def metric_samples(address: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """The samples named ``name`` (with its suffix, such as ``_total``) that the service whose
-    metrics endpoint is ``address`` (``host:port``, its registration's ``extra["metrics"]``) exposes
-    now, each with its labels. Empty where it has none yet: a labelled counter appears once it counts.
-    """
+def scrape(address: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Every sample that the service whose metrics endpoint is ``address`` (``host:port``, its
+    registration's ``extra["metrics"]``) exposes now, by sample name (with its suffix, such as
+    ``_total``), each with its labels: one read of its /metrics page."""
     page = httpx.get(f"http://{address}/metrics", timeout=10).text
-    return [
-        (sample.labels, sample.value)
-        for family in text_string_to_metric_families(page)
-        for sample in family.samples
-        if sample.name == name
-    ]
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples
+
+
+def metric_samples(address: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples named ``name`` at ``address`` (:func:`scrape`), each with its labels. Empty where it
+    has none yet: a labelled counter appears once it counts."""
+    return scrape(address).get(name, [])
 
 
 def metric_value(address: str, name: str, default: float | None = None, **labels: str) -> float:

@@ -21,7 +21,7 @@ from kvmesh.common.wire.requests import WORKER_ID_HEADER
 from kvmesh.devtools.mesh_process import MeshProcess
 from kvmesh.worker.kv_transfer.nixl_agent import nixl_available
 from tests.e2e.conftest import descendants, start_mesh
-from tests.support import discovered, metric_samples, wait_until
+from tests.support import discovered, scrape, wait_until
 
 pytestmark = pytest.mark.e2e
 MODEL = "kvmesh-tiny"
@@ -59,21 +59,29 @@ def instances(mesh: MeshProcess, component: str) -> list[InstanceRecord]:
     return discovered(mesh.nats_url, component)
 
 
-def router_metrics(mesh: MeshProcess) -> dict[str, float]:
-    """The router's kvmesh_router_prefills / kv_transfer_bytes samples, keyed by their label text."""
-    address = instances(mesh, "router")[0].extra["metrics"]
-    samples = {}
-    for name in ("kvmesh_router_prefills_total", "kvmesh_router_kv_transfer_bytes_total"):
-        for labels, value in metric_samples(address, name):
-            samples[name + "{" + ",".join(f'{key}="{text}"' for key, text in labels.items()) + "}"] = value
-    return samples
+Sample = tuple[str, frozenset[tuple[str, str]]]
+
+
+def sample(name: str, **labels: str) -> Sample:
+    """The key of a sample in :func:`router_metrics`: its name and its labels."""
+    return name, frozenset(labels.items())
+
+
+def router_metrics(mesh: MeshProcess) -> dict[Sample, float]:
+    """The router's kvmesh_router_prefills / kv_transfer_bytes samples, by :func:`sample`."""
+    page = scrape(instances(mesh, "router")[0].extra["metrics"])
+    return {
+        sample(name, **labels): value
+        for name in ("kvmesh_router_prefills_total", "kvmesh_router_kv_transfer_bytes_total")
+        for labels, value in page.get(name, [])
+    }
 
 
 # these tests are about the split itself: every request that may split does (not only where it pays)
 SPLIT = ("--disagg-split-when", "always")
-REMOTE = 'kvmesh_router_prefills_total{reason="",where="remote"}'
-BELOW = 'kvmesh_router_prefills_total{reason="below_threshold",where="local"}'
-BYTES = f'kvmesh_router_kv_transfer_bytes_total{{backend="{EXPECTED_BACKEND}"}}'
+REMOTE = sample("kvmesh_router_prefills_total", reason="", where="remote")
+BELOW = sample("kvmesh_router_prefills_total", reason="below_threshold", where="local")
+BYTES = sample("kvmesh_router_kv_transfer_bytes_total", backend=EXPECTED_BACKEND)
 
 
 def remote_prefill_and_identical_output(mesh: MeshProcess, topic: str) -> None:
@@ -246,7 +254,14 @@ def test_prefill_worker_killed_mid_transfer_the_requests_still_complete(heavy_kv
         assert answer.usage.completion_tokens == 6
         assert answer.choices[0].finish_reason == "length"
     metrics = router_metrics(heavy_kv_mesh)
-    fell_back = sum(v for k, v in metrics.items() if 'where="local"' in k and ("failed" in k))
+    # a local prefill after the prefill worker failed or its transfer did (prefill_failed, transfer_failed)
+    fell_back = sum(
+        value
+        for (name, labels), value in metrics.items()
+        if name == "kvmesh_router_prefills_total"
+        and ("where", "local") in labels
+        and "failed" in dict(labels)["reason"]
+    )
     assert fell_back >= 1, metrics
     # kvmesh up restarts the killed worker: the mesh heals
     wait_until(
