@@ -72,8 +72,9 @@ async def connect_nats(
         log.info("NATS reconnected", url=url, server=str(nc.connected_url.netloc) if nc.connected_url else None)
 
     servers = nats_servers(url)
-    # A refused login does not pass by retrying: once each server named has refused (a cluster's seeds
-    # may differ), the first connect gives up at once instead of at its timeout.
+    # A refused login does not pass by retrying: once there have been as many refusals as servers named,
+    # the first connect gives up at once instead of at its timeout. nats-py tries the servers in turn,
+    # so by then each has had its say, where a cluster's seeds might answer differently.
     all_refused = asyncio.Event()
 
     async def on_error(error: Exception) -> None:
