@@ -55,6 +55,11 @@ def pooled(observations: Iterable[tuple[IntervalObservation, int]]) -> Judged:
     return Judged(finished, met, unservable_count)
 
 
+# a pool that missed at most this share of what the goal lets sizing miss (at 0.95 with nothing
+# unservable: met 0.99) spends almost nothing of the SLA's window (decision 68)
+LITTLE_MISSED = 0.2
+
+
 @dataclass
 class MissBudget:
     """The requests finished within the SLA's window (``window_s``), and what they leave to spend."""
@@ -89,6 +94,12 @@ class MissBudget:
     def margin(self, points: float) -> float:
         """A margin above the goal, stated against the whole budget, scaled to what sizing can spend."""
         return points * self.spendable()
+
+    def missing_little(self, attained: float | None) -> bool:
+        """Whether requests judged at ``attained`` (:meth:`judged`) missed at most ``LITTLE_MISSED``
+        of what the goal lets sizing miss (False: none judged)."""
+        allowed = (1.0 - self.goal) * self.spendable()
+        return attained is not None and 1.0 - attained <= LITTLE_MISSED * allowed
 
     def judged(self, requests: Judged) -> float | None:
         """``requests``' attainment with their unservable misses charged at the window's share of

@@ -56,7 +56,8 @@ class PlannerOptions:
     attainment_window: float = option(
         3600.0,
         "seconds over which the goal is kept (the SLA's window): pools shrink only while the requests "
-        "finished in it met the goal with room to spare",
+        "finished in it met the goal with room to spare, or the pool, its load as forecast, now misses almost "
+        "nothing (docs/decisions/0068)",
     )
     utilisation_cap: float = option(
         0.5, "starting cap on a worker's planned prefill utilisation (then learned from the attainment)"

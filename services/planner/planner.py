@@ -10,8 +10,9 @@ while the SLA's window has misses to spare: decision 66), whatever the model say
 shrinks only to a size that meets a stricter utilisation cap, only after ``scale_down_intervals``
 intervals in a row asked for less, and one worker a decision, only with headroom measured (not
 predicted) since the pools last changed, and only while the requests finished within
-``--attainment-window`` met the goal with room to spare (a shrink spends some) or the pool one
-smaller would run far from capacity (``--idle-shrink-utilisation``). A pool the model plans far from
+``--attainment-window`` met the goal with room to spare (a shrink spends some), the intervals since
+the pools last changed missed almost nothing (decision 68), or the pool one smaller would run far
+from capacity (``--idle-shrink-utilisation``). A pool the model plans far from
 capacity at a smaller size shrinks to it in one decision (at most by half). Between decisions it
 looks at the interval so far and grows a pool clearly behind the goal at once (decision 65).
 
@@ -67,7 +68,8 @@ class Planner:
     """Guarantees: targets stay within [min_workers, max_workers] per pool; a pool never shrinks
     before ``scale_down_intervals`` intervals in a row asked for fewer, nor while the attainment over
     ``attainment_window`` is below the goal + ``BUDGET_MARGIN`` unless the model plans the pool one
-    smaller at most ``idle_shrink_utilisation`` busy, nor by more than one worker a decision except to a
+    smaller at most ``idle_shrink_utilisation`` busy or the intervals since the pools last changed
+    missed almost nothing (decision 68), nor by more than one worker a decision except to a
     size the model plans that idle (and never by more than half); the same observations give the same decisions
     (a restarted planner replays its stored observations to resume)."""
 
@@ -79,6 +81,7 @@ class Planner:
     utilisation_cap: float = field(init=False)
     _series: _Series = field(init=False)
     _recent_wanted: list[PoolSizes] = field(default_factory=list, init=False)
+    _recent_held: list[bool] = field(default_factory=list, init=False)  # whether each interval's forecast held
     _last_pools: PoolSizes | None = field(default=None, init=False)
     _last_forecast: LoadForecast | None = field(default=None, init=False)
     _backlog: float = field(default=0.0, init=False)
@@ -109,7 +112,9 @@ class Planner:
         self._correct(observation, current)
         # an interval the fleet spent changing size, or whose load the forecast missed, says how the
         # planner lagged, not how the model errs: only a steady, well-forecast one moves the cap
-        if current == self._last_pools and self._forecast_held(observation) and not observation.backlog_growth:
+        held = self._forecast_held(observation)
+        self._recent_held = [*self._recent_held, held][-self.options.scale_down_intervals :]
+        if current == self._last_pools and held and not observation.backlog_growth:
             self._feedback(observation)
         self._observe(observation)
         self._startup.observed(observation.start_s + observation.duration_s, observation.workers)
@@ -325,7 +330,8 @@ class Planner:
         ``SHRINK_HEADROOM``): pooled over the newest of them back until ``HEADROOM_REQUESTS``
         finished (at least ``scale_down_intervals`` intervals), none of them measured below the goal.
         A pool shrinks only then, and only while the SLA's window (``window_attainment``) is
-        ``BUDGET_MARGIN`` above the goal or the pool one smaller would run far from capacity
+        ``BUDGET_MARGIN`` above the goal, those intervals missed almost nothing with the load as
+        forecast (:meth:`MissBudget.missing_little`) or the pool one smaller would run far from capacity
         (:meth:`_idle_after_one_less`). Too few requests since the change is no headroom (the model's
         word is not enough), unless nothing arrived at all in the last intervals: an idle fleet has it."""
         intervals = self.options.scale_down_intervals
@@ -343,11 +349,16 @@ class Planner:
                 break
         if len(window) < intervals or finished < HEADROOM_REQUESTS:
             return False
+        attained = self._judged(window)
+        # decision 68: holding a pool that now misses almost nothing undoes none of the misses the
+        # window holds (a crest start's, before any worker could join); on bursts, though, what the
+        # intervals measured says little of the next ones
+        steady = len(self._recent_held) == intervals and all(self._recent_held)
+        quiet = steady and self._budget.missing_little(attained)
         # an empty window has spent nothing: here it counts as spare, unlike for growth
-        spare = self.window_attainment() is None or self._window_spare()
+        spare = self.window_attainment() is None or self._window_spare() or quiet
         if not spare and not self._idle_after_one_less(load):
             return False  # the SLA's window has no misses to spare for a shrink near capacity
-        attained = self._judged(window)
         headroom = self.options.attainment_goal + self._budget.margin(SHRINK_HEADROOM)
         return attained is not None and attained >= headroom and not any(self._missed(o) for o in window)
 

@@ -128,3 +128,14 @@ def test_queueing_in_the_ttft_correction_does_not_make_servable_misses_unservabl
     short = dataclasses.replace(missed(100, 100, 0, 0), sla_attainment=0.94, ttft_missed_uncached=(servable,) * 6)
     decision = planner.step(short, pools)
     assert decision.target.aggregated > pools.aggregated  # a shortfall a larger fleet serves: it grows
+
+
+def test_missing_little_is_a_fifth_of_what_sizing_may_miss():
+    """Decision 68: at 0.95 a pool missing at most 1% spends almost nothing; with unservable misses
+    in the window sizing may miss less, and so does "little"."""
+    budget = MissBudget(0.95, 3600.0)
+    assert budget.missing_little(1.0) and budget.missing_little(0.995)
+    assert not budget.missing_little(0.985) and not budget.missing_little(None)
+    budget.add(missed(0, 100, long_misses=2, short_misses=0), 2)  # 2% unservable: 3% left to spend
+    assert budget.spendable() == pytest.approx(0.6)
+    assert budget.missing_little(0.995) and not budget.missing_little(0.992)  # little is now 0.6%
