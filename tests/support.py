@@ -122,10 +122,14 @@ def assert_every_stream_whole(results: list[StreamedAnswer], streams: int, max_t
 
 
 def api_answers(api: str) -> bool:
-    """Whether an OpenAI-compatible endpoint at ``api`` lists its models (for waiting on start-up)."""
+    """Whether the frontend at ``api`` (its ``.../v1`` base) is ready to serve: it lists its models
+    and its ``/health`` says it knows a router (for waiting on start-up). Models alone are listed
+    before the frontend has discovered any router, and a chat sent then gets 503."""
     try:
-        return bool(openai.OpenAI(base_url=api, api_key="unused", max_retries=0, timeout=2).models.list().data)
-    except openai.APIError:
+        if not openai.OpenAI(base_url=api, api_key="unused", max_retries=0, timeout=2).models.list().data:
+            return False
+        return httpx.get(api.removesuffix("/").removesuffix("/v1") + "/health", timeout=2).status_code == 200
+    except (openai.APIError, httpx.HTTPError):
         return False
 
 
