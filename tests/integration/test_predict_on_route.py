@@ -31,7 +31,11 @@ async def sibling_workers(nats_url: str, nc: NatsClient, namespace: str, *router
     common = ["--nats-url", nats_url, "--namespace", namespace, "--lease-ttl", "2"]
     indexer = service_config(IndexerConfig, [*common, "--replica-id", namespace])
     worker = service_config(WorkerConfig, [*common, "--speedup-ratio", "1", "--kv-events-flush-ms", "500"])
-    router = service_config(RouterConfig, [*common, *router_args])
+    # The stall guard (a queued prefill without progress for 0.25 s) and the decode-pace guard (ITL
+    # over 50 ms) answer to a starved event loop, which a busy machine gives these in-process services:
+    # off, so that only the prediction decides where a sibling goes.
+    guards_off = ["--kv-stall-slack", "0", "--kv-itl-target-ms", "0"]
+    router = service_config(RouterConfig, [*common, *guards_off, *router_args])
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(running(indexer_server.serve, indexer))
         for _ in range(WORKERS):
