@@ -28,13 +28,19 @@ REQUIRED_TIERS = {
     "tests/bench/": "benchmark smoke",
 }
 _required_skips: list[tuple[str, str]] = []
+_leaked_in_workers: list[str] = []  # pytest-xdist: what the workers' leak checks found
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # `kvmesh up` records itself for the other tools in a per-user run folder: the meshes the tests
     # start (and the tools they run) use a folder of their own, never the developer's running mesh.
     os.environ["KVMESH_RUN_DIR"] = tempfile.mkdtemp(prefix="kvmesh-test-run-")
-    leaks.mark_session()
+    session = leaks.mark_session()
+    # Under pytest-xdist each worker inherits the controller's marker: a marker of its own keeps one
+    # worker's leak check from finding (and killing) the processes of a test another is running.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is not None:
+        os.environ[leaks.MARKER] = f"{session}-{worker}"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -49,9 +55,17 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             _required_skips.append((report.nodeid, f"{tier}: {reason}"))
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """(pytest-xdist, in the controller) A worker is done: keep what its leak check found."""
+    _leaked_in_workers.extend(getattr(node, "workeroutput", {}).get("kvmesh_leaked", []))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if a test left a process running (and kill it: a leaked process holds CPU, and
-    the CI log's pipe open so that CI never ends), or if a test of a required tier skipped."""
+    the CI log's pipe open so that CI never ends), or if a test of a required tier skipped. Under
+    pytest-xdist each worker checks the processes its own tests started and the controller reports
+    what they found."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if _required_skips:
         if reporter is not None:
@@ -60,14 +74,21 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             for nodeid, why in _required_skips:
                 reporter.write_line(f"  {nodeid}: {why}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    leaked = leaks.leaked_processes(os.environ[leaks.MARKER])
+    if session.config.pluginmanager.hasplugin("dsession"):
+        leaked = list(_leaked_in_workers)
+    else:
+        found = leaks.leaked_processes(os.environ[leaks.MARKER])
+        leaks.kill(found)
+        leaked = [f"pid {process.pid}: {process.command}" for process in found]
+        workeroutput = getattr(session.config, "workeroutput", None)
+        if workeroutput is not None:  # an xdist worker: its controller reports them
+            workeroutput["kvmesh_leaked"] = leaked
     if not leaked:
         return
-    leaks.kill(leaked)
     if reporter is not None:
         reporter.write_sep("=", f"{len(leaked)} process(es) left running by the tests (killed)", red=True)
-        for process in leaked:
-            reporter.write_line(f"  pid {process.pid}: {process.command}")
+        for line in leaked:
+            reporter.write_line(f"  {line}")
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
