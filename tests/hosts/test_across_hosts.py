@@ -16,7 +16,7 @@ from kvmesh.common.runtime.jetstream_state import kvmesh_streams
 from kvmesh.common.runtime.process import connect_nats
 from kvmesh.devtools import host_mesh
 from kvmesh.devtools.host_mesh import HostMesh
-from kvmesh.devtools.index_truth import converged
+from kvmesh.devtools.index_truth import converged, difference
 from kvmesh.devtools.test_hosts import EPHEMERAL_PORTS, TestHosts, namespace_pids
 from tests.hosts.conftest import CLIENT, require_hosts
 from tests.support import wait_until, wait_until_async
@@ -63,11 +63,14 @@ def test_the_mesh_serves_across_hosts_and_every_service_advertises_its_host(host
             indexers = DiscoveryWatcher(nc.jetstream(), "default", "indexer")
             await indexers.start()
             for record in indexers.instances():
-                await wait_until_async(
-                    lambda address=record.address: converged(workers, address),
-                    timeout=10,
-                    what=f"indexer {record.address} holds what the workers hold",
-                )
+                try:
+                    await wait_until_async(
+                        lambda address=record.address: converged(workers, address),
+                        timeout=10,
+                        what=f"indexer {record.address} holds what the workers hold",
+                    )
+                except AssertionError as timed_out:
+                    raise AssertionError(f"{timed_out}: {await difference(workers, record.address)}") from None
             await indexers.stop()
             await workers.stop()
         finally:
