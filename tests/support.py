@@ -49,8 +49,8 @@ __all__ = [
 ConfigT = TypeVar("ConfigT")
 
 # A wait's timeout bounds how long a test gives a condition, on an idle machine; no test claims a
-# speed through it (benchmarks measure speed). The suite runs two tests at once on two cores
-# (decision 69), where a starved process can take several times as long, so every wait gets this
+# speed through it (benchmarks measure speed). On a busy machine, or with two tests at once on two
+# cores (decision 69), a starved process can take several times as long, so every wait gets this
 # many times its timeout. A passing test waits no longer for it.
 WAIT_STRETCH = 3.0
 
