@@ -35,12 +35,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # `kvmesh up` records itself for the other tools in a per-user run folder: the meshes the tests
     # start (and the tools they run) use a folder of their own, never the developer's running mesh.
     os.environ["KVMESH_RUN_DIR"] = tempfile.mkdtemp(prefix="kvmesh-test-run-")
-    session = leaks.mark_session()
+    marker = leaks.mark_session()
     # Under pytest-xdist each worker inherits the controller's marker: a marker of its own keeps one
     # worker's leak check from finding (and killing) the processes of a test another is running.
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker is not None:
-        os.environ[leaks.MARKER] = f"{session}-{worker}"
+        os.environ[leaks.MARKER] = f"{marker}-{worker}"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -75,7 +75,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 reporter.write_line(f"  {nodeid}: {why}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if session.config.pluginmanager.hasplugin("dsession"):
-        leaked = list(_leaked_in_workers)
+        leaked = _leaked_in_workers
     else:
         found = leaks.leaked_processes(os.environ[leaks.MARKER])
         leaks.kill(found)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import leaks
+
 REPO = Path(__file__).resolve().parents[2]
 
 LEAKING_TEST = """
@@ -71,22 +73,16 @@ def pytest_sessionfinish(session):
 def run_pytest(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """pytest on ``folder`` with this suite's conftest as a plugin and none of its settings."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PROBE_DIR": str(folder)}
-    env.pop("KVMESH_TEST_SESSION", None)  # the inner run is a test session of its own
+    env.pop(leaks.MARKER, None)  # the inner run is a test session of its own
     command = [sys.executable, "-m", "pytest", "-c", os.devnull, "--rootdir", str(folder)]
     command += ["-p", "tests.conftest", "-p", "no:cacheprovider", *args, str(folder)]
     return subprocess.run(command, env=env, cwd=folder, capture_output=True, text=True, timeout=120)
 
 
 def probes_alive() -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if b"kvmesh-leak-probe" in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
+    """The live processes the leaking test started (their command line carries the probe's tag)."""
+    pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    return [pid for pid in pids if "kvmesh-leak-probe" in leaks.command_of(pid)]
 
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "two-workers"])
