@@ -48,19 +48,11 @@ __all__ = [
 
 ConfigT = TypeVar("ConfigT")
 
-# A wait's timeout bounds how long a test gives a condition, on an idle machine; no test claims a
-# speed through it (benchmarks measure speed). On a busy machine, or with two tests at once on two
-# cores (decision 69), a starved process can take several times as long, so every wait gets this
-# many times its timeout. A passing test waits no longer for it.
-WAIT_STRETCH = 3.0
-
 
 async def wait_until_async(
     condition: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "condition"
 ) -> None:
-    """Poll ``condition`` until it holds; fail with ``what`` after ``timeout`` × :data:`WAIT_STRETCH`
-    seconds."""
-    timeout *= WAIT_STRETCH
+    """Poll ``condition`` until it holds; fail with ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         result = condition()
@@ -74,9 +66,6 @@ async def wait_until_async(
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll ``condition`` until it holds; fail with ``what`` after ``timeout`` × :data:`WAIT_STRETCH`
-    seconds."""
-    timeout *= WAIT_STRETCH
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
