@@ -38,8 +38,8 @@ from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.runtime.jetstream_state import kvmesh_streams
 from kvmesh.common.runtime.process import connect_nats
 from kvmesh.common.wire import names
-from kvmesh.devtools.host_mesh import HTTP_PORT, HostMesh, indexer_snapshot_sequence
-from kvmesh.devtools.index_truth import converged, difference
+from kvmesh.devtools.host_mesh import HTTP_PORT, HostMesh
+from kvmesh.devtools.index_truth import Settled, settle_in_fresh_process
 
 FRESH_INDEXER_PORT = 50160  # apart from every port the mesh uses
 DRILLS = ("kill-host", "partition", "kill-stream-leader", "rolling-nats")
@@ -200,23 +200,22 @@ class MeshWatch:
                 return state.leader
         return None
 
-    async def why_not_recovered(self) -> str:
+    async def why_not_recovered(self, settled: Settled | None) -> str:
         counts = {c: len(w.instances()) for c, w in self.watchers.items()}
         try:
             states = await asyncio.wait_for(kvmesh_streams(self.nc.jetstream(timeout=2)), 5)
             replication = {s.stream: f"{s.current_replicas}/{s.replicas} leader {s.leader}" for s in states}
         except Exception as exc:
             replication = {"error": f"{type(exc).__name__}: {exc}"}
-        indexers = self.watchers["indexer"].instances()
-        convergence = {r.address: await difference(self.watchers["worker"], r.address) for r in indexers}
+        convergence = "not checked: the mesh was not whole" if settled is None else dict(settled)
         return f"not recovered: registered {counts}, replicas {replication}, converged {convergence}"
 
-    async def all_converged(self) -> bool:
-        indexers = self.watchers["indexer"].instances()
-        if len(indexers) != len(self.mesh.layout.mesh_hosts):
-            return False
-        results = await asyncio.gather(*(converged(self.watchers["worker"], r.address) for r in indexers))
-        return all(results)
+    async def settled(self, wait: float) -> Settled:
+        """Wait up to ``wait`` s for every registered indexer replica to hold what the workers hold.
+        The check runs in a process of its own: gRPC's threads would connect from wherever they were
+        born, not from this thread's host (decision 69)."""
+        indexers = [r.address for r in self.watchers["indexer"].instances()]
+        return await settle_in_fresh_process(self.mesh.nats_url, wait, indexers=indexers)
 
 
 async def wait_for(condition: Callable[[], bool | Awaitable[bool]], timeout: float) -> float | None:
@@ -278,18 +277,22 @@ async def run_drill(mesh: HostMesh, drill: str, run: int, target: str, partition
                     report.errors.append(f"{host}'s node did not catch up within 60 s")
             healed = time.monotonic()
 
-        async def recovered() -> bool:
-            return watch.complete() and await watch.fully_replicated() and await watch.all_converged()
+        async def whole() -> bool:
+            return watch.complete() and await watch.fully_replicated()
 
         await asyncio.sleep(3)  # load on the healed mesh
         load.stop()
         await loading
         load.down.discard(target)
-        if await wait_for(recovered, 120) is not None:
-            report.recover_s = time.monotonic() - healed
+        recovery_deadline = time.monotonic() + 120
+        settled = None
+        if await wait_for(whole, 120) is not None:
+            settled = await watch.settled(max(1.0, recovery_deadline - time.monotonic()))
+        if settled is not None and settled.ok() and settled.at is not None and watch.complete():
+            report.recover_s = settled.at - healed
             report.converged = True
         else:
-            report.errors.append(await watch.why_not_recovered())
+            report.errors.append(await watch.why_not_recovered(settled))
         report.snapshot_restore = await fresh_indexer_restores(mesh, watch, target, run)
     report.requests, report.failed, report.hung = load.requests, load.failed, load.hung
     report.lost_with_frontend = load.lost_with_frontend
@@ -313,16 +316,8 @@ async def fresh_indexer_restores(mesh: HostMesh, watch: MeshWatch, host: str, ru
         log=mesh.log(host, f"indexer-{replica}"),
     )
     try:
-
-        async def restored() -> bool:
-            try:
-                return await indexer_snapshot_sequence(address) > 0 and await converged(
-                    watch.watchers["worker"], address
-                )
-            except Exception:
-                return False
-
-        return await wait_for(restored, 60) is not None
+        settled = await settle_in_fresh_process(mesh.nats_url, 60, indexers=[address], restored=True)
+        return settled.ok()
     finally:
         process.terminate()
         try:

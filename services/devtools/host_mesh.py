@@ -14,10 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import httpx
 
-from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.nats_server import find_nats_server
 from kvmesh.common.runtime.process import connect_nats
@@ -234,10 +232,3 @@ class HostMesh:
                 if response.status_code != 200:
                     return False
         return True
-
-
-async def indexer_snapshot_sequence(address: str) -> int:
-    """The stream sequence the replica at ``address`` restored from its snapshot (0: none)."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        status = await indexer_pb2_grpc.IndexerStub(channel).GetStatus(indexer_pb2.IndexerStatusRequest(), timeout=5)
-    return status.snapshot_sequence

@@ -1,15 +1,30 @@
 """Does an indexer replica hold exactly what the workers hold? Each worker's real cache (its own
-dump) against the replica's view, compared by block count and digest per worker."""
+dump) against the replica's view, compared by block count and digest per worker.
+
+Also a command, ``python -m kvmesh.devtools.index_truth --nats-url URL --wait S``, that waits until
+every indexer replica holds what the workers hold and prints, as JSON, why each one does not.
+:func:`settle_in_fresh_process` runs it from the calling thread's network namespace: a thread that
+joined a test host's namespace cannot use gRPC itself, because gRPC's own threads, which make its
+connections, stay in the namespace where they were born (decision 69).
+"""
 
 from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
 
 import grpc
 
 from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.process import connect_nats
 from kvmesh.common.wire.hashing import block_set_digest
 
-__all__ = ["as_truth", "converged", "difference", "truth", "view"]
+__all__ = ["Settled", "as_truth", "converged", "difference", "settle", "settle_in_fresh_process", "truth", "view"]
 
 
 async def truth(workers: DiscoveryWatcher) -> dict[int, tuple[int, int]]:
@@ -64,3 +79,95 @@ async def difference(workers: DiscoveryWatcher, address: str) -> str:
         f"applied {status.applied_sequence} of {status.stream_last_sequence}, gaps {status.gaps}, "
         f"recoveries {status.recoveries}; differing workers (replica, worker): {differing or 'none'}"
     )
+
+
+class Settled(dict[str, str]):
+    """Each replica's address and why it has not converged ("" where it has); ``at`` is the
+    ``time.monotonic()`` when the last one converged (the system's monotonic clock, comparable
+    between processes on one machine), None if some replica never did."""
+
+    at: float | None = None
+
+    def ok(self) -> bool:
+        return bool(self) and not any(self.values())
+
+
+async def settle(
+    nats_url: str, wait: float, *, namespace: str = "default", indexers: Sequence[str] = (), restored: bool = False
+) -> Settled:
+    """Poll until every replica in ``indexers`` (all those discovered, if none are named) holds what
+    the workers hold, and with ``restored`` also restored from a snapshot, or ``wait`` seconds pass."""
+    deadline = time.monotonic() + wait
+    nc = await connect_nats(nats_url, name="index-truth", first_connect_timeout=max(wait, 1.0))
+    workers = DiscoveryWatcher(nc.jetstream(), namespace, "worker")
+    replicas = DiscoveryWatcher(nc.jetstream(), namespace, "indexer")
+    try:
+        await workers.start()
+        await replicas.start()
+        while True:
+            addresses = list(indexers) or [r.address for r in replicas.instances()]
+            result = Settled({a: await _why_not(workers, a, restored) for a in addresses})
+            if result.ok():
+                result.at = time.monotonic()
+                return result
+            if time.monotonic() >= deadline:
+                return result if addresses else Settled({"": "no indexer replica is registered"})
+            await asyncio.sleep(0.1)
+    finally:
+        await replicas.stop()
+        await workers.stop()
+        await nc.close()
+
+
+async def _why_not(workers: DiscoveryWatcher, address: str, restored: bool) -> str:
+    try:
+        if restored and not (await view(address)).snapshot_sequence:
+            return "not restored from a snapshot"
+    except grpc.aio.AioRpcError as exc:
+        return f"unreachable ({exc.code().name}: {exc.details()})"
+    return "" if await converged(workers, address) else await difference(workers, address)
+
+
+async def settle_in_fresh_process(
+    nats_url: str, wait: float, *, namespace: str = "default", indexers: Sequence[str] = (), restored: bool = False
+) -> Settled:
+    """:func:`settle` in a new Python process, born in the calling thread's network namespace."""
+    argv = [sys.executable, "-m", "kvmesh.devtools.index_truth", "--nats-url", nats_url, "--wait", str(wait)]
+    argv += ["--namespace", namespace, *(a for address in indexers for a in ("--indexer", address))]
+    argv += ["--restored"] if restored else []
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await process.communicate()
+    try:  # the last line: a service's log may come before it
+        printed = json.loads(out.decode().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise RuntimeError(f"index_truth exited {process.returncode}: {(out + err).decode()[-2000:]}") from None
+    result = Settled(printed["replicas"])
+    result.at = printed["at"]
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvmesh.devtools.index_truth",
+        description="Wait until every indexer replica holds exactly what the workers hold; print as JSON "
+        "why each replica has not (empty where it has). Exit 0 when all have, 1 when not.",
+    )
+    parser.add_argument("--nats-url", required=True, help="NATS server URL, or several comma-separated")
+    parser.add_argument("--namespace", default="default", help="mesh namespace (default: default)")
+    parser.add_argument("--wait", type=float, default=10.0, help="seconds to wait for convergence (default: 10)")
+    parser.add_argument(
+        "--indexer", action="append", default=[], help="a replica's address to check (repeatable; default: all)"
+    )
+    parser.add_argument("--restored", action="store_true", help="also require a restore from a snapshot")
+    args = parser.parse_args(argv)
+    result = asyncio.run(
+        settle(args.nats_url, args.wait, namespace=args.namespace, indexers=args.indexer, restored=args.restored)
+    )
+    print(json.dumps({"replicas": result, "at": result.at}))
+    return 0 if result.ok() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

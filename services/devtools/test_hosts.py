@@ -7,6 +7,10 @@ lives in a namespace of its own, never the root namespace, and no namespace has 
 the hosts send reaches the other hosts and nothing else. A process runs on a host through
 ``ip netns exec``; a thread of this process joins a host's namespace with :func:`in_namespace` (the
 network namespace belongs to a thread), so a test can be a client on a host without a subprocess.
+Not a gRPC client, though: gRPC makes its connections on threads of its own, shared by the whole
+process and left in the namespace where they were born, so such a thread's gRPC calls may leave from
+another host or from none. gRPC checks run in a process started on the host (a child of a thread in
+the namespace is born there; see ``index_truth.settle_in_fresh_process``, decision 69).
 A host's outgoing connections draw their ports from :data:`EPHEMERAL_PORTS`, below the fixed ports
 services listen on, so no connection takes a port before its service binds it.
 
@@ -231,7 +235,8 @@ class TestHosts:
 
     def in_namespace(self, host: str, coroutine: Callable[[], Awaitable[T]]) -> T:
         """Run ``coroutine()`` to its end on a new event loop in a thread that has joined ``host``'s
-        network namespace: every socket it opens is on that host."""
+        network namespace: every socket it opens is on that host, and so is every process it starts.
+        gRPC's connections are not (they are made on gRPC's own threads; see the module's note)."""
         return in_namespace(self.hosts[host].namespace, coroutine)
 
 

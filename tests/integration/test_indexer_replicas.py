@@ -28,7 +28,7 @@ from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.wire import names
 from kvmesh.common.wire.hashing import block_set_digest
 from kvmesh.common.wire.kv_events import POOLED_TIER
-from kvmesh.devtools.index_truth import as_truth, converged, truth, view
+from kvmesh.devtools.index_truth import as_truth, converged, settle_in_fresh_process, truth, view
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.indexer.config import IndexerConfig
@@ -125,6 +125,15 @@ async def test_two_replicas_converge_exactly_under_load(nats_url: str, nc: NatsC
         assert all(s.gaps == 0 for s in statuses)
         assert as_truth(statuses[0]) == as_truth(statuses[1])
         assert sum(b for b, _ in as_truth(statuses[0]).values()) > 0
+        # the same judgement from a process of its own, as the cross-host tests make it
+        settled = await settle_in_fresh_process(nats_url, 10, namespace=NAMESPACE)
+        assert settled.ok() and sorted(settled) == sorted(r.address for r in indexers.instances())
+        assert settled.at is not None
+        named = [indexers.instances()[0].address, "127.0.0.1:9"]  # nothing listens on port 9
+        settled = await settle_in_fresh_process(nats_url, 0.5, namespace=NAMESPACE, indexers=named, restored=True)
+        assert not settled.ok() and settled.at is None
+        assert settled[named[0]] == "not restored from a snapshot"
+        assert settled[named[1]].startswith("unreachable (UNAVAILABLE"), settled
     await indexers.stop()
 
 
