@@ -12,7 +12,12 @@ Part ``families``: traces made by ``kvmesh.replay.session_trace`` from the rules
 (chats, agent loops, a tenant mix, and two families held out from tuning), each with a cache size
 and arrival speed that load the fleet; round-robin, cache-aware, kv (its default duplicate penalty),
 kv with ``--kv-duplicate-penalty 0``, and Dynamo's ``kv_router`` replay of the same file when its
-virtualenv is there (``--dynamo-python``; ``../shared/peers/README.md`` installs it).
+virtualenv is there (``--dynamo-python``; ``../shared/peers/README.md`` installs it). ``--draws 0
+100`` also replays each family drawn anew (its rules' seed plus 100: traffic no default was tuned
+on), ``--replay-seeds 0 1 2`` reports each figure as the mean over those replay seeds (a p99 moves by
+a few ms between them), ``--jobs 2`` replays on two processes. Under each trace a verdict line says
+whether the default matches the best of plain kv and cache-aware in every column, as printed
+(issue 45's first item), and the last line how many traces it does so on.
 
     python -m bench.replay_report [--part shared|families] [--trace ../shared/data/mooncake_synthetic_trace.jsonl]
 
@@ -28,13 +33,15 @@ import json
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from kvmesh.replay.bounds import reuse_bounds
 from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import TraceRequest, read_trace
-from kvmesh.replay.report import summarise
+from kvmesh.replay.report import shortfalls, summarise
 from kvmesh.replay.session_trace import SessionRules, generate
 from kvmesh.replay.simulator import ReplaySimulator
 
@@ -112,37 +119,87 @@ def family_row(router: str, reuse: float, lru: float, p50: float, p99: float) ->
 
 
 SMOKE_REQUESTS = 200
+DEFAULT_RUN, RIVALS = "kv (default)", ("cache-aware (SGLang)", "kv, no duplicate penalty")
+Figures = tuple[float, float, float]  # prefix reuse, TTFT p50, TTFT p99 (ms)
 
 
-def families(dynamo_python: Path, results: dict[str, Any], smoke: bool = False) -> None:
-    """Every family under every policy: reuse (and its share of the fleet-wide LRU bound), TTFT p50, p99."""
+def replay_family(path: str, num_blocks: int, speedup: float, options: dict[str, Any], seed: int) -> Figures:
+    """One replay of a family's trace file (a function of its own: the pool's processes run it)."""
+    config = ReplayConfig(num_blocks=num_blocks, arrival_speedup_ratio=speedup, seed=seed, **options)
+    summary = summarise(ReplaySimulator(config).run(read_trace(Path(path))))
+    return summary["prefix_reuse"], summary["ttft_ms"]["p50"], summary["ttft_ms"]["p99"]
+
+
+def families(
+    dynamo_python: Path,
+    results: dict[str, Any],
+    smoke: bool = False,
+    draws: Sequence[int] = (0,),
+    replay_seeds: Sequence[int] = (0,),
+    jobs: int = 1,
+) -> None:
+    """Every family, at each draw (its rules' seed plus the draw), under every policy: reuse (and its
+    share of the fleet-wide LRU bound), TTFT p50, p99, each the mean over ``replay_seeds``; under each
+    trace whether the default wins every column (:func:`kvmesh.replay.report.shortfalls`)."""
     header = f"{'family':<26}{'router':<28}{'reuse':>8}{'of LRU':>8}{'TTFT p50':>10}{'p99':>9}"
     print(header)
     print("-" * len(header))
-    for family in FAMILIES:
-        label = f"{family.name}{' (held out)' if family.held_out else ''}"
-        with tempfile.TemporaryDirectory() as scratch:
-            path = Path(scratch) / "trace.jsonl"
-            rules = family.rules
-            if smoke:
-                rules = dataclasses.replace(rules, sessions=max(4, rules.sessions // 100))
-            rows = generate(family.kind, rules)
-            path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-            trace = read_trace(path)
-            config = ReplayConfig(num_blocks=family.num_blocks, arrival_speedup_ratio=family.speedup)
-            bounds = reuse_bounds(trace, config.trace_block_size, config.block_size, config.workers * config.num_blocks)
-            lru = bounds.fleet_lru
-            print(f"{label:<26}{len(trace)} requests; bounds: fleet LRU {lru:.3f}, infinite {bounds.infinite:.3f}")
-            for router, options in FAMILY_RUNS:
-                summary = summarise(ReplaySimulator(dataclasses.replace(config, **options)).run(trace))
-                results[f"{label}: {router}"] = summary
-                reuse, ttft = summary["prefix_reuse"], summary["ttft_ms"]
-                family_row(router, reuse, lru, ttft["p50"], ttft["p99"])
-            dynamo = dynamo_replay(dynamo_python, path, family.num_blocks, family.speedup)
-            if dynamo is not None:
-                reuse, p50, p99 = dynamo
-                results[f"{label}: Dynamo 1.6.1 kv_router"] = {"prefix_reuse": reuse, "ttft_p50": p50, "ttft_p99": p99}
-                family_row("Dynamo 1.6.1 (its replay)", reuse, lru, p50, p99)
+    wins, traces = 0, 0
+    with ProcessPoolExecutor(jobs) as pool:
+        for family in FAMILIES:
+            for draw in draws:
+                rules = dataclasses.replace(family.rules, seed=family.rules.seed + draw)
+                label = (
+                    f"{family.name}{' (held out)' if family.held_out else ''}{f', seed {rules.seed}' if draw else ''}"
+                )
+                with tempfile.TemporaryDirectory() as scratch:
+                    path = Path(scratch) / "trace.jsonl"
+                    if smoke:
+                        rules = dataclasses.replace(rules, sessions=max(4, rules.sessions // 100))
+                    path.write_text("".join(json.dumps(row) + "\n" for row in generate(family.kind, rules)))
+                    trace = read_trace(path)
+                    config = ReplayConfig(num_blocks=family.num_blocks)
+                    bounds = reuse_bounds(
+                        trace, config.trace_block_size, config.block_size, config.workers * config.num_blocks
+                    )
+                    lru = bounds.fleet_lru
+                    print(
+                        f"{label}: {len(trace)} requests; bounds: fleet LRU {lru:.3f}, infinite {bounds.infinite:.3f}"
+                    )
+                    runs = {
+                        (router, seed): pool.submit(
+                            replay_family, str(path), family.num_blocks, family.speedup, options, seed
+                        )
+                        for router, options in FAMILY_RUNS
+                        for seed in replay_seeds
+                    }
+                    means: dict[str, Figures] = {}
+                    for router, _options in FAMILY_RUNS:
+                        each = [runs[router, seed].result() for seed in replay_seeds]
+                        reuse, p50, p99 = means[router] = tuple(sum(f[i] for f in each) / len(each) for i in range(3))
+                        results[f"{label}: {router}"] = {
+                            "prefix_reuse": reuse,
+                            "ttft_p50": p50,
+                            "ttft_p99": p99,
+                            "replay_seeds": {seed: figures for seed, figures in zip(replay_seeds, each, strict=True)},
+                        }
+                        family_row(router, reuse, lru, p50, p99)
+                    dynamo = dynamo_replay(dynamo_python, path, family.num_blocks, family.speedup)
+                if dynamo is not None:
+                    reuse, p50, p99 = dynamo
+                    results[f"{label}: Dynamo 1.6.1 kv_router"] = {
+                        "prefix_reuse": reuse,
+                        "ttft_p50": p50,
+                        "ttft_p99": p99,
+                    }
+                    family_row("Dynamo 1.6.1 (its replay)", reuse, lru, p50, p99)
+                short = shortfalls(means[DEFAULT_RUN], [means[name] for name in RIVALS])
+                wins, traces = wins + (not short), traces + 1
+                verdict = "yes" if not short else f"no ({', '.join(short)})"
+                print(f"{'':<26}the default at least the best of cache-aware and plain kv in every column: {verdict}")
+    seeds = f" (means over replay seeds {', '.join(map(str, replay_seeds))})" if len(replay_seeds) > 1 else ""
+    print(f"\nthe default wins every column on {wins} of {traces} traces{seeds}")
+    results["default_wins_every_column"] = {"traces": traces, "wins": wins}
 
 
 def fmt(value: float | None, digits: int = 0) -> str:
@@ -162,18 +219,31 @@ def main() -> None:
     parser.add_argument("--part", choices=("shared", "families"), default=None, help="one part only (default: both)")
     parser.add_argument("--smoke", action="store_true", help="a smoke-sized run (CI): the figures mean nothing")
     parser.add_argument(
+        "--draws",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="families: replay each at its rules' seed plus each of these (100: a draw no default was tuned on)",
+    )
+    parser.add_argument(
+        "--replay-seeds", type=int, nargs="+", default=[0], help="families: each figure the mean over these seeds"
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="families: replays run on this many processes")
+    parser.add_argument(
         "--dynamo-python",
         type=Path,
         default=DEFAULT_DYNAMO_PYTHON,
         help="the Python of a virtualenv with ai-dynamo 1.6.1, for its replay of the families (skipped if absent)",
     )
     args = parser.parse_args()
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
     results: dict[str, Any] = {}
     if args.part != "families":
         shared(args.trace, results, args.smoke)
     if args.part != "shared":
         print()
-        families(args.dynamo_python, results, args.smoke)
+        families(args.dynamo_python, results, args.smoke, args.draws, args.replay_seeds, args.jobs)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -16,7 +16,15 @@ from kvmesh.replay.config import TOO_LONG
 if TYPE_CHECKING:  # the simulator imports the planner, which this module imports too
     from kvmesh.replay.config import RequestRecord
 
-__all__ = ["forecast_errors", "percentile", "plot_timeline", "sla_attainment", "summarise", "write_csv"]
+__all__ = [
+    "forecast_errors",
+    "percentile",
+    "plot_timeline",
+    "shortfalls",
+    "sla_attainment",
+    "summarise",
+    "write_csv",
+]
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -182,3 +190,16 @@ def forecast_errors(timeline: Sequence[dict[str, float]]) -> tuple[float | None,
         return sum(values) / len(values) if values else None
 
     return mean(errors), mean(rising), mean(falling)
+
+
+def shortfalls(candidate: Sequence[float], rivals: Sequence[Sequence[float]]) -> list[str]:
+    """The columns where ``candidate`` (prefix reuse, TTFT p50, TTFT p99 in ms) falls short of the best
+    of ``rivals``: less reuse than the most any keeps, a longer p50 or p99 than the shortest any has.
+    Compared as reports print them (reuse to 0.001, times to the ms), so a tie as printed matches.
+    Empty: the candidate matches or beats every rival in every column (issue 45's first item)."""
+    if not rivals:
+        raise ValueError("no rival to compare with")
+    reuse, p50, p99 = round(candidate[0], 3), round(candidate[1]), round(candidate[2])
+    short = ["reuse"] if reuse < max(round(r[0], 3) for r in rivals) else []
+    short += ["p50"] if p50 > min(round(r[1]) for r in rivals) else []
+    return short + (["p99"] if p99 > min(round(r[2]) for r in rivals) else [])
