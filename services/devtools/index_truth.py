@@ -24,7 +24,16 @@ from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.process import connect_nats
 from kvmesh.common.wire.hashing import block_set_digest
 
-__all__ = ["Settled", "as_truth", "converged", "difference", "settle", "settle_in_fresh_process", "truth", "view"]
+__all__ = [
+    "Settled",
+    "as_truth",
+    "converged",
+    "difference",
+    "settle",
+    "settle_in_fresh_process",
+    "truth",
+    "view",
+]
 
 
 async def truth(workers: DiscoveryWatcher) -> dict[int, tuple[int, int]]:
@@ -54,11 +63,16 @@ def as_truth(status: indexer_pb2.IndexerStatus) -> dict[int, tuple[int, int]]:
     }
 
 
+async def _held_by_workers(workers: DiscoveryWatcher) -> dict[int, tuple[int, int]]:
+    """What a converged replica holds (:func:`as_truth`'s shape): the workers' caches with a block or more."""
+    return {k: v for k, v in (await truth(workers)).items() if v[0]}
+
+
 async def converged(workers: DiscoveryWatcher, address: str) -> bool:
     """Whether the replica at ``address`` holds exactly the workers' blocks (False while unreachable)."""
     try:
-        expected = {k: v for k, v in (await truth(workers)).items() if v[0]}
-        return as_truth(await view(address)) == expected
+        holdings = await _held_by_workers(workers)
+        return as_truth(await view(address)) == holdings
     except grpc.aio.AioRpcError:
         return False
 
@@ -67,13 +81,17 @@ async def difference(workers: DiscoveryWatcher, address: str) -> str:
     """Why the replica at ``address`` has not converged, in a line: how far it applied the stream,
     and each worker whose (blocks, digest) differs, as the replica holds it and as the worker does."""
     try:
-        expected = {k: v for k, v in (await truth(workers)).items() if v[0]}
+        holdings = await _held_by_workers(workers)
         status = await view(address)
     except grpc.aio.AioRpcError as exc:
         return f"unreachable ({exc.code().name})"
+    return _difference_line(status, holdings)
+
+
+def _difference_line(status: indexer_pb2.IndexerStatus, holdings: dict[int, tuple[int, int]]) -> str:
     held = as_truth(status)
     differing = {
-        w: (held.get(w), expected.get(w)) for w in held.keys() | expected.keys() if held.get(w) != expected.get(w)
+        w: (held.get(w), holdings.get(w)) for w in held.keys() | holdings.keys() if held.get(w) != holdings.get(w)
     }
     return (
         f"applied {status.applied_sequence} of {status.stream_last_sequence}, gaps {status.gaps}, "
@@ -106,7 +124,13 @@ async def settle(
         await replicas.start()
         while True:
             addresses = list(indexers) or [r.address for r in replicas.instances()]
-            result = Settled({a: await _why_not(workers, a, restored) for a in addresses})
+            try:  # the workers' caches once a round, every replica compared with the same
+                holdings = await _held_by_workers(workers)
+                result = Settled({a: await _why_not(holdings, a, restored) for a in addresses})
+            except grpc.aio.AioRpcError as exc:
+                result = Settled(
+                    {a: f"a worker is unreachable ({exc.code().name}: {exc.details()})" for a in addresses}
+                )
             if result.ok():
                 result.at = time.monotonic()
                 return result
@@ -119,13 +143,16 @@ async def settle(
         await nc.close()
 
 
-async def _why_not(workers: DiscoveryWatcher, address: str, restored: bool) -> str:
+async def _why_not(holdings: dict[int, tuple[int, int]], address: str, restored: bool) -> str:
+    """Why the replica at ``address`` does not hold ``holdings`` (or, with ``restored``, restored
+    nothing from a snapshot), from one status query; empty where it does."""
     try:
-        if restored and not (await view(address)).snapshot_sequence:
-            return "not restored from a snapshot"
+        status = await view(address)
     except grpc.aio.AioRpcError as exc:
         return f"unreachable ({exc.code().name}: {exc.details()})"
-    return "" if await converged(workers, address) else await difference(workers, address)
+    if restored and not status.snapshot_sequence:
+        return "not restored from a snapshot"
+    return "" if as_truth(status) == holdings else _difference_line(status, holdings)
 
 
 async def settle_in_fresh_process(
