@@ -287,10 +287,16 @@ class WorkerMesh:
 
 @contextlib.asynccontextmanager
 async def worker_mesh(
-    nc: NatsClient, nats_url: str, namespace: str, worker_flags: tuple[str, ...] = (), workers: int = 2
+    nc: NatsClient,
+    nats_url: str,
+    namespace: str,
+    worker_flags: tuple[str, ...] = (),
+    workers: int = 2,
+    router_flags: tuple[str, ...] = (),
 ) -> AsyncIterator[WorkerMesh]:
-    """An indexer and a router (in this process) and ``workers`` worker processes started with
-    ``worker_flags``, all in ``namespace``, once every one has registered; the workers are killed after."""
+    """An indexer and a router (in this process, the router with ``router_flags``) and ``workers``
+    worker processes started with ``worker_flags``, all in ``namespace``, once every one has
+    registered; the workers are killed after."""
     from kvmesh.indexer import server as indexer_server
     from kvmesh.indexer.config import IndexerConfig
     from kvmesh.router import server as router_server
@@ -304,7 +310,7 @@ async def worker_mesh(
     try:
         async with (
             running(indexer_server.serve, service_config(IndexerConfig, common)),
-            running(router_server.serve, service_config(RouterConfig, common)),
+            running(router_server.serve, service_config(RouterConfig, [*common, *router_flags])),
         ):
             await wait_until_async(
                 lambda: (

@@ -28,6 +28,7 @@ REFUSED_OPTIONS = {
     "pooled_block_credit": "the replay's workers share no KV pool",
     "disk_block_credit": "the replay's workers have no disk tier (--host-kv-blocks gives them a host tier)",
     "moe_score_weight": "a Mooncake trace carries no MoE query",
+    "kv_pull_ms_per_token": "a replay's pulls take the KV transfer's time (--kv-bytes-per-token, --kv-transfer-gbps)",
 }
 
 
@@ -173,6 +174,7 @@ class RequestRecord:
     kv_source: str = ""
     session: str = ""  # the session it belongs to (a session-structured trace's)
     steered_by: str = ""  # the rule that moved it off the worker its cost rated cheapest (Decision.steered_by)
+    pulled_tokens: int = 0  # prompt tokens its worker pulled from another before computing the rest
     priority: str = "normal"  # its class at the router queue
     queued_ms: float = 0.0  # time it waited in the router queue
     # why it was refused: the router queue's "full", "timeout" or "busy", or TOO_LONG (no worker can
@@ -199,4 +201,7 @@ class RequestRecord:
 def router_config(config: ReplayConfig) -> RouterConfig:
     """The router configuration a replay routes with: its routing options, a live router's defaults
     for the rest (KV events on, approximate mode off, no disaggregation enforced)."""
-    return RouterConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(RoutingOptions)})
+    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(RoutingOptions)}
+    # the router prices a pull at what the replay's transfer takes (kv_transfer_ms, per token)
+    options["kv_pull_ms_per_token"] = config.kv_bytes_per_token / (config.kv_transfer_gbps * 1e6)
+    return RouterConfig(**options)

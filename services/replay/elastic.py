@@ -185,6 +185,8 @@ class ElasticFleet:
         state = self.fleet.workers[worker]
         if worker in self.handoffs:
             return  # it stays until its last block is sent
+        if any(pull[2] == worker for pull in self._pulls):
+            return  # a request routed there waits for its prefix: it stays to serve it
         if state.draining_since_ms is not None and state.stopped_ms is None and not self.engines[worker].has_work():
             state.stopped_ms = now
             # its events still on their way would bring its blocks back after it is gone

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.common.runtime.discovery import InstanceRecord
+from kvmesh.common.wire.disagg import MOVES_BLOCKS_KEY
 from kvmesh.common.wire.worker_load import WorkerLoad
 from kvmesh.planner.decision import POOLS
 from kvmesh.planner.load import IntervalObservation, observe_interval
@@ -78,7 +79,9 @@ class RoutableWorkers:
     records a live router's watcher lists (in the order they joined)."""
 
     def __init__(self, block_size: int, capacity_blocks: int, max_num_batched_tokens: int) -> None:
-        self._shape = (block_size, capacity_blocks, {"max_num_batched_tokens": max_num_batched_tokens})
+        # the mock engines move cached blocks: routers may have a prefix pulled between them
+        extra = {"max_num_batched_tokens": max_num_batched_tokens, MOVES_BLOCKS_KEY: True}
+        self._shape = (block_size, capacity_blocks, extra)
         self._records: dict[int, InstanceRecord] = {}
 
     def record(self, index: int, role: str) -> InstanceRecord:

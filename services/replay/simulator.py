@@ -13,6 +13,10 @@ when it ends, the decode engine reserves blocks for the prompt, the KV transfer 
 ``blocks × block_size × kv_bytes_per_token / kv_transfer_gbps``, then the decode engine runs the
 request from there and the prefill engine releases its blocks.
 
+A request the router tells to pull its prefix (``--kv-pull-ratio``, docs/decisions/0070) waits for
+the blocks its holder caches at that moment to cross the same KV transfer; they are then cached on
+its worker as if computed there (its KV events tell the index), and the request runs from there.
+
 Timeline rules (the same as the live worker's engine loop): a step's scheduling happens when it
 starts, its tokens and KV events become visible when it ends, and a worker starts its next step as
 soon as the previous one ends while it has work. An arrival at the same instant as a step's end is
@@ -50,6 +54,7 @@ from kvmesh.router.prefill_job import LocalPrefill
 from kvmesh.router.request_queue import AllWorkersBusy
 from kvmesh.router.routing import Router
 from kvmesh.worker.engine import EngineRequestSpec
+from kvmesh.worker.engines.mock.block_moves import Block
 from kvmesh.worker.engines.mock.mock_engine import EngineConfig, MockEngine, StepResult, capacity_refusal
 
 
@@ -99,6 +104,8 @@ class ReplaySimulator(ElasticFleet):
         self._awaiting_kv: dict[str, tuple[str, int, list[int], int, tuple[list[int], list[int]]]] = {}
         self._transfers: list[tuple[float, int, str, int, int]] = []  # (done at, seq, request id, decode, prefill)
         self._transfer_seq = itertools.count()
+        # prefix pulls in flight: (done at, seq, worker, request, its hashes, the blocks pulled)
+        self._pulls: list[tuple[float, int, int, EngineRequestSpec, tuple[list[int], list[int]], list[Block]]] = []
         # with --planner: the fleet it scales, its decisions, and the events it schedules
         self.planner: Planner | None = None
         self.handoffs: dict[int, Handoff] = {}  # leaving worker -> the blocks it is sending
@@ -173,10 +180,20 @@ class ReplaySimulator(ElasticFleet):
             heapq.heappush(completions, (now + result.duration_ms, sequence, worker))
 
         next_arrival = 0
-        while next_arrival < len(trace) or completions or self._transfers or self.handoffs:
+        while next_arrival < len(trace) or completions or self._transfers or self.handoffs or self._pulls:
             arrival_time = records[next_arrival].arrival_ms if next_arrival < len(trace) else math.inf
             transfer_time = self._transfers[0][0] if self._transfers else math.inf
             timer_time = self._timers[0][0] if self._timers else math.inf
+            pull_time = self._pulls[0][0] if self._pulls else math.inf
+            if pull_time < min(arrival_time, transfer_time, timer_time) and (
+                not completions or pull_time < completions[0][0]
+            ):
+                self.now_ms, _, worker, spec, hashes, blocks = heapq.heappop(self._pulls)
+                self.engines[worker].adopt_blocks(blocks)
+                self.engines[worker].add_request(spec, block_hashes=hashes)
+                if worker not in in_flight:
+                    start_step(worker, self.now_ms)
+                continue
             if timer_time <= min(arrival_time, transfer_time) and (not completions or timer_time < completions[0][0]):
                 self.now_ms, _, kind, worker = heapq.heappop(self._timers)
                 self._on_timer(kind, worker, self.now_ms, next_arrival < len(trace) or bool(completions))
@@ -201,7 +218,7 @@ class ReplaySimulator(ElasticFleet):
                 # capacity freed: waiting requests get their turn
                 for waited in self.queue.release(now):
                     routed = self._route(waited, trace[waited.index], by_id, now)
-                    if routed not in in_flight:
+                    if routed not in in_flight and self.engines[routed].has_work():
                         start_step(routed, now)
                 continue
             record = records[next_arrival]
@@ -216,7 +233,7 @@ class ReplaySimulator(ElasticFleet):
             if not self.queue.admit_now(record):
                 continue  # waits in the router queue, or was refused
             worker = self._route(record, request, by_id)
-            if worker not in in_flight:
+            if worker not in in_flight and self.engines[worker].has_work():  # not while it waits for a pull
                 start_step(worker, record.arrival_ms)
         if len(self.queue):
             raise RuntimeError(f"{len(self.queue)} requests were left in the router queue")
@@ -286,16 +303,23 @@ class ReplaySimulator(ElasticFleet):
             return self._route_split(record, request_id, prepared, pool, exact)
         choice = self.router.decide(prepared, self._answer(prepared, split=False), exact=exact)
         worker = choice.worker.instance_id
-        self.engines[worker].add_request(
-            EngineRequestSpec(request_id, prepared.request.token_ids, request.output_length),
-            block_hashes=(prepared.local_hashes, prepared.block_hashes),
-        )
+        spec = EngineRequestSpec(request_id, prepared.request.token_ids, request.output_length)
+        hashes = (prepared.local_hashes, prepared.block_hashes)
+        pull = choice.pull_order()
+        # what the holder caches now is held for the pull (an offer), and arrives after the transfer
+        blocks = self.engines[choice.pull_from.instance_id].cached_prefix(pull.sequence_hashes) if pull else []
+        if blocks:
+            record.pulled_tokens = len(blocks) * self.config.block_size
+            done_ms = self.now_ms + self.config.kv_transfer_ms(len(blocks))
+            heapq.heappush(self._pulls, (done_ms, next(self._transfer_seq), worker, spec, hashes, blocks))
+        else:
+            self.engines[worker].add_request(spec, block_hashes=hashes)
         self.router.track_add(
             request_id,
             choice.worker,
             prepared.block_hashes,
             record.input_length,
-            choice.overlap_blocks,
+            choice.cached_blocks,
             request.output_length,
             choice.dp_rank or 0,
             session=prepared.request.session,

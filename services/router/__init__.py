@@ -14,6 +14,7 @@ The pipeline (``routing`` strings its stages together; ``kvmesh replay`` drives 
 - ``policy`` — one routing mode's choice (kv, round-robin, random, power-of-two, cache-aware).
 - ``scheduler`` — the KV cost models and the simple selectors.
 - ``cache_aware`` — SGLang's cache-aware policy.
+- ``prefix_pull`` — a saturated holder's prefix pulled over the KV transfer, priced beside the rest.
 - ``prefill_placement`` — where a split request prefills, and whether a split pays.
 - ``split_overhead`` — what a split adds to time to first token, measured.
 - ``load_picture`` — admission (busy thresholds) and the load it leaves behind.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kvmesh.common.core.timing import TimingModel
 from kvmesh.common.runtime.discovery import InstanceRecord
+from kvmesh.common.wire.disagg import MOVES_BLOCKS_KEY, PrefixPull
 from kvmesh.common.wire.lora import must_load
 from kvmesh.common.wire.worker_key import WorkerKey, keys_of
 from kvmesh.router.cache_view import CacheView
@@ -24,6 +25,7 @@ from kvmesh.router.load_tracker import LoadTracker
 from kvmesh.router.policy import RoutingPolicy
 from kvmesh.router.prefill_job import LocalPrefill, RemotePrefill
 from kvmesh.router.prefill_placement import place_prefill
+from kvmesh.router.prefix_pull import Pull
 from kvmesh.router.scheduler import PerWorkerTtftCost, make_cost_model
 from kvmesh.router.step_times import StepTimes
 
@@ -35,13 +37,28 @@ DEFAULT_MAX_BATCHED_TOKENS = 8192
 class Choice:
     """The worker chosen for a whole request, its cached prefix there and the prompt's block hashes;
     ``dp_rank``: its data-parallel rank chosen (None: the worker picks, for a request that named
-    the worker but no rank); ``steered_by``: see :class:`~kvmesh.router.policy.Decision`."""
+    the worker but no rank); ``steered_by``: see :class:`~kvmesh.router.policy.Decision`;
+    ``pull``: the prefix it pulls from ``pull_from`` before computing the rest (None: none)."""
 
     worker: InstanceRecord
     overlap_blocks: int
     block_hashes: list[int]
     dp_rank: int | None = 0
     steered_by: str = ""
+    pull: Pull | None = None
+    pull_from: InstanceRecord | None = None
+
+    @property
+    def cached_blocks(self) -> int:
+        """The prompt's blocks the worker holds once its pull is in: what it does not compute."""
+        return max(self.overlap_blocks, self.pull.first + self.pull.blocks) if self.pull else self.overlap_blocks
+
+    def pull_order(self) -> PrefixPull | None:
+        """What the worker is told to pull (None: nothing)."""
+        if self.pull is None or self.pull_from is None:
+            return None
+        pulled = self.block_hashes[self.pull.first : self.pull.first + self.pull.blocks]
+        return PrefixPull(self.pull_from.instance_id, self.pull_from.address, pulled)
 
     @property
     def key(self) -> WorkerKey:
@@ -105,6 +122,8 @@ class Chooser:
                 write_spread=options.kv_write_spread,
                 stall_slack=options.kv_stall_slack,
                 itl_target_ms=options.kv_itl_target_ms,
+                pull_ratio=options.kv_pull_ratio,
+                pull_ms_per_token=options.kv_pull_ms_per_token,
             )
             if isinstance(cost_model, PerWorkerTtftCost):
                 for key, timing in self._timings.items():
@@ -157,10 +176,18 @@ class Chooser:
             load_tokens=self.adapter_loads(prepared.candidates, request.lora),
             duplicate_penalty=0.0 if loop_turn else None,
             new_session=new_session,
+            pullable=pullable(prepared.candidates) if policy.pull_ratio else (),
         )
         worker_id, rank = decision.worker
+        pull = decision.pull
         return Choice(
-            prepared.by_id[worker_id], decision.overlap_blocks, prepared.block_hashes, rank, decision.steered_by
+            prepared.by_id[worker_id],
+            decision.overlap_blocks,
+            prepared.block_hashes,
+            rank,
+            decision.steered_by,
+            pull,
+            prepared.by_id[pull.holder.worker_id] if pull else None,
         )
 
     def place(
@@ -239,3 +266,9 @@ class Chooser:
                 policy.forget(key)
                 if isinstance(policy.cost_model, PerWorkerTtftCost):
                     policy.cost_model.forget(key)
+
+
+def pullable(records: Sequence[InstanceRecord]) -> set[WorkerKey]:
+    """The first ranks of the workers whose engines move cached blocks: between these a prefix may be
+    pulled (a worker's moves serve its first rank)."""
+    return {WorkerKey(r.instance_id, 0) for r in records if r.extra.get(MOVES_BLOCKS_KEY)}

@@ -72,6 +72,19 @@ class KvModeOptions:
         "there by the duplicate penalty: new sessions start where decodes keep pace, and no session already "
         "placed is moved (docs/decisions/0067). 0: off",
     )
+    kv_pull_ratio: float = option(
+        1.5,
+        "kv mode: where the worker holding the longest cached prefix of a prompt is predicted to start it more than "
+        "this many times later than the candidates' mean, each candidate is also costed as if it pulled that prefix "
+        "from the holder over the KV transfer (at --kv-pull-ms-per-token) instead of computing it, and the request "
+        "goes where it starts soonest: a saturated holder's prefix is copied, not recomputed and not piled on "
+        "(docs/decisions/0070). Only between workers whose engines move cached blocks (the mock engine's). 0: off",
+    )
+    kv_pull_ms_per_token: float = option(
+        0.00524,
+        "kv mode: the time the KV transfer takes to pull one token's KV from another worker (the default: 128 KiB a "
+        "token at 25 GB/s; kvmesh replay sets it from its --kv-bytes-per-token and --kv-transfer-gbps)",
+    )
     lora_load_tokens: int = option(
         1024,
         "kv mode: the prefill tokens loading a LoRA adapter is worth: a worker that serves the adapter a request "
@@ -271,6 +284,8 @@ class RoutingOptions(KvModeOptions, CacheAwareModeOptions, SplitOptions, Admissi
             raise ConfigError("--kv-stall-slack must be >= 0")
         if self.kv_itl_target_ms < 0:
             raise ConfigError("--kv-itl-target-ms must be >= 0 (0: off)")
+        if self.kv_pull_ratio < 0 or self.kv_pull_ms_per_token < 0:
+            raise ConfigError("--kv-pull-ratio and --kv-pull-ms-per-token must be >= 0 (0: off)")
         if not 0 <= self.kv_write_spread <= 1:
             raise ConfigError("--kv-write-spread must be between 0 and 1")
         if self.lora_load_tokens < 0:

@@ -89,6 +89,12 @@ class RouterMetrics:
             ["rule"],
             registry=self.registry,
         )
+        self.prefix_pulls = Counter(
+            "kvmesh_router_prefix_pulls",
+            "requests told to pull their prompt's cached prefix from a saturated holder over the KV transfer "
+            "instead of computing it (--kv-pull-ratio; docs/decisions/0070)",
+            registry=self.registry,
+        )
         self.queue = QueueMetrics(self.registry)
         self.findings = Findings(self.registry)  # misconfigurations (kvmesh.router.fleet_checks)
         self.registry.register(_LoadCollector(pictures, peers))

@@ -13,12 +13,13 @@ policy: a tree of what was sent where, no KV events).
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.common.wire.worker_key import WorkerKey
 from kvmesh.router.active_sequences import ActiveSequences
 from kvmesh.router.cache_aware import CacheAwareOptions, CacheAwareSelector
+from kvmesh.router.prefix_pull import Pull, pull_costs
 from kvmesh.router.scheduler import (
     BlockCost,
     Candidate,
@@ -43,11 +44,13 @@ DECODES_BEHIND = "decodes behind"
 class Decision:
     """The chosen worker and its cached blocks. ``steered_by``: why the worker the cost alone rated
     cheapest was not chosen, where a charge for being late moved the request (:data:`STALLED`, or
-    :data:`DECODES_BEHIND` for a session's first turn); empty otherwise."""
+    :data:`DECODES_BEHIND` for a session's first turn); empty otherwise. ``pull``: the prefix the
+    worker pulls from another before it computes the rest (None: it computes what it lacks)."""
 
     worker: WorkerKey
     overlap_blocks: int
     steered_by: str = ""
+    pull: Pull | None = None
 
 
 class RoutingPolicy:
@@ -70,6 +73,8 @@ class RoutingPolicy:
         write_spread: float = 0.0,
         stall_slack: float = 0.0,
         itl_target_ms: float = 0.0,
+        pull_ratio: float = 0.0,
+        pull_ms_per_token: float = 0.0,
     ) -> None:
         """``cost_model`` defaults to Dynamo's block cost; the service and replay pass the one configured.
         ``active`` is the load picture to read (a :class:`LoadTracker`'s for this block size); by
@@ -82,7 +87,10 @@ class RoutingPolicy:
         prefill has waited without progress longer than this many times its predicted cost plus
         :data:`STALL_FLOOR_S` the excess, and lets no penalty hold a prefix there (:meth:`_overdue`; 0: off).
         ``itl_target_ms``: a new session's first turn is charged on, and not held by the penalty at, a worker
-        whose decodes are behind this target while another's keep it (:meth:`DecodePace.behind`; 0: off)."""
+        whose decodes are behind this target while another's keep it (:meth:`DecodePace.behind`; 0: off).
+        ``pull_ratio``: where the best-placed holder costs more than this many times the candidates' mean
+        with a pull, a worker that can may pull its prefix instead, at ``pull_ms_per_token``
+        (:func:`~kvmesh.router.prefix_pull.pull_costs`; 0: off)."""
         if mode not in POLICY_MODES:
             raise ValueError(f"unknown routing mode {mode!r}")
         self.mode = mode
@@ -94,6 +102,8 @@ class RoutingPolicy:
         self.write_spread = write_spread
         self.stall_slack = stall_slack
         self.itl_target_ms = itl_target_ms
+        self.pull_ratio = pull_ratio
+        self.pull_ms_per_block = pull_ms_per_token * block_size
         self._rng = rng or random.Random()
         self.active = (
             active if active is not None else ActiveSequences(block_size, track_active_blocks, track_output_blocks)
@@ -273,6 +283,7 @@ class RoutingPolicy:
         load_tokens: Mapping[WorkerKey, int] | None = None,
         duplicate_penalty: float | None = None,
         new_session: bool = False,
+        pullable: Collection[WorkerKey] = (),
     ) -> Decision:
         """Pick a worker (per-request weight / temperature override the defaults when given).
 
@@ -283,7 +294,8 @@ class RoutingPolicy:
         ``load_tokens``: per worker, prefill tokens it must spend first (a LoRA adapter to load); kv
         mode adds them to its prefill. ``duplicate_penalty``: this request's, where it is not the policy's
         (0 for a turn that continues a loop). ``new_session``: the request starts a session; kv mode then
-        charges workers whose decodes are behind ``itl_target_ms`` (:meth:`_behind`)."""
+        charges workers whose decodes are behind ``itl_target_ms`` (:meth:`_behind`). ``pullable``: the workers
+        whose engines move cached blocks, between which a prefix may be pulled (``pull_ratio``)."""
         if not workers:
             raise ValueError("no candidate workers")
         if self.mode == "round-robin":
@@ -299,6 +311,7 @@ class RoutingPolicy:
             choice = self.cache_aware.select(workers, tokens, in_flight, now, commit)
             return Decision(choice.worker, choice.matched_tokens // self.block_size)
         overlaps = overlaps or {}
+        cached = overlaps  # what the workers hold now: a pull brings no block still being computed
         tree_sizes = tree_sizes or {}
         penalty = self.duplicate_penalty if duplicate_penalty is None else duplicate_penalty
         if penalty and self._imbalanced(workers):
@@ -317,6 +330,21 @@ class RoutingPolicy:
         charged = self._charge_duplicates(workers, prefills, overlaps, penalty) if charging else prefills
         weight = self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight
         costs = self.cost_model.costs(workers, charged, decodes, weight)
+        pulls: list[Pull | None] | None = None
+        if self.pull_ratio and pullable and cached:
+            priced = self._priced_pulls(
+                workers,
+                block_hashes,
+                prompt_tokens,
+                cached,
+                costs,
+                expected_output_tokens,
+                weight,
+                pullable,
+                load_tokens,
+            )
+            if priced is not None:
+                costs, pulls = priced
         stalled = self._overdue(workers, costs, now) if self.stall_slack else None
         behind = self._behind(workers, now) if new_session and self.itl_target_ms else None
         overdue = _summed(stalled, behind)
@@ -339,7 +367,32 @@ class RoutingPolicy:
         steered_by = ""
         if overdue is not None and index != cheapest and overdue[cheapest] > 0:
             steered_by = STALLED if stalled is not None and stalled[cheapest] > 0 else DECODES_BEHIND
-        return Decision(chosen, overlaps.get(chosen, 0), steered_by)
+        return Decision(chosen, overlaps.get(chosen, 0), steered_by, pulls[index] if pulls else None)
+
+    def _priced_pulls(
+        self,
+        workers: Sequence[WorkerKey],
+        block_hashes: Sequence[int],
+        prompt_tokens: int,
+        cached: Mapping[WorkerKey, int],
+        costs: list[float],
+        expected_output_tokens: int,
+        weight: float,
+        pullable: Collection[WorkerKey],
+        load_tokens: Mapping[WorkerKey, int] | None,
+    ) -> tuple[list[float], list[Pull | None]] | None:
+        """:func:`~kvmesh.router.prefix_pull.pull_costs` on this policy's load picture and cost model."""
+
+        def cost_with(keys: Sequence[WorkerKey], overlaps: dict[WorkerKey, int]) -> list[float]:
+            prefills, decodes = self.active.potential_columns(
+                keys, block_hashes, prompt_tokens, overlaps, expected_output_tokens
+            )
+            if load_tokens:
+                prefills = [prefill + load_tokens.get(key, 0) for key, prefill in zip(keys, prefills, strict=True)]
+            return self.cost_model.costs(keys, prefills, decodes, weight)
+
+        held = [cached.get(worker, 0) for worker in workers]
+        return pull_costs(workers, held, costs, cost_with, self.pull_ratio, self.pull_ms_per_block, pullable)
 
 
 def _summed(first: list[float] | None, second: list[float] | None) -> list[float] | None:

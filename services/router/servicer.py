@@ -25,6 +25,8 @@ from kvmesh.common.rpc.multiplexed import RequestContext, ending_of
 from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.rpc.stream_sessions import StreamSessions
 from kvmesh.common.rpc.tasks import cancel_and_wait
+from kvmesh.common.wire import disagg
+from kvmesh.common.wire.disagg import PrefixPull
 from kvmesh.common.wire.priority import Priority, parse_priority
 from kvmesh.common.wire.request_reports import END, FIRST_TOKEN
 from kvmesh.common.wire.requests import with_disaggregated_params
@@ -102,10 +104,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             plan = None if forced or migration else await self.router.plan_prefill(sent)
             rank: int | None = 0
             steered_by = ""
+            pull: PrefixPull | None = None
             if plan is None:
                 choice = await self.router.choose(sent)
-                worker, overlap, block_hashes = choice.worker, choice.overlap_blocks, choice.block_hashes
-                rank, steered_by = choice.dp_rank, choice.steered_by
+                # a pulled prefix is cached there by the time the prefill runs
+                worker, overlap, block_hashes = choice.worker, choice.cached_blocks, choice.block_hashes
+                rank, steered_by, pull = choice.dp_rank, choice.steered_by, choice.pull_order()
             elif isinstance(plan, LocalPrefill):
                 worker, overlap, block_hashes = plan.decode, plan.overlap, plan.block_hashes
                 rank = plan.decode_rank
@@ -127,6 +131,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 response.disaggregated_params = decode_half.disaggregated_params
             else:
                 overlap = 0  # sync path, prefill failed: the decode worker prefills itself
+        if pull is not None:  # rides with the request as a split's decode order does
+            response.disaggregated_params = disagg.encode(pull)
+            self.metrics.prefix_pulls.inc()
         response.overlap_blocks = overlap
         if rank is not None:
             # the rank rides on the request itself too, for the forward that sends it on from here
@@ -153,6 +160,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             mode=self.router.config.router_mode,
             migration=migration,
             prefill_worker_id=plan.prefill.instance_id if isinstance(plan, RemotePrefill) else None,
+            **({"pulls_from": pull.worker_id, "pull_blocks": len(pull.sequence_hashes)} if pull else {}),
             **({"steered_by": steered_by} if steered_by else {}),
         )
         return response

@@ -34,6 +34,9 @@ log = structlog.get_logger(__name__)
 
 # a hand-on's bound beyond the KV transfer's timeout: the survivors' cache reads and the gRPC calls
 HAND_ON_SLACK_S = 10.0
+# the longest a request waits for the prefix it was told to pull: a pull is worth its wait only while
+# it is shorter than the prefill it saves, and the request then computes what did not arrive
+PULL_BOUND_S = 2.0
 # the workers to move blocks to or from, as discovery shows them when asked
 Peers = Callable[[], Awaitable[Sequence[InstanceRecord]]]
 
@@ -126,6 +129,27 @@ class CacheMoves:
             "cached blocks taken", giver=offer.worker_id, blocks=taken, offered=len(blocks), ms=round(seconds * 1e3)
         )
         return Moved(taken, result.bytes, seconds)
+
+    # ---- a request told to pull its prefix (docs/decisions/0070) ------------------------------
+    def offer_prefix(self, sequence_hashes: Sequence[int]) -> worker_pb2.BlockOffer:
+        """An offer of these blocks of a prompt: those still cached, up to the first that is not."""
+        return self.offer(self.engine.cached_prefix(list(sequence_hashes)))
+
+    async def pull_prefix(self, holder: int, address: str, sequence_hashes: Sequence[int]) -> Moved:
+        """Pull these blocks of a prompt from worker ``holder`` at ``address`` into this worker's cache,
+        within :data:`PULL_BOUND_S` and the transfer's timeout. Never raises: a pull that fails or runs
+        late keeps what arrived whole, and the request computes the rest."""
+        request = worker_pb2.OfferBlocksRequest(sequence_hashes=sequence_hashes)
+        try:
+            async with asyncio.timeout(min(PULL_BOUND_S, self.timeout_s)):
+                async with channel_to(address) as channel:
+                    offer = await worker_pb2_grpc.WorkerStub(channel).OfferBlocks(request)
+                return await self.take(offer)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("prefix not pulled", holder=holder, error=exc.details())
+        except TimeoutError:
+            log.warning("prefix pull cut short at its bound", holder=holder, bound_s=PULL_BOUND_S)
+        return Moved()
 
     # ---- a worker that leaves ----------------------------------------------------------------
     async def hand_on(self, survivors: Peers, max_blocks: int) -> Moved:

@@ -290,6 +290,11 @@ class Engine(abc.ABC):
         (sequence hash, local hash, parent sequence hash)."""
         raise EngineRequestError("this engine cannot move its cached blocks")
 
+    def cached_prefix(self, sequence_hashes: list[int]) -> list[tuple[int, int, int | None]]:
+        """The first of these blocks that are cached, up to the first that is not, as
+        :meth:`hot_blocks` lists them: what another worker can pull of a prompt's prefix."""
+        raise EngineRequestError("this engine cannot move its cached blocks")
+
     def offer_blocks(self, offer_id: str, sequence_hashes: list[int]) -> list[tuple[int, int]]:
         """Hold these cached blocks for another worker until :meth:`release_held` ``offer_id``:
         (sequence hash, KV slot) of each, in order (a block no longer cached is left out)."""

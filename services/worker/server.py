@@ -17,6 +17,7 @@ from kvmesh.common.runtime.heap import freeze_startup_heap
 from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
 from kvmesh.common.runtime.metrics import MetricsEndpoint
 from kvmesh.common.runtime.service import ServiceStack, service_main
+from kvmesh.common.wire.disagg import MOVES_BLOCKS_KEY
 from kvmesh.common.wire.gateway_endpoint import GATEWAY_ENDPOINT_KEY, endpoint_of_url
 from kvmesh.common.wire.lora import ADAPTERS_KEY, RESIDENT_KEY, adapter_paths
 from kvmesh.common.wire.step_timing import SPEED_CLASS_KEY, TIMING_EVIDENCE_KEY, TIMING_KEY
@@ -72,6 +73,8 @@ async def serve(
                 lambda: worker_peers(js, config, worker_id), config.join_warmup_blocks, config.join_warmup_secs
             )
         extra = {**started.extra, **adapter_extra, **endpoint.discovery_extra(), **gateway_extra(config)}
+        if moves is not None:  # routers may tell it to pull a prefix, and others to pull from it
+            extra[MOVES_BLOCKS_KEY] = True
         if config.pod_name:
             extra[POD_KEY] = config.pod_name
         registration = await register(stack, js, config, worker_id, started, servicer, extra)

@@ -19,7 +19,7 @@ from kvmesh.common.rpc.grpc_errors import refuse
 from kvmesh.common.rpc.multiplexed import Attachments, RequestMultiplexer
 from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.wire import disagg
-from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvSource, PrefillOrder
+from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvSource, PrefillOrder, PrefixPull
 from kvmesh.common.wire.finish_reasons import to_proto
 from kvmesh.common.wire.kv_events import DEVICE_TIER, POOLED_TIER, stream_of_v1_rank
 from kvmesh.worker.cache_moves import CacheMoves
@@ -90,12 +90,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 f"this worker does not serve LoRA adapter {request.lora_name!r} (it serves: {served})",
             )
         order: PrefillOrder | DecodeOrder | None = None
+        pull: PrefixPull | None = None
         if request.disaggregated_params:
             try:
                 order = disagg.decode(request.disaggregated_params)
             except DisaggParamsError as exc:
                 await refuse(context, "worker", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            if not isinstance(order, PrefillOrder | DecodeOrder):
+            if isinstance(order, PrefixPull):
+                pull, order = order, None
+            elif not isinstance(order, PrefillOrder | DecodeOrder):
                 await refuse(
                     context, "worker", grpc.StatusCode.INVALID_ARGUMENT, f"a request cannot carry {order.kind!r} params"
                 )
@@ -115,6 +118,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 f"this worker has data-parallel ranks 0..{len(self.ranks) - 1}, not {rank}",
             )
         engine = self.ranks[rank]
+        if pull is not None:
+            await self._pull_prefix(request_id, pull, rank)
         spec = EngineRequestSpec.from_proto(request)
         if spec.lora_name and self.adapters is not None and await self.adapters.use(spec.lora_name):
             log.info("LoRA adapter loaded", request_id=request_id, adapter=spec.lora_name)
@@ -194,6 +199,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for batch in batches:
                 yield batch
 
+    async def _pull_prefix(self, request_id: str, pull: PrefixPull, rank: int) -> None:
+        """Bring the prompt's prefix from the worker the router named before the engine sees the
+        request (docs/decisions/0070); what does not arrive in time is computed as usual."""
+        if self.moves is None or rank != 0:  # the moves serve rank 0's engine
+            log.warning("prefix pull ignored: this engine cannot take blocks", request_id=request_id, rank=rank)
+            return
+        moved = await self.moves.pull_prefix(pull.worker_id, pull.address, pull.sequence_hashes)
+        log.info(
+            "prefix pulled",
+            request_id=request_id,
+            holder=pull.worker_id,
+            blocks=moved.blocks,
+            asked=len(pull.sequence_hashes),
+            ms=round(moved.seconds * 1e3),
+        )
+
     def _least_loaded_rank(self) -> int:
         """The rank for a request that names none (a client of this worker alone): the one running
         the fewest requests."""
@@ -265,6 +286,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.OfferBlocksRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.BlockOffer:
         moves = await self._moves(context)
+        if request.sequence_hashes:  # a prompt's prefix, for a worker told to pull it
+            offer = moves.offer_prefix(request.sequence_hashes)
+            log.info("prefix offered", blocks=len(offer.blocks), asked=len(request.sequence_hashes))
+            return offer
         offer = moves.offer_hottest(request.max_blocks, set(request.skip), hold=not request.list_only)
         log.info("cached blocks offered", blocks=len(offer.blocks), asked=request.max_blocks)
         return offer

@@ -1,10 +1,12 @@
 """Cached blocks moved between live mock workers over real NATS, gRPC and the KV transfer: a worker
 stopped with --shrink-handoff-blocks hands its hot blocks on, so a session's next turn finds its
 prefix cached on a survivor (and is faster than without the move); a worker started with
---join-warmup-blocks imports the busiest workers' hot blocks before it registers."""
+--join-warmup-blocks imports the busiest workers' hot blocks before it registers; a request whose
+prefix's holder is saturated is sent elsewhere with that prefix pulled (--kv-pull-ratio)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import time
@@ -30,9 +32,16 @@ FLAGS = ("--speedup-ratio", "0.5", "--lease-ttl", "30", "--drain-timeout-secs", 
 
 
 @contextlib.asynccontextmanager
-async def mesh(nc: NatsClient, nats_url: str, *worker_flags: str, workers: int = 2, namespace: str = NAMESPACE):
+async def mesh(
+    nc: NatsClient,
+    nats_url: str,
+    *worker_flags: str,
+    workers: int = 2,
+    namespace: str = NAMESPACE,
+    router_flags: tuple[str, ...] = (),
+):
     """Yields (router address, indexer address, worker processes, the workers' watcher)."""
-    async with worker_mesh(nc, nats_url, namespace, (*FLAGS, *worker_flags), workers) as up:
+    async with worker_mesh(nc, nats_url, namespace, (*FLAGS, *worker_flags), workers, router_flags) as up:
         yield up.router, up.indexer, up.processes, up.workers
 
 
@@ -146,3 +155,60 @@ def move_counters(record) -> dict[str, float]:
 
 async def _count(workers: DiscoveryWatcher, count: int) -> bool:
     return len(workers.instances()) == count
+
+
+async def next_turn_beside_a_busy_holder(nc: NatsClient, nats_url: str, *router_flags: str):
+    """A session's first turn, then its holder kept busy with long prompts named for it, then the
+    session's next turn routed freely: (the holder, the other worker, the next turn's worker, its
+    cached prompt tokens, each worker's move counters, the holder's offer of the next turn's prompt)."""
+    namespace = "pull-off" if router_flags else "pull"
+    async with mesh(nc, nats_url, namespace=namespace, router_flags=router_flags) as (router, indexer, _, workers):
+        _, _, holder = await timed_turn(router, "turn-1", TURN_1)
+        (other,) = [r.instance_id for r in workers.instances() if r.instance_id != holder]
+        await wait_until_async(
+            lambda: _at_least(matched_blocks(indexer, TURN_1), holder, 120), timeout=20, what="turn 1 indexed"
+        )
+        # prefills the router knows to be queued there: the holder's cost is far past the other's
+        busy = [
+            asyncio.create_task(
+                router_generate(router, f"busy-{i}", list(range(20_000 * (i + 1), 20_000 * (i + 1) + 4000)), 2, holder)
+            )
+            for i in range(4)
+        ]
+        record = workers.get(holder)
+        await wait_until_async(lambda: _in_flight_at_least(record.address, 4), timeout=20, what="the holder busy")
+        _, cached, served_by = await timed_turn(router, "turn-2", TURN_2)
+        await asyncio.gather(*busy)
+        counters = {w: move_counters(workers.get(w)) for w in (holder, other)}
+        hashes = sequence_hashes(local_block_hashes(TURN_2, BLOCK))
+        async with grpc.aio.insecure_channel(record.address) as channel:
+            offer = await worker_pb2_grpc.WorkerStub(channel).OfferBlocks(
+                worker_pb2.OfferBlocksRequest(sequence_hashes=hashes), timeout=5
+            )
+        return holder, other, served_by, cached, counters, offer
+
+
+async def _in_flight_at_least(address: str, count: int) -> bool:
+    async with grpc.aio.insecure_channel(address) as channel:
+        status = await worker_pb2_grpc.WorkerStub(channel).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=5)
+    return status.running_requests + status.waiting_requests >= count
+
+
+async def test_a_busy_holder_s_prefix_is_pulled_by_the_worker_that_serves_the_turn(nats_url: str, nc: NatsClient):
+    holder, other, served_by, cached, counters, offer = await next_turn_beside_a_busy_holder(nc, nats_url)
+    # the turn went to the idle worker, which pulled the 120 blocks and computed only the rest
+    assert served_by == other
+    assert cached == 120 * BLOCK
+    assert counters[other]["taken"] == 120 and counters[holder]["offered"] == 120
+    # a holder offers a prompt's blocks up to the first it does not hold: the turn's new 4 are elsewhere
+    assert [b.sequence_hash for b in offer.blocks] == sequence_hashes(local_block_hashes(TURN_2, BLOCK))[:120]
+    assert offer.room
+
+
+async def test_without_pulls_the_turn_is_not_pulled(nats_url: str, nc: NatsClient):
+    holder, other, served_by, cached, counters, _ = await next_turn_beside_a_busy_holder(
+        nc, nats_url, "--kv-pull-ratio", "0"
+    )
+    assert counters[other].get("taken", 0) == 0
+    # piled onto the holder, or recomputed on the other worker
+    assert (served_by, cached) in {(holder, 120 * BLOCK), (other, 0)}

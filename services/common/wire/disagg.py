@@ -8,7 +8,9 @@ a ``kind``), so router and workers agree on it without importing each other. One
 - :class:`DecodeOrder` (router → decode worker): pull the prompt's KV from ``host:port`` in
   ``room`` (a rendezvous: on the bootstrap path the prefill may still be running), then decode;
 - :class:`KvSource` (decode worker → frontend, on its first output): where the prompt's KV came from
-  (the frontend passes it on to the router in its first-token report).
+  (the frontend passes it on to the router in its first-token report);
+- :class:`PrefixPull` (router → worker, not split): pull these cached blocks of the prompt from
+  another worker before computing the rest (docs/decisions/0070).
 """
 
 from __future__ import annotations
@@ -90,9 +92,27 @@ class KvSource:
         return cls("local", reason=reason)
 
 
-DisaggMessage = PrefillOrder | KvReady | DecodeOrder | KvSource
-_FIELD_TYPES = {"int": int, "str": str, "bool": bool, "bytes": bytes}
-_BY_KIND: dict[str, type[DisaggMessage]] = {t.kind: t for t in (PrefillOrder, KvReady, DecodeOrder, KvSource)}
+# a worker whose engine moves cached blocks (and so can give and take a PrefixPull) says so in its record
+MOVES_BLOCKS_KEY = "moves_blocks"
+
+
+@dataclass(frozen=True)
+class PrefixPull:
+    kind: ClassVar[str] = "prefix_pull"
+    worker_id: int  # the holder
+    address: str  # its gRPC address (kvmesh.v1.Worker/OfferBlocks)
+    sequence_hashes: list  # the blocks to pull, in prompt order, each after its parent
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(h, int) and h >= 0 for h in self.sequence_hashes):
+            raise DisaggParamsError("a prefix pull's sequence_hashes must be unsigned integers")
+
+
+DisaggMessage = PrefillOrder | KvReady | DecodeOrder | KvSource | PrefixPull
+_FIELD_TYPES = {"int": int, "str": str, "bool": bool, "bytes": bytes, "list": list}
+_BY_KIND: dict[str, type[DisaggMessage]] = {
+    t.kind: t for t in (PrefillOrder, KvReady, DecodeOrder, KvSource, PrefixPull)
+}
 
 
 def encode(message: DisaggMessage) -> bytes:
@@ -100,7 +120,7 @@ def encode(message: DisaggMessage) -> bytes:
 
 
 def decode(data: bytes) -> DisaggMessage:
-    """Any of the four messages; :class:`DisaggParamsError` for anything else."""
+    """Any of the five messages; :class:`DisaggParamsError` for anything else."""
     try:
         raw = msgpack.unpackb(data)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
@@ -122,7 +142,7 @@ def decode(data: bytes) -> DisaggMessage:
         raise DisaggParamsError(f"disaggregated_params is malformed: {exc}") from None
 
 
-M = TypeVar("M", PrefillOrder, KvReady, DecodeOrder, KvSource)
+M = TypeVar("M", PrefillOrder, KvReady, DecodeOrder, KvSource, PrefixPull)
 
 
 def decode_as(data: bytes, expected: type[M]) -> M:

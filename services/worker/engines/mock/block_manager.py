@@ -142,6 +142,17 @@ class BlockManager:
         # within each chain, ancestors were added before their descendants
         return [(h, self._cached[h].local_hash, self._cached[h].parent_hash) for h in chosen]
 
+    def cached_prefix(self, sequence_hashes: Sequence[int]) -> list[tuple[int, int, int | None]]:
+        """The first of ``sequence_hashes`` that are cached, up to the first that is not, as
+        (sequence hash, local hash, parent sequence hash): what another worker can pull of a prefix."""
+        blocks = []
+        for h in sequence_hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            blocks.append((h, block.local_hash, block.parent_hash))
+        return blocks
+
     def adopt(self, blocks: Sequence[tuple[int, int, int | None]]) -> int:
         """Cache blocks another worker computed, parent first (as :meth:`recently_used` lists them),
         without their bytes (a simulation's): each is registered after its parent, which must be

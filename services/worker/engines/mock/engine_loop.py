@@ -119,6 +119,9 @@ class MockEngineLoop(Engine):
     def hot_blocks(self, limit: int) -> list[tuple[int, int, int | None]]:
         return self.engine.hot_blocks(limit)
 
+    def cached_prefix(self, sequence_hashes: list[int]) -> list[tuple[int, int, int | None]]:
+        return self.engine.cached_prefix(sequence_hashes)
+
     def offer_blocks(self, offer_id: str, sequence_hashes: list[int]) -> list[tuple[int, int]]:
         return self.engine.offer_blocks(offer_id, sequence_hashes)
 

@@ -253,6 +253,9 @@ class MockEngine:
     def hot_blocks(self, limit: int) -> list[tuple[int, int, int | None]]:
         return self.cache.blocks.recently_used(limit)
 
+    def cached_prefix(self, sequence_hashes: list[int]) -> list[tuple[int, int, int | None]]:
+        return self.cache.blocks.cached_prefix(sequence_hashes)
+
     def adopt_blocks(self, blocks: list[tuple[int, int, int | None]]) -> int:
         return self.cache.blocks.adopt(blocks)
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.common.proto.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"I\n\x12OfferBlocksRequest\x12\x12\n\nmax_blocks\x18\x01 \x01(\r\x12\x0c\n\x04skip\x18\x02 \x03(\x04\x12\x11\n\tlist_only\x18\x03 \x01(\x08\"d\n\x0cOfferedBlock\x12\x15\n\rsequence_hash\x18\x01 \x01(\x04\x12\x13\n\x0btokens_hash\x18\x02 \x01(\x04\x12\x18\n\x0bparent_hash\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_parent_hash\"r\n\nBlockOffer\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x0c\n\x04room\x18\x04 \x01(\x04\x12\'\n\x06\x62locks\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.OfferedBlock\"=\n\x0bTakenBlocks\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"3\n\x12\x44umpKvStateRequest\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x0c\n\x04tier\x18\x02 \x01(\t\"\x8e\x01\n\x0b\x43\x61\x63hedBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x13\n\x0btokens_hash\x18\x02 \x01(\x04\x12\x18\n\x0bparent_hash\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\rsequence_hash\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x0e\n\x0c_parent_hashB\x10\n\x0e_sequence_hash\"p\n\x0bKvStateDump\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x15\n\rlast_event_id\x18\x03 \x01(\x03\x12&\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x16.kvmesh.v1.CachedBlock\"\x15\n\x13WorkerStatusRequest\"\x90\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x15\n\rcached_blocks\x18\x05 \x01(\x04\x12\x15\n\ractive_blocks\x18\x06 \x01(\x04\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x18\n\x10waiting_requests\x18\x08 \x01(\r\x12\x1b\n\x13kv_transfer_backend\x18\t \x01(\t\x12\x1e\n\x16kv_transfers_in_flight\x18\n \x01(\r\x12\x15\n\rheld_prefills\x18\x0b \x01(\r2\xaa\x03\n\x06Worker\x12G\n\x08Generate\x12\x1e.kvmesh.v1.PreprocessedRequest\x1a\x19.kvmesh.v1.GenerateOutput0\x01\x12I\n\x0cGenerateMany\x12\x1b.kvmesh.v1.GenerateCommands\x1a\x18.kvmesh.v1.GenerateBatch(\x01\x30\x01\x12\x44\n\tGetStatus\x12\x1e.kvmesh.v1.WorkerStatusRequest\x1a\x17.kvmesh.v1.WorkerStatus\x12\x44\n\x0b\x44umpKvState\x12\x1d.kvmesh.v1.DumpKvStateRequest\x1a\x16.kvmesh.v1.KvStateDump\x12\x43\n\x0bOfferBlocks\x12\x1d.kvmesh.v1.OfferBlocksRequest\x1a\x15.kvmesh.v1.BlockOffer\x12;\n\nTakeBlocks\x12\x15.kvmesh.v1.BlockOffer\x1a\x16.kvmesh.v1.TakenBlocksb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"b\n\x12OfferBlocksRequest\x12\x12\n\nmax_blocks\x18\x01 \x01(\r\x12\x0c\n\x04skip\x18\x02 \x03(\x04\x12\x11\n\tlist_only\x18\x03 \x01(\x08\x12\x17\n\x0fsequence_hashes\x18\x04 \x03(\x04\"d\n\x0cOfferedBlock\x12\x15\n\rsequence_hash\x18\x01 \x01(\x04\x12\x13\n\x0btokens_hash\x18\x02 \x01(\x04\x12\x18\n\x0bparent_hash\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_parent_hash\"r\n\nBlockOffer\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x0c\n\x04room\x18\x04 \x01(\x04\x12\'\n\x06\x62locks\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.OfferedBlock\"=\n\x0bTakenBlocks\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"3\n\x12\x44umpKvStateRequest\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x0c\n\x04tier\x18\x02 \x01(\t\"\x8e\x01\n\x0b\x43\x61\x63hedBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x13\n\x0btokens_hash\x18\x02 \x01(\x04\x12\x18\n\x0bparent_hash\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\rsequence_hash\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x0e\n\x0c_parent_hashB\x10\n\x0e_sequence_hash\"p\n\x0bKvStateDump\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x15\n\rlast_event_id\x18\x03 \x01(\x03\x12&\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x16.kvmesh.v1.CachedBlock\"\x15\n\x13WorkerStatusRequest\"\x90\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x15\n\rcached_blocks\x18\x05 \x01(\x04\x12\x15\n\ractive_blocks\x18\x06 \x01(\x04\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x18\n\x10waiting_requests\x18\x08 \x01(\r\x12\x1b\n\x13kv_transfer_backend\x18\t \x01(\t\x12\x1e\n\x16kv_transfers_in_flight\x18\n \x01(\r\x12\x15\n\rheld_prefills\x18\x0b \x01(\r2\xaa\x03\n\x06Worker\x12G\n\x08Generate\x12\x1e.kvmesh.v1.PreprocessedRequest\x1a\x19.kvmesh.v1.GenerateOutput0\x01\x12I\n\x0cGenerateMany\x12\x1b.kvmesh.v1.GenerateCommands\x1a\x18.kvmesh.v1.GenerateBatch(\x01\x30\x01\x12\x44\n\tGetStatus\x12\x1e.kvmesh.v1.WorkerStatusRequest\x1a\x17.kvmesh.v1.WorkerStatus\x12\x44\n\x0b\x44umpKvState\x12\x1d.kvmesh.v1.DumpKvStateRequest\x1a\x16.kvmesh.v1.KvStateDump\x12\x43\n\x0bOfferBlocks\x12\x1d.kvmesh.v1.OfferBlocksRequest\x1a\x15.kvmesh.v1.BlockOffer\x12;\n\nTakeBlocks\x12\x15.kvmesh.v1.BlockOffer\x1a\x16.kvmesh.v1.TakenBlocksb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.worker_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_OFFERBLOCKSREQUEST']._serialized_start=61
-  _globals['_OFFERBLOCKSREQUEST']._serialized_end=134
-  _globals['_OFFEREDBLOCK']._serialized_start=136
-  _globals['_OFFEREDBLOCK']._serialized_end=236
-  _globals['_BLOCKOFFER']._serialized_start=238
-  _globals['_BLOCKOFFER']._serialized_end=352
-  _globals['_TAKENBLOCKS']._serialized_start=354
-  _globals['_TAKENBLOCKS']._serialized_end=415
-  _globals['_DUMPKVSTATEREQUEST']._serialized_start=417
-  _globals['_DUMPKVSTATEREQUEST']._serialized_end=468
-  _globals['_CACHEDBLOCK']._serialized_start=471
-  _globals['_CACHEDBLOCK']._serialized_end=613
-  _globals['_KVSTATEDUMP']._serialized_start=615
-  _globals['_KVSTATEDUMP']._serialized_end=727
-  _globals['_WORKERSTATUSREQUEST']._serialized_start=729
-  _globals['_WORKERSTATUSREQUEST']._serialized_end=750
-  _globals['_WORKERSTATUS']._serialized_start=753
-  _globals['_WORKERSTATUS']._serialized_end=1025
-  _globals['_WORKER']._serialized_start=1028
-  _globals['_WORKER']._serialized_end=1454
+  _globals['_OFFERBLOCKSREQUEST']._serialized_end=159
+  _globals['_OFFEREDBLOCK']._serialized_start=161
+  _globals['_OFFEREDBLOCK']._serialized_end=261
+  _globals['_BLOCKOFFER']._serialized_start=263
+  _globals['_BLOCKOFFER']._serialized_end=377
+  _globals['_TAKENBLOCKS']._serialized_start=379
+  _globals['_TAKENBLOCKS']._serialized_end=440
+  _globals['_DUMPKVSTATEREQUEST']._serialized_start=442
+  _globals['_DUMPKVSTATEREQUEST']._serialized_end=493
+  _globals['_CACHEDBLOCK']._serialized_start=496
+  _globals['_CACHEDBLOCK']._serialized_end=638
+  _globals['_KVSTATEDUMP']._serialized_start=640
+  _globals['_KVSTATEDUMP']._serialized_end=752
+  _globals['_WORKERSTATUSREQUEST']._serialized_start=754
+  _globals['_WORKERSTATUSREQUEST']._serialized_end=775
+  _globals['_WORKERSTATUS']._serialized_start=778
+  _globals['_WORKERSTATUS']._serialized_end=1050
+  _globals['_WORKER']._serialized_start=1053
+  _globals['_WORKER']._serialized_end=1479
 # @@protoc_insertion_point(module_scope)

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OfferBlocksRequest(_message.Message):
-    __slots__ = ("max_blocks", "skip", "list_only")
+    __slots__ = ("max_blocks", "skip", "list_only", "sequence_hashes")
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
     LIST_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_HASHES_FIELD_NUMBER: _ClassVar[int]
     max_blocks: int
     skip: _containers.RepeatedScalarFieldContainer[int]
     list_only: bool
-    def __init__(self, max_blocks: _Optional[int] = ..., skip: _Optional[_Iterable[int]] = ..., list_only: _Optional[bool] = ...) -> None: ...
+    sequence_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, max_blocks: _Optional[int] = ..., skip: _Optional[_Iterable[int]] = ..., list_only: _Optional[bool] = ..., sequence_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OfferedBlock(_message.Message):
     __slots__ = ("sequence_hash", "tokens_hash", "parent_hash")

@@ -1,0 +1,45 @@
+"""A saturated holder's prefix is pulled over the KV transfer in the replay (docs/decisions/0070): the
+request waits for the transfer, then finds the blocks cached on its worker, and the fleet's tail
+is shorter than when every request piles onto the holder or recomputes the prefix."""
+
+from __future__ import annotations
+
+from kvmesh.replay.config import ReplayConfig
+from kvmesh.replay.mooncake_trace import TraceRequest
+from kvmesh.replay.report import summarise
+from kvmesh.replay.simulator import ReplaySimulator
+
+SMALL = {"block_size": 16, "trace_block_size": 32, "num_blocks": 4096, "max_num_batched_tokens": 1024}
+
+
+def one_hot_prefix(requests: int = 160, gap_ms: float = 4.0) -> list[TraceRequest]:
+    """Requests sharing one 12-block prefix, each with 2 blocks of its own, faster than one worker
+    serves them: the prefix's holder saturates."""
+    shared = tuple(range(12))
+    return [TraceRequest(i * gap_ms, 14 * 32, 8, (*shared, 1000 + 2 * i, 1001 + 2 * i)) for i in range(requests)]
+
+
+def replay(**options):
+    config = ReplayConfig(**SMALL, workers=4, **options)
+    config.validate()
+    return config, ReplaySimulator(config).run(one_hot_prefix())
+
+
+def test_a_saturated_holder_s_prefix_is_pulled_and_found_cached_after_the_transfer():
+    config, records = replay()
+    pulled = [r for r in records if r.pulled_tokens]
+    assert pulled, "no request pulled the hot prefix"
+    assert all(r.worker != records[0].worker for r in pulled), "the first holder pulled its own prefix"
+    for r in pulled:
+        # the blocks arrived before the prefill: what was pulled is what the worker did not compute
+        assert r.cached_tokens >= r.pulled_tokens
+        assert r.ttft_ms >= config.kv_transfer_ms(r.pulled_tokens // config.block_size)
+
+
+def test_pulls_shorten_the_tail_where_the_holder_saturates():
+    _, with_pulls = replay()
+    _, without = replay(kv_pull_ratio=0.0)
+    assert not any(r.pulled_tokens for r in without)
+    shorter, longer = summarise(with_pulls), summarise(without)
+    assert shorter["ttft_ms"]["p99"] < longer["ttft_ms"]["p99"]
+    assert shorter["prefix_reuse"] >= longer["prefix_reuse"]
