@@ -27,8 +27,8 @@ from kvmesh.replay.simulator import ReplaySimulator
 DESCRIPTION = (
     "Replay a request trace (Mooncake JSONL: timestamp ms, input_length, output_length, hash_ids) "
     "through kvmesh's real router, prefix index and mock engine in virtual time; no NATS, no gRPC. "
-    "Prints a JSON summary: prefix reuse (and the most any router could reuse: reuse_bounds), TTFT, TPOT, ITL, "
-    "end-to-end latency, throughput."
+    "Prints a JSON summary: prefix reuse (and the most any router could reuse: reuse_bounds; pulled_share: the "
+    "part of it pulled from another worker, --kv-pull-ratio), TTFT, TPOT, ITL, end-to-end latency, throughput."
 )
 
 

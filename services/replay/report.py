@@ -54,6 +54,8 @@ def summarise(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "requests": len(records),
         "completed": len(done),
         "prefix_reuse": cached / prompt_tokens if prompt_tokens else 0.0,
+        # the part of that reuse pulled from another worker's cache (decision 70), not found in its own
+        "pulled_share": sum(r.pulled_tokens for r in done) / prompt_tokens if prompt_tokens else 0.0,
         "ttft_ms": _distribution([r.ttft_ms for r in done]),
         "tpot_ms": _distribution([r.tpot_ms for r in done]),
         "itl_ms": _distribution(itl),

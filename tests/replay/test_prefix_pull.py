@@ -43,3 +43,6 @@ def test_pulls_shorten_the_tail_where_the_holder_saturates():
     shorter, longer = summarise(with_pulls), summarise(without)
     assert shorter["ttft_ms"]["p99"] < longer["ttft_ms"]["p99"]
     assert shorter["prefix_reuse"] >= longer["prefix_reuse"]
+    # the report tells how much of the reuse was pulled from another worker's cache
+    assert 0 < shorter["pulled_share"] <= shorter["prefix_reuse"]
+    assert longer["pulled_share"] == 0
