@@ -53,10 +53,13 @@ def decision_time(
     write_spread: float = 0.0,
     mostly_new: bool = False,
     stall_slack: float = 0.0,
+    pull_ratio: float = 0.0,
 ) -> tuple[float, float]:
     """p50 and p99 of one decision, in µs. ``mostly_new``: no worker caches more than 29% of the prompt,
     so with the penalty the decision takes decision 58's and 59's path (the write counts read).
-    ``stall_slack``: decision 63's check, over workers whose prefill queues wait but none past it."""
+    ``stall_slack``: decision 63's check, over workers whose prefill queues wait but none past it.
+    ``pull_ratio``: decision 70's pricing of a pull, every worker able to pull (the costs with the
+    holder's prefix evaluated on every decision, whether or not the holder is saturated)."""
     rng = random.Random(workers)
     cost_model = make_cost_model("ttft", BLOCK, 8192, 16384)
     policy = RoutingPolicy(
@@ -67,8 +70,11 @@ def decision_time(
         duplicate_penalty=duplicate_penalty,
         write_spread=write_spread,
         stall_slack=stall_slack,
+        pull_ratio=pull_ratio,
+        pull_ms_per_token=0.00524,
     )
     keys = [(w, 0) for w in range(workers)]
+    pullable = set(keys) if pull_ratio else set()
     for w in keys:
         for r in range(32):
             hashes = [rng.getrandbits(64) for _ in range(rng.randrange(20, 200))]
@@ -82,7 +88,7 @@ def decision_time(
     timings = []
     for _ in range(samples):
         started = time.perf_counter_ns()
-        policy.choose(keys, hashes, len(prompt), overlaps, sizes)
+        policy.choose(keys, hashes, len(prompt), overlaps, sizes, pullable=pullable)
         timings.append((time.perf_counter_ns() - started) / 1000)
     return percentile(timings, 50), percentile(timings, 99)
 
@@ -223,6 +229,9 @@ def main() -> None:
         "--kv-stall-slack", type=float, default=0.0, help="decision time: the policy's stall slack (decision 63)"
     )
     parser.add_argument(
+        "--kv-pull-ratio", type=float, default=0.0, help="decision time: the policy's pull ratio (decision 70)"
+    )
+    parser.add_argument(
         "--mostly-new",
         action="store_true",
         help="decision time: a prompt no worker caches more than 29%% of (with the penalty, decisions 58 and 59)",
@@ -261,6 +270,7 @@ def main() -> None:
             args.kv_write_spread,
             args.mostly_new,
             args.kv_stall_slack,
+            args.kv_pull_ratio,
         )
         print(f"routing decision, {workers:>3} workers: p50 {p50:7.1f} µs, p99 {p99:7.1f} µs")
     r = asyncio.run(throughput(args.seconds, args.concurrency))
