@@ -30,11 +30,13 @@ from kvmesh.router.session_affinity import SessionAffinity
 
 class CacheView(NamedTuple):
     """Per worker: the matched prefix in blocks (credited and predicted), its tree size (for
-    tie-breaking), and the share of the request's MoE experts it hosts."""
+    tie-breaking), the share of the request's MoE experts it hosts, and the prefix it caches in device
+    memory as the index reports it, nothing added (what another worker can pull: decision 70)."""
 
     matched: dict[WorkerKey, int]
     tree_sizes: dict[WorkerKey, int]
     moe_hosted: dict[WorkerKey, float] = {}
+    cached: dict[WorkerKey, int] = {}
 
     def uncached_tokens(self, prepared: Prepared) -> int:
         """The prompt tokens the candidate with the longest cached prefix lacks."""
@@ -87,7 +89,7 @@ class CacheViews:
             approximate = self.approximate_index(prepared.block_size)
             matched = approximate.find_matches_by_sequence(prepared.block_hashes, self.clock())
             return CacheView(matched, dict(approximate.tree_sizes()))
-        matched = answer.matched
+        matched = cached = answer.matched
         if answer.pooled or answer.host or answer.disk:
             matched = credited_matches(matched, self.credits, pooled=answer.pooled, host=answer.host, disk=answer.disk)
         predicted = self._predicted.get(prepared.block_size) if predictions else None
@@ -104,7 +106,7 @@ class CacheViews:
             if matched.get(key, 0) < blocks:
                 matched = {**matched, key: blocks}
         moe = moe_hosted_shares(answer.moe, prepared.request.moe_query) if answer.moe else {}
-        return CacheView(matched, answer.tree_sizes, moe)
+        return CacheView(matched, answer.tree_sizes, moe, cached)
 
     def routed(self, key: WorkerKey, prepared: Prepared, overlap: int = 0) -> None:
         """``prepared`` was sent to ``key``: approximate mode remembers it; with KV events it is

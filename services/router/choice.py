@@ -177,6 +177,7 @@ class Chooser:
             duplicate_penalty=0.0 if loop_turn else None,
             new_session=new_session,
             pullable=pullable(prepared.candidates) if policy.pull_ratio else (),
+            cached=view.cached,
         )
         worker_id, rank = decision.worker
         pull = decision.pull

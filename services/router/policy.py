@@ -284,6 +284,7 @@ class RoutingPolicy:
         duplicate_penalty: float | None = None,
         new_session: bool = False,
         pullable: Collection[WorkerKey] = (),
+        cached: Mapping[WorkerKey, int] | None = None,
     ) -> Decision:
         """Pick a worker (per-request weight / temperature override the defaults when given).
 
@@ -295,7 +296,9 @@ class RoutingPolicy:
         mode adds them to its prefill. ``duplicate_penalty``: this request's, where it is not the policy's
         (0 for a turn that continues a loop). ``new_session``: the request starts a session; kv mode then
         charges workers whose decodes are behind ``itl_target_ms`` (:meth:`_behind`). ``pullable``: the workers
-        whose engines move cached blocks, between which a prefix may be pulled (``pull_ratio``)."""
+        whose engines move cached blocks, between which a prefix may be pulled (``pull_ratio``); ``cached``: what
+        each holds in device memory as the index reports it, nothing predicted or credited (what a pull can
+        bring; default: ``overlaps``)."""
         if not workers:
             raise ValueError("no candidate workers")
         if self.mode == "round-robin":
@@ -311,7 +314,8 @@ class RoutingPolicy:
             choice = self.cache_aware.select(workers, tokens, in_flight, now, commit)
             return Decision(choice.worker, choice.matched_tokens // self.block_size)
         overlaps = overlaps or {}
-        cached = overlaps  # what the workers hold now: a pull brings no block still being computed
+        # what the workers hold now: a pull brings no block predicted, credited or still being computed
+        cached = overlaps if cached is None else cached
         tree_sizes = tree_sizes or {}
         penalty = self.duplicate_penalty if duplicate_penalty is None else duplicate_penalty
         if penalty and self._imbalanced(workers):
