@@ -88,7 +88,7 @@ class RoutingPolicy:
         :data:`STALL_FLOOR_S` the excess, and lets no penalty hold a prefix there (:meth:`_overdue`; 0: off).
         ``itl_target_ms``: a new session's first turn is charged on, and not held by the penalty at, a worker
         whose decodes are behind this target while another's keep it (:meth:`DecodePace.behind`; 0: off).
-        ``pull_ratio``: where the best-placed holder costs more than this many times the candidates' mean
+        ``pull_ratio``: where the best-placed holder costs more than this many times the other candidates' mean
         with a pull, a worker that can may pull its prefix instead, at ``pull_ms_per_token``
         (:func:`~kvmesh.router.prefix_pull.pull_costs`; 0: off)."""
         if mode not in POLICY_MODES:
@@ -346,6 +346,7 @@ class RoutingPolicy:
                 weight,
                 pullable,
                 load_tokens,
+                overlaps,
             )
             if priced is not None:
                 costs, pulls = priced
@@ -384,6 +385,7 @@ class RoutingPolicy:
         weight: float,
         pullable: Collection[WorkerKey],
         load_tokens: Mapping[WorkerKey, int] | None,
+        overlaps: Mapping[WorkerKey, int],
     ) -> tuple[list[float], list[Pull | None]] | None:
         """:func:`~kvmesh.router.prefix_pull.pull_costs` on this policy's load picture and cost model."""
 
@@ -396,7 +398,8 @@ class RoutingPolicy:
             return self.cost_model.costs(keys, prefills, decodes, weight)
 
         held = [cached.get(worker, 0) for worker in workers]
-        return pull_costs(workers, held, costs, cost_with, self.pull_ratio, self.pull_ms_per_block, pullable)
+        counted = [overlaps.get(worker, 0) for worker in workers]
+        return pull_costs(workers, held, costs, cost_with, self.pull_ratio, self.pull_ms_per_block, pullable, counted)
 
 
 def _summed(first: list[float] | None, second: list[float] | None) -> list[float] | None:

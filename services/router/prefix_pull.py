@@ -8,8 +8,8 @@ workers already have (:mod:`kvmesh.worker.cache_moves`), which costs a fraction 
 and starts the request sooner.
 
 :func:`pull_costs` prices that option beside the others (sans-I/O): only where the holder's cost is
-more than ``ratio`` times the candidates' mean with the pull, so a balanced fleet keeps its prefixes
-where they are and pays no copy.
+more than ``ratio`` times the other candidates' mean with the pull, so a balanced fleet keeps its
+prefixes where they are and pays no copy.
 """
 
 from __future__ import annotations
@@ -42,17 +42,21 @@ def pull_costs(
     ratio: float,
     ms_per_block: float,
     pullable: Collection[WorkerKey],
+    counted: Sequence[int] | None = None,
 ) -> tuple[list[float], list[Pull | None]] | None:
     """``costs`` (today's, per worker in ``workers``' order) with the pull priced in, and each
     worker's pull (None: it computes as before); None where no pull is worth pricing: no pullable
-    holder, or the holder not past ``ratio`` times the candidates' mean with the pull.
+    holder, or the holder not past ``ratio`` times the other candidates' mean with the pull, or a worker
+    counted (``counted``: the overlaps ``costs`` were computed with, predictions and prefixes in flight
+    included) to hold more than the longest cached prefix: that one is still being built, and a pull
+    of the shorter one would have the rest computed twice.
 
     ``held``: each worker's cached prefix in blocks, as the index reports it (what a pull can bring).
     A worker can pull only from a ``pullable`` holder and only if it is ``pullable`` itself; its cost
     with the pull is its cost computing the prompt past the holder's prefix, plus the transfer.
     Guarantees: a cost never rises; a worker that pulls was cheaper so than without."""
     best = max(held, default=0)
-    if best == 0 or ratio <= 0:
+    if best == 0 or ratio <= 0 or (counted is not None and max(counted, default=0) > best):
         return None
     holder_index = held.index(best)
     holder = workers[holder_index]
@@ -63,7 +67,8 @@ def pull_costs(
     pulled = [
         c + (best - own) * ms_per_block if w in pullable else c for w, c, own in zip(workers, pulled, held, strict=True)
     ]
-    if costs[holder_index] <= ratio * sum(pulled) / len(pulled):
+    others = [cost for i, cost in enumerate(pulled) if i != holder_index]
+    if not others or costs[holder_index] <= ratio * sum(others) / len(others):
         return None
     priced: list[float] = []
     pulls: list[Pull | None] = []

@@ -47,6 +47,15 @@ def test_only_workers_that_move_blocks_pull_and_only_from_one_that_does():
     assert pull_costs(WORKERS, [8, 0, 0], costs, cost_with, 1.5, 1.0, {B, C}) is None
 
 
+def test_no_pull_while_a_longer_prefix_is_still_being_built():
+    queued = {A: 2000.0, B: 10.0, C: 10.0}
+    cost_with = queue_cost(queued, 10.0)
+    costs = cost_with(WORKERS, {A: 8, B: 0, C: 0})
+    # C is computing (or predicted to hold) 9 blocks: pulling A's 8 would compute the ninth twice
+    assert pull_costs(WORKERS, [8, 0, 0], costs, cost_with, 1.5, 1.0, set(WORKERS), [8, 0, 9]) is None
+    assert pull_costs(WORKERS, [8, 0, 0], costs, cost_with, 1.5, 1.0, set(WORKERS), [8, 0, 8]) is not None
+
+
 def test_a_pull_slower_than_computing_is_not_taken():
     queued = {A: 2000.0, B: 10.0, C: 10.0}
     cost_with = queue_cost(queued, 1.0)
