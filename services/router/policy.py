@@ -336,18 +336,7 @@ class RoutingPolicy:
         costs = self.cost_model.costs(workers, charged, decodes, weight)
         pulls: list[Pull | None] | None = None
         if self.pull_ratio and pullable and cached:
-            priced = self._priced_pulls(
-                workers,
-                block_hashes,
-                prompt_tokens,
-                cached,
-                costs,
-                expected_output_tokens,
-                weight,
-                pullable,
-                load_tokens,
-                overlaps,
-            )
+            priced = self._priced_pulls(workers, cached, overlaps, costs, prefills, decodes, weight, pullable)
             if priced is not None:
                 costs, pulls = priced
         stalled = self._overdue(workers, costs, now) if self.stall_slack else None
@@ -377,29 +366,40 @@ class RoutingPolicy:
     def _priced_pulls(
         self,
         workers: Sequence[WorkerKey],
-        block_hashes: Sequence[int],
-        prompt_tokens: int,
         cached: Mapping[WorkerKey, int],
+        overlaps: Mapping[WorkerKey, int],
         costs: list[float],
-        expected_output_tokens: int,
+        prefills: list[int],
+        decodes: list[int],
         weight: float,
         pullable: Collection[WorkerKey],
-        load_tokens: Mapping[WorkerKey, int] | None,
-        overlaps: Mapping[WorkerKey, int],
     ) -> tuple[list[float], list[Pull | None]] | None:
-        """:func:`~kvmesh.router.prefix_pull.pull_costs` on this policy's load picture and cost model."""
+        """:func:`~kvmesh.router.prefix_pull.pull_costs` on this policy's cost model; ``prefills`` the
+        uncharged ones ``costs`` were computed from, with ``overlaps``."""
+        # the usual case, told from the sparse answers alone: nothing cached, or a longer prefix in flight
+        best = max(cached.values(), default=0)
+        if best == 0 or max(overlaps.values(), default=0) > best:
+            return None
+        get_cached, get_counted = cached.get, overlaps.get
+        held = [get_cached(worker, 0) for worker in workers]
+        counted = [get_counted(worker, 0) for worker in workers]
+        can_pull = [worker in pullable for worker in workers]
 
-        def cost_with(keys: Sequence[WorkerKey], overlaps: dict[WorkerKey, int]) -> list[float]:
-            prefills, decodes = self.active.potential_columns(
-                keys, block_hashes, prompt_tokens, overlaps, expected_output_tokens
-            )
-            if load_tokens:
-                prefills = [prefill + load_tokens.get(key, 0) for key, prefill in zip(keys, prefills, strict=True)]
-            return self.cost_model.costs(keys, prefills, decodes, weight)
+        def cost_of(pulled_prefills: list[int]) -> list[float]:
+            return self.cost_model.costs(workers, pulled_prefills, decodes, weight)
 
-        held = [cached.get(worker, 0) for worker in workers]
-        counted = [overlaps.get(worker, 0) for worker in workers]
-        return pull_costs(workers, held, costs, cost_with, self.pull_ratio, self.pull_ms_per_block, pullable, counted)
+        return pull_costs(
+            workers,
+            held,
+            counted,
+            costs,
+            prefills,
+            cost_of,
+            self.block_size,
+            self.pull_ratio,
+            self.pull_ms_per_block,
+            can_pull,
+        )
 
 
 def _summed(first: list[float] | None, second: list[float] | None) -> list[float] | None:

@@ -14,7 +14,8 @@ prefixes where they are and pays no copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.common.wire.worker_key import WorkerKey
@@ -30,50 +31,61 @@ class Pull:
     blocks: int
 
 
-# (workers, each worker's overlap to cost with) -> each worker's predicted cost (ms), workers' order
-CostWith = Callable[[Sequence[WorkerKey], dict[WorkerKey, int]], list[float]]
+# each worker's prefill tokens (queued and this request's) -> its predicted cost (ms), in the same order
+CostOf = Callable[[list[int]], list[float]]
 
 
 def pull_costs(
     workers: Sequence[WorkerKey],
     held: Sequence[int],
+    counted: Sequence[int],
     costs: Sequence[float],
-    cost_with: CostWith,
+    prefills: Sequence[int],
+    cost_of: CostOf,
+    block_size: int,
     ratio: float,
     ms_per_block: float,
-    pullable: Collection[WorkerKey],
-    counted: Sequence[int] | None = None,
+    can_pull: Sequence[bool],
 ) -> tuple[list[float], list[Pull | None]] | None:
     """``costs`` (today's, per worker in ``workers``' order) with the pull priced in, and each
-    worker's pull (None: it computes as before); None where no pull is worth pricing: no pullable
-    holder, or the holder not past ``ratio`` times the other candidates' mean with the pull, or a worker
-    counted (``counted``: the overlaps ``costs`` were computed with, predictions and prefixes in flight
-    included) to hold more than the longest cached prefix: that one is still being built, and a pull
-    of the shorter one would have the rest computed twice.
+    worker's pull (None: it computes as before); None where no pull is worth pricing.
 
-    ``held``: each worker's cached prefix in blocks, as the index reports it (what a pull can bring).
-    A worker can pull only from a ``pullable`` holder and only if it is ``pullable`` itself; its cost
-    with the pull is its cost computing the prompt past the holder's prefix, plus the transfer.
-    Guarantees: a cost never rises; a worker that pulls was cheaper so than without."""
+    ``held``: each worker's cached prefix in blocks, as the index reports it (what a pull can bring);
+    ``counted``: the prefix ``prefills`` (each worker's queued prefill plus what it would compute of
+    this prompt) were computed with, predictions and prefixes in flight included; ``can_pull``: whether
+    each worker's engine moves cached blocks. A worker can pull only from a holder that can; its cost
+    with the pull is ``cost_of`` its prefill less the blocks the pull brings, plus the transfer.
+
+    None where: no worker holds a cached prefix; the holder of the longest cannot move blocks; a
+    worker is counted to hold more than that prefix (it is still being built, and a pull of the
+    shorter one would have the rest computed twice); the holder's prefill tokens not past
+    √``ratio`` times the other candidates' mean with the pull (a quick test first: the time a prefill
+    takes grows at most with the square of its tokens); or the holder's cost not past ``ratio`` times
+    theirs. Guarantees: a cost never rises; a worker that pulls was
+    cheaper so than without."""
     best = max(held, default=0)
-    if best == 0 or ratio <= 0 or (counted is not None and max(counted, default=0) > best):
+    if best == 0 or ratio <= 0 or max(counted) > best:
         return None
     holder_index = held.index(best)
+    if not can_pull[holder_index]:
+        return None
+    # the prompt's full blocks are within it, so the blocks a pull brings come off the prefill exactly
+    tokens = [p - (best - c) * block_size if ok else p for p, c, ok in zip(prefills, counted, can_pull, strict=True)]
+    others = len(tokens) - 1
+    # first in tokens, without the cost model (most decisions end here): a prefill's time grows at most
+    # with the square of its tokens, so a holder not past √ratio times the others' tokens is not past
+    # ratio times their cost
+    if others < 1 or prefills[holder_index] * others <= math.sqrt(ratio) * (sum(tokens) - tokens[holder_index]):
+        return None
+    pulled = cost_of(tokens)
+    pulled = [c + (best - own) * ms_per_block if ok else c for c, own, ok in zip(pulled, held, can_pull, strict=True)]
+    if costs[holder_index] * others <= ratio * (sum(pulled) - pulled[holder_index]):
+        return None
     holder = workers[holder_index]
-    if holder not in pullable:
-        return None
-    overlaps = {w: best if w in pullable else own for w, own in zip(workers, held, strict=True)}
-    pulled = cost_with(workers, overlaps)
-    pulled = [
-        c + (best - own) * ms_per_block if w in pullable else c for w, c, own in zip(workers, pulled, held, strict=True)
-    ]
-    others = [cost for i, cost in enumerate(pulled) if i != holder_index]
-    if not others or costs[holder_index] <= ratio * sum(others) / len(others):
-        return None
     priced: list[float] = []
     pulls: list[Pull | None] = []
-    for worker, cost, with_pull, own in zip(workers, costs, pulled, held, strict=True):
-        if own < best and worker in pullable and with_pull < cost:
+    for cost, with_pull, own, ok in zip(costs, pulled, held, can_pull, strict=True):
+        if ok and own < best and with_pull < cost:
             priced.append(with_pull)
             pulls.append(Pull(holder, own, best - own))
         else:

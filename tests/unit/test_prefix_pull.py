@@ -9,59 +9,82 @@ from kvmesh.router.prefix_pull import Pull, pull_costs
 
 A, B, C = WorkerKey(1, 0), WorkerKey(2, 0), WorkerKey(3, 0)
 WORKERS = [A, B, C]
+BLOCK = 16
+PROMPT = 10 * BLOCK
+ALL = [True, True, True]
 
 
-def queue_cost(queued_ms: dict[WorkerKey, float], ms_per_block: float):
-    """A cost model of a queue plus the blocks left to compute."""
+def fleet(queued: list[int], ms_per_token: float):
+    """A cost model of a queue of prefill tokens plus this prompt's, at ``ms_per_token``; returns
+    (cost_of, each worker's prefill and cost for the overlaps given)."""
 
-    def cost_with(workers, overlaps):
-        return [queued_ms[w] + (10 - overlaps[w]) * ms_per_block for w in workers]
+    def cost_of(prefills):
+        return [p * ms_per_token for p in prefills]
 
-    return cost_with
+    def priced(overlaps):
+        prefills = [q + PROMPT - o * BLOCK for q, o in zip(queued, overlaps, strict=True)]
+        return prefills, cost_of(prefills)
+
+    return cost_of, priced
+
+
+def price(queued, held, ms_per_token=1.0, ms_per_block=1.0, can_pull=ALL, counted=None, ratio=1.5):
+    cost_of, priced = fleet(queued, ms_per_token)
+    counted = list(held) if counted is None else counted
+    prefills, costs = priced(counted)
+    return costs, pull_costs(WORKERS, held, counted, costs, prefills, cost_of, BLOCK, ratio, ms_per_block, can_pull)
 
 
 def test_a_balanced_fleet_keeps_its_prefixes_where_they_are():
-    queued = {A: 100.0, B: 100.0, C: 100.0}
-    cost_with = queue_cost(queued, 10.0)
-    costs = cost_with(WORKERS, {A: 8, B: 0, C: 0})  # A holds 8 of 10 blocks: it is cheapest
-    assert pull_costs(WORKERS, [8, 0, 0], costs, cost_with, 1.5, 1.0, set(WORKERS)) is None
+    # A holds 8 of 10 blocks and has the same queue as the others: it is the cheapest, nothing moves
+    _, priced = price([100, 100, 100], [8, 0, 0])
+    assert priced is None
 
 
 def test_a_saturated_holder_s_prefix_is_priced_as_a_pull_on_the_others():
-    queued = {A: 2000.0, B: 10.0, C: 50.0}
-    cost_with = queue_cost(queued, 10.0)
-    costs = cost_with(WORKERS, {A: 8, B: 2, C: 0})
-    priced, pulls = pull_costs(WORKERS, [8, 2, 0], costs, cost_with, 1.5, 1.0, set(WORKERS))
+    costs, (priced, pulls) = price([2000, 10, 50], [8, 2, 0])
     # the holder is unchanged; the others compute 2 blocks after pulling 6 and 8 at 1 ms each
-    assert priced == [costs[0], 10.0 + 20.0 + 6.0, 50.0 + 20.0 + 8.0]
+    assert priced == [costs[0], 10 + 2 * BLOCK + 6.0, 50 + 2 * BLOCK + 8.0]
     assert pulls == [None, Pull(A, 2, 6), Pull(A, 0, 8)]
 
 
+def test_the_holder_is_measured_against_the_others_mean_not_its_own():
+    # the holder computes 2 blocks after a queue of 2000 tokens: 2032 ms; each other worker, with the
+    # pull, 2 blocks after 42 tokens plus 8 blocks' transfer: 82 ms. 2032 / 82 = 24.8
+    assert price([2000, 42, 42], [8, 0, 0], ratio=24.7)[1] is not None
+    assert price([2000, 42, 42], [8, 0, 0], ratio=24.8)[1] is None
+    # with only one other worker the holder is still measured against it alone
+    two = pull_costs(
+        WORKERS[:2],
+        [8, 0],
+        [8, 0],
+        [2032.0, 202.0],
+        [2032, 202],
+        lambda p: [float(x) for x in p],
+        BLOCK,
+        24.7,
+        1.0,
+        [True, True],
+    )
+    assert two is not None and two[1] == [None, Pull(A, 0, 8)]
+
+
 def test_only_workers_that_move_blocks_pull_and_only_from_one_that_does():
-    queued = {A: 2000.0, B: 10.0, C: 10.0}
-    cost_with = queue_cost(queued, 10.0)
-    costs = cost_with(WORKERS, {A: 8, B: 0, C: 0})
-    priced, pulls = pull_costs(WORKERS, [8, 0, 0], costs, cost_with, 1.5, 1.0, {A, B})
+    costs, (priced, pulls) = price([2000, 10, 10], [8, 0, 0], can_pull=[True, True, False])
     assert pulls == [None, Pull(A, 0, 8), None]
     assert priced[2] == costs[2]
-    assert pull_costs(WORKERS, [8, 0, 0], costs, cost_with, 1.5, 1.0, {B, C}) is None
+    assert price([2000, 10, 10], [8, 0, 0], can_pull=[False, True, True])[1] is None
 
 
 def test_no_pull_while_a_longer_prefix_is_still_being_built():
-    queued = {A: 2000.0, B: 10.0, C: 10.0}
-    cost_with = queue_cost(queued, 10.0)
-    costs = cost_with(WORKERS, {A: 8, B: 0, C: 0})
     # C is computing (or predicted to hold) 9 blocks: pulling A's 8 would compute the ninth twice
-    assert pull_costs(WORKERS, [8, 0, 0], costs, cost_with, 1.5, 1.0, set(WORKERS), [8, 0, 9]) is None
-    assert pull_costs(WORKERS, [8, 0, 0], costs, cost_with, 1.5, 1.0, set(WORKERS), [8, 0, 8]) is not None
+    assert price([2000, 10, 10], [8, 0, 0], counted=[8, 0, 9])[1] is None
+    assert price([2000, 10, 10], [8, 0, 0], counted=[8, 0, 8])[1] is not None
 
 
 def test_a_pull_slower_than_computing_is_not_taken():
-    queued = {A: 2000.0, B: 10.0, C: 10.0}
-    cost_with = queue_cost(queued, 1.0)
-    costs = cost_with(WORKERS, {A: 8, B: 0, C: 0})
-    # moving a block takes 5 ms, computing it 1 ms: the others compute
-    priced, pulls = pull_costs(WORKERS, [8, 0, 0], costs, cost_with, 1.5, 5.0, set(WORKERS))
+    # moving a block takes 50 ms, computing it 16 ms: the others compute
+    costs, (priced, pulls) = price([2000, 10, 10], [8, 0, 0], ms_per_block=50.0)
     assert pulls == [None, None, None]
     assert priced == costs
 
@@ -69,20 +92,43 @@ def test_a_pull_slower_than_computing_is_not_taken():
 def test_no_cost_rises_and_every_pull_is_cheaper_than_computing():
     rng = random.Random(7)
     for _ in range(500):
-        queued = {w: rng.uniform(0, 3000) for w in WORKERS}
+        queued = [rng.randrange(0, 3000) for _ in WORKERS]
         held = [rng.randint(0, 10) for _ in WORKERS]
-        cost_with = queue_cost(queued, rng.uniform(0.5, 20))
-        costs = cost_with(WORKERS, dict(zip(WORKERS, held, strict=True)))
-        pullable = {w for w in WORKERS if rng.random() < 0.8}
-        priced = pull_costs(WORKERS, held, costs, cost_with, 1.5, rng.uniform(0.1, 5), pullable)
+        can_pull = [rng.random() < 0.8 for _ in WORKERS]
+        costs, priced = price(queued, held, rng.uniform(0.5, 2), rng.uniform(0.1, 40), can_pull)
         if priced is None:
             continue
         new, pulls = priced
         best = max(held)
-        for worker, cost, old, pull, own in zip(WORKERS, new, costs, pulls, held, strict=True):
+        for i, (cost, old, pull, own) in enumerate(zip(new, costs, pulls, held, strict=True)):
             assert cost <= old
             if pull is not None:
-                assert cost < old and worker in pullable and pull.holder in pullable
+                assert cost < old and can_pull[i] and can_pull[held.index(best)]
                 assert (pull.first, pull.first + pull.blocks) == (own, best)
             else:
                 assert cost == old
+
+
+def test_the_quick_test_in_tokens_never_turns_away_a_holder_the_cost_calls_saturated():
+    # a prefill's time as the ttft model has it: quadratic in the tokens, the same for every worker
+    def cost_of(prefills):
+        return [4.2e-7 * t * t + 0.0152 * t + 16.5 for t in prefills]
+
+    rng = random.Random(11)
+    fired = 0
+    for _ in range(2000):
+        held = [rng.randint(0, 10) for _ in WORKERS]
+        best = max(held)
+        if best == 0:
+            continue
+        prefills = [rng.randrange(0, 40_000) + PROMPT - own * BLOCK for own in held]
+        costs = cost_of(prefills)
+        ratio, ms_per_block = rng.uniform(1, 6), rng.uniform(0, 0.5)
+        h = held.index(best)
+        pulled = cost_of([p - (best - own) * BLOCK for p, own in zip(prefills, held, strict=True)])
+        pulled = [c + (best - own) * ms_per_block for c, own in zip(pulled, held, strict=True)]
+        saturated = costs[h] * 2 > ratio * (sum(pulled) - pulled[h])
+        priced = pull_costs(WORKERS, held, held, costs, prefills, cost_of, BLOCK, ratio, ms_per_block, ALL)
+        assert (priced is not None) == saturated
+        fired += saturated
+    assert fired > 50  # the case is exercised
