@@ -2,7 +2,7 @@
 stopped with --shrink-handoff-blocks hands its hot blocks on, so a session's next turn finds its
 prefix cached on a survivor (and is faster than without the move); a worker started with
 --join-warmup-blocks imports the busiest workers' hot blocks before it registers; a request whose
-prefix's holder is saturated is sent elsewhere with that prefix pulled (--kv-pull-ratio)."""
+prefix's holder is saturated is sent elsewhere with that prefix pulled (with --kv-pull-ratio)."""
 
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ async def next_turn_beside_a_busy_holder(nc: NatsClient, nats_url: str, *router_
     """A session's first turn, then its holder kept busy with long prompts named for it, then the
     session's next turn routed freely: (the holder, the other worker, the next turn's worker, its
     cached prompt tokens, each worker's move counters, the holder's offer of the next turn's prompt)."""
-    namespace = "pull-off" if router_flags else "pull"
+    namespace = "pull" if router_flags else "pull-off"
     async with mesh(nc, nats_url, namespace=namespace, router_flags=router_flags) as (router, indexer, _, workers):
         _, _, holder = await timed_turn(router, "turn-1", TURN_1)
         (other,) = [r.instance_id for r in workers.instances() if r.instance_id != holder]
@@ -195,7 +195,9 @@ async def _in_flight_at_least(address: str, count: int) -> bool:
 
 
 async def test_a_busy_holder_s_prefix_is_pulled_by_the_worker_that_serves_the_turn(nats_url: str, nc: NatsClient):
-    holder, other, served_by, cached, counters, offer = await next_turn_beside_a_busy_holder(nc, nats_url)
+    holder, other, served_by, cached, counters, offer = await next_turn_beside_a_busy_holder(
+        nc, nats_url, "--kv-pull-ratio", "4"
+    )
     # the turn went to the idle worker, which pulled the 120 blocks and computed only the rest
     assert served_by == other
     assert cached == 120 * BLOCK
@@ -206,9 +208,8 @@ async def test_a_busy_holder_s_prefix_is_pulled_by_the_worker_that_serves_the_tu
 
 
 async def test_without_pulls_the_turn_is_not_pulled(nats_url: str, nc: NatsClient):
-    holder, other, served_by, cached, counters, _ = await next_turn_beside_a_busy_holder(
-        nc, nats_url, "--kv-pull-ratio", "0"
-    )
+    # the default: no --kv-pull-ratio
+    holder, other, served_by, cached, counters, _ = await next_turn_beside_a_busy_holder(nc, nats_url)
     assert counters[other].get("taken", 0) == 0
     # piled onto the holder, or recomputed on the other worker
     assert (served_by, cached) in {(holder, 120 * BLOCK), (other, 0)}

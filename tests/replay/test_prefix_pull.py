@@ -21,7 +21,7 @@ def one_hot_prefix(requests: int = 160, gap_ms: float = 4.0) -> list[TraceReques
 
 def replay(**options):
     """The hot prefix on 4 workers; pulls where the holder is past 1.5 times the others' mean (in so
-    small a fleet the imbalance waiver spreads the prefix before the default's 3 times)."""
+    small a fleet the imbalance waiver spreads the prefix before its holder is 4 times)."""
     config = ReplayConfig(**{**SMALL, "workers": 4, "kv_pull_ratio": 1.5, **options})
     config.validate()
     return config, ReplaySimulator(config).run(one_hot_prefix())

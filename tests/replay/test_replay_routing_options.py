@@ -133,7 +133,7 @@ CASES: dict[str, Case] = {
     "track_active_blocks": Case(False, LOADED, {"workers": 4, "kv_write_spread": 0.0}),
     "kv_write_spread": Case(0.0, LOADED, {"workers": 4}),
     # one prefix group: its holder saturates, past 1.5 times the others' mean (this small fleet's
-    # imbalance waiver spreads the prefix before it is 3 times), and its prefix is pulled to them
+    # imbalance waiver spreads the prefix before it is 4 times), and its prefix is pulled to them
     "kv_pull_ratio": Case(0.0, lambda: groups_trace(160, 1, 4.0), {"workers": 4, "kv_pull_ratio": 1.5}),
     # a worker 20x slower than the router predicts falls behind it
     "kv_stall_slack": Case(
