@@ -142,9 +142,7 @@ class CacheMoves:
         request = worker_pb2.OfferBlocksRequest(sequence_hashes=sequence_hashes)
         try:
             async with asyncio.timeout(min(PULL_BOUND_S, self.timeout_s)):
-                async with channel_to(address) as channel:
-                    offer = await worker_pb2_grpc.WorkerStub(channel).OfferBlocks(request)
-                return await self.take(offer)
+                return await self.take(await asked_offer(address, request))
         except grpc.aio.AioRpcError as exc:
             log.warning("prefix not pulled", holder=holder, error=exc.details())
         except TimeoutError:
@@ -225,12 +223,20 @@ class CacheMoves:
         _, cached = self.engine.dump_kv_state()
         request = worker_pb2.OfferBlocksRequest(max_blocks=max_blocks, skip=[b.sequence_hash for b in cached])
         try:
-            async with channel_to(record.address) as channel:
-                offer = await worker_pb2_grpc.WorkerStub(channel).OfferBlocks(request, timeout=self.timeout_s)
+            offer = await asked_offer(record.address, request, self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.warning("a peer offered nothing", worker=record.instance_id, error=exc.details())
             return Moved()
         return await self.take(offer)
+
+
+async def asked_offer(
+    address: str, request: worker_pb2.OfferBlocksRequest, timeout_s: float | None = None
+) -> worker_pb2.BlockOffer:
+    """The offer the worker at ``address`` makes for ``request`` (its hottest blocks, or the prefix it
+    names); gRPC's error where it makes none."""
+    async with channel_to(address) as channel:
+        return await worker_pb2_grpc.WorkerStub(channel).OfferBlocks(request, timeout=timeout_s)
 
 
 async def in_flight(record: InstanceRecord) -> int | None:
