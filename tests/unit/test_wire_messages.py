@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from kvmesh.common.wire import disagg
-from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvReady, KvSource, PrefillOrder
+from kvmesh.common.wire.disagg import DecodeOrder, DisaggParamsError, KvReady, KvSource, PrefillOrder, PrefixPull
 from kvmesh.worker.kv_transfer.messages import (
     PullDone,
     PullGranted,
@@ -21,7 +21,13 @@ READY = KvReady(room=7, host="10.0.0.1", port=9000, worker_id=3, blocks=6, backe
 
 @pytest.mark.parametrize(
     "message",
-    [PrefillOrder(7), READY, DecodeOrder(7, "h", 1, 3, allow_local=False), KvSource("remote", "tcp", 4096, 6)],
+    [
+        PrefillOrder(7),
+        READY,
+        DecodeOrder(7, "h", 1, 3, allow_local=False),
+        KvSource("remote", "tcp", 4096, 6),
+        PrefixPull(3, "10.0.0.1:50051", [2**64 - 1, 0, 17]),
+    ],
     ids=lambda m: m.kind,
 )
 def test_every_message_round_trips(message):
@@ -41,6 +47,11 @@ def test_a_decode_order_takes_the_rendezvous_from_the_prefill_answer():
         (msgpack.packb({"kind": "prefilled", "room": 1}), "no known kind"),
         (msgpack.packb({"kind": "decode", "room": "1", "host": "h", "port": 1, "worker_id": 1}), "must be int"),
         (msgpack.packb({"kind": "decode", "room": 1}), "malformed"),
+        (msgpack.packb({"kind": "prefix_pull", "worker_id": 1, "address": "a", "sequence_hashes": 5}), "must be list"),
+        (
+            msgpack.packb({"kind": "prefix_pull", "worker_id": 1, "address": "a", "sequence_hashes": [1, -2]}),
+            "unsigned integers",
+        ),
     ],
 )
 def test_garbage_is_a_clear_error(data, error):
