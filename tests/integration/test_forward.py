@@ -7,6 +7,7 @@ cancels and moves on a lost one, and stops what it no longer waits for at the wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -52,7 +53,9 @@ async def read_until_end(call: grpc.aio.StreamStreamCall, request_id: str) -> tu
 
 
 async def running_requests(stub: worker_pb2_grpc.WorkerStub) -> int:
-    return (await stub.GetStatus(worker_pb2.WorkerStatusRequest())).running_requests
+    """Requests the worker's engine holds, running or queued."""
+    status = await stub.GetStatus(worker_pb2.WorkerStatusRequest())
+    return status.running_requests + status.waiting_requests
 
 
 async def test_a_worker_serves_a_forward_on_the_attached_stream_and_tells_the_router_only_of_failures(
@@ -177,12 +180,12 @@ async def answer_of(direct: RequestPath, sent: common_pb2.PreprocessedRequest, r
     return tokens
 
 
-@pytest.fixture
-async def handing_on(nc: NatsClient, nats_url: str):
+@contextlib.asynccontextmanager
+async def handed_on_mesh(nc: NatsClient, nats_url: str, *worker_flags: str):
     """(worker stub, scripted router, its address, a forward direct path); the path has served one
     request already, answered by the router (it learns the router's migration limit that way) and
     submitted by itself, so its stream to the worker is attached."""
-    async with one_worker(nc, nats_url, "--speedup-ratio", "5") as (address, _):
+    async with one_worker(nc, nats_url, "--speedup-ratio", "5", *worker_flags) as (address, _):
         router = ScriptedRouter(address)
         server, router_address = await serve(router)
         routers = RouterClient(fixed_address=router_address)
@@ -197,6 +200,36 @@ async def handing_on(nc: NatsClient, nats_url: str):
                 await routers.close()
                 await router.sessions.close()
                 await server.stop()
+
+
+@pytest.fixture
+async def handing_on(nc: NatsClient, nats_url: str):
+    """:func:`handed_on_mesh`."""
+    async with handed_on_mesh(nc, nats_url) as mesh:
+        yield mesh
+
+
+@pytest.fixture
+async def handing_on_one_sequence(nc: NatsClient, nats_url: str):
+    """:func:`handed_on_mesh` on a worker that runs one sequence at a time (see :func:`occupied`)."""
+    async with handed_on_mesh(nc, nats_url, "--max-num-seqs", "1") as mesh:
+        yield mesh
+
+
+@contextlib.asynccontextmanager
+async def occupied(stub: worker_pb2_grpc.WorkerStub):
+    """A one-sequence worker's sequence held by an endless request for the block's span, so that a
+    try handed on meanwhile waits there without output. Why: a router's break and the worker's
+    first output of the try it handed on race to the frontend; one that claims the output first
+    is served (rightly), and a test of the break would then hang on an endless answer."""
+    call = stub.GenerateMany()
+    try:
+        await call.write(submit(request("occupier", 900, ENDLESS)))
+        first = (await call.read()).items[0]
+        assert first.request_id == "occupier" and first.HasField("output")
+        yield
+    finally:
+        call.cancel()  # the worker aborts the request of a stream that ends
 
 
 async def test_a_handed_on_request_is_claimed_from_the_frontends_own_stream(handing_on):
@@ -220,24 +253,30 @@ async def test_a_lost_forward_is_cancelled_at_its_worker_and_moves_on(handing_on
     assert not router.ends("lost")[0].output_tokens
 
 
-async def test_a_router_stream_that_breaks_before_the_first_output_fails_over_and_stops_the_forward(handing_on):
-    stub, router, router_address, direct = handing_on
+async def test_a_router_stream_that_breaks_before_the_first_output_fails_over_and_stops_the_forward(
+    handing_on_one_sequence,
+):
+    stub, router, router_address, direct = handing_on_one_sequence
     router.script["b1"] = "break"
     # the path fails over to another router replica; with none left, the one replica is asked
     # again (on a new stream), and the try handed on before the break is stopped where it ran
-    assert len(await answer_of(direct, request("b1", 100, 20), router_address)) == 20
+    async with occupied(stub):  # the forward waits at the worker: the break reaches the frontend first
+        answer = asyncio.ensure_future(answer_of(direct, request("b1", 100, 20), router_address))
+        await wait_until_async(lambda: any(q.request.request_id == "b1:t1" for q in router.queries), what="failover")
+    assert len(await answer) == 20
     asked = [q for q in router.queries if q.request.request_id.startswith("b1")]
     assert len(asked) == 2 and asked[0].forward_to
     assert direct.expected_forwards == 0
     await wait_until_async(lambda: _zero(stub), what="the forward cancelled wherever it ran")
 
 
-async def test_a_replica_that_breaks_every_try_fails_the_request_at_the_failover_limit(handing_on):
-    stub, router, router_address, direct = handing_on
+async def test_a_replica_that_breaks_every_try_fails_the_request_at_the_failover_limit(handing_on_one_sequence):
+    stub, router, router_address, direct = handing_on_one_sequence
     tries = ["b2", *(f"b2:t{i}" for i in range(1, ROUTER_FAILOVER_LIMIT + 1))]
     router.script.update(dict.fromkeys(tries, "break"))
-    with pytest.raises(grpc.aio.AioRpcError, match=f"failed {ROUTER_FAILOVER_LIMIT + 1} times") as failed:
-        await answer_of(direct, request("b2", 100, 20), router_address)
+    async with occupied(stub):  # each try waits at the worker: every break reaches the frontend first
+        with pytest.raises(grpc.aio.AioRpcError, match=f"failed {ROUTER_FAILOVER_LIMIT + 1} times") as failed:
+            await answer_of(direct, request("b2", 100, 20), router_address)
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     assert [q.request.request_id for q in router.queries if q.request.request_id.startswith("b2")] == tries
     await wait_until_async(lambda: _zero(stub), what="every try handed on stopped where it ran")
