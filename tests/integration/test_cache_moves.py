@@ -2,7 +2,9 @@
 stopped with --shrink-handoff-blocks hands its hot blocks on, so a session's next turn finds its
 prefix cached on a survivor (and is faster than without the move); a worker started with
 --join-warmup-blocks imports the busiest workers' hot blocks before it registers; a request whose
-prefix's holder is saturated is sent elsewhere with that prefix pulled (with --kv-pull-ratio)."""
+prefix's holder is saturated is sent elsewhere with that prefix pulled (with --kv-pull-ratio); a
+pull from a holder that does not answer gives up at its bound, and an engine that cannot take blocks
+serves the request without pulling."""
 
 from __future__ import annotations
 
@@ -15,10 +17,14 @@ import grpc
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from kvmesh.common.proto.kvmesh.v1 import indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.common.rpc.grpc_server import start_grpc_server
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.ports import pid_listening_on
+from kvmesh.common.wire import disagg
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
+from kvmesh.worker.cache_moves import PULL_BOUND_S
+from tests.integration.test_stream_sessions import one_worker
 from tests.support import metric_samples, router_generate, service_process, wait_until_async, worker_mesh
 
 pytestmark = pytest.mark.integration
@@ -213,3 +219,67 @@ async def test_without_pulls_the_turn_is_not_pulled(nats_url: str, nc: NatsClien
     assert counters[other].get("taken", 0) == 0
     # piled onto the holder, or recomputed on the other worker
     assert (served_by, cached) in {(holder, 120 * BLOCK), (other, 0)}
+
+
+class SilentHolder(worker_pb2_grpc.WorkerServicer):
+    """A holder asked for an offer that never answers (a worker stalled, or its host unreachable
+    mid-call); it records what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[worker_pb2.OfferBlocksRequest] = []
+        self._never = asyncio.Event()
+
+    async def OfferBlocks(self, request: worker_pb2.OfferBlocksRequest, context) -> worker_pb2.BlockOffer:
+        self.asked.append(request)
+        await self._never.wait()  # cancelled when the caller gives up or the server stops
+        return worker_pb2.BlockOffer()
+
+
+@contextlib.asynccontextmanager
+async def silent_holder():
+    """Yields (the holder, its address)."""
+    holder = SilentHolder()
+    server = await start_grpc_server(
+        lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(holder, s), ["kvmesh.v1.Worker"]
+    )
+    try:
+        yield holder, f"127.0.0.1:{server.port}"
+    finally:
+        await server.stop()
+
+
+async def served_with_a_pull(address: str, holder_address: str, dp_rank: int | None = None) -> tuple[int, int]:
+    """Generate TURN_1 on the worker at ``address``, told to pull its prefix from ``holder_address``
+    first; (output tokens, cached prompt tokens). Its deadline is well inside the KV transfer's
+    timeout (30 s by default), so only the pull's own bound lets it finish."""
+    hashes = sequence_hashes(local_block_hashes(TURN_1, BLOCK))
+    pull = disagg.PrefixPull(7, holder_address, hashes)
+    request = common_pb2.PreprocessedRequest(
+        request_id="pulled", token_ids=TURN_1, disaggregated_params=disagg.encode(pull)
+    )
+    request.stop.max_tokens = 3
+    request.stop.ignore_eos = True
+    if dp_rank is not None:
+        request.routing.dp_rank = dp_rank
+    tokens, cached = 0, 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        async for output in worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=PULL_BOUND_S + 10):
+            tokens += len(output.token_ids)
+            cached = max(cached, output.usage.cached_prompt_tokens)
+    return tokens, cached
+
+
+async def test_a_pull_the_holder_never_answers_gives_up_at_its_bound(nats_url: str, nc: NatsClient):
+    async with silent_holder() as (holder, holder_address), one_worker(nc, nats_url, *FLAGS) as (address, _):
+        # the request waits for the pull at most PULL_BOUND_S, then computes its whole prompt
+        assert await served_with_a_pull(address, holder_address) == (3, 0)
+        assert len(holder.asked) == 1
+        assert list(holder.asked[0].sequence_hashes) == sequence_hashes(local_block_hashes(TURN_1, BLOCK))
+
+
+async def test_an_engine_that_cannot_take_blocks_serves_a_pull_order_without_pulling(nats_url: str, nc: NatsClient):
+    # the moves serve rank 0's engine: a request for rank 1 is served there as if no pull were named
+    flags = (*FLAGS, "--data-parallel-size", "2")
+    async with silent_holder() as (holder, holder_address), one_worker(nc, nats_url, *flags) as (address, _):
+        assert await served_with_a_pull(address, holder_address, dp_rank=1) == (3, 0)
+        assert not holder.asked
