@@ -46,13 +46,18 @@ class VirtualIndex:
     def oracle(
         self, block_hashes: Sequence[int], workers: Sequence[WorkerKey], engine: Callable[[int], MockEngine]
     ) -> IndexAnswer:
-        """Per worker of ``workers``, the leading blocks it holds or is computing now."""
-        matches = {}
+        """Per worker of ``workers``, the leading blocks it holds or is computing now; ``held``, those
+        it has computed (a pull brings no block still being computed)."""
+        matches, computed = {}, {}
         for key in workers:
-            held = holding(engine(key.worker_id), block_hashes)
+            worker = engine(key.worker_id)
+            held = holding(worker, block_hashes)
             if held:
                 matches[key] = held
-        return IndexAnswer(matches, self.index.tree_sizes())
+                cached = worker.blocks.cached_prefix_length(block_hashes)
+                if cached:
+                    computed[key] = cached
+        return IndexAnswer(matches, self.index.tree_sizes(), held=computed)
 
     def remove_worker(self, worker_id: int) -> None:
         self._in_flight = [e for e in self._in_flight if e[2].worker_id != worker_id]

@@ -89,7 +89,8 @@ class CacheViews:
             approximate = self.approximate_index(prepared.block_size)
             matched = approximate.find_matches_by_sequence(prepared.block_hashes, self.clock())
             return CacheView(matched, dict(approximate.tree_sizes()))
-        matched = cached = answer.matched
+        matched = answer.matched
+        cached = matched if answer.held is None else answer.held
         if answer.pooled or answer.host or answer.disk:
             matched = credited_matches(matched, self.credits, pooled=answer.pooled, host=answer.host, disk=answer.disk)
         predicted = self._predicted.get(prepared.block_size) if predictions else None

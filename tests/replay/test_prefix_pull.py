@@ -1,13 +1,19 @@
 """A saturated holder's prefix is pulled over the KV transfer in the replay (docs/decisions/0070): the
 request waits for the transfer, then finds the blocks cached on its worker, and the fleet's tail
-is shorter than when every request piles onto the holder or recomputes the prefix."""
+is shorter than when every request piles onto the holder or recomputes the prefix; the oracle index
+prices a pull only of blocks already computed."""
 
 from __future__ import annotations
 
+from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
+from kvmesh.common.wire.worker_key import WorkerKey
 from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import TraceRequest
 from kvmesh.replay.report import summarise
 from kvmesh.replay.simulator import ReplaySimulator
+from kvmesh.replay.virtual_index import VirtualIndex
+from kvmesh.worker.engine import EngineRequestSpec
+from kvmesh.worker.engines.mock.mock_engine import EngineConfig, MockEngine
 
 SMALL = {"block_size": 16, "trace_block_size": 32, "num_blocks": 4096, "max_num_batched_tokens": 1024}
 
@@ -48,3 +54,14 @@ def test_pulls_shorten_the_tail_where_the_holder_saturates():
     # the report tells how much of the reuse was pulled from another worker's cache
     assert 0 < shorter["pulled_share"] <= shorter["prefix_reuse"]
     assert longer["pulled_share"] == 0
+
+
+def test_the_oracle_counts_blocks_being_computed_but_offers_a_pull_only_those_computed():
+    engine = MockEngine(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=32))
+    prompt = list(range(16 * 6))
+    hashes = sequence_hashes(local_block_hashes(prompt, 16))
+    engine.add_request(EngineRequestSpec("r", prompt, max_tokens=1))
+    engine.step()  # a 32-token step: 2 of the 6 blocks computed, the other 4 still being computed
+    answer = VirtualIndex(0.0).oracle(hashes, [WorkerKey(1, 0)], lambda _worker: engine)
+    assert answer.matched == {WorkerKey(1, 0): 6}  # where the prefix will be: what routing weighs
+    assert answer.held == {WorkerKey(1, 0): 2}  # what exists to pull now

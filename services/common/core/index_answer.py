@@ -19,7 +19,9 @@ from kvmesh.common.wire.worker_key import IndexKey, TierKey, WorkerKey
 class IndexAnswer(NamedTuple):
     """Per worker: matched prefix blocks in its device cache and its tree size; with a MoE query,
     (aligned matched blocks, queried experts hosted); past the device match, the blocks it can import
-    from its KV pool, and those it holds offloaded in host memory and, past those, on disk."""
+    from its KV pool, and those it holds offloaded in host memory and, past those, on disk. ``held``:
+    where ``matched`` counts blocks still being computed (the replay's oracle), those each worker has
+    computed (what a prefix pull can bring); None: ``matched`` counts only those."""
 
     matched: dict[WorkerKey, int]
     tree_sizes: dict[WorkerKey, int]
@@ -27,6 +29,7 @@ class IndexAnswer(NamedTuple):
     pooled: dict[WorkerKey, int] = {}
     host: dict[WorkerKey, int] = {}
     disk: dict[WorkerKey, int] = {}
+    held: dict[WorkerKey, int] | None = None
 
 
 EMPTY_ANSWER = IndexAnswer({}, {})
