@@ -246,12 +246,13 @@ async def router_generate(
     worker_id: int | None = None,
     on_output: Callable[[common_pb2.GenerateOutput], None] | None = None,
     model: str = "",
+    session: str = "",
     **stop: object,
 ) -> list[common_pb2.GenerateOutput]:
     """Every output of one request served on the request path through the router at
     ``router_address`` (``worker_id``: send it there; ``on_output``: told of each output as it
-    comes; ``model``: the model asked for, any by default; ``stop``: more ``StopConditions`` fields).
-    Raises ``grpc.aio.AioRpcError`` as the path does."""
+    comes; ``model``: the model asked for, any by default; ``session``: the session it names, none by
+    default; ``stop``: more ``StopConditions`` fields). Raises ``grpc.aio.AioRpcError`` as the path does."""
     from kvmesh.common.calling.request_path import RequestPath
     from kvmesh.common.calling.router_client import RouterClient
 
@@ -261,6 +262,7 @@ async def router_generate(
         setattr(request.stop, name, value)
     if worker_id is not None:
         request.routing.worker_id = worker_id
+    request.routing.session_id = session
     routers = RouterClient(fixed_address=router_address)
     path = RequestPath(routers)
     outputs = []

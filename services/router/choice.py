@@ -176,7 +176,9 @@ class Chooser:
             load_tokens=self.adapter_loads(prepared.candidates, request.lora),
             duplicate_penalty=0.0 if loop_turn else None,
             new_session=new_session,
-            pullable=pullable(prepared.candidates) if policy.pull_ratio else (),
+            # a named session's context is its own: pulled, the session moves with it, where an
+            # anonymous shared prefix would be copied for good (decision 71)
+            pullable=pullable(prepared.candidates) if policy.pull_ratio and request.session else (),
             cached=view.cached,
         )
         worker_id, rank = decision.worker

@@ -73,13 +73,14 @@ class KvModeOptions:
         "placed is moved (docs/decisions/0067). 0: off",
     )
     kv_pull_ratio: float = option(
-        0.0,
+        1.5,
         "kv mode: where the worker holding the longest cached prefix of a prompt is predicted to start it more than "
         "this many times later than the other candidates' mean, each is also costed as if it pulled that prefix "
         "from the holder over the KV transfer (at --kv-pull-ms-per-token) instead of computing it, and the request "
         "goes where it starts soonest: a saturated holder's prefix is copied, not recomputed and not piled on "
-        "(docs/decisions/0070). Only between workers whose engines move cached blocks (the mock engine's). 0 (the "
-        "default): off, as no ratio tried won on every replayed trace family; 4 is the one measured most",
+        "(docs/decisions/0070). Only for a request that names its session (whose context the pull moves with it; "
+        "an anonymous shared prefix is not copied, docs/decisions/0071), and only between workers whose engines "
+        "move cached blocks (the mock engine's; vLLM's workers never pull). 0: off",
     )
     kv_pull_ms_per_token: float = option(
         0.00524,

@@ -2,9 +2,9 @@
 stopped with --shrink-handoff-blocks hands its hot blocks on, so a session's next turn finds its
 prefix cached on a survivor (and is faster than without the move); a worker started with
 --join-warmup-blocks imports the busiest workers' hot blocks before it registers; a request whose
-prefix's holder is saturated is sent elsewhere with that prefix pulled (with --kv-pull-ratio); a
-pull from a holder that does not answer gives up at its bound, and an engine that cannot take blocks
-serves the request without pulling."""
+prefix's holder is saturated is sent elsewhere with that prefix pulled (by default, where it names
+its session; not with --kv-pull-ratio 0); a pull from a holder that does not answer gives up at its
+bound, and an engine that cannot take blocks serves the request without pulling."""
 
 from __future__ import annotations
 
@@ -64,12 +64,17 @@ async def cached_on(address: str) -> set[int]:
     return {b.sequence_hash for b in dump.blocks}
 
 
-async def timed_turn(router: str, request_id: str, prompt: list[int]) -> tuple[float, int, int]:
+async def timed_turn(router: str, request_id: str, prompt: list[int], session: str = "") -> tuple[float, int, int]:
     """(time to first token in ms, prompt tokens found cached, the worker that served it)."""
     started = time.perf_counter()
     first: list[float] = []
     outputs = await router_generate(
-        router, request_id, prompt, 2, on_output=lambda _: first.append(time.perf_counter()) if not first else None
+        router,
+        request_id,
+        prompt,
+        2,
+        on_output=lambda _: first.append(time.perf_counter()) if not first else None,
+        session=session,
     )
     return (first[0] - started) * 1000, outputs[-1].usage.cached_prompt_tokens, outputs[-1].worker_id
 
@@ -163,13 +168,15 @@ async def _count(workers: DiscoveryWatcher, count: int) -> bool:
     return len(workers.instances()) == count
 
 
-async def next_turn_beside_a_busy_holder(nc: NatsClient, nats_url: str, *router_flags: str):
+async def next_turn_beside_a_busy_holder(
+    nc: NatsClient, nats_url: str, namespace: str, *router_flags: str, session: str = "s1"
+):
     """A session's first turn, then its holder kept busy with long prompts named for it, then the
-    session's next turn routed freely: (the holder, the other worker, the next turn's worker, its
-    cached prompt tokens, each worker's move counters, the holder's offer of the next turn's prompt)."""
-    namespace = "pull" if router_flags else "pull-off"
+    session's next turn routed freely, both turns naming ``session`` (empty: anonymous): (the holder,
+    the other worker, the next turn's worker, its cached prompt tokens, each worker's move counters,
+    the holder's offer of the next turn's prompt)."""
     async with mesh(nc, nats_url, namespace=namespace, router_flags=router_flags) as (router, indexer, _, workers):
-        _, _, holder = await timed_turn(router, "turn-1", TURN_1)
+        _, _, holder = await timed_turn(router, "turn-1", TURN_1, session)
         (other,) = [r.instance_id for r in workers.instances() if r.instance_id != holder]
         await wait_until_async(
             lambda: _at_least(matched_blocks(indexer, TURN_1), holder, 120), timeout=20, what="turn 1 indexed"
@@ -183,7 +190,7 @@ async def next_turn_beside_a_busy_holder(nc: NatsClient, nats_url: str, *router_
         ]
         record = workers.get(holder)
         await wait_until_async(lambda: _in_flight_at_least(record.address, 4), timeout=20, what="the holder busy")
-        _, cached, served_by = await timed_turn(router, "turn-2", TURN_2)
+        _, cached, served_by = await timed_turn(router, "turn-2", TURN_2, session)
         await asyncio.gather(*busy)
         counters = {w: move_counters(workers.get(w)) for w in (holder, other)}
         hashes = sequence_hashes(local_block_hashes(TURN_2, BLOCK))
@@ -201,9 +208,8 @@ async def _in_flight_at_least(address: str, count: int) -> bool:
 
 
 async def test_a_busy_holder_s_prefix_is_pulled_by_the_worker_that_serves_the_turn(nats_url: str, nc: NatsClient):
-    holder, other, served_by, cached, counters, offer = await next_turn_beside_a_busy_holder(
-        nc, nats_url, "--kv-pull-ratio", "4"
-    )
+    # the router's default --kv-pull-ratio, for a turn that names its session (decision 71)
+    holder, other, served_by, cached, counters, offer = await next_turn_beside_a_busy_holder(nc, nats_url, "pull")
     # the turn went to the idle worker, which pulled the 120 blocks and computed only the rest
     assert served_by == other
     assert cached == 120 * BLOCK
@@ -213,9 +219,17 @@ async def test_a_busy_holder_s_prefix_is_pulled_by_the_worker_that_serves_the_tu
     assert offer.room
 
 
-async def test_without_pulls_the_turn_is_not_pulled(nats_url: str, nc: NatsClient):
-    # the default: no --kv-pull-ratio
-    holder, other, served_by, cached, counters, _ = await next_turn_beside_a_busy_holder(nc, nats_url)
+@pytest.mark.parametrize(
+    ("namespace", "flags", "session"),
+    [("pull-off", ("--kv-pull-ratio", "0"), "s1"), ("pull-anonymous", (), "")],
+    ids=["pulls off", "anonymous turns"],
+)
+async def test_the_turn_is_not_pulled_without_pulls_or_without_a_session(
+    nats_url: str, nc: NatsClient, namespace: str, flags: tuple[str, ...], session: str
+):
+    holder, other, served_by, cached, counters, _ = await next_turn_beside_a_busy_holder(
+        nc, nats_url, namespace, *flags, session=session
+    )
     assert counters[other].get("taken", 0) == 0
     # piled onto the holder, or recomputed on the other worker
     assert (served_by, cached) in {(holder, 120 * BLOCK), (other, 0)}

@@ -18,19 +18,23 @@ from kvmesh.worker.engines.mock.mock_engine import EngineConfig, MockEngine
 SMALL = {"block_size": 16, "trace_block_size": 32, "num_blocks": 4096, "max_num_batched_tokens": 1024}
 
 
-def one_hot_prefix(requests: int = 160, gap_ms: float = 4.0) -> list[TraceRequest]:
+def one_hot_prefix(requests: int = 160, gap_ms: float = 4.0, anonymous: bool = False) -> list[TraceRequest]:
     """Requests sharing one 12-block prefix, each with 2 blocks of its own, faster than one worker
-    serves them: the prefix's holder saturates."""
+    serves them: the prefix's holder saturates. Each names a session of its own (decision 71: only
+    a named session's prefix is pulled), or none with ``anonymous``."""
     shared = tuple(range(12))
-    return [TraceRequest(i * gap_ms, 14 * 32, 8, (*shared, 1000 + 2 * i, 1001 + 2 * i)) for i in range(requests)]
+    return [
+        TraceRequest(i * gap_ms, 14 * 32, 8, (*shared, 1000 + 2 * i, 1001 + 2 * i), None if anonymous else f"s{i}")
+        for i in range(requests)
+    ]
 
 
-def replay(**options):
-    """The hot prefix on 4 workers; pulls where the holder is past 1.5 times the others' mean (in so
-    small a fleet the imbalance waiver spreads the prefix before its holder is 4 times)."""
-    config = ReplayConfig(**{**SMALL, "workers": 4, "kv_pull_ratio": 1.5, **options})
+def replay(anonymous: bool = False, **options):
+    """The hot prefix on 4 workers; pulls where the holder is past the default 1.5 times the others'
+    mean (decision 71)."""
+    config = ReplayConfig(**{**SMALL, "workers": 4, **options})
     config.validate()
-    return config, ReplaySimulator(config).run(one_hot_prefix())
+    return config, ReplaySimulator(config).run(one_hot_prefix(anonymous=anonymous))
 
 
 def test_a_saturated_holder_s_prefix_is_pulled_and_found_cached_after_the_transfer():
@@ -54,6 +58,12 @@ def test_pulls_shorten_the_tail_where_the_holder_saturates():
     # the report tells how much of the reuse was pulled from another worker's cache
     assert 0 < shorter["pulled_share"] <= shorter["prefix_reuse"]
     assert longer["pulled_share"] == 0
+
+
+def test_an_anonymous_shared_prefix_is_not_pulled():
+    # decision 71: copied, it would stay a second copy of a prefix many requests share
+    _, records = replay(anonymous=True)
+    assert not any(r.pulled_tokens for r in records)
 
 
 def test_the_oracle_counts_blocks_being_computed_but_offers_a_pull_only_those_computed():

@@ -26,16 +26,23 @@ SMALL = {"block_size": 16, "trace_block_size": 32, "num_blocks": 4096, "max_num_
 
 
 def groups_trace(
-    requests: int, groups: int, gap_ms: float, shared: int = 6, unique: int = 2, output: int = 8
+    requests: int,
+    groups: int,
+    gap_ms: float,
+    shared: int = 6,
+    unique: int = 2,
+    output: int = 8,
+    sessions: bool = False,
 ) -> list[TraceRequest]:
     """``requests`` requests in ``groups`` prefix groups (``shared`` trace blocks in common, then
-    ``unique`` of their own), one every ``gap_ms``."""
+    ``unique`` of their own), one every ``gap_ms``; with ``sessions``, each names a session of its own."""
     trace = []
     for i in range(requests):
         group = i % groups
         prefix = tuple(range(group * 1000, group * 1000 + shared))
         own = tuple(range(100_000 + i * unique, 100_000 + (i + 1) * unique))
-        trace.append(TraceRequest(i * gap_ms, (shared + unique) * 32, output, prefix + own))
+        session = f"s{i}" if sessions else None
+        trace.append(TraceRequest(i * gap_ms, (shared + unique) * 32, output, prefix + own, session))
     return trace
 
 
@@ -132,9 +139,9 @@ CASES: dict[str, Case] = {
     # without decision 59's spread, which on this trace already places the writes that the active blocks move
     "track_active_blocks": Case(False, LOADED, {"workers": 4, "kv_write_spread": 0.0}),
     "kv_write_spread": Case(0.0, LOADED, {"workers": 4}),
-    # one prefix group: its holder saturates, past 1.5 times the others' mean (this small fleet's
-    # imbalance waiver spreads the prefix before it is 4 times), and its prefix is pulled to them
-    "kv_pull_ratio": Case(0.0, lambda: groups_trace(160, 1, 4.0), {"workers": 4, "kv_pull_ratio": 1.5}),
+    # one prefix group, each request a session of its own: its holder saturates, past the default
+    # 1.5 times the others' mean, and its prefix is pulled to them
+    "kv_pull_ratio": Case(0.0, lambda: groups_trace(160, 1, 4.0, sessions=True), {"workers": 4}),
     # a worker 20x slower than the router predicts falls behind it
     "kv_stall_slack": Case(
         0.0,
