@@ -51,12 +51,12 @@ class VirtualIndex:
         matches, computed = {}, {}
         for key in workers:
             worker = engine(key.worker_id)
-            held = holding(worker, block_hashes)
+            cached = worker.blocks.cached_prefix_length(block_hashes)
+            if cached:
+                computed[key] = cached
+            held = holding(worker, block_hashes, cached)
             if held:
                 matches[key] = held
-                cached = worker.blocks.cached_prefix_length(block_hashes)
-                if cached:
-                    computed[key] = cached
         return IndexAnswer(matches, self.index.tree_sizes(), held=computed)
 
     def remove_worker(self, worker_id: int) -> None:
@@ -65,9 +65,10 @@ class VirtualIndex:
         self.index.remove_worker(worker_id)
 
 
-def holding(engine: MockEngine, block_hashes: Sequence[int]) -> int:
-    """The leading blocks of ``block_hashes`` ``engine`` holds or is computing now."""
-    held = engine.blocks.cached_prefix_length(block_hashes)
+def holding(engine: MockEngine, block_hashes: Sequence[int], cached: int) -> int:
+    """The leading blocks of ``block_hashes`` ``engine`` holds or is computing now, past the ``cached``
+    leading ones it holds computed (its cache's prefix length, which the caller has read)."""
+    held = cached
     if held < len(block_hashes) and engine.num_requests:
         computing: set[int] = set()
         for request in (*engine.waiting, *engine.running, *engine.transferring.values()):
