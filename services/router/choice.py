@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.common.core.timing import TimingModel
@@ -124,6 +124,7 @@ class Chooser:
                 itl_target_ms=options.kv_itl_target_ms,
                 pull_ratio=options.kv_pull_ratio,
                 pull_ms_per_token=options.kv_pull_ms_per_token,
+                session_spread_ms=options.session_spread_ms,
             )
             if isinstance(cost_model, PerWorkerTtftCost):
                 for key, timing in self._timings.items():
@@ -154,10 +155,12 @@ class Chooser:
         now: float = 0.0,
         loop_turn: bool = False,
         new_session: bool = False,
+        parked: Mapping[WorkerKey, int] | None = None,
     ) -> Choice:
         """The cheapest of ``keys`` for the whole request ``prepared``; a ``loop_turn`` (a session's turn
         close behind its last) is not charged the duplicate penalty; a ``new_session``'s first turn avoids
-        workers whose decodes are behind (:meth:`RoutingPolicy.choose`)."""
+        workers whose decodes are behind, and those where more sessions are ``parked``
+        (:meth:`RoutingPolicy.choose`)."""
         request = prepared.request
         policy = self.policy(prepared.candidates[0])
         decision = policy.choose(
@@ -176,6 +179,7 @@ class Chooser:
             load_tokens=self.adapter_loads(prepared.candidates, request.lora),
             duplicate_penalty=0.0 if loop_turn else None,
             new_session=new_session,
+            parked=parked,
             # a named session's context is its own: pulled, the session moves with it, where an
             # anonymous shared prefix would be copied for good (decision 71)
             pullable=pullable(prepared.candidates) if policy.pull_ratio and request.session else (),

@@ -236,6 +236,13 @@ class SessionOptions:
         "alone is as often a person's reply and is charged (0: every turn is charged; docs/decisions/0048, 0054, "
         "0064)",
     )
+    session_spread_ms: float = option(
+        5.0,
+        "kv mode: a session's first turn is charged this many ms at a worker for each session parked there beyond "
+        "the candidates' mean (a session whose last turn went there within the last minute): between turns a session "
+        "runs nothing, so its worker looks idle, and when it comes back its decodes share that worker's steps "
+        "(docs/decisions/0072); 0: off",
+    )
 
 
 @dataclass
@@ -309,6 +316,8 @@ class RoutingOptions(KvModeOptions, CacheAwareModeOptions, SplitOptions, Admissi
             raise ConfigError("--session-affinity-ttl-secs must be >= 0 and --session-block-credit in [0, 1]")
         if self.session_loop_secs < 0:
             raise ConfigError("--session-loop-secs must be >= 0")
+        if self.session_spread_ms < 0:
+            raise ConfigError("--session-spread-ms must be >= 0 (0: off)")
         if self.router_queue_size < 0 or self.router_queue_timeout_secs <= 0:
             raise ConfigError("--router-queue-size must be >= 0 and --router-queue-timeout-secs > 0")
         try:

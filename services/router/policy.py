@@ -29,6 +29,7 @@ from kvmesh.router.scheduler import (
     RandomSelector,
     RoundRobinSelector,
 )
+from kvmesh.router.session_affinity import parked_charges
 
 POLICY_MODES = ("kv", "round-robin", "random", "power-of-two", "cache-aware")
 # a worker's prefill queue may wait this long beyond its slack before it counts as stalled: an engine
@@ -75,6 +76,7 @@ class RoutingPolicy:
         itl_target_ms: float = 0.0,
         pull_ratio: float = 0.0,
         pull_ms_per_token: float = 0.0,
+        session_spread_ms: float = 0.0,
     ) -> None:
         """``cost_model`` defaults to Dynamo's block cost; the service and replay pass the one configured.
         ``active`` is the load picture to read (a :class:`LoadTracker`'s for this block size); by
@@ -90,7 +92,9 @@ class RoutingPolicy:
         whose decodes are behind this target while another's keep it (:meth:`DecodePace.behind`; 0: off).
         ``pull_ratio``: where the best-placed holder costs more than this many times the other candidates' mean
         with a pull, a worker that can may pull its prefix instead, at ``pull_ms_per_token``
-        (:func:`~kvmesh.router.prefix_pull.pull_costs`; 0: off)."""
+        (:func:`~kvmesh.router.prefix_pull.pull_costs`; 0: off). ``session_spread_ms``: kv mode charges a new
+        session's first turn this much at a worker for each session parked there beyond the candidates' mean
+        (:func:`~kvmesh.router.session_affinity.parked_charges`; 0: off)."""
         if mode not in POLICY_MODES:
             raise ValueError(f"unknown routing mode {mode!r}")
         self.mode = mode
@@ -104,6 +108,7 @@ class RoutingPolicy:
         self.itl_target_ms = itl_target_ms
         self.pull_ratio = pull_ratio
         self.pull_ms_per_block = pull_ms_per_token * block_size
+        self.session_spread_ms = session_spread_ms
         self._rng = rng or random.Random()
         self.active = (
             active if active is not None else ActiveSequences(block_size, track_active_blocks, track_output_blocks)
@@ -285,6 +290,7 @@ class RoutingPolicy:
         new_session: bool = False,
         pullable: Collection[WorkerKey] = (),
         cached: Mapping[WorkerKey, int] | None = None,
+        parked: Mapping[WorkerKey, int] | None = None,
     ) -> Decision:
         """Pick a worker (per-request weight / temperature override the defaults when given).
 
@@ -298,7 +304,8 @@ class RoutingPolicy:
         charges workers whose decodes are behind ``itl_target_ms`` (:meth:`_behind`). ``pullable``: the workers
         whose engines move cached blocks, between which a prefix may be pulled (``pull_ratio``); ``cached``: what
         each holds in device memory as the index reports it, nothing predicted or credited (what a pull can
-        bring; default: ``overlaps``)."""
+        bring; default: ``overlaps``). ``parked``: for a session's first turn, the sessions parked on each worker
+        (:meth:`SessionAffinity.parked`), which kv mode charges at ``session_spread_ms`` each beyond the mean."""
         if not workers:
             raise ValueError("no candidate workers")
         if self.mode == "round-robin":
@@ -339,6 +346,9 @@ class RoutingPolicy:
             priced = self._priced_pulls(workers, cached, overlaps, costs, prefills, decodes, weight, pullable)
             if priced is not None:
                 costs, pulls = priced
+        if parked and self.session_spread_ms:
+            charges = parked_charges(workers, parked, self.session_spread_ms)
+            costs = [cost + charge for cost, charge in zip(costs, charges, strict=True)]
         stalled = self._overdue(workers, costs, now) if self.stall_slack else None
         behind = self._behind(workers, now) if new_session and self.itl_target_ms else None
         overdue = _summed(stalled, behind)

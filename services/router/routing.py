@@ -150,9 +150,12 @@ class Router:
             raise
         now = self.clock()
         loop_turn = self.loop_turn(prepared, now)
-        new_session = self.cache_views.sessions.starts(prepared.request.session, now)
+        sessions = self.cache_views.sessions
+        new_session = sessions.starts(prepared.request.session, now)
+        # where sessions are parked weighs only in placing a new one (decision 72)
+        parked = sessions.parked(now) if new_session and self.config.session_spread_ms else None
         choice = self.chooser.choose(
-            prepared, view, keys, commit=commit, now=now, loop_turn=loop_turn, new_session=new_session
+            prepared, view, keys, commit=commit, now=now, loop_turn=loop_turn, new_session=new_session, parked=parked
         )
         if commit:
             self.cache_views.routed(choice.key, prepared, choice.overlap_blocks)

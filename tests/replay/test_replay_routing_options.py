@@ -87,6 +87,19 @@ def sessions_trace() -> list[TraceRequest]:
     ]
 
 
+def parked_sessions_trace(sessions: int = 24, gap_ms: float = 300.0, think_ms: float = 5000.0) -> list[TraceRequest]:
+    """A new session every ``gap_ms``, each sharing one trace block of system prompt and then its own 3,
+    and its second turn ``think_ms`` later: a first turn finds the fleet idle, the sessions before it
+    parked, and the system prompt's holder cheapest by that one block."""
+    trace = []
+    for i in range(sessions):
+        own = (90_000, *range(1000 * i, 1000 * i + 3))
+        trace.append(TraceRequest(i * gap_ms, len(own) * 32, 8, own, f"s{i}"))
+        more = (*own, 1000 * i + 500, 1000 * i + 501)
+        trace.append(TraceRequest(i * gap_ms + think_ms, len(more) * 32, 8, more, f"s{i}"))
+    return sorted(trace, key=lambda request: request.timestamp_ms)
+
+
 def behind_worker_trace() -> list[TraceRequest]:
     """A loaded fleet's 160 anonymous requests, then from 5 s a new session every 0.5 s (one turn each,
     4 blocks of its own): with one worker 20x slower than the router predicts (:data:`BEHIND`), every
@@ -168,6 +181,8 @@ CASES: dict[str, Case] = {
     # a worker 20x slower than the router predicts decodes past the ITL target: new sessions start elsewhere
     "kv_itl_target_ms": Case(0.0, lambda: behind_worker_trace(), BEHIND),
     "session_loop_secs": Case(0.0, sessions_trace, {"workers": 4, "num_blocks": 128, "kv_duplicate_penalty": 4.0}),
+    # without the spread every new session joins the system prompt's holder, where the others are parked
+    "session_spread_ms": Case(0.0, parked_sessions_trace, {"workers": 4}),
     "router_queue_shares": Case(
         "high=1,normal=1,low=1", LOADED, {**QUEUED, "priority_mix": "high=0.2,normal=0.5,low=0.3"}
     ),
@@ -239,3 +254,22 @@ def test_new_sessions_start_off_a_worker_whose_decodes_are_behind():
     on_slow, steered = sessions_on_the_slow_worker(dataclasses.replace(kept, kv_itl_target_ms=0.0))
     assert on_slow > 0
     assert "decodes behind" not in steered
+
+
+def test_new_sessions_spread_over_an_idle_fleet_not_onto_the_prompts_holder():
+    """Decision 72: between turns a session runs nothing, so its worker looks idle to the cost; a new
+    session then goes where the system prompt is cached, however many sessions are parked there."""
+    trace = parked_sessions_trace()
+    first: dict[str | None, int] = {}
+    for i, request in enumerate(trace):
+        first.setdefault(request.session, i)
+    first_turns = set(first.values())
+
+    def workers_of_first_turns(spread_ms: float) -> set[int]:
+        config = ReplayConfig(**SMALL, workers=4, session_spread_ms=spread_ms)
+        config.validate()
+        records = ReplaySimulator(config).run(trace)
+        return {record.worker for record in records if record.index in first_turns}
+
+    assert len(workers_of_first_turns(0.0)) == 1
+    assert len(workers_of_first_turns(ReplayConfig().session_spread_ms)) == 4
