@@ -53,7 +53,9 @@ class UpConfig(CommonConfig, RouterOptions, PlannerOptions, EngineOptions, HttpA
         "run the SLA planner: it resizes the worker pool (from --workers, within --min-workers / --max-workers) "
         "to meet --ttft-target-ms and --itl-target-ms; with --prefill-workers, the prefill and decode pools apart",
     )
-    planner_state_db: Path | None = option(None, "the planner's SQLite state file (default: a new one in a temp dir)")
+    planner_state_db: Path | None = option(
+        None, "the planner's SQLite state file (default: a new one in a temp dir, removed when kvmesh up stops)"
+    )
     engine_args: list[str] = option(None, "with --engine vllm: vLLM engine arguments for the workers", passthrough=True)
 
     def resolved_startup_timeout(self) -> float:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import structlog
@@ -24,10 +23,13 @@ from kvmesh.worker_pool import WorkerPool, WorkerPools
 log = structlog.get_logger(__name__)
 
 
-def plan_planner(config: UpConfig, nats_url: str, services: list[ServiceProcess]) -> tuple[ServiceProcess, WorkerPools]:
+def plan_planner(
+    config: UpConfig, nats_url: str, services: list[ServiceProcess], workdir: Path
+) -> tuple[ServiceProcess, WorkerPools]:
     """The planner process (with a profile of the workers' mock engine, measured now) and the pools
-    it resizes through this supervisor: the aggregated workers, or the prefill and the decode ones."""
-    workdir = Path(tempfile.mkdtemp(prefix="kvmesh-planner-"))
+    it resizes through this supervisor: the aggregated workers, or the prefill and the decode ones.
+    The profile, and the state file unless ``--planner-state-db`` names one, go in ``workdir``, which
+    the caller removes when the mesh stops."""
     engine = EngineConfig(
         num_blocks=config.num_gpu_blocks or 16384,
         block_size=config.block_size or 16,

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -127,8 +128,12 @@ async def run(config: UpConfig) -> int:
     services = plan_services(config, nats_url)
     pool: WorkerPools | None = None
     supervisor: NatsClient | None = None
+    # the planner's engine profile and default state file: a fresh directory each run, so nothing in
+    # it outlives the mesh (a later `kvmesh up` never reads it; --planner-state-db keeps a state file)
+    planner_dir: Path | None = None
     if config.planner:
-        planner_process, pool = plan_planner(config, nats_url, services)
+        planner_dir = Path(tempfile.mkdtemp(prefix="kvmesh-planner-"))
+        planner_process, pool = plan_planner(config, nats_url, services, planner_dir)
         services.append(planner_process)
     exit_code = 0
     try:
@@ -203,6 +208,8 @@ async def run(config: UpConfig) -> int:
             service.wait_or_kill(deadline)
         if nats is not None:
             nats.stop()
+        if planner_dir is not None:
+            shutil.rmtree(planner_dir, ignore_errors=True)
         if config.kv_pool == AUTO_POOL:  # segments of killed workers outlive them until here
             shutil.rmtree(kv_pool_directory(config), ignore_errors=True)
         remove_run_record(config.namespace, os.getpid())

@@ -120,3 +120,19 @@ def test_disaggregated_the_prefill_and_decode_pools_are_sized_apart_and_no_reque
     assert_every_stream_whole(results, len(prompts), 48)
     assert max(p for p, _ in seen) > 1 or max(d for _, d in seen) > 1, f"no pool grew under load: {seen}"
     wait_until(lambda: pools(mesh) == (1, 1), timeout=60, what="both pools to shrink back to one worker")
+
+
+def test_the_planners_own_files_are_removed_when_the_mesh_stops():
+    """Without --planner-state-db the planner's state file and engine profile go in a directory of
+    this run's own; a later `kvmesh up` never reads it, so it must not outlive the mesh."""
+    namespace = "planner-files"
+    mesh = MeshProcess("--planner", "--workers", "1", "--namespace", namespace, "--log-level", "warning").start()
+    try:
+        record = read_run_record(namespace)
+        assert record is not None and record.planner_state_db
+        planner_dir = Path(record.planner_state_db).parent
+        assert (planner_dir / "engine-profile.json").is_file()
+    finally:
+        code = mesh.stop()
+    assert code == 0, "kvmesh up did not stop cleanly:\n" + "".join(mesh.output[-50:])
+    assert not planner_dir.exists(), f"{planner_dir} outlived kvmesh up"
