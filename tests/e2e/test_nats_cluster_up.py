@@ -6,7 +6,9 @@ every stream completes whole, `kvmesh up` starts the node again and it catches u
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -95,3 +97,12 @@ def test_a_dead_cluster_node_is_restarted_under_load_and_nothing_outlives_kvmesh
     finally:
         if mesh.process is not None and mesh.process.poll() is None:
             mesh.stop()
+        remove_nats_store(mesh)
+
+
+def remove_nats_store(mesh: MeshProcess) -> None:
+    """The embedded cluster's store, as `kvmesh up` logged it: it removes the store when it stops, and
+    a `kvmesh up` killed with -9 cannot."""
+    for line in mesh.output:
+        if "embedded NATS started" in line:
+            shutil.rmtree(json.loads(line)["store"], ignore_errors=True)
