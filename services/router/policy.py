@@ -346,9 +346,7 @@ class RoutingPolicy:
             priced = self._priced_pulls(workers, cached, overlaps, costs, prefills, decodes, weight, pullable)
             if priced is not None:
                 costs, pulls = priced
-        if parked and self.session_spread_ms:
-            charges = parked_charges(workers, parked, self.session_spread_ms)
-            costs = [cost + charge for cost, charge in zip(costs, charges, strict=True)]
+        # the stall bound is a multiple of the predicted cost: the session spread's preference is no part of it
         stalled = self._overdue(workers, costs, now) if self.stall_slack else None
         behind = self._behind(workers, now) if new_session and self.itl_target_ms else None
         overdue = _summed(stalled, behind)
@@ -358,7 +356,13 @@ class RoutingPolicy:
             if charging:
                 charged = self._charge_duplicates(workers, prefills, overlaps, penalty, overdue)
                 costs = self.cost_model.costs(workers, charged, decodes, weight)
+                # these costs price no pull, so none is made: the longest prefix is mostly the late
+                # worker's, and pulled again from it the held-out agent loops' p99 rose by half
+                pulls = None
             costs = [cost + late for cost, late in zip(costs, overdue, strict=True)]
+        if parked and self.session_spread_ms:
+            charges = parked_charges(workers, parked, self.session_spread_ms)
+            costs = [cost + charge for cost, charge in zip(costs, charges, strict=True)]
         discounts = None
         if moe_hosted and self.moe_score_weight:
             discounts = {worker: self.moe_score_weight * share for worker, share in moe_hosted.items()}

@@ -118,3 +118,34 @@ def test_a_stalled_worker_is_charged_the_excess_among_equals():
     policy.active.add("longer", moving, [700 + i for i in range(8)], 8 * BLOCK, 0, now=9.9)
     assert policy.choose([stalled, moving], HASHES, 10 * BLOCK, now=0.1).worker == stalled
     assert policy.choose([stalled, moving], HASHES, 10 * BLOCK, now=10.0).worker == moving
+
+
+def test_a_new_session_off_a_stalled_holder_still_starts_where_fewer_sessions_are_parked():
+    """Off a stalled holder the costs are counted again, the holder holding nothing: the session
+    spread's charge (decision 72) is part of what the choice is made on, and no part of the stall bound."""
+    near, far = (1, 0), (3, 0)  # near holds 1 block of the prompt: the cheaper by the cost alone
+
+    def first_turn(parked: dict | None) -> Decision:
+        policy = RoutingPolicy(
+            "kv", BLOCK, rng=random.Random(0), duplicate_penalty=1.0, stall_slack=2.0, session_spread_ms=5.0
+        )
+        policy.active.add("queued", HOLDER, [900, 901], 2 * BLOCK, 0, now=0.0)
+        return policy.choose([near, far, HOLDER], HASHES, 10 * BLOCK, {HOLDER: 8, near: 1}, now=5.0, parked=parked)
+
+    assert first_turn(None).worker == near
+    moved = first_turn({near: 3})
+    assert moved.worker == far
+    assert moved.steered_by == STALLED
+
+
+def test_no_prefix_is_pulled_from_a_stalled_holder():
+    """Off a stalled holder the costs are counted again without pricing any pull, and the decision
+    carries none: the longest prefix is the late worker's, and a pull would wait on it."""
+    other = (1, 0)
+    policy = RoutingPolicy("kv", BLOCK, rng=random.Random(0), duplicate_penalty=1.0, stall_slack=2.0, pull_ratio=1.5)
+    for i in range(4):  # a long queue: the holder is far busier than the other worker
+        policy.active.add(f"queued {i}", HOLDER, [800 + 10 * i + j for j in range(8)], 8 * BLOCK, 0, now=0.0)
+    busy = policy.choose([other, HOLDER], HASHES, 10 * BLOCK, {HOLDER: 8}, now=0.1, pullable=[other, HOLDER])
+    assert busy.worker == other and busy.pull is not None and busy.pull.holder == HOLDER  # saturated: pulled
+    late = policy.choose([other, HOLDER], HASHES, 10 * BLOCK, {HOLDER: 8}, now=30.0, pullable=[other, HOLDER])
+    assert late.worker == other and late.pull is None  # 30 s without progress: late, and nothing pulled
