@@ -123,20 +123,23 @@ async def run(config: UpConfig) -> int:
             store=nats.store_dir,
             pids=[node.pid for node in nats.nodes],
         )
-    if config.kv_pool:
-        kv_pool_directory(config).mkdir(parents=True, exist_ok=True)
-    services = plan_services(config, nats_url)
+    services: list[ServiceProcess] = []
     pool: WorkerPools | None = None
     supervisor: NatsClient | None = None
     # the planner's engine profile and default state file: a fresh directory each run, so nothing in
     # it outlives the mesh (a later `kvmesh up` never reads it; --planner-state-db keeps a state file)
     planner_dir: Path | None = None
-    if config.planner:
-        planner_dir = Path(tempfile.mkdtemp(prefix="kvmesh-planner-"))
-        planner_process, pool = plan_planner(config, nats_url, services, planner_dir)
-        services.append(planner_process)
     exit_code = 0
+    # everything after NATS starts is undone in the `finally`: a plan that fails (a file that cannot
+    # be written, an engine profile that cannot be measured) leaves no server or directory behind
     try:
+        if config.kv_pool:
+            kv_pool_directory(config).mkdir(parents=True, exist_ok=True)
+        services = plan_services(config, nats_url)
+        if config.planner:
+            planner_dir = Path(tempfile.mkdtemp(prefix="kvmesh-planner-"))
+            planner_process, pool = plan_planner(config, nats_url, services, planner_dir)
+            services.append(planner_process)
         if pool is not None:
             supervisor = await serve_worker_pool(config, nats_url, pool)
         for service in services:
@@ -194,7 +197,7 @@ async def run(config: UpConfig) -> int:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
         log.info("stopping the mesh")
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:
         log.error("start-up failed", error=str(exc))
         exit_code = 1
     finally:
