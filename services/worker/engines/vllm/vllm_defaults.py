@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kvmesh.common.runtime.config import ConfigError
+from kvmesh.worker.engines.vllm.vllm_plugin import NAP_ENV
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -138,7 +139,8 @@ def cpu_threads(
     counted in ``engines``), where the user set no binding: each engine its own ``len(cores) //
     engines`` cores; with fewer cores than engines, or several ranks to a worker (vLLM reads one list
     per rank then), no binding and ``len(cores) // engines`` threads each, at least one (the kernel
-    shares the cores among them). One engine keeps vLLM's own binding.
+    shares the cores among them), and each engine's processes wait for one another without spinning
+    (:data:`~kvmesh.worker.engines.vllm.vllm_plugin.NAP_ENV`). One engine keeps vLLM's own binding.
 
     Why: vLLM binds each engine's compute threads to the cores of its NUMA node minus one it keeps
     for its scheduler, never knowing of the host's other engines, so every engine of a host binds to
@@ -153,6 +155,8 @@ def cpu_threads(
     chosen = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     if "OMP_NUM_THREADS" not in env:
         chosen["OMP_NUM_THREADS"] = str(max(1, per))
+    if NAP_ENV not in env:  # unbound engines take turns on the same cores: none may spin (vllm_plugin)
+        chosen[NAP_ENV] = "1"
     return chosen
 
 
