@@ -90,29 +90,33 @@ def test_a_nixl_that_cannot_serialise_its_agent_keeps_its_progress_thread(monkey
     assert connector.nixl_agent_config is config_of_a_nixl_without_sync_modes
 
 
-@needs_vllm
-def test_engines_that_do_not_share_cores_keep_vllms_busy_loop(monkeypatch):
+@pytest.fixture
+def vllm_queues(monkeypatch):
+    """vLLM's shared-memory queue module, its ``sched_yield`` restored after the test."""
     queues = importlib.import_module(vllm_plugin._SHM_MODULE)
-    monkeypatch.setattr(queues, "sched_yield", queues.sched_yield)  # restored afterwards
-    original = queues.sched_yield
+    monkeypatch.setattr(queues, "sched_yield", queues.sched_yield)
+    return queues
+
+
+@needs_vllm
+def test_engines_that_do_not_share_cores_keep_vllms_busy_loop(monkeypatch, vllm_queues):
+    original = vllm_queues.sched_yield
     monkeypatch.delenv(vllm_plugin.NAP_ENV, raising=False)
     vllm_plugin.register()
-    assert queues.sched_yield is original
+    assert vllm_queues.sched_yield is original
 
 
 @needs_vllm
-def test_where_engines_share_cores_a_waiting_queue_reader_gives_its_core_away(monkeypatch):
-    queues = importlib.import_module(vllm_plugin._SHM_MODULE)
-    monkeypatch.setattr(queues, "sched_yield", queues.sched_yield)  # restored afterwards
+def test_where_engines_share_cores_a_waiting_queue_reader_gives_its_core_away(monkeypatch, vllm_queues):
     monkeypatch.setenv(vllm_plugin.NAP_ENV, "1")
     vllm_plugin.register()
     vllm_plugin.register()  # loaded more than once per process: the same nap
-    assert queues.sched_yield is vllm_plugin.nap
+    assert vllm_queues.sched_yield is vllm_plugin.nap
     # a reader's wait, as the queue's loop makes it: the thread is off the core for nearly all of it
     # (yielding, it stays on the core whenever nothing else is runnable)
     wall, cpu = time.perf_counter(), time.thread_time()
     for _ in range(200):
-        queues.sched_yield()
+        vllm_queues.sched_yield()
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
     assert wall >= 200 * vllm_plugin.NAP_S
     assert cpu < wall / 2
