@@ -3,7 +3,7 @@ the engine core and model workers included, which kvmesh cannot reach otherwise.
 in which vLLM spins a core, and only for engines a kvmesh worker started with the variable named
 (any other vLLM in the same environment is left alone).
 
-**No busy loop where engines share cores** (:data:`NAP_ENV`, set by the worker for unbound CPU
+**No busy loop where engines share cores** (:data:`NAP_ENV`, set by ``kvmesh up`` for unbound CPU
 engines: :func:`~kvmesh.worker.engines.vllm.vllm_defaults.cpu_threads`). The engine core hands each
 step to its model worker process over a shared-memory queue, and a reader of that queue (the worker
 waiting for a step, the core waiting for its answer) polls it in a loop of ``sched_yield`` for a
