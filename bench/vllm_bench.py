@@ -17,6 +17,9 @@ requests the router moved off a stalled worker or one whose decodes were behind 
 ``kvmesh_router_steered_total``, decisions 63 and 67), and kv's TTFT p50 against round-robin's; the
 TTFT distributions are
 plotted together (``--output-dir``/compare_cdf.png).
+``--repeats N`` runs every setup N times, the order rotated each time, and pools each setup's requests
+(one run's p99 is its third-slowest request, and on 2 shared cores it moves by tens of percent from
+run to run); the table then also shows each run's own TTFT p50 and p99.
 ``kv`` routes with the router's defaults (since decision 54, ``--kv-duplicate-penalty 128``);
 ``--kv-duplicate-penalty P`` adds a fourth setup, ``kv-penalty``: kv with that duplicate penalty
 (``0``: plain ``kv``, the default before decision 54).
@@ -26,7 +29,7 @@ NIXL connector), splitting every request (``--disagg-split-when always``) and by
 where a split is predicted to pay), on distinct prompts sent one at a time: TTFT, and the KV bytes
 and blocks each request moved (from the router's counters).
 
-    python -m bench.vllm_bench [--part routing|disagg|all] [--trace PATH] [--workers 3]
+    python -m bench.vllm_bench [--part routing|disagg|all] [--trace PATH] [--workers 3] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from statistics import mean
 
 import httpx
 
 from bench.live_load import run_load
 from kvmesh.devtools.mesh_process import MeshProcess
+from kvmesh.replay.report import percentile
 from tests.support import discovered, scrape
 
 ENGINE_ARGS = ["--block-size", "32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.5", "--enforce-eager"]
@@ -105,7 +110,9 @@ def router_args(setup: str, args: argparse.Namespace) -> list[str]:
     return ["--router-mode", setup]
 
 
-def run_setup(mode: str, trace: Path, args: argparse.Namespace, out_dir: Path) -> dict:
+def run_setup(mode: str, trace: Path, args: argparse.Namespace, report_dir: Path) -> dict:
+    """One run of a setup on a fresh mesh; its ``kvmesh bench`` report (kept in ``report_dir``) with
+    the requests the router's rules moved (``steered``)."""
     engine = [
         "--block-size", str(args.trace_block_size), "--num-gpu-blocks-override", str(args.num_gpu_blocks),
         "--max-model-len", str(CONTEXT), "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
@@ -129,7 +136,7 @@ def run_setup(mode: str, trace: Path, args: argparse.Namespace, out_dir: Path) -
             str(args.arrival_speedup_ratio),
             "--max-output-tokens",
             str(args.output_tokens),
-            out_dir=out_dir / mode,
+            out_dir=report_dir,
         )
         # requests decisions 63 and 67 moved off the worker the cost rated cheapest (a stalled worker,
         # decodes behind the ITL target): whether those rules fired in the run
@@ -138,6 +145,56 @@ def run_setup(mode: str, trace: Path, args: argparse.Namespace, out_dir: Path) -
         return report
     finally:
         mesh.stop()
+
+
+def run_repeats(setups: list[str], trace: Path, args: argparse.Namespace, out_dir: Path) -> dict[str, list[dict]]:
+    """Every setup ``args.repeats`` times; a run's report in ``out_dir``/setup (one repeat) or
+    ``out_dir``/setup/run-R. Repeat R starts at setup R (the order rotated), so that the machine
+    drifting over the hour does not always fall on the same setup."""
+    runs: dict[str, list[dict]] = {setup: [] for setup in setups}
+    for repeat in range(args.repeats):
+        turn = repeat % len(setups)
+        for setup in setups[turn:] + setups[:turn]:
+            report_dir = out_dir / setup if args.repeats == 1 else out_dir / setup / f"run-{repeat}"
+            runs[setup].append(run_setup(setup, trace, args, report_dir))
+    return runs
+
+
+def pooled(label: str, reports: list[dict]) -> dict:
+    """One report of a setup's runs: their requests together (the cached share over all their prompt
+    tokens, TTFT percentiles over all their first tokens), requests/s and output tokens/s the runs'
+    mean, the rules' moves summed. Pooled rather than a median of the runs' own figures because a
+    300-request run's p99 is its third-slowest request, which moved by 40% between two runs of one
+    setup on these 2 cores (seen 2026-12-03); three runs pooled put the p99 on nine."""
+    if len(reports) == 1:
+        return reports[0]
+    rows = [row for report in reports for row in report["per_request"]]
+    done = [row for row in rows if row["error"] is None]
+    prompt = sum(row["prompt_tokens"] for row in done)
+    ttft = [row["ttft_s"] for row in done if row["ttft_s"] is not None]
+    steered: dict[str, float] = {}
+    for report in reports:
+        for rule, count in report.get("steered", {}).items():
+            steered[rule] = steered.get(rule, 0) + count
+    return {
+        "label": label,
+        "completed": len(done),
+        "cached_token_ratio": sum(row["cached_tokens"] for row in done) / prompt if prompt else 0.0,
+        "ttft_ms": {"p50": percentile(ttft, 50) * 1000, "p99": percentile(ttft, 99) * 1000},
+        "request_throughput_per_s": mean(report["request_throughput_per_s"] for report in reports),
+        "output_tokens_per_s": mean(report["output_tokens_per_s"] for report in reports),
+        "duration_s": max(report["duration_s"] for report in reports),
+        "steered": steered,
+        "per_request": rows,
+    }
+
+
+def run_spread(reports: list[dict]) -> str:
+    """The runs' own TTFT p50s and p99s (ms), in the order they ran, so a reader sees how far one
+    run is from another beside the pooled figures."""
+    p50 = "/".join(f"{report['ttft_ms']['p50']:.0f}" for report in reports)
+    p99 = "/".join(f"{report['ttft_ms']['p99']:.0f}" for report in reports)
+    return f"p50 {p50}, p99 {p99}"
 
 
 def per_worker(report: dict) -> list[str]:
@@ -222,6 +279,13 @@ def main() -> None:
     parser.add_argument("--trace-block-size", type=int, default=32, help="token ids per trace hash id (a vLLM block)")
     parser.add_argument("--arrival-speedup-ratio", type=float, default=1.0, help="divide trace timestamps by this")
     parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="routing: run every setup this many times (the order rotated each time) and pool their requests; "
+        "the table also shows each run's TTFT p50 and p99",
+    )
     parser.add_argument("--num-gpu-blocks", type=int, default=1024, help="each worker's KV cache, in blocks")
     parser.add_argument("--output-tokens", type=int, default=16, help="cap each request's output")
     parser.add_argument("--output-dir", default="bench-results/vllm-routing", help="reports and the plot")
@@ -249,30 +313,42 @@ def main() -> None:
             Path(args.trace), args.trace_start, args.trace_requests, args.trace_block_size, window
         )
         setups = [*MODES, PENALISED] if args.kv_duplicate_penalty is not None else list(MODES)
-        rows = [(mode, run_setup(mode, trace, args, out_dir)) for mode in setups]
+        runs = run_repeats(setups, trace, args, out_dir)
+    rows = [(mode, pooled(mode, reports)) for mode, reports in runs.items()]
     print(
         f"\n{args.workers} vLLM workers (CPU, kvmesh-tiny Llama, {args.num_gpu_blocks} blocks of "
         f"{args.trace_block_size} tokens each), trace requests {args.trace_start}-"
         f"{args.trace_start + args.trace_requests - 1} at {args.arrival_speedup_ratio}x, "
         f"{args.output_tokens} output tokens at most; {too_long} requests longer than the context left out"
     )
+    if args.repeats > 1:
+        print(f"{args.repeats} runs of each setup, their requests pooled; the runs' own TTFT p50s and p99s after |")
     print(f"{'router':12} {'ok':>4} {'cached':>7} {'TTFT p50':>9} {'p99':>8} {'req/s':>6} {'out tok/s':>9}")
     for mode, report in rows:
         ttft = report["ttft_ms"]
+        spread = "" if args.repeats == 1 else " | " + run_spread(runs[mode])
         print(
             f"{mode:12} {report['completed']:>4} {report['cached_token_ratio']:7.3f} {ttft['p50']:9.1f} "
             f"{ttft['p99']:8.1f} {report['request_throughput_per_s']:6.2f} {report['output_tokens_per_s']:9.1f}"
+            f"{spread}"
         )
     print("per worker (requests, cached share of its prompt tokens, TTFT p50):")
-    for mode, report in rows:
-        print(f"  {mode:12} " + "; ".join(per_worker(report)))
+    for mode, reports in runs.items():
+        for index, report in enumerate(reports):
+            run = "" if args.repeats == 1 else f" run {index}"
+            print(f"  {mode + run:18} " + "; ".join(per_worker(report)))
     steered = [f"{mode} {report['steered']}" for mode, report in rows if report.get("steered")]
     print("requests moved off a stalled worker or one whose decodes were behind: " + ("; ".join(steered) or "none"))
     p50 = {mode: report["ttft_ms"]["p50"] for mode, report in rows}
     print(f"kv TTFT p50 / round-robin's: {p50['kv'] / p50['round-robin']:.2f} (target: 0.50 or less)")
-    reports = [str(out_dir / mode / "report.json") for mode, _ in rows]
+    reports = []
+    for mode, report in rows:
+        (out_dir / mode).mkdir(parents=True, exist_ok=True)
+        reports.append(out_dir / mode / "report.json")
+        reports[-1].write_text(json.dumps(report, indent=2) + "\n")
     subprocess.run(
-        [sys.executable, "-m", "kvmesh", "bench", "--compare", *reports, "--output-dir", str(out_dir)], check=True
+        [sys.executable, "-m", "kvmesh", "bench", "--compare", *map(str, reports), "--output-dir", str(out_dir)],
+        check=True,
     )
     print(f"plot: {out_dir / 'compare_cdf.png'}")
 

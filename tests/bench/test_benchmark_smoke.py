@@ -81,9 +81,10 @@ SMOKE: dict[str, tuple[list[str], str, object]] = {
     "vllm_bench": (
         [
             *("--part", "routing", "--trace-requests", "4", "--workers", "2"),
-            *("--output-tokens", "2", "--arrival-speedup-ratio", "50"),
+            *("--output-tokens", "2", "--arrival-speedup-ratio", "50", "--repeats", "2"),
         ],
-        r"kv TTFT p50 / round-robin's",
+        r"2 runs of each setup, their requests pooled[\s\S]*\nkv +\d+ [\s\S]*\| p50 \d+/\d+, p99 \d+/\d+"
+        r"[\s\S]*kv TTFT p50 / round-robin's",
         vllm_reason,
     ),
     "drills": (
