@@ -183,7 +183,6 @@ def pooled(label: str, reports: list[dict]) -> dict:
         "ttft_ms": {"p50": percentile(ttft, 50) * 1000, "p99": percentile(ttft, 99) * 1000},
         "request_throughput_per_s": mean(report["request_throughput_per_s"] for report in reports),
         "output_tokens_per_s": mean(report["output_tokens_per_s"] for report in reports),
-        "duration_s": max(report["duration_s"] for report in reports),
         "steered": steered,
         "per_request": rows,
     }
@@ -341,11 +340,10 @@ def main() -> None:
     print("requests moved off a stalled worker or one whose decodes were behind: " + ("; ".join(steered) or "none"))
     p50 = {mode: report["ttft_ms"]["p50"] for mode, report in rows}
     print(f"kv TTFT p50 / round-robin's: {p50['kv'] / p50['round-robin']:.2f} (target: 0.50 or less)")
-    reports = []
-    for mode, report in rows:
-        (out_dir / mode).mkdir(parents=True, exist_ok=True)
-        reports.append(out_dir / mode / "report.json")
-        reports[-1].write_text(json.dumps(report, indent=2) + "\n")
+    reports = [out_dir / mode / "report.json" for mode, _ in rows]
+    if args.repeats > 1:  # one run's report is already there; pooled ones are written for the plot
+        for path, (_, report) in zip(reports, rows, strict=True):
+            path.write_text(json.dumps(report, indent=2) + "\n")
     subprocess.run(
         [sys.executable, "-m", "kvmesh", "bench", "--compare", *map(str, reports), "--output-dir", str(out_dir)],
         check=True,
