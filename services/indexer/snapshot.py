@@ -38,7 +38,7 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
 
 from kvmesh.common.core.prefix_index import UNKNOWN_PARENT, PrefixIndex
-from kvmesh.common.runtime.jetstream_state import ensure_key_value, ensure_object_store
+from kvmesh.common.runtime.jetstream_state import ensure_key_value, ensure_object_store, when_jetstream_answers
 from kvmesh.common.wire import names
 from kvmesh.common.wire.kv_events import DEVICE_TIER, stream_of_v1_rank
 from kvmesh.common.wire.worker_key import IndexKey, TierKey, index_key
@@ -306,11 +306,24 @@ class SnapshotLock:
         self.held = False
 
     async def acquire(self) -> bool:
-        self._kv = await _locks(self._js)
+        """True when this owner now holds the lock, False while another does. Waits while JetStream
+        does not answer (see ``when_jetstream_answers``)."""
+        kv = self._kv = await _locks(self._js)
+        tries = 0
+
+        async def create() -> None:
+            nonlocal tries
+            tries += 1
+            await kv.create(self.key, self.owner.encode())
+
         try:
-            await self._kv.create(self.key, self.owner.encode())
+            # The bucket's stream answers nothing until its servers elect a leader: on a cluster, a
+            # create right after the bucket was made met "no responders" in CI.
+            await when_jetstream_answers(create, f"lock {self.key}")
         except nats.js.errors.KeyWrongLastSequenceError:
-            return False
+            # A create that timed out may still have been written; asked again, it finds our key.
+            self.held = tries > 1 and await self._holds()
+            return self.held
         except nats.js.errors.KeyNotFoundError:
             # The create was refused (the key is held) and nats-py's read back of the key, made to
             # tell a deleted key from a held one, found nothing: in a cluster a replica that has not
@@ -319,6 +332,13 @@ class SnapshotLock:
             return False
         self.held = True
         return True
+
+    async def _holds(self) -> bool:
+        try:
+            entry = await self._kv.get(self.key)
+        except nats.js.errors.KeyNotFoundError:
+            return False
+        return entry.value == self.owner.encode()
 
     async def wait_and_acquire(self, poll_s: float = 0.05) -> None:
         """Acquire, waiting while another holds it (a dead holder's lease lapses in ``LOCK_LEASE_S``)."""

@@ -222,6 +222,30 @@ async def test_a_client_given_the_cluster_connects_past_a_dead_first_server(nats
         await nc.close()
 
 
+async def test_the_snapshot_lock_asked_for_without_a_majority_is_taken_once_it_returns(
+    nats_cluster: EmbeddedNatsCluster,
+):
+    nc = await connect_nats(nats_cluster.nodes[0].url, name="test")
+    try:
+        lock = snapshot.SnapshotLock(nc.jetstream(timeout=1), "default", "me")
+        assert await lock.acquire()  # the bucket exists
+        await lock.release()
+        for node in nats_cluster.nodes[1:]:
+            node.kill()
+        # asked while no leader can be elected; it waits, and its create then meets a bucket whose
+        # stream is still electing its leader (a CI run's "no responders")
+        acquiring = asyncio.create_task(lock.acquire())
+        await asyncio.gather(*(node.restart() for node in nats_cluster.nodes[1:]))
+        assert await asyncio.wait_for(acquiring, timeout=jetstream_state.JETSTREAM_WAIT_S)
+        assert lock.held
+        await lock.release()
+        other = snapshot.SnapshotLock(nc.jetstream(), "default", "other")
+        assert await other.acquire()  # released: nothing of "me" is left behind
+        await other.release()
+    finally:
+        await nc.close()
+
+
 async def test_inspect_and_metrics_show_replicas_leader_and_lag(
     nats_cluster: EmbeddedNatsCluster, capsys: pytest.CaptureFixture[str]
 ):
