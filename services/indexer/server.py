@@ -35,6 +35,7 @@ from kvmesh.indexer.config import IndexerConfig
 from kvmesh.indexer.consumer import EventStreamConsumer
 from kvmesh.indexer.metrics import IndexerState, build_registry
 from kvmesh.indexer.recovery import GapRecovery
+from kvmesh.indexer.snapshot_lock import SnapshotLock
 
 log = structlog.get_logger(__name__)
 
@@ -211,7 +212,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
         # Restored under the snapshot lock, released once the durable exists: a replica that took a
         # snapshot and purged between this one's read of the snapshot and its durable (which pins the
         # purge floor at the snapshot it read) would drop events this one never sees (a CI run did).
-        restore_lock = snapshots.SnapshotLock(js, config.namespace, f"{config.replica_id}:{instance_id}:restore")
+        restore_lock = SnapshotLock(js, config.namespace, f"{config.replica_id}:{instance_id}:restore")
         await when_jetstream_answers(restore_lock.wait_and_acquire, "snapshot lock")
         stack.push_async_callback(restore_lock.release)  # also when the start fails
         start_after = await restore_snapshot(js, config, index, state)

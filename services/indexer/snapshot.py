@@ -6,7 +6,7 @@ workers that have left. It is stored under ``<namespace>/index`` in ``KVMESH_IND
 
 Taking one (when the stream holds more than the threshold of this namespace's events):
 
-1. take the lock ``<namespace>.index-snapshot`` in the KV bucket ``KVMESH_LOCKS`` (a key with a
+1. take the lock ``<namespace>.index-snapshot`` in the KV bucket ``KVMESH_LOCKS`` (``snapshot_lock``; a key with a
    lease: the bucket's max age), so one replica works at a time;
 2. upload, unless the stored snapshot is already as new;
 3. purge this namespace's events below ``min(snapshot sequence, the ack floor of every durable
@@ -35,15 +35,16 @@ import nats.js.errors
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
+from nats.js.api import ObjectStoreConfig, StorageType
 
 from kvmesh.common.core.prefix_index import UNKNOWN_PARENT, PrefixIndex
-from kvmesh.common.runtime.jetstream_state import ensure_key_value, ensure_object_store, when_jetstream_answers
+from kvmesh.common.runtime.jetstream_state import ensure_object_store
 from kvmesh.common.wire import names
 from kvmesh.common.wire.kv_events import DEVICE_TIER, stream_of_v1_rank
 from kvmesh.common.wire.worker_key import IndexKey, TierKey, index_key
 from kvmesh.indexer.metrics import IndexerState
 from kvmesh.indexer.purge import purge_covered
+from kvmesh.indexer.snapshot_lock import SnapshotLock
 
 log = structlog.get_logger(__name__)
 
@@ -51,7 +52,6 @@ SNAPSHOT_FORMAT = 2
 # How a block's parent is stored: none (a root), the entry before it, unknown, or listed apart.
 _NO_PARENT, _PREVIOUS, _UNKNOWN, _EXPLICIT = 0, 1, 2, 3
 _NOT_PREVIOUS = re.compile(rb"[\x00\x02\x03]")
-LOCK_LEASE_S = 30.0
 
 
 class SnapshotError(ValueError):
@@ -289,76 +289,6 @@ async def upload(js: JetStreamContext, namespace: str, snapshot: Snapshot) -> in
     store = await _object_store(js)
     await store.put(snapshot_key(namespace), payload)
     return len(payload)
-
-
-async def _locks(js: JetStreamContext):
-    return await ensure_key_value(js, KeyValueConfig(bucket=names.LOCKS_BUCKET, history=1, ttl=LOCK_LEASE_S))
-
-
-class SnapshotLock:
-    """A lease lock on a KV key: held by whoever created the key; it lapses with the bucket's max age."""
-
-    def __init__(self, js: JetStreamContext, namespace: str, owner: str) -> None:
-        self._js = js
-        self.key = f"{namespace}.index-snapshot"
-        self.owner = owner
-        self._kv = None
-        self.held = False
-
-    async def acquire(self) -> bool:
-        """True when this owner now holds the lock, False while another does. Waits while JetStream
-        does not answer (see ``when_jetstream_answers``)."""
-        kv = self._kv = await _locks(self._js)
-        tries = 0
-
-        async def create() -> None:
-            nonlocal tries
-            tries += 1
-            await kv.create(self.key, self.owner.encode())
-
-        try:
-            # The bucket's stream answers nothing until its servers elect a leader: on a cluster, a
-            # create right after the bucket was made met "no responders" in CI.
-            await when_jetstream_answers(create, f"lock {self.key}")
-        except nats.js.errors.KeyWrongLastSequenceError:
-            # A create that timed out may still have been written; asked again, it finds our key.
-            self.held = tries > 1 and await self._holds()
-            return self.held
-        except nats.js.errors.KeyNotFoundError:
-            # The create was refused (the key is held) and nats-py's read back of the key, made to
-            # tell a deleted key from a held one, found nothing: in a cluster a replica that has not
-            # yet seen the write answers that read, or the holder's lease lapsed in between (seen in
-            # CI). Either way it is not ours now; the caller asks again.
-            return False
-        self.held = True
-        return True
-
-    async def _holds(self) -> bool:
-        try:
-            entry = await self._kv.get(self.key)
-        except nats.js.errors.KeyNotFoundError:
-            return False
-        return entry.value == self.owner.encode()
-
-    async def wait_and_acquire(self, poll_s: float = 0.05) -> None:
-        """Acquire, waiting while another holds it (a dead holder's lease lapses in ``LOCK_LEASE_S``)."""
-        waited = False
-        while not await self.acquire():
-            if not waited:
-                log.info("waiting for the replica taking a snapshot", lock=self.key)
-                waited = True
-            await asyncio.sleep(poll_s)
-
-    async def release(self) -> None:
-        """Delete the key if this owner still holds it; a no-op once released."""
-        if self._kv is not None and self.held:
-            self.held = False
-            try:
-                entry = await self._kv.get(self.key)
-            except nats.js.errors.KeyNotFoundError:
-                return
-            if entry.value == self.owner.encode():
-                await self._kv.delete(self.key, last=entry.revision)
 
 
 class Snapshotter:

@@ -32,6 +32,7 @@ from kvmesh.devtools.index_truth import as_truth, converged, settle_in_fresh_pro
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.indexer.config import IndexerConfig
+from kvmesh.indexer.snapshot_lock import SnapshotLock
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.event_publisher import KvEventPublisher
@@ -214,7 +215,7 @@ async def test_a_replica_restores_only_while_no_other_takes_a_snapshot(nats_url:
     async with two_workers(nats_url, nc) as workers, running(indexer_server.serve, snapshotting(nats_url)):
         await load(workers, requests=60)
         await wait_until_async(lambda: snapshots.load(js, NAMESPACE), timeout=20, what="a snapshot taken")
-        drill = snapshots.SnapshotLock(js, NAMESPACE, "drill")  # as a replica taking a snapshot holds it
+        drill = SnapshotLock(js, NAMESPACE, "drill")  # as a replica taking a snapshot holds it
         await wait_until_async(drill.acquire, timeout=20, what="the snapshot lock free")
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvmesh.indexer", "--nats-url", nats_url, "--namespace", NAMESPACE,
