@@ -19,7 +19,10 @@ TTFT distributions are
 plotted together (``--output-dir``/compare_cdf.png).
 ``--repeats N`` runs every setup N times, the order rotated each time, and pools each setup's requests
 (one run's p99 is its third-slowest request, and on 2 shared cores it moves by tens of percent from
-run to run); the table then also shows each run's own TTFT p50 and p99.
+run to run); the table then also shows each run's own TTFT p50 and p99, and kv's pooled cached share, TTFT
+p50 and p99 minus cache-aware's and round-robin's, each with a 95% interval that resamples the runs
+and then their requests (:mod:`kvmesh.loadgen.run_comparison`): an interval holding 0 says these runs
+cannot tell the two setups apart on that figure.
 ``kv`` routes with the router's defaults (since decision 54, ``--kv-duplicate-penalty 128``);
 ``--kv-duplicate-penalty P`` adds a fourth setup, ``kv-penalty``: kv with that duplicate penalty
 (``0``: plain ``kv``, the default before decision 54).
@@ -29,7 +32,10 @@ NIXL connector), splitting every request (``--disagg-split-when always``) and by
 where a split is predicted to pay), on distinct prompts sent one at a time: TTFT, and the KV bytes
 and blocks each request moved (from the router's counters).
 
+``--setups`` runs only some of the three (kv always), for more repeats of a comparison in the same time.
+
     python -m bench.vllm_bench [--part routing|disagg|all] [--trace PATH] [--workers 3] [--repeats 1]
+        [--setups kv cache-aware]
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import httpx
 
 from bench.live_load import run_load
 from kvmesh.devtools.mesh_process import MeshProcess
+from kvmesh.loadgen.run_comparison import differences
 from kvmesh.replay.report import percentile
 from tests.support import discovered, scrape
 
@@ -283,7 +290,15 @@ def main() -> None:
         type=int,
         default=1,
         help="routing: run every setup this many times (the order rotated each time) and pool their requests; "
-        "the table also shows each run's TTFT p50 and p99",
+        "the table also shows each run's TTFT p50 and p99, and kv's differences from the other setups with "
+        "95%% intervals over the runs and their requests",
+    )
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        choices=MODES,
+        default=list(MODES),
+        help="routing: the setups to run (default: all three; kv always runs, as the others are compared with it)",
     )
     parser.add_argument("--num-gpu-blocks", type=int, default=1024, help="each worker's KV cache, in blocks")
     parser.add_argument("--output-tokens", type=int, default=16, help="cap each request's output")
@@ -311,7 +326,8 @@ def main() -> None:
         trace, too_long = trace_window(
             Path(args.trace), args.trace_start, args.trace_requests, args.trace_block_size, window
         )
-        setups = [*MODES, PENALISED] if args.kv_duplicate_penalty is not None else list(MODES)
+        chosen = [mode for mode in MODES if mode == "kv" or mode in args.setups]
+        setups = [*chosen, PENALISED] if args.kv_duplicate_penalty is not None else chosen
         runs = run_repeats(setups, trace, args, out_dir)
     rows = [(mode, pooled(mode, reports)) for mode, reports in runs.items()]
     print(
@@ -336,10 +352,16 @@ def main() -> None:
         for index, report in enumerate(reports):
             run = "" if args.repeats == 1 else f" run {index}"
             print(f"  {mode + run:18} " + "; ".join(per_worker(report)))
+    if args.repeats > 1:
+        print("kv's pooled figure minus the other's [95% interval, resampling the runs and their requests]:")
+        for other in (mode for mode in ("cache-aware", "round-robin") if mode in runs):
+            apart = differences(*([report["per_request"] for report in runs[mode]] for mode in ("kv", other)))
+            print(f"  kv - {other:12} " + "; ".join(map(str, apart)))
     steered = [f"{mode} {report['steered']}" for mode, report in rows if report.get("steered")]
     print("requests moved off a stalled worker or one whose decodes were behind: " + ("; ".join(steered) or "none"))
     p50 = {mode: report["ttft_ms"]["p50"] for mode, report in rows}
-    print(f"kv TTFT p50 / round-robin's: {p50['kv'] / p50['round-robin']:.2f} (target: 0.50 or less)")
+    if "round-robin" in p50:
+        print(f"kv TTFT p50 / round-robin's: {p50['kv'] / p50['round-robin']:.2f} (target: 0.50 or less)")
     reports = [out_dir / mode / "report.json" for mode, _ in rows]
     if args.repeats > 1:  # one run's report is already there; pooled ones are written for the plot
         for path, (_, report) in zip(reports, rows, strict=True):

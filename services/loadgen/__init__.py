@@ -4,4 +4,5 @@
 - ``workload`` — what it sends: prompts from a Mooncake trace, or a synthetic shared-prefix set.
 - ``runner`` — sends it, streaming, and times every token.
 - ``report`` — the JSON report and its plots.
+- ``run_comparison`` — how far apart two setups' repeated runs are: a bootstrap interval for a difference.
 """

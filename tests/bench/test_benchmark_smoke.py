@@ -84,6 +84,7 @@ SMOKE: dict[str, tuple[list[str], str, object]] = {
             *("--output-tokens", "2", "--arrival-speedup-ratio", "50", "--repeats", "2"),
         ],
         r"2 runs of each setup, their requests pooled[\s\S]*\nkv +\d+ [\s\S]*\| p50 \d+/\d+, p99 \d+/\d+"
+        r"[\s\S]*kv - cache-aware +cached share [+-]\d\.\d{3} \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]; TTFT p50 ms"
         r"[\s\S]*kv TTFT p50 / round-robin's",
         vllm_reason,
     ),
