@@ -16,15 +16,12 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
-from kvmesh.common.runtime.jetstream_state import ensure_key_value, when_jetstream_answers
+from kvmesh.common.runtime.jetstream_state import ensure_key_value, latest_entry, when_jetstream_answers
 from kvmesh.common.wire import names
 
 log = structlog.get_logger(__name__)
 
 LOCK_LEASE_S = 30.0
-# How nats-py marks a deleted or purged key's last message (the KV wire format's header).
-_KV_OPERATION = "KV-Operation"
-_GONE = ("DEL", "PURGE")
 
 
 class Unsettled(nats.errors.TimeoutError):
@@ -66,7 +63,7 @@ class SnapshotLock:
             pass
         # Refused. nats-py tells a deleted key from a held one by a direct read, which any replica may
         # answer, and one that lags (just restarted) still showed the deleted key's old value: the
-        # lock was free and nobody could take it. So the stream's leader decides. A create that
+        # lock was free and nobody could take it. So the stream's leader decides (latest_entry). A create that
         # timed out before may also have been written, even after this read: then the key is ours.
         mine = self.owner.encode()
         revision, owner = await self._latest()
@@ -82,15 +79,10 @@ class SnapshotLock:
         return True
 
     async def _latest(self) -> tuple[int, bytes | None]:
-        """The key's revision (0: never written) and its holder's value (None: free, deleted or
-        purged), as the stream's leader has them: its direct reads may be answered by a lagging
-        replica."""
-        try:
-            last = await self._js.get_last_msg(f"KV_{names.LOCKS_BUCKET}", f"$KV.{names.LOCKS_BUCKET}.{self.key}")
-        except nats.js.errors.NotFoundError:
-            return 0, None
-        gone = (last.headers or {}).get(_KV_OPERATION) in _GONE
-        return last.seq or 0, None if gone else (last.data or b"")
+        """The key's revision (0: never written, or aged out) and its holder's value (None: free), as
+        the stream's leader has them."""
+        entry = await latest_entry(self._js, names.LOCKS_BUCKET, self.key)
+        return (0, None) if entry is None else (entry.revision, entry.value)
 
     async def wait_and_acquire(self, poll_s: float = 0.05) -> None:
         """Acquire, waiting while another holds it (a dead holder's lease lapses in ``LOCK_LEASE_S``)."""

@@ -20,14 +20,13 @@ from datetime import UTC
 from typing import Any
 
 import msgpack
-import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from kvmesh.common.rpc.tasks import cancel_and_wait
-from kvmesh.common.runtime.jetstream_state import ensure_key_value, when_jetstream_answers
+from kvmesh.common.runtime.jetstream_state import ensure_key_value, latest_entry, when_jetstream_answers
 from kvmesh.common.wire import names
 
 log = structlog.get_logger(__name__)
@@ -403,16 +402,10 @@ class DiscoveryWatcher:
     async def _live_record(self, key: str) -> tuple[bytes, float] | None:
         """The live record of ``key`` (undecoded) and when it was last written (server time); None if
         it is gone."""
-        try:
-            message = await self._js.get_msg(
-                names.kv_stream(names.INSTANCES_BUCKET), subject=f"$KV.{names.INSTANCES_BUCKET}.{key}"
-            )
-        except nats.js.errors.NotFoundError:
+        entry = await latest_entry(self._js, names.INSTANCES_BUCKET, key)
+        if entry is None or entry.value is None or entry.written_at is None:
             return None
-        if (message.headers or {}).get("KV-Operation") in (KV_DEL, KV_PURGE) or message.time is None:
-            return None
-        written_at = message.time.replace(tzinfo=UTC) if message.time.tzinfo is None else message.time
-        return message.data or b"", written_at.timestamp()
+        return entry.value, entry.written_at
 
     async def _last_written(self, key: str) -> float | None:
         """When the live record of ``key`` was last written (server time); None if it is gone."""

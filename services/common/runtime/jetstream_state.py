@@ -8,7 +8,7 @@ cluster of three or more servers and 1 otherwise. One found with fewer replicas 
 raised to them (JetStream moves a stream to more peers while it serves); where NATS refuses, the
 service stops with :class:`ReplicationError`, whose message says how to fix it. A refusal for want
 of peers that the cluster has servers for is asked again while JetStream places them
-(:class:`PlacementPending`).
+(:class:`PlacementPending`). :func:`latest_entry` reads a KV key as its stream's leader has it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC
 from typing import Any, TypeVar
 
 import nats.errors
@@ -26,7 +27,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, StreamConfig, StreamInfo
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 from nats.js.object_store import ObjectStore
 
 from kvmesh.common.wire import names
@@ -211,6 +212,35 @@ def _refusal(name: str, have: int, replicas: int, exc: Exception) -> str:
 async def ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
     """The KV bucket ``config.bucket``, made as :func:`ensure_stream` makes a stream."""
     return await when_jetstream_answers(lambda: _ensure_key_value(js, config), f"bucket {config.bucket}")
+
+
+@dataclass(frozen=True)
+class LatestEntry:
+    """A KV key's last message as its stream's leader has it: ``revision`` its stream sequence,
+    ``value`` None where it marks the key deleted or purged, ``written_at`` server time (s since the
+    epoch; None where the server gave none)."""
+
+    revision: int
+    value: bytes | None
+    written_at: float | None
+
+
+async def latest_entry(js: JetStreamContext, bucket: str, key: str) -> LatestEntry | None:
+    """The last message of ``key`` in ``bucket``, read from the stream's leader; None where the key
+    was never written or has aged out. Why not ``KeyValue.get``: nats-py reads keys directly, which
+    any replica may answer, and one that lags (just restarted) answered with a deleted key's old
+    value (seen on a cluster)."""
+    try:
+        message = await js.get_last_msg(names.kv_stream(bucket), f"$KV.{bucket}.{key}")
+    except nats.js.errors.NotFoundError:
+        return None
+    gone = (message.headers or {}).get(KV_OP) in (KV_DEL, KV_PURGE)
+    written = message.time
+    if written is not None and written.tzinfo is None:
+        written = written.replace(tzinfo=UTC)
+    return LatestEntry(
+        message.seq or 0, None if gone else (message.data or b""), None if written is None else written.timestamp()
+    )
 
 
 async def _ensure_key_value(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
