@@ -213,7 +213,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
         # snapshot and purged between this one's read of the snapshot and its durable (which pins the
         # purge floor at the snapshot it read) would drop events this one never sees (a CI run did).
         restore_lock = SnapshotLock(js, config.namespace, f"{config.replica_id}:{instance_id}:restore")
-        await when_jetstream_answers(restore_lock.wait_and_acquire, "snapshot lock")
+        await restore_lock.wait_and_acquire()  # waits for JetStream to answer, as every acquire does
         stack.push_async_callback(restore_lock.release)  # also when the start fails
         start_after = await restore_snapshot(js, config, index, state)
         for record in workers.instances():  # the snapshot may list as removed a worker that is back
