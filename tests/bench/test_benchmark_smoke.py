@@ -100,6 +100,14 @@ SMOKE: dict[str, tuple[list[str], str, object]] = {
         None,
     ),
     # the second command line of a benchmark whose other half a published figure stands on
+    "vllm_bench --setups": (
+        [
+            *("--part", "routing", "--trace-requests", "4", "--workers", "2", "--setups", "cache-aware"),
+            *("--output-tokens", "2", "--arrival-speedup-ratio", "50"),
+        ],
+        r"\nkv +\d+ [^\n]*\ncache-aware +\d+ [^\n]*\nper worker",  # kv and the one asked for, nothing else
+        vllm_reason,
+    ),
     "router_bench --saturation": (
         ["--saturation", "--router-cores", "0.5", "--seconds", "1", "--levels", "2", "4"],
         r"router under 0\.5 cores, +4 clients: +\d+ requests/s",
