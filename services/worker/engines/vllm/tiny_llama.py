@@ -7,11 +7,11 @@ greedy decoding is deterministic and depends on the whole prompt, which is what 
 ``kvmesh build-tiny-model DIR`` writes it for ``--model DIR``; ``kvmesh worker --engine vllm`` with
 no ``--model`` builds it on first use into the user's cache directory.
 
-``--shape small`` builds a wider, deeper one (4 layers, hidden 256; ~5 MB) for benchmarks of routing:
+``--shape small`` builds a wider, deeper one (4 layers, hidden 256; ~9 MB) for benchmarks of routing:
 on vLLM's CPU build the tiny shape computes 1,024 new tokens in about 30 ms, about what the serving
 path around an engine adds to a first token, so a cache hit there saves little beside the path and
-routing barely moves a median. The small shape takes about 190 ms for the same prefill (measured on one
-CPU core, 2026-12-04), about five times the path, as a real model's prefill is on its accelerator
+routing barely moves a median. The small shape takes about 190 ms for the same prefill (one engine alone on
+a 2-core machine, 2026-12-04), about five times the path, as a real model's prefill is on its accelerator
 (docs/decisions/0074).
 """
 
