@@ -122,13 +122,21 @@ def router_args(setup: str, args: argparse.Namespace) -> list[str]:
     return ["--router-mode", setup]
 
 
+def model_args(shape: str) -> list[str]:
+    """The workers' ``--model`` for a shape of :data:`~kvmesh.worker.engines.vllm.tiny_llama.SHAPES`, built
+    on first use; none for the tiny shape, which a worker given no model builds itself."""
+    if shape == tiny_llama.DEFAULT_SHAPE:
+        return []
+    return ["--model", str(tiny_llama.ensure(shape=shape))]
+
+
 def run_setup(mode: str, trace: Path, args: argparse.Namespace, report_dir: Path) -> dict:
     """One run of a setup on a fresh mesh; its ``kvmesh bench`` report (kept in ``report_dir``) with
     the requests the router's rules moved (``steered``)."""
     engine = [
         "--block-size", str(args.trace_block_size), "--num-gpu-blocks-override", str(args.num_gpu_blocks),
         "--max-model-len", str(CONTEXT), "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
-        "--dtype", "float32", *(["--model", args.model] if args.model else []),
+        "--dtype", "float32", *model_args(args.model_shape),
     ]  # fmt: skip
     mesh = MeshProcess(
         "--engine", "vllm", "--workers", str(args.workers), *router_args(mode, args), "--log-level", "warning", *engine
@@ -334,10 +342,6 @@ def main() -> None:
         return
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # the tiny shape is what a worker builds itself when given no model
-    args.model = (
-        None if args.model_shape == tiny_llama.DEFAULT_SHAPE else str(tiny_llama.ensure(shape=args.model_shape))
-    )
     with tempfile.TemporaryDirectory() as tmp:
         window = Path(tmp) / "window.jsonl"
         trace, too_long = trace_window(
