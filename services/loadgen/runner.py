@@ -36,6 +36,7 @@ class RequestResult:
 
     @property
     def ttft_s(self) -> float | None:
+        """From sending to the first chunk with text, or to the answer's end where no chunk had any."""
         return None if self.first_token_s is None else self.first_token_s - self.sent_s
 
     @property
@@ -124,11 +125,15 @@ class LoadRunner:
                 if chunk.choices:
                     choice = chunk.choices[0]
                     text = choice.delta.content if self.endpoint == "chat" else choice.text
-                    if text:
+                    if text or (choice.finish_reason and result.first_token_s is None):
+                        # An answer whose tokens all decode to no text (a random-weight model's can)
+                        # is first heard of at its end: its TTFT is then, not missing, as leaving it
+                        # out would drop slow requests from the percentiles.
                         now = self._now()
                         if result.first_token_s is None:
                             result.first_token_s = now
-                        result.chunk_times_s.append(now)
+                        if text:
+                            result.chunk_times_s.append(now)
                 if chunk.usage is not None:
                     result.output_tokens = chunk.usage.completion_tokens
                     result.prompt_tokens = chunk.usage.prompt_tokens
