@@ -4,8 +4,10 @@ them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import nats.errors
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.js.api import ConsumerConfig, ConsumerInfo
@@ -14,6 +16,7 @@ from kvmesh.common.wire import names
 
 log = structlog.get_logger(__name__)
 JS_API = "$JS.API"  # the JetStream API's subject prefix (no domain: kvmesh's servers run none)
+LISTED_POLL_S = 0.1
 
 
 class IncompleteConsumerList(RuntimeError):
@@ -71,3 +74,22 @@ def _follows(config: ConsumerConfig, subject: str) -> bool:
     if config.filter_subjects:
         return subject in config.filter_subjects
     return not config.filter_subject or config.filter_subject == subject
+
+
+async def wait_listed(nc: NatsClient, namespace: str, durable: str, timeout_s: float) -> bool:
+    """Whether ``durable`` is in a complete list of ``namespace``'s durables within ``timeout_s``.
+
+    A purge pins its floor only at the durables the server lists. A durable just made can be left
+    out of a list the server gives as complete until its assignment reaches the stream's leader
+    (seen under CI load, 2026-12-04), so a replica that restored a snapshot holds the snapshot lock
+    until its durable is listed: no other replica can purge past what it has not read meanwhile."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            if any(info.name == durable for info in await durables_following(nc, namespace)):
+                return True
+        except (IncompleteConsumerList, TimeoutError, nats.errors.Error):
+            pass  # asked again until the deadline
+        if asyncio.get_running_loop().time() >= deadline:
+            return False
+        await asyncio.sleep(LISTED_POLL_S)

@@ -30,6 +30,7 @@ from kvmesh.common.runtime.service import ServiceStack, service_main
 from kvmesh.common.wire.hashing import block_set_digest, sequence_hashes
 from kvmesh.common.wire.kv_events import DEVICE_TIER
 from kvmesh.common.wire.worker_key import TierKey
+from kvmesh.indexer import purge
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.indexer.consumer import EventStreamConsumer
@@ -40,6 +41,8 @@ from kvmesh.indexer.snapshot_lock import SnapshotLock
 log = structlog.get_logger(__name__)
 
 MAX_QUERY_BLOCKS = 1 << 20
+# how long a restored replica holds the snapshot lock for its new durable to be listed (purge.wait_listed)
+DURABLE_LISTED_TIMEOUT_S = 10.0
 
 
 class QueryRefused(ValueError):
@@ -209,7 +212,7 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
         )
         recovery = GapRecovery(index, workers)
         stack.push_async_callback(recovery.stop)
-        # Restored under the snapshot lock, released once the durable exists: a replica that took a
+        # Restored under the snapshot lock, released once the durable is listed: a replica that took a
         # snapshot and purged between this one's read of the snapshot and its durable (which pins the
         # purge floor at the snapshot it read) would drop events this one never sees (a CI run did).
         restore_lock = SnapshotLock(js, config.namespace, f"{config.replica_id}:{instance_id}:restore")
@@ -246,6 +249,9 @@ async def serve(config: IndexerConfig, stop: asyncio.Event) -> None:
             lambda: consumer.start(reset=config.router_reset_states, start_after=start_after), "event consumer"
         )
         stack.push_async_callback(consumer.stop)
+        if not await purge.wait_listed(nc, config.namespace, consumer.durable, DURABLE_LISTED_TIMEOUT_S):
+            # events purged meanwhile show as a gap at that worker's next event, and its dump rebuilds it
+            log.warning("the durable is not listed yet; releasing the snapshot lock", durable=consumer.durable)
         await restore_lock.release()
         snapshotter = snapshots.Snapshotter(
             nc,

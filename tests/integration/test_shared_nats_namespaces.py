@@ -21,6 +21,7 @@ from kvmesh.common.runtime.kv_event_stream import ensure_kv_events_stream
 from kvmesh.common.wire import names
 from kvmesh.common.wire.kv_events import BlocksStored, KvEvent, KvEventBatch, StoredBlock, encode_batch
 from kvmesh.devtools.index_truth import converged, difference, view
+from kvmesh.indexer import purge
 from kvmesh.indexer import server as indexer_server
 from kvmesh.indexer import snapshot as snapshots
 from kvmesh.indexer.config import IndexerConfig
@@ -205,6 +206,26 @@ async def test_a_durable_named_before_namespaces_is_dropped_only_by_its_own_name
     finally:
         for consumer in consumers:
             await consumer.stop()
+
+
+async def test_a_restoring_replica_waits_for_its_own_durable_to_be_listed(nc: NatsClient):
+    """A restored replica holds the snapshot lock until its durable is in the list purges read: the
+    wait ends when it is listed, and gives up at its bound for a durable of another namespace."""
+    js = nc.jetstream()
+    await ensure_kv_events_stream(js)
+    consumer = EventStreamConsumer(nc, "listed", "r", PrefixIndex())
+    await consumer.start()
+    try:
+        assert await purge.wait_listed(nc, "listed", consumer.durable, timeout_s=30)
+        other = ConsumerConfig(
+            durable_name=names.indexer_durable_name("elsewhere", "r"),
+            filter_subject=names.kv_events_wildcard("elsewhere"),
+        )
+        await js.add_consumer(names.KV_EVENTS_STREAM, other)
+        # listed by the server, but it follows another namespace, so no purge of this one waits on it
+        assert not await purge.wait_listed(nc, "listed", other.durable_name, timeout_s=0.5)
+    finally:
+        await consumer.stop()
 
 
 async def test_a_replica_gone_longer_than_the_inactive_threshold_leaves_no_durable(nc: NatsClient):
