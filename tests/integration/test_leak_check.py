@@ -52,8 +52,11 @@ import os
 from pathlib import Path
 
 def test_finishes_at_once():
+    # Written aside and renamed: the holder must never see the file before its name is in it.
     done = Path(os.environ["PROBE_DIR"]) / "other-worker"
-    done.write_text(os.environ["PYTEST_XDIST_WORKER"])
+    staged = done.with_suffix(".staged")
+    staged.write_text(os.environ["PYTEST_XDIST_WORKER"])
+    os.replace(staged, done)
 """
 
 # Says when a worker's session has ended: after every other sessionfinish hook, the leak check's too.
