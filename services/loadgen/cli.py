@@ -15,8 +15,9 @@ from kvmesh.common.runtime.run_file import default_namespace, read_run_record
 from kvmesh.common.runtime.structured_logging import configure_logging
 from kvmesh.common.wire.priority import parse_mix
 from kvmesh.frontend.tokenizer import ModelTokenizer
-from kvmesh.loadgen.report import build_report, compare, write_outputs
+from kvmesh.loadgen.report import build_report, compare, reply_summary, write_outputs
 from kvmesh.loadgen.runner import LoadRunner
+from kvmesh.loadgen.session_turns import link_turns
 from kvmesh.loadgen.workload import (
     BenchRequest,
     TracePromptBuilder,
@@ -67,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     workload.add_argument("--arrival-speedup-ratio", type=float, default=1.0, help="divide trace timestamps by this")
     workload.add_argument("--limit", type=int, help="send only the first N trace requests")
     workload.add_argument("--max-output-tokens", type=int, help="cap each trace request's output length")
+    workload.add_argument(
+        "--cache-replies",
+        action="store_true",
+        help="session traces: send each turn after its session's previous answer, and before it prefill that "
+        "answer's reply blocks (one output token) on the worker that served it, where a real reply's KV would be "
+        "(kvmesh endpoints only: the worker is read from x-kvmesh-worker-id); these prefills are not measured",
+    )
     workload.add_argument("--num-requests", type=int, default=100, help="synthetic: requests to send")
     workload.add_argument("--num-prefixes", type=int, default=4, help="synthetic: distinct shared prefixes")
     workload.add_argument("--prefix-tokens", type=int, default=512, help="synthetic: tokens per shared prefix")
@@ -105,7 +113,10 @@ def make_workload(args: argparse.Namespace, tokenizer: ModelTokenizer) -> tuple[
         if args.limit is not None:
             trace = trace[: args.limit]
         builder = TracePromptBuilder(tokenizer, args.trace_block_size)
-        return trace_workload(trace, builder, args.arrival_speedup_ratio, args.max_output_tokens), args.trace_block_size
+        requests = trace_workload(trace, builder, args.arrival_speedup_ratio, args.max_output_tokens)
+        if args.cache_replies:
+            requests = link_turns(trace, requests, builder)
+        return requests, args.trace_block_size
     requests = synthetic_workload(
         tokenizer,
         args.num_requests,
@@ -118,7 +129,8 @@ def make_workload(args: argparse.Namespace, tokenizer: ModelTokenizer) -> tuple[
     return requests, args.prefix_tokens
 
 
-async def run_load(args: argparse.Namespace, requests: list[BenchRequest]) -> list:
+async def run_load(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[list, list]:
+    """The measured requests' results, and the reply prefills' (``--cache-replies``)."""
     from tqdm import tqdm
 
     client = openai.AsyncOpenAI(base_url=args.url, api_key=args.api_key, timeout=args.timeout, max_retries=0)
@@ -128,7 +140,8 @@ async def run_load(args: argparse.Namespace, requests: list[BenchRequest]) -> li
     if concurrency is None and args.request_rate is None and args.trace is None:
         concurrency = 8
     try:
-        return await runner.run(requests, request_rate=args.request_rate, concurrency=concurrency)
+        results = await runner.run(requests, request_rate=args.request_rate, concurrency=concurrency)
+        return results, runner.replies
     finally:
         progress.close()
         await client.close()
@@ -160,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.trace is not None and not args.trace.is_file():
         parser.error(f"trace file {args.trace} not found")
+    if args.cache_replies and args.trace is None:
+        parser.error("--cache-replies needs a --trace (a session-structured one)")
     try:
         tokenizer = ModelTokenizer(args.tokenizer)
         requests, check_block = make_workload(args, tokenizer)
@@ -177,9 +192,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"(first: request {prefix_check.first_mismatch})",
             file=sys.stderr,
         )
-    results = asyncio.run(run_load(args, requests))
+    results, replies = asyncio.run(run_load(args, requests))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "compare"}
     report = build_report(args.label or args.url, settings, results, prefix_check)
+    if args.cache_replies:
+        report["cached_replies"] = reply_summary(requests, results, replies)
+        print(
+            f"replies: {report['cached_replies']['cached']} prefilled on their turns' workers, "
+            f"{report['cached_replies']['failed']} failed, {report['cached_replies']['unplaced']} with no worker named",
+            file=sys.stderr,
+        )
     paths = write_outputs(report, args.output_dir)
     print(
         f"{report['completed']}/{report['requests']} completed, {report['errors']} errors, "

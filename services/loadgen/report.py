@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.loadgen.runner import RequestResult
-from kvmesh.loadgen.workload import PrefixCheck
+from kvmesh.loadgen.workload import BenchRequest, PrefixCheck
 from kvmesh.replay.report import percentile
 
 
@@ -103,6 +103,24 @@ def build_report(
             }
             for r in results
         ],
+    }
+
+
+def reply_summary(
+    requests: Sequence[BenchRequest], results: Sequence[RequestResult], replies: Sequence[RequestResult]
+) -> dict[str, Any]:
+    """What became of the replies ``--cache-replies`` prefills: ``wanted`` (turns a later turn
+    continues, with reply blocks), ``cached``, ``failed``, and ``unplaced`` (answered, but by an
+    endpoint that named no worker). A turn that itself failed has no reply to cache."""
+    wanted = {r.index for r in requests if r.reply_prompt}
+    unplaced = [r for r in results if r.index in wanted and r.error is None and r.worker_id is None]
+    failed = [r.error for r in replies if r.error is not None]
+    return {
+        "wanted": len(wanted),
+        "cached": len(replies) - len(failed),
+        "failed": len(failed),
+        "unplaced": len(unplaced),
+        "error_examples": sorted(set(failed))[:5],
     }
 
 

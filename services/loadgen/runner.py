@@ -51,7 +51,13 @@ class RequestResult:
 
 class LoadRunner:
     """Runs a workload open-loop (each request at its ``send_at_s`` or at a fixed rate) or closed-loop
-    (``concurrency`` clients back to back). Errors are recorded per request, never raised."""
+    (``concurrency`` clients back to back). Errors are recorded per request, never raised.
+
+    A request with ``after`` is sent no earlier than that request's answer (and the caching of its
+    reply); one with ``reply_prompt`` then has that prompt prefilled, one output token, on the
+    worker its answer named (``x-kvmesh-worker-id``), or not at all where none was named: see
+    :mod:`kvmesh.loadgen.session_turns`. Those prefills are kept in :attr:`replies`, apart from the
+    measured requests."""
 
     def __init__(
         self,
@@ -67,6 +73,8 @@ class LoadRunner:
         self.endpoint = endpoint
         self._on_done = on_done
         self._start = 0.0
+        self._settled: dict[int, asyncio.Event] = {}
+        self.replies: list[RequestResult] = []  # the reply prefills: not measured, kept to count failures
 
     def _now(self) -> float:
         return time.perf_counter() - self._start
@@ -78,6 +86,10 @@ class LoadRunner:
         concurrency: int | None = None,
     ) -> list[RequestResult]:
         self._start = time.perf_counter()
+        # one event per request a later one waits for (one missing from ``requests`` holds nobody up)
+        sent = {request.index for request in requests}
+        self._settled = {r.after: asyncio.Event() for r in requests if r.after is not None and r.after in sent}
+        self.replies = []
         if concurrency is not None:
             return await self._closed_loop(requests, concurrency)
         tasks = []
@@ -86,7 +98,7 @@ class LoadRunner:
             delay = send_at - self._now()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(self._send(request)))
+            tasks.append(asyncio.create_task(self._turn(request)))
         return list(await asyncio.gather(*tasks))
 
     async def _closed_loop(self, requests: Sequence[BenchRequest], concurrency: int) -> list[RequestResult]:
@@ -95,10 +107,44 @@ class LoadRunner:
 
         async def client_loop() -> None:
             for request in queue:
-                results.append(await self._send(request))
+                results.append(await self._turn(request))
 
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         return sorted(results, key=lambda r: r.index)
+
+    async def _turn(self, request: BenchRequest) -> RequestResult:
+        """``request`` sent once its predecessor has settled; then its reply cached, if it has one.
+        Its own settling is signalled whatever happens, so no later turn waits forever."""
+        try:
+            predecessor = self._settled.get(request.after) if request.after is not None else None
+            if predecessor is not None:
+                await predecessor.wait()
+            result = await self._send(request)
+            if request.reply_prompt and result.error is None and result.worker_id is not None:
+                await self._cache_reply(request, int(result.worker_id))
+            return result
+        finally:
+            settled = self._settled.get(request.index)
+            if settled is not None:
+                settled.set()
+
+    async def _cache_reply(self, request: BenchRequest, worker_id: int) -> None:
+        """Prefill ``request``'s context through its reply on ``worker_id`` (one output token)."""
+        reply = RequestResult(request.index, self._now(), 0, worker_id=str(worker_id))
+        common = {"model": self.model, "max_tokens": 1, "extra_body": {"kvmesh": {"worker_id": worker_id}}}
+        try:
+            if self.endpoint == "chat":
+                answer = await self.client.chat.completions.create(
+                    messages=[{"role": "user", "content": request.reply_prompt}], **common
+                )
+            else:
+                answer = await self.client.completions.create(prompt=request.reply_prompt, **common)
+            if answer.usage is not None:
+                reply.prompt_tokens = answer.usage.prompt_tokens
+            reply.done_s = self._now()
+        except openai.APIError as exc:
+            reply.error = f"{type(exc).__name__}: {exc}"
+        self.replies.append(reply)
 
     async def _send(self, request: BenchRequest) -> RequestResult:
         result = RequestResult(request.index, self._now(), request.prompt_tokens, priority=request.priority)

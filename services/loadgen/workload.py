@@ -60,6 +60,8 @@ class BenchRequest:
     hash_ids: tuple[int, ...] = ()
     priority: str = ""  # sent as x-kvmesh-priority (empty: no header)
     session: str = ""  # the trace's session id, sent as x-session-id (empty: no header)
+    after: int | None = None  # the request (its session's previous turn) whose answer it waits for
+    reply_prompt: str = ""  # its context through its reply, cached on its worker after its answer
 
 
 class TracePromptBuilder:

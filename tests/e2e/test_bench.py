@@ -93,6 +93,41 @@ def test_bench_trace_mode_at_a_fixed_rate(kv_mesh, tmp_path):
     assert {"s0", "s1"} <= {s["session_id"] for s in router["recent_sessions"]}
 
 
+def test_cache_replies_sends_each_turn_after_the_last_and_finds_its_reply_cached(kv_mesh, tmp_path):
+    """Two sessions of three turns, each turn's context its predecessor's, then that turn's reply
+    (600 output tokens: two 512-token trace blocks; 300: one), then a new message. With
+    --cache-replies every later turn starts after its predecessor's answer, and the worker it is
+    routed to holds its context through the reply, not only the previous prompt."""
+    block = 64
+    rows = []
+    for s, base in (("a", 100), ("b", 200)):
+        turns = [([base, base + 1], 600), ([base, base + 1, base + 2, base + 3, base + 4], 300)]
+        turns.append(([*turns[1][0], base + 5, base + 6], 8))
+        for t, (ids, output) in enumerate(turns):
+            # 1 ms apart: each turn is due before its predecessor can have been answered
+            row = {"timestamp": t, "input_length": len(ids) * block, "output_length": output, "hash_ids": ids}
+            rows.append({**row, "session_id": s})
+    rows.sort(key=lambda r: r["timestamp"])
+    trace = tmp_path / "sessions.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "replies-run"
+    options = ["--trace", str(trace), "--trace-block-size", str(block), "--max-output-tokens", "4"]
+    code = cli.main(["--url", kv_mesh.api, *options, "--cache-replies", "--output-dir", str(out), "--no-progress"])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["completed"] == 6
+    assert report["cached_replies"] == {"wanted": 4, "cached": 4, "failed": 0, "unplaced": 0, "error_examples": []}
+    by_index = {r["index"]: r for r in report["per_request"]}
+    for index, row in enumerate(rows):
+        earlier = [i for i in range(index) if rows[i]["session_id"] == row["session_id"]]
+        if not earlier:
+            continue
+        previous, turn = by_index[earlier[-1]], by_index[index]
+        assert turn["sent_s"] >= previous["sent_s"] + previous["e2e_s"], "a turn went before its predecessor's answer"
+        through_reply = len(rows[earlier[-1]]["hash_ids"]) + (2 if rows[earlier[-1]]["output_length"] > 512 else 1)
+        assert turn["cached_tokens"] >= through_reply * block, (index, turn["cached_tokens"])
+
+
 def test_bench_rejects_conflicting_pacing(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--concurrency", "2", "--request-rate", "3"])
