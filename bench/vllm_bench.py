@@ -37,6 +37,9 @@ and blocks each request moved (from the router's counters).
 the tiny one computes a prompt in about what the serving path adds to a first token, so a cache hit saves
 little beside it; the small one's prefill costs several times the path, as a real model's does on its
 accelerator (docs/decisions/0074). Run it at the trace's own rate: it needs about five times the CPU a token.
+``--cache-replies`` (a session trace, ``kvmesh.replay.session_trace``): each turn is sent after its
+session's previous answer, and that answer's reply blocks are first prefilled on the worker that
+served it, where a real reply's KV would be (docs/decisions/0075).
 
     python -m bench.vllm_bench [--part routing|disagg|all] [--trace PATH] [--workers 3] [--repeats 1]
         [--setups kv cache-aware] [--model-shape small]
@@ -156,6 +159,7 @@ def run_setup(mode: str, trace: Path, args: argparse.Namespace, report_dir: Path
             str(args.arrival_speedup_ratio),
             "--max-output-tokens",
             str(args.output_tokens),
+            *(["--cache-replies"] if args.cache_replies else []),
             out_dir=report_dir,
         )
         # requests decisions 63 and 67 moved off the worker the cost rated cheapest (a stalled worker,
@@ -320,6 +324,13 @@ def main() -> None:
         choices=MODES,
         default=list(MODES),
         help="routing: the setups to run (default: all three; kv always runs, as the others are compared with it)",
+    )
+    parser.add_argument(
+        "--cache-replies",
+        action="store_true",
+        help="routing, a session trace: each turn waits for its session's previous answer, whose reply blocks are "
+        "first prefilled on the worker that served it, where a real reply's KV would be (kvmesh bench "
+        "--cache-replies; docs/decisions/0075)",
     )
     parser.add_argument("--num-gpu-blocks", type=int, default=1024, help="each worker's KV cache, in blocks")
     parser.add_argument("--output-tokens", type=int, default=16, help="cap each request's output")
