@@ -231,9 +231,25 @@ class Router:
         prepared = self.prepare(RouteInput.of(request))
         forced = self.candidates.forced(prepared, self.config.router_mode == "direct")
         if forced is not None:
-            return Choice(forced, 0, prepared.block_hashes, prepared.request.dp_rank)
+            rank = prepared.request.dp_rank
+            return Choice(forced, await self._held_at(prepared, forced, rank), prepared.block_hashes, rank)
         answer = await self.answer(prepared)
         return self.decide(prepared, answer, commit=commit)  # after the await: see LoadPicture.admitted
+
+    async def _held_at(self, prepared: Prepared, worker: InstanceRecord, rank: int | None) -> int:
+        """The prefix of ``prepared`` the named ``worker`` (its rank ``rank``; None: its best rank)
+        holds, as a policy that reads the index sees it (0 where none does).
+
+        Why: the load picture counts a request's prompt beyond this as prefill queued there. Counted
+        as wholly uncached, a named request on a worker that holds its prefix (a client keeping a
+        conversation's replies where they were decoded, a gateway that picks workers itself) made that
+        worker look seconds behind, and the next turn of the session was moved off it (docs/perf,
+        2026-12-04: predicted 1,219 ms at the median where requests sent there meanwhile took 246)."""
+        view = self.view(prepared, await self.answer(prepared))
+        held = [blocks for key, blocks in view.matched.items() if key[0] == worker.instance_id]  # (worker, rank)
+        if rank is not None:
+            held = [view.matched.get(WorkerKey(worker.instance_id, rank), 0)]
+        return max(held, default=0)
 
     async def plan_prefill(self, request: common_pb2.PreprocessedRequest) -> RemotePrefill | LocalPrefill | None:
         """Where this request prefills while prefill workers exist (see prefill_placement.py);
