@@ -7,6 +7,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import openai
 
@@ -133,18 +134,20 @@ class LoadRunner:
         reply = RequestResult(request.index, self._now(), 0, worker_id=str(worker_id))
         common = {"model": self.model, "max_tokens": 1, "extra_body": {"kvmesh": {"worker_id": worker_id}}}
         try:
-            if self.endpoint == "chat":
-                answer = await self.client.chat.completions.create(
-                    messages=[{"role": "user", "content": request.reply_prompt}], **common
-                )
-            else:
-                answer = await self.client.completions.create(prompt=request.reply_prompt, **common)
+            answer = await self._create(request.reply_prompt, common)
             if answer.usage is not None:
                 reply.prompt_tokens = answer.usage.prompt_tokens
             reply.done_s = self._now()
         except openai.APIError as exc:
             reply.error = f"{type(exc).__name__}: {exc}"
         self.replies.append(reply)
+
+    async def _create(self, prompt: str, options: dict[str, Any]) -> Any:
+        """``prompt`` sent to this runner's endpoint, as the one user message of a chat or as a
+        completion's prompt, with ``options``; the client's answer (a stream where asked for)."""
+        if self.endpoint == "chat":
+            return await self.client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **options)
+        return await self.client.completions.create(prompt=prompt, **options)
 
     async def _send(self, request: BenchRequest) -> RequestResult:
         result = RequestResult(request.index, self._now(), request.prompt_tokens, priority=request.priority)
@@ -160,12 +163,7 @@ class LoadRunner:
         if headers:
             common["extra_headers"] = headers
         try:
-            if self.endpoint == "chat":
-                stream = await self.client.chat.completions.create(
-                    messages=[{"role": "user", "content": request.prompt}], **common
-                )
-            else:
-                stream = await self.client.completions.create(prompt=request.prompt, **common)
+            stream = await self._create(request.prompt, common)
             result.worker_id = stream.response.headers.get(WORKER_ID_HEADER)
             async for chunk in stream:
                 if chunk.choices:
