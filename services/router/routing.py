@@ -245,11 +245,10 @@ class Router:
         conversation's replies where they were decoded, a gateway that picks workers itself) made that
         worker look seconds behind, and the next turn of the session was moved off it (docs/perf,
         2026-12-04: predicted 1,219 ms at the median where requests sent there meanwhile took 246)."""
-        view = self.view(prepared, await self.answer(prepared))
-        held = [blocks for key, blocks in view.matched.items() if key[0] == worker.instance_id]  # (worker, rank)
+        matched = self.view(prepared, await self.answer(prepared)).matched
         if rank is not None:
-            held = [view.matched.get(WorkerKey(worker.instance_id, rank), 0)]
-        return max(held, default=0)
+            return matched.get(WorkerKey(worker.instance_id, rank), 0)
+        return max((blocks for key, blocks in matched.items() if key[0] == worker.instance_id), default=0)
 
     async def plan_prefill(self, request: common_pb2.PreprocessedRequest) -> RemotePrefill | LocalPrefill | None:
         """Where this request prefills while prefill workers exist (see prefill_placement.py);
