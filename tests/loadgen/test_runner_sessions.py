@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,6 +17,7 @@ from kvmesh.common.wire.requests import WORKER_ID_HEADER
 from kvmesh.loadgen.report import reply_summary
 from kvmesh.loadgen.runner import LoadRunner
 from kvmesh.loadgen.workload import BenchRequest
+from tests.loadgen.http_server import serving
 
 ANSWER_S = 0.3  # how long a streamed answer takes: a turn that did not wait would arrive inside it
 
@@ -25,6 +25,7 @@ ANSWER_S = 0.3  # how long a streamed answer takes: a turn that did not wait wou
 class _Server(ThreadingHTTPServer):
     worker_id: str | None = None  # the x-kvmesh-worker-id it answers with (None: like another server, none)
     received: list[dict]
+    url: str  # its base URL, once serving
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -61,17 +62,12 @@ class _Handler(BaseHTTPRequestHandler):
 def server() -> Iterator[_Server]:
     server = _Server(("127.0.0.1", 0), _Handler)
     server.received = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(server) as server.url:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def run_turns(server: _Server) -> tuple[list[BenchRequest], LoadRunner, list]:
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="n", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=server.url, api_key="n", max_retries=0)
     turns = [
         BenchRequest(0, 0.0, "first", 3, 1, session="s", reply_prompt="first reply"),
         BenchRequest(1, 0.0, "second", 3, 1, session="s", after=0),

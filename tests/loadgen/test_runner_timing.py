@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,6 +14,7 @@ import pytest
 
 from kvmesh.loadgen.runner import LoadRunner
 from kvmesh.loadgen.workload import BenchRequest
+from tests.loadgen.http_server import serving
 
 GAP_S = 0.15  # between the server's chunks: wide enough to tell one chunk's time from the next
 
@@ -51,14 +51,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def engine_url() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(ThreadingHTTPServer(("127.0.0.1", 0), _Handler)) as url:
+        yield url
 
 
 def test_an_answer_without_text_gets_its_ttft_at_its_end_and_one_with_text_at_its_first_text(engine_url: str):
