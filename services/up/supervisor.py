@@ -13,13 +13,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
 import httpx
 import structlog
 from nats.aio.client import Client as NatsClient
 
+from kvmesh.common.proto.kvmesh.v1 import router_pb2, router_pb2_grpc
+from kvmesh.common.rpc.grpc_server import channel_to
 from kvmesh.common.rpc.grpc_tls import GrpcTls
 from kvmesh.common.runtime.config import describe, parse_config
-from kvmesh.common.runtime.discovery import DiscoveryWatcher
+from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord
 from kvmesh.common.runtime.jetstream_state import configure_replicas
 from kvmesh.common.runtime.nats_auth import NatsCredentials
 from kvmesh.common.runtime.nats_cluster import EmbeddedNatsCluster
@@ -40,7 +43,9 @@ RESTART_WINDOW_S = 60.0
 
 
 async def wait_until_ready(config: UpConfig, nats_url: str, services: list[ServiceProcess]) -> None:
-    """Wait for every instance to register and for the HTTP API to answer /health."""
+    """Wait for every instance to register, for every router replica to see every registered worker
+    and for the HTTP API to answer /health: a request sent after this returns, one naming its worker
+    too, finds that worker known to whichever router takes it."""
     nc = await connect_nats(
         nats_url,
         name="kvmesh-up",
@@ -61,7 +66,11 @@ async def wait_until_ready(config: UpConfig, nats_url: str, services: list[Servi
                 if code is not None:
                     raise RuntimeError(f"{service.name} exited with code {code} during start-up")
             counts = {c: len(w.instances()) for c, w in watchers.items()}
-            if all(counts[c] >= n for c, n in expected.items()) and await _http_healthy(config):
+            if (
+                all(counts[c] >= n for c, n in expected.items())
+                and await routers_see_workers(watchers["router"].instances(), watchers["worker"].instances())
+                and await _http_healthy(config)
+            ):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"mesh not ready after {timeout}s: registered {counts}")
@@ -70,6 +79,25 @@ async def wait_until_ready(config: UpConfig, nats_url: str, services: list[Servi
         for watcher in watchers.values():
             await watcher.stop()
         await nc.close()
+
+
+async def routers_see_workers(routers: list[InstanceRecord], workers: list[InstanceRecord]) -> bool:
+    """Whether every router replica's load view lists every worker in ``workers``. Discovery tells the
+    routers of a worker a moment after it registers; on a busy machine (engines still warming up
+    beside the router) later than it tells us, and a request naming a worker the router has not
+    seen yet is refused as naming no registered worker."""
+    wanted = {record.instance_id for record in workers}
+    for router in routers:
+        try:
+            async with channel_to(router.address) as channel:
+                status = await router_pb2_grpc.RouterStub(channel).GetStatus(
+                    router_pb2.RouterStatusRequest(), timeout=1.0
+                )
+        except grpc.aio.AioRpcError:
+            return False
+        if not wanted <= {load.worker_id for load in status.loads}:
+            return False
+    return True
 
 
 async def _http_healthy(config: UpConfig) -> bool:
