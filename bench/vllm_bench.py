@@ -106,7 +106,9 @@ def warm_up(mesh: MeshProcess, model: str = "kvmesh-tiny") -> None:
 
     def send(worker_id: int, prompt: str) -> None:
         body = {"model": model, "prompt": prompt, "max_tokens": 4, "kvmesh": {"worker_id": worker_id}}
-        httpx.post(f"{mesh.api}/completions", json=body, timeout=600).raise_for_status()
+        response = httpx.post(f"{mesh.api}/completions", json=body, timeout=600)
+        if response.is_error:  # the mesh's own words, not only the status
+            raise RuntimeError(f"warm-up request to worker {worker_id}: {response.status_code} {response.text}")
 
     def one_worker(worker_id: int) -> None:
         for prompt in prompts[worker_id]:
