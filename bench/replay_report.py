@@ -15,7 +15,9 @@ kv with ``--kv-duplicate-penalty 0``, and Dynamo's ``kv_router`` replay of the s
 virtualenv is there (``--dynamo-python``; ``../shared/peers/README.md`` installs it). ``--draws 0
 100`` also replays each family drawn anew (its rules' seed plus 100: traffic no default was tuned
 on), ``--replay-seeds 0 1 2`` reports each figure as the mean over those replay seeds (a p99 moves by
-a few ms between them), ``--jobs 2`` replays on two processes. Under each trace a verdict line says
+a few ms between them), ``--jobs 2`` replays on two processes, ``--cache-replies`` caches each
+turn's reply on the worker that served it (``kvmesh replay --cache-replies``, decision 75; Dynamo's
+replay has no such rule and is left out then). Under each trace a verdict line says
 whether the default matches the best of plain kv and cache-aware in every column, as printed
 (issue 45's first item), and the last line how many traces it does so on.
 
@@ -143,10 +145,12 @@ def families(
     draws: Sequence[int] = (0,),
     replay_seeds: Sequence[int] = (0,),
     jobs: int = 1,
+    cache_replies: bool = False,
 ) -> None:
     """Every family, at each draw (its rules' seed plus the draw), under every policy: reuse (and its
     share of the fleet-wide LRU bound), TTFT p50, p99, each the mean over ``replay_seeds``; under each
-    trace whether the default wins every column (:func:`kvmesh.replay.report.shortfalls`)."""
+    trace whether the default wins every column (:func:`kvmesh.replay.report.shortfalls`). With
+    ``cache_replies`` every replay caches each reply where it was made, and Dynamo's is not run."""
     header = f"{'family':<26}{'router':<28}{'reuse':>8}{'of LRU':>8}{'TTFT p50':>10}{'p99':>9}"
     print(header)
     print("-" * len(header))
@@ -165,16 +169,20 @@ def families(
                     path.write_text("".join(json.dumps(row) + "\n" for row in generate(family.kind, rules)))
                     trace = read_trace(path)
                     config = ReplayConfig(num_blocks=family.num_blocks)
-                    bounds = reuse_bounds(
-                        trace, config.trace_block_size, config.block_size, config.workers * config.num_blocks
-                    )
+                    capacity = config.workers * config.num_blocks
+                    bounds = reuse_bounds(trace, config.trace_block_size, config.block_size, capacity, cache_replies)
                     lru = bounds.fleet_lru
                     print(
                         f"{label}: {len(trace)} requests; bounds: fleet LRU {lru:.3f}, infinite {bounds.infinite:.3f}"
                     )
                     runs = {
                         (router, seed): pool.submit(
-                            replay_family, str(path), family.num_blocks, family.speedup, options, seed
+                            replay_family,
+                            str(path),
+                            family.num_blocks,
+                            family.speedup,
+                            {**options, "cache_replies": cache_replies},
+                            seed,
                         )
                         for router, options in FAMILY_RUNS
                         for seed in replay_seeds
@@ -190,7 +198,9 @@ def families(
                             "replay_seeds": {seed: figures for seed, figures in zip(replay_seeds, each, strict=True)},
                         }
                         family_row(router, reuse, lru, p50, p99)
-                    dynamo = dynamo_replay(dynamo_python, path, family.num_blocks, family.speedup)
+                    dynamo = (
+                        None if cache_replies else dynamo_replay(dynamo_python, path, family.num_blocks, family.speedup)
+                    )
                 if dynamo is not None:
                     reuse, p50, p99 = dynamo
                     results[f"{label}: Dynamo 1.6.1 kv_router"] = {
@@ -236,6 +246,12 @@ def main() -> None:
     )
     parser.add_argument("--jobs", type=int, default=1, help="families: replays run on this many processes")
     parser.add_argument(
+        "--cache-replies",
+        action="store_true",
+        help="families: cache each turn's reply on the worker that served it (kvmesh replay --cache-replies); "
+        "Dynamo's replay, which has no such rule, is then left out",
+    )
+    parser.add_argument(
         "--dynamo-python",
         type=Path,
         default=DEFAULT_DYNAMO_PYTHON,
@@ -249,7 +265,7 @@ def main() -> None:
         shared(args.trace, results, args.smoke)
     if args.part != "shared":
         print()
-        families(args.dynamo_python, results, args.smoke, args.draws, args.replay_seeds, args.jobs)
+        families(args.dynamo_python, results, args.smoke, args.draws, args.replay_seeds, args.jobs, args.cache_replies)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -12,7 +12,8 @@ that context up to the reply's end (``reply_prompt``); the runner (:mod:`kvmesh.
 prefills it, one output token, on the worker named by the turn's ``x-kvmesh-worker-id`` header
 (``kvmesh.worker_id`` in the body), whatever the router's policy, and sends the next turn only
 after that. A reply takes ``ceil(output_length / 512)`` of the next turn's new hash ids: a reply
-joins the context in trace blocks, as the generator's rules say.
+joins the context in trace blocks, as the generator's rules say
+(:func:`kvmesh.replay.replies.reply_blocks`; ``kvmesh replay --cache-replies`` credits replies the same way).
 
 Every continuation (a turn whose hash ids start with its session's previous turn's) is sent no
 earlier than that turn's answer, as a client cannot send a turn before it has read the last reply;
@@ -22,22 +23,11 @@ turns that do not continue their predecessor are sent at their own time.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 from kvmesh.loadgen.workload import BenchRequest, TracePromptBuilder
 from kvmesh.replay.mooncake_trace import TraceRequest
-
-TRACE_BLOCK_TOKENS = 512  # tokens of a hash id in the trace's own terms (the Mooncake release's)
-
-
-def reply_blocks(previous: TraceRequest, turn: TraceRequest) -> int | None:
-    """How many of ``turn``'s hash ids after ``previous``'s are ``previous``'s reply; None when
-    ``turn`` does not continue ``previous`` (its hash ids do not start with ``previous``'s)."""
-    if turn.hash_ids[: len(previous.hash_ids)] != previous.hash_ids:
-        return None
-    new = len(turn.hash_ids) - len(previous.hash_ids)
-    return min(new, math.ceil(previous.output_length / TRACE_BLOCK_TOKENS))
+from kvmesh.replay.replies import reply_blocks
 
 
 def link_turns(

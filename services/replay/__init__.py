@@ -16,4 +16,5 @@ virtual time.
 - ``arrival_profile`` — a trace's arrival rate reshaped over time.
 - ``burst_trace``, ``trace_family`` — traces derived from the shared one by written rules.
 - ``session_trace`` — session-structured traces (chats, agent loops, tenants) by written rules.
+- ``replies`` — each turn's reply cached on the worker that made it (``--cache-replies``).
 """

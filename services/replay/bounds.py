@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from kvmesh.common.wire.hashing import sequence_hashes
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
+from kvmesh.replay.replies import reply_contexts
 
 
 @dataclass(frozen=True)
@@ -88,17 +89,29 @@ def block_keys(request: TraceRequest, trace_block_size: int, block_size: int) ->
 
 
 def reuse_bounds(
-    trace: Iterable[TraceRequest], trace_block_size: int, block_size: int, capacity_blocks: int
+    trace: Iterable[TraceRequest],
+    trace_block_size: int,
+    block_size: int,
+    capacity_blocks: int,
+    cache_replies: bool = False,
 ) -> ReuseBounds:
-    """Both bounds of ``trace`` (arrival order) for a fleet holding ``capacity_blocks`` blocks in all."""
+    """Both bounds of ``trace`` (arrival order) for a fleet holding ``capacity_blocks`` blocks in all;
+    with ``cache_replies``, each continued turn's reply joins the caches with its turn, as
+    ``kvmesh replay --cache-replies`` caches it on its worker (:mod:`kvmesh.replay.replies`)."""
+    trace = list(trace)
+    replies = reply_contexts(trace) if cache_replies else {}
     infinite, lru = _Cache(None), _Cache(capacity_blocks)
     prompt_tokens = kept_infinite = kept_lru = 0
-    for request in trace:
+    for position, request in enumerate(trace):
         hashes = block_keys(request, trace_block_size, block_size)
         usable = (request.input_length - 1) // block_size  # one token is always computed
         prompt_tokens += request.input_length
         kept_infinite += min(infinite.cached_prefix(hashes), usable) * block_size
         kept_lru += min(lru.cached_prefix(hashes), usable) * block_size
+        reply = replies.get(position)
+        if reply is not None:  # the context through the reply, as the next turn's prompt names it
+            through = TraceRequest(0.0, len(reply) * trace_block_size, 1, reply)
+            hashes = block_keys(through, trace_block_size, block_size)
         infinite.use(hashes)
         lru.use(hashes)
     if not prompt_tokens:

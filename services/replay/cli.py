@@ -85,8 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = {"config": dataclasses.asdict(config), **summarise(records)}
     if args.reuse_bounds:
         capacity = (config.workers + config.prefill_workers) * (config.num_blocks + config.host_kv_blocks)
-        bounds = reuse_bounds(trace, config.trace_block_size, config.block_size, capacity)
+        bounds = reuse_bounds(trace, config.trace_block_size, config.block_size, capacity, config.cache_replies)
         summary["reuse_bounds"] = bounds.as_dict(summary["prefix_reuse"])
+    if config.cache_replies:
+        summary["reply_blocks_cached"] = simulator.replies_cached
     summary |= {**fleet_summary(simulator, records, config), "wall_clock_s": time.perf_counter() - started}
     text = json.dumps(summary, indent=2)
     print(text)

@@ -95,6 +95,11 @@ class ReplayConfig(RoutingOptions, PlannerOptions, CacheMoveOptions):
         "route on what every worker holds or is computing at the instant of routing, as no event-fed index can: "
         "the bound predict-on-route aims at (ignores --kv-event-delay-ms and --router-predicted-ttl-secs)",
     )
+    cache_replies: bool = option(
+        False,
+        "in a session trace, cache each turn's reply on the worker that served it when the turn ends, as a real "
+        "worker keeps the KV it decodes, so the session's next turn finds it there (decision 75)",
+    )
     priority_mix: str = option(
         "",
         "with the router queue (--active-*-threshold): each request's priority class, drawn with --seed from these "

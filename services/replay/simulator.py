@@ -48,6 +48,7 @@ from kvmesh.replay.fleet import REPLAY_MODEL, RoutableWorkers, VirtualFleet
 from kvmesh.replay.handoff import Handoff, Warmup
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
 from kvmesh.replay.queue_door import QueueDoor
+from kvmesh.replay.replies import ReplyCache
 from kvmesh.replay.virtual_index import VirtualIndex
 from kvmesh.router.candidates import Prepared, RouteInput
 from kvmesh.router.prefill_job import LocalPrefill
@@ -98,6 +99,8 @@ class ReplaySimulator(ElasticFleet):
             for w, engine in enumerate(self.engines):
                 self.router.chooser.set_timing(WorkerKey(w, 0), engine.config.timing)
         self._builder = PromptBuilder(config.trace_block_size, config.block_size)
+        self._replies: ReplyCache | None = None  # with --cache-replies, set for the trace being run
+        self.replies_cached = 0  # blocks cached on the workers that decoded them (--cache-replies)
         self._next_event_id = [0] * total
         self._next_host_event_id = [0] * total  # each worker's host tier numbers its own events
         # prefill request id -> (request id, decode worker, prompt, output length, (local, sequence) hashes)
@@ -162,6 +165,7 @@ class ReplaySimulator(ElasticFleet):
                 record.priority = draw.choices(list(mix), weights=list(mix.values()))[0]
         self.records = records
         self._trace = trace
+        self._replies = ReplyCache(trace, self._builder) if self.config.cache_replies else None
         if self.planner is not None:
             self._schedule("tick", self.config.adjustment_interval * 1000.0)
             self._schedule_looks(0.0)
@@ -422,4 +426,7 @@ class ReplaySimulator(ElasticFleet):
             if output.finish_reason is not None:
                 self.router.picture.free(output.request_id, record.tokens)
                 del by_id[output.request_id]
+                if self._replies is not None:
+                    self.replies_cached += self.engines[worker].adopt_blocks(self._replies.blocks(record.index))
+                    self._publish_events(worker, now)
         return woken

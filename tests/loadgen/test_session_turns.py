@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.common.core.tiny_model import MODEL_DIR
 from kvmesh.frontend.tokenizer import ModelTokenizer
-from kvmesh.loadgen.session_turns import TRACE_BLOCK_TOKENS, link_turns
+from kvmesh.loadgen.session_turns import link_turns
 from kvmesh.loadgen.workload import TracePromptBuilder, trace_workload
 from kvmesh.replay import session_trace
 from kvmesh.replay.mooncake_trace import TraceRequest
@@ -43,7 +43,7 @@ def test_every_later_turn_waits_for_the_last_and_the_last_carries_the_context_th
             continue
         continuations += 1
         assert linked[position].after == linked[before].index
-        reply = math.ceil(trace[before].output_length / TRACE_BLOCK_TOKENS)
+        reply = math.ceil(trace[before].output_length / session_trace.BLOCK)
         through = len(trace[before].hash_ids) + reply
         expected = [i for h in row.hash_ids[:through] for i in builder.block(h)[1]]
         assert builder.tokenizer.encode(linked[before].reply_prompt) == expected

@@ -27,6 +27,21 @@ def test_the_infinite_cache_keeps_every_prefix_and_an_lru_cache_only_what_fits()
     assert reuse_bounds(trace, 64, 16, 0).fleet_lru == 0.0
 
 
+def test_with_cache_replies_a_turn_s_reply_joins_the_cache_with_it():
+    # a session's two turns: the reply of the first (one 64-token block, id 5) opens the second's new
+    # part; without the rule no earlier request computed it
+    first = TraceRequest(0, 128, 40, (1, 2), "s")
+    second = TraceRequest(1, 256, 1, (1, 2, 5, 6), "s")
+    total = 128 + 256
+    for capacity, without_replies in ((10**6, 8), (12, 8), (8, 8)):
+        plain = reuse_bounds([first, second], 64, 16, capacity)
+        credited = reuse_bounds([first, second], 64, 16, capacity, cache_replies=True)
+        assert plain.fleet_lru == pytest.approx(without_replies * 16 / total)
+        # 12 blocks through the reply, when they fit
+        assert credited.fleet_lru == pytest.approx((12 if capacity >= 12 else 8) * 16 / total)
+    assert reuse_bounds([first, second], 64, 16, 10**6, cache_replies=True).infinite == pytest.approx(12 * 16 / total)
+
+
 def test_blocks_are_keyed_alike_with_and_without_building_the_prompt():
     """Aligned blocks are named from the hash ids; unaligned ones from the prompt's hashes. Either
     way, two requests share exactly the blocks of their common prefix."""
