@@ -52,6 +52,13 @@ SMOKE: dict[str, tuple[list[str], str, object]] = {
         r"kv \(default\)\s+0\.\d+[\s\S]*wins every column on \d+ of 10 traces \(means over replay seeds 0, 1\)",
         shared_reason,
     ),
+    # the families with each reply cached where it was made (decision 75): no Dynamo column then
+    "replay_report --cache-replies": (
+        ["--smoke", "--part", "families", "--cache-replies", "--dynamo-python", "/nonexistent"],
+        r"chat: \d+ requests; bounds: fleet LRU[\s\S]*kv \(default\)\s+0\.\d+"
+        r"[\s\S]*wins every column on \d+ of 5 traces",
+        None,
+    ),
     "peers": (
         ["--systems", "kvmesh", "--rounds", "1", "--n", "60", "--warmup", "20"],
         r"kvmesh",
