@@ -157,7 +157,22 @@ class Candidates:
                     grpc.StatusCode.INVALID_ARGUMENT, "router mode 'direct' needs routing.worker_id in the request"
                 )
             return None
-        record = prepared.by_id.get(worker_id)
+        record = prepared.by_id.get(worker_id) or self._named_despite_failure(prepared, worker_id)
         if record is None:
             raise RoutingError(grpc.StatusCode.NOT_FOUND, f"worker {worker_id} is not registered for this model")
         return record
+
+    def _named_despite_failure(self, prepared: Prepared, worker_id: int) -> InstanceRecord | None:
+        """The named worker where only a recent failure left it out of the candidates, else None.
+
+        Why: avoiding a worker whose stream broke lately is for the router's own choices. A client
+        that names a worker (a gateway routing itself in ``direct`` mode, a client keeping a
+        conversation where its replies are) chose it; refusing the request as naming no registered
+        worker, for the avoidance window after one broken stream, was a wrong answer."""
+        now = self.clock()
+        record = self.workers.get(worker_id)
+        if record is None or not self.failed.avoided(worker_id, now) or record.block_size != prepared.block_size:
+            return None
+        request = prepared.request
+        kept = whole_request_workers([record], request.model, FailedWorkers(0.0), now, request.lora).eligible
+        return record if kept else None
