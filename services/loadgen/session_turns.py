@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from kvmesh.loadgen.workload import BenchRequest, TracePromptBuilder
 from kvmesh.replay.mooncake_trace import TraceRequest
-from kvmesh.replay.replies import reply_blocks
+from kvmesh.replay.replies import continuations
 
 
 def link_turns(
@@ -41,20 +41,10 @@ def link_turns(
     if len(trace) != len(requests):
         raise ValueError("one request per trace row is needed to link a session's turns")
     linked = list(requests)
-    latest: dict[str, int] = {}
-    for position, row in enumerate(trace):
-        if not row.session:
-            continue
-        previous = latest.get(row.session)
-        latest[row.session] = position
-        if previous is None:
-            continue
-        reply = reply_blocks(trace[previous], row)
-        if reply is None:
-            continue
+    for previous, position, reply in continuations(trace):
         linked[position] = dataclasses.replace(linked[position], after=linked[previous].index)
         if reply:
-            context = row.hash_ids[: len(trace[previous].hash_ids) + reply]
+            context = trace[position].hash_ids[: len(trace[previous].hash_ids) + reply]
             text, _ = builder.prompt(TraceRequest(0.0, len(context) * builder.block_size, 1, context))
             linked[previous] = dataclasses.replace(linked[previous], reply_prompt=text)
     return linked

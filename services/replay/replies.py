@@ -18,7 +18,7 @@ of the reply, as no client could have sent it then.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from kvmesh.common.wire.hashing import sequence_hashes
 from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
@@ -36,22 +36,29 @@ def reply_blocks(previous: TraceRequest, turn: TraceRequest) -> int | None:
     return min(new, math.ceil(previous.output_length / BLOCK))
 
 
-def reply_contexts(trace: Sequence[TraceRequest]) -> dict[int, tuple[int, ...]]:
-    """For each row (by position) that a later turn of its session continues, with a reply of at
-    least one block: the hash ids of its context through that reply. Rows without a session have none."""
-    contexts: dict[int, tuple[int, ...]] = {}
+def continuations(trace: Sequence[TraceRequest]) -> Iterator[tuple[int, int, int]]:
+    """``(previous, position, reply)`` for each row (by position) that continues its session's
+    previous row: where the previous is, and how many of the row's hash ids after the previous
+    turn's are its reply (:func:`reply_blocks`; it may be 0). Rows without a session continue none."""
     latest: dict[str, int] = {}
     for position, row in enumerate(trace):
         if not row.session:
             continue
         previous = latest.get(row.session)
         latest[row.session] = position
-        if previous is None:
-            continue
-        reply = reply_blocks(trace[previous], row)
-        if reply:
-            contexts[previous] = tuple(row.hash_ids[: len(trace[previous].hash_ids) + reply])
-    return contexts
+        reply = reply_blocks(trace[previous], row) if previous is not None else None
+        if previous is not None and reply is not None:
+            yield previous, position, reply
+
+
+def reply_contexts(trace: Sequence[TraceRequest]) -> dict[int, tuple[int, ...]]:
+    """For each row (by position) that a later turn of its session continues, with a reply of at
+    least one block: the hash ids of its context through that reply."""
+    return {
+        previous: tuple(trace[position].hash_ids[: len(trace[previous].hash_ids) + reply])
+        for previous, position, reply in continuations(trace)
+        if reply
+    }
 
 
 class ReplyCache:
