@@ -66,14 +66,15 @@ async def wait_until_ready(config: UpConfig, nats_url: str, services: list[Servi
                 if code is not None:
                     raise RuntimeError(f"{service.name} exited with code {code} during start-up")
             counts = {c: len(w.instances()) for c, w in watchers.items()}
-            if (
-                all(counts[c] >= n for c, n in expected.items())
-                and await routers_see_workers(watchers["router"].instances(), watchers["worker"].instances())
-                and await _http_healthy(config)
-            ):
+            registered = all(counts[c] >= n for c, n in expected.items())
+            seen = registered and await routers_see_workers(
+                watchers["router"].instances(), watchers["worker"].instances()
+            )
+            if seen and await _http_healthy(config):
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"mesh not ready after {timeout}s: registered {counts}")
+                waiting = "the HTTP API" if seen else "a router to see every worker" if registered else "registration"
+                raise RuntimeError(f"mesh not ready after {timeout}s (waiting for {waiting}): registered {counts}")
             await asyncio.sleep(0.1)
     finally:
         for watcher in watchers.values():
