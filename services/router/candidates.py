@@ -169,10 +169,10 @@ class Candidates:
         that names a worker (a gateway routing itself in ``direct`` mode, a client keeping a
         conversation where its replies are) chose it; refusing the request as naming no registered
         worker, for the avoidance window after one broken stream, was a wrong answer."""
-        now = self.clock()
         record = self.workers.get(worker_id)
-        if record is None or not self.failed.avoided(worker_id, now) or record.block_size != prepared.block_size:
+        if record is None or record.block_size != prepared.block_size:
             return None
+        # eligible but for failures: the candidates' one other reason to leave a registered worker out
         request = prepared.request
-        kept = whole_request_workers([record], request.model, FailedWorkers(0.0), now, request.lora).eligible
+        kept = whole_request_workers([record], request.model, FailedWorkers(0.0), self.clock(), request.lora).eligible
         return record if kept else None
