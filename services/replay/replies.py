@@ -70,9 +70,6 @@ class ReplyCache:
         self._contexts = reply_contexts(trace)
         self._builder = builder
 
-    def __len__(self) -> int:
-        return len(self._contexts)
-
     def blocks(self, position: int) -> list[Block]:
         """The blocks of row ``position``'s context through its reply (none: no later turn continues it)."""
         context = self._contexts.get(position)
