@@ -43,7 +43,7 @@ from typing import Any
 from kvmesh.replay.bounds import reuse_bounds
 from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import TraceRequest, read_trace
-from kvmesh.replay.report import shortfalls, summarise
+from kvmesh.replay.report import closest_margin, shortfalls, summarise
 from kvmesh.replay.session_trace import SessionRules, generate
 from kvmesh.replay.simulator import ReplaySimulator
 
@@ -212,10 +212,22 @@ def families(
                 short = shortfalls(means[DEFAULT_RUN], [means[name] for name in RIVALS])
                 wins, traces = wins + (not short), traces + 1
                 verdict = "yes" if not short else f"no ({', '.join(short)})"
+                column, margin = closest_margin(means[DEFAULT_RUN], [means[name] for name in RIVALS])
+                verdict += f"; closest: {column}, {abs(margin):.1%} {'ahead' if margin >= 0 else 'behind'}"
+                if len(replay_seeds) > 1:  # a win on the seeds' mean may be a loss on some seed
+                    won = sum(not seed_shortfalls(results, label, seed) for seed in replay_seeds)
+                    verdict += f"; won on {won} of {len(replay_seeds)} replay seeds alone"
+                results[f"{label}: closest margin"] = {"column": column, "margin": margin}
                 print(f"{'':<26}the default at least the best of cache-aware and plain kv in every column: {verdict}")
     seeds = f" (means over replay seeds {', '.join(map(str, replay_seeds))})" if len(replay_seeds) > 1 else ""
     print(f"\nthe default wins every column on {wins} of {traces} traces{seeds}")
     results["default_wins_every_column"] = {"traces": traces, "wins": wins}
+
+
+def seed_shortfalls(results: dict[str, Any], label: str, seed: int) -> list[str]:
+    """:func:`shortfalls` of the default on one replay seed's figures of trace ``label``."""
+    figures = {name: results[f"{label}: {name}"]["replay_seeds"][seed] for name in (DEFAULT_RUN, *RIVALS)}
+    return shortfalls(figures[DEFAULT_RUN], [figures[name] for name in RIVALS])
 
 
 def fmt(value: float | None, digits: int = 0) -> str:

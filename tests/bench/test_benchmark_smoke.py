@@ -49,7 +49,8 @@ def shared_reason() -> str | None:
 SMOKE: dict[str, tuple[list[str], str, object]] = {
     "replay_report": (
         ["--smoke", "--dynamo-python", "/nonexistent", "--draws", "0", "100", "--replay-seeds", "0", "1"],
-        r"kv \(default\)\s+0\.\d+[\s\S]*wins every column on \d+ of 10 traces \(means over replay seeds 0, 1\)",
+        r"kv \(default\)\s+0\.\d+[\s\S]*closest: (reuse|p50|p99), \d+\.\d% (ahead|behind); won on \d of 2 replay"
+        r" seeds alone[\s\S]*wins every column on \d+ of 10 traces \(means over replay seeds 0, 1\)",
         shared_reason,
     ),
     # the families with each reply cached where it was made (decision 75): no Dynamo column then

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.replay.report import shortfalls
+from kvmesh.replay.report import closest_margin, shortfalls
 
 PLAIN_KV = (0.551, 91.0, 494.0)
 CACHE_AWARE = (0.591, 102.0, 3298.0)
@@ -28,3 +28,21 @@ def test_each_column_falls_short_on_its_own_rival():
 def test_no_rival_is_an_error():
     with pytest.raises(ValueError, match="no rival"):
         shortfalls(PLAIN_KV, [])
+
+
+def test_the_closest_margin_names_the_nearest_column_at_full_precision():
+    # a median 0.9 ms behind plain kv's, printed as a tie of 81 ms against 80 -> behind by 1.2%
+    column, margin = closest_margin((0.902, 80.75, 325.0), [(0.900, 79.82, 406.0), (0.799, 98.8, 34636.0)])
+    assert column == "p50"
+    assert margin == pytest.approx((79.82 - 80.75) / 79.82)
+    # ahead everywhere: the smallest lead is named, and it is positive
+    column, margin = closest_margin((0.603, 89.0, 490.0), [PLAIN_KV, CACHE_AWARE])
+    assert (column, margin) == ("p99", pytest.approx((494.0 - 490.0) / 494.0))
+    # reuse is the nearest column when it leads by less than either time
+    column, margin = closest_margin((0.5915, 80.0, 300.0), [PLAIN_KV, CACHE_AWARE])
+    assert column == "reuse" and margin == pytest.approx((0.5915 - 0.591) / 0.591)
+
+
+def test_the_closest_margin_needs_a_rival():
+    with pytest.raises(ValueError, match="no rival"):
+        closest_margin(PLAIN_KV, [])
