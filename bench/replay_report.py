@@ -209,25 +209,23 @@ def families(
                         "ttft_p99": p99,
                     }
                     family_row("Dynamo 1.6.1 (its replay)", reuse, lru, p50, p99)
-                short = shortfalls(means[DEFAULT_RUN], [means[name] for name in RIVALS])
+                rivals = [means[name] for name in RIVALS]
+                short = shortfalls(means[DEFAULT_RUN], rivals)
                 wins, traces = wins + (not short), traces + 1
                 verdict = "yes" if not short else f"no ({', '.join(short)})"
-                column, margin = closest_margin(means[DEFAULT_RUN], [means[name] for name in RIVALS])
+                column, margin = closest_margin(means[DEFAULT_RUN], rivals)
                 verdict += f"; closest: {column}, {abs(margin):.1%} {'ahead' if margin >= 0 else 'behind'}"
                 if len(replay_seeds) > 1:  # a win on the seeds' mean may be a loss on some seed
-                    won = sum(not seed_shortfalls(results, label, seed) for seed in replay_seeds)
+                    won = sum(
+                        not shortfalls(runs[DEFAULT_RUN, seed].result(), [runs[name, seed].result() for name in RIVALS])
+                        for seed in replay_seeds
+                    )
                     verdict += f"; won on {won} of {len(replay_seeds)} replay seeds alone"
                 results[f"{label}: closest margin"] = {"column": column, "margin": margin}
                 print(f"{'':<26}the default at least the best of cache-aware and plain kv in every column: {verdict}")
     seeds = f" (means over replay seeds {', '.join(map(str, replay_seeds))})" if len(replay_seeds) > 1 else ""
     print(f"\nthe default wins every column on {wins} of {traces} traces{seeds}")
     results["default_wins_every_column"] = {"traces": traces, "wins": wins}
-
-
-def seed_shortfalls(results: dict[str, Any], label: str, seed: int) -> list[str]:
-    """:func:`shortfalls` of the default on one replay seed's figures of trace ``label``."""
-    figures = {name: results[f"{label}: {name}"]["replay_seeds"][seed] for name in (DEFAULT_RUN, *RIVALS)}
-    return shortfalls(figures[DEFAULT_RUN], [figures[name] for name in RIVALS])
 
 
 def fmt(value: float | None, digits: int = 0) -> str:

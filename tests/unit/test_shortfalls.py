@@ -31,7 +31,7 @@ def test_no_rival_is_an_error():
 
 
 def test_the_closest_margin_names_the_nearest_column_at_full_precision():
-    # a median 0.9 ms behind plain kv's, printed as a tie of 81 ms against 80 -> behind by 1.2%
+    # a median 0.9 ms behind plain kv's (printed 81 ms against 80): behind by 1.2%
     column, margin = closest_margin((0.902, 80.75, 325.0), [(0.900, 79.82, 406.0), (0.799, 98.8, 34636.0)])
     assert column == "p50"
     assert margin == pytest.approx((79.82 - 80.75) / 79.82)
