@@ -86,6 +86,18 @@ def _active_prefix(block_refs: dict[int, int], block_hashes: Sequence[int]) -> i
 _NO_LOAD = _WorkerLoad()  # read-only stand-in for a worker with nothing in flight
 
 
+@dataclass(frozen=True, slots=True)
+class PotentialColumns:
+    """Per worker, in the order asked for, if the request under consideration were sent to it: its
+    prefill tokens (queued and this request's uncached ones), decode blocks, and the request's prefix
+    counted as held there (``held``, from ``overlaps``: the match per worker it was computed with)."""
+
+    prefills: list[int]
+    decodes: list[int]
+    held: list[int]
+    overlaps: Mapping[WorkerKey, int]
+
+
 @dataclass(frozen=True)
 class PotentialLoad:
     """A worker's load if the request under consideration were sent to it."""
@@ -301,27 +313,6 @@ class ActiveSequences:
         load = self._loads.get(worker)
         return load.requests - load.prefilling if load is not None else 0
 
-    def with_in_flight(
-        self, workers: Sequence[WorkerKey], block_hashes: Sequence[int], overlaps: Mapping[WorkerKey, int]
-    ) -> dict[WorkerKey, int]:
-        """``overlaps`` with each worker's match raised to the request's leading blocks that a request in
-        flight there also has: queued ahead of this one (FCFS) or running, that one computes them
-        first, so they are as good as cached by the time this one prefills. An index learns of them
-        only once computed, and the short prediction of routed blocks (``--router-predicted-ttl-secs``)
-        lapses while a loaded worker's queue is longer than it (docs/decisions/0054)."""
-        merged = dict(overlaps)
-        if not block_hashes:
-            return merged
-        first = block_hashes[0]
-        loads = self._loads
-        for worker in workers:
-            load = loads.get(worker)
-            if load is not None and first in load.block_refs:
-                active = _active_prefix(load.block_refs, block_hashes)
-                if active > merged.get(worker, 0):
-                    merged[worker] = active
-        return merged
-
     def potential_loads(
         self,
         workers: Sequence[WorkerKey],
@@ -331,10 +322,8 @@ class ActiveSequences:
         expected_output_tokens: int = 0,
     ) -> list[PotentialLoad]:
         """Each worker's (prefill tokens, decode blocks) if this request were added to it."""
-        prefills, decodes = self.potential_columns(
-            workers, block_hashes, prompt_tokens, overlaps, expected_output_tokens
-        )
-        return [PotentialLoad(*load) for load in zip(workers, prefills, decodes, strict=True)]
+        columns = self.potential_columns(workers, block_hashes, prompt_tokens, overlaps, expected_output_tokens)
+        return [PotentialLoad(*load) for load in zip(workers, columns.prefills, columns.decodes, strict=True)]
 
     def potential_columns(
         self,
@@ -343,37 +332,47 @@ class ActiveSequences:
         prompt_tokens: int,
         overlaps: Mapping[WorkerKey, int],
         expected_output_tokens: int = 0,
-    ) -> tuple[list[int], list[int]]:
-        """:meth:`potential_loads` as two columns (prefill tokens, decode blocks) in ``workers``' order,
-        without an object per worker (the routing decision's hot path)."""
+        in_flight: bool = False,
+    ) -> PotentialColumns:
+        """:meth:`potential_loads` as columns in ``workers``' order, without an object per worker (the
+        routing decision's hot path: one pass over the workers reads each one's load once).
+
+        ``in_flight``: each worker's match is first raised to the request's leading blocks that a request
+        in flight there also has: queued ahead of this one (FCFS) or running, that one computes them
+        first, so they are as good as cached by the time this one prefills. An index learns of them
+        only once computed, and the short prediction of routed blocks (``--router-predicted-ttl-secs``)
+        lapses while a loaded worker's queue is longer than it (docs/decisions/0054). The columns'
+        ``overlaps`` are then a new mapping; without it, ``overlaps`` itself."""
         own = self._own_blocks(prompt_tokens, len(block_hashes), expected_output_tokens)
         block_size = self.block_size
         n = len(block_hashes)
+        # no request's blocks hold None: a prompt without a full block matches nothing in flight
         first = block_hashes[0] if n else None
-        loads = self._loads
+        merged = dict(overlaps) if in_flight else overlaps
         get_overlap = overlaps.get
-        get_load = loads.get
+        get_load = self._loads.get
         prefills: list[int] = []
-        add_prefill = prefills.append
-        if not self.track_active_blocks:
-            for worker in workers:
-                prefill = prompt_tokens - get_overlap(worker, 0) * block_size
-                queued = get_load(worker, _NO_LOAD).prefill_tokens
-                add_prefill(queued + prefill if prefill > 0 else queued)
-            return prefills, [0] * len(prefills)
         decodes: list[int] = []
-        add_decode = decodes.append
+        held: list[int] = []
+        add_prefill, add_decode, add_held = prefills.append, decodes.append, held.append
         fresh = n + own  # a worker with none of the request's blocks active adds all of them
         for worker in workers:
             load = get_load(worker, _NO_LOAD)
-            prefill = prompt_tokens - get_overlap(worker, 0) * block_size
-            add_prefill(load.prefill_tokens + prefill if prefill > 0 else load.prefill_tokens)
             refs = load.block_refs
+            counted = get_overlap(worker, 0)
             if first in refs:
-                add_decode(len(refs) + load.own_blocks + fresh - _active_prefix(refs, block_hashes))
+                active = _active_prefix(refs, block_hashes)
+                if in_flight and active > counted:
+                    counted = merged[worker] = active
+                add_decode(len(refs) + load.own_blocks + fresh - active)
             else:
                 add_decode(len(refs) + load.own_blocks + fresh)
-        return prefills, decodes
+            add_held(counted)
+            prefill = prompt_tokens - counted * block_size
+            add_prefill(load.prefill_tokens + prefill if prefill > 0 else load.prefill_tokens)
+        if not self.track_active_blocks:
+            decodes = [0] * len(prefills)
+        return PotentialColumns(prefills, decodes, held, merged)
 
     def worker_loads(self) -> list[WorkerLoad]:
         """Every worker with a load entry: requests in flight, prefill tokens, KV tokens held."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from kvmesh.common.wire.worker_key import WorkerKey
 from kvmesh.router.active_sequences import ActiveSequences
 from kvmesh.router.cache_aware import CacheAwareOptions, CacheAwareSelector
-from kvmesh.router.prefix_pull import Pull, pull_costs
+from kvmesh.router.prefix_pull import Pull, no_pull_to_price, pull_costs
 from kvmesh.router.scheduler import (
     BlockCost,
     Candidate,
@@ -137,21 +137,19 @@ class RoutingPolicy:
 
     def _charge_duplicates(
         self,
-        workers: Sequence[WorkerKey],
         prefills: Sequence[int],
-        overlaps: Mapping[WorkerKey, int],
+        held: Sequence[int],
         penalty: float,
         overdue: Sequence[float] | None = None,
     ) -> list[int]:
         """``prefills`` plus, per worker, the duplicate penalty's tokens: the blocks of the prefix the
-        best-placed candidate holds beyond this worker's overlap, times the penalty. A worker with
-        ``overdue`` time is not counted as a holder: a stalled holder holds nothing soon.
+        best-placed candidate holds beyond this worker's (``held``: each one's, in the same order), times
+        the penalty. A worker with ``overdue`` time is not counted as a holder: a stalled holder holds
+        nothing soon.
 
         Why: the cost compares only this request's time to first token, so under load it copies a
         prefix to an idle worker whenever the copy costs less than the queue; the copy then evicts
         other prefixes there, and later requests pay for them (docs/decisions/0048)."""
-        get_overlap = overlaps.get
-        held = [get_overlap(worker, 0) for worker in workers]
         if overdue is not None:
             best = max((own for own, late in zip(held, overdue, strict=True) if not late), default=0)
             held = [min(own, best) for own in held]
@@ -327,23 +325,23 @@ class RoutingPolicy:
         penalty = self.duplicate_penalty if duplicate_penalty is None else duplicate_penalty
         if penalty and self._imbalanced(workers):
             penalty = 0.0
-        if penalty:  # holding prefixes where they are: where they are about to be counts too
-            overlaps = self.active.with_in_flight(workers, block_hashes, overlaps)
+        # holding prefixes where they are: where they are about to be counts too
+        columns = self.active.potential_columns(
+            workers, block_hashes, prompt_tokens, overlaps, expected_output_tokens, in_flight=bool(penalty)
+        )
+        overlaps, prefills, decodes, held = columns.overlaps, columns.prefills, columns.decodes, columns.held
         mostly_new = bool(penalty) and self._poorly_matched(overlaps, prompt_tokens)
         if mostly_new:
             penalty = 0.0
-        prefills, decodes = self.active.potential_columns(
-            workers, block_hashes, prompt_tokens, overlaps, expected_output_tokens
-        )
         if load_tokens:
             prefills = [prefill + load_tokens.get(worker, 0) for worker, prefill in zip(workers, prefills, strict=True)]
         charging = bool(penalty and overlaps)
-        charged = self._charge_duplicates(workers, prefills, overlaps, penalty) if charging else prefills
+        charged = self._charge_duplicates(prefills, held, penalty) if charging else prefills
         weight = self.overlap_score_weight if overlap_score_weight is None else overlap_score_weight
         costs = self.cost_model.costs(workers, charged, decodes, weight)
         pulls: list[Pull | None] | None = None
         if self.pull_ratio and pullable and cached:
-            priced = self._priced_pulls(workers, cached, overlaps, costs, prefills, decodes, weight, pullable)
+            priced = self._priced_pulls(workers, cached, overlaps, held, costs, prefills, decodes, weight, pullable)
             if priced is not None:
                 costs, pulls = priced
         # the stall bound is a multiple of the predicted cost: the session spread's preference is no part of it
@@ -354,7 +352,7 @@ class RoutingPolicy:
         if overdue is not None:  # rare: cost again, the late charged for and held by nobody
             cheapest = min(range(len(costs)), key=costs.__getitem__)
             if charging:
-                charged = self._charge_duplicates(workers, prefills, overlaps, penalty, overdue)
+                charged = self._charge_duplicates(prefills, held, penalty, overdue)
                 costs = self.cost_model.costs(workers, charged, decodes, weight)
                 # these costs price no pull, so none is made: the longest prefix is mostly the late
                 # worker's, and pulled again from it the held-out agent loops' p99 rose by half
@@ -382,6 +380,7 @@ class RoutingPolicy:
         workers: Sequence[WorkerKey],
         cached: Mapping[WorkerKey, int],
         overlaps: Mapping[WorkerKey, int],
+        counted: list[int],
         costs: list[float],
         prefills: list[int],
         decodes: list[int],
@@ -389,14 +388,16 @@ class RoutingPolicy:
         pullable: Collection[WorkerKey],
     ) -> tuple[list[float], list[Pull | None]] | None:
         """:func:`~kvmesh.router.prefix_pull.pull_costs` on this policy's cost model; ``prefills`` the
-        uncharged ones ``costs`` were computed from, with ``overlaps``."""
+        uncharged ones ``costs`` were computed from, with ``overlaps`` (``counted``: each worker's, in
+        ``workers``' order)."""
         # the usual case, told from the sparse answers alone: nothing cached, or a longer prefix in flight
         best = max(cached.values(), default=0)
         if best == 0 or max(overlaps.values(), default=0) > best:
             return None
-        get_cached, get_counted = cached.get, overlaps.get
+        if no_pull_to_price(workers, cached, counted, prefills, self.block_size, self.pull_ratio, pullable):
+            return None
+        get_cached = cached.get
         held = [get_cached(worker, 0) for worker in workers]
-        counted = [get_counted(worker, 0) for worker in workers]
         can_pull = [worker in pullable for worker in workers]
 
         def cost_of(pulled_prefills: list[int]) -> list[float]:

@@ -15,7 +15,7 @@ prefixes where they are and pays no copy.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.common.wire.worker_key import WorkerKey
@@ -72,10 +72,7 @@ def pull_costs(
     # the prompt's full blocks are within it, so the blocks a pull brings come off the prefill exactly
     tokens = [p - (best - c) * block_size if ok else p for p, c, ok in zip(prefills, counted, can_pull, strict=True)]
     others = len(tokens) - 1
-    # first in tokens, without the cost model (most decisions end here): a prefill's time grows at most
-    # with the square of its tokens, so a holder not past √ratio times the others' tokens is not past
-    # ratio times their cost
-    if others < 1 or prefills[holder_index] * others <= math.sqrt(ratio) * (sum(tokens) - tokens[holder_index]):
+    if not holder_busy(prefills[holder_index], sum(tokens) - tokens[holder_index], others, ratio):
         return None
     pulled = cost_of(tokens)
     pulled = [c + (best - own) * ms_per_block if ok else c for c, own, ok in zip(pulled, held, can_pull, strict=True)]
@@ -92,3 +89,49 @@ def pull_costs(
             priced.append(cost)
             pulls.append(None)
     return priced, pulls
+
+
+def holder_busy(holder_prefill: int, others_tokens: int, others: int, ratio: float) -> bool:
+    """:func:`pull_costs`' first test, in tokens, without the cost model (most decisions end here): the
+    holder's prefill tokens past √``ratio`` times the ``others`` candidates' mean with the pull
+    (``others_tokens`` in all). A prefill's time grows at most with the square of its tokens, so a holder
+    not past that is not past ``ratio`` times their cost."""
+    return others >= 1 and holder_prefill * others > math.sqrt(ratio) * others_tokens
+
+
+def no_pull_to_price(
+    workers: Sequence[WorkerKey],
+    cached: Mapping[WorkerKey, int],
+    counted: Sequence[int],
+    prefills: Sequence[int],
+    block_size: int,
+    ratio: float,
+    pullable: Collection[WorkerKey],
+) -> bool:
+    """Whether :func:`pull_costs` would return None at its first tests, told from sums and the sparse
+    ``cached`` (what each worker holds, as the index reports it) where every candidate can pull, without
+    building its per-worker lists (the routing decision's hot path: at 256 workers those lists cost a
+    fifth of the default's decision). False where it cannot tell that way: then price in full.
+
+    Guarantee: True only where :func:`pull_costs` on the same figures returns None."""
+    if not isinstance(pullable, (set, frozenset)) or not pullable.issuperset(workers):
+        return False
+    best = max(cached.values(), default=0)
+    if best == 0:
+        return True
+    positions = []
+    for worker, blocks in cached.items():
+        if blocks == best and worker in pullable:  # a candidate (all of them can pull), or none
+            try:
+                positions.append(workers.index(worker))
+            except ValueError:  # can pull but is no candidate here
+                continue
+    if not positions:  # the longest prefix is held off the candidates: theirs is shorter
+        return False
+    if ratio <= 0 or max(counted) > best:
+        return True
+    holder = min(positions)  # pull_costs' holder: the first candidate holding the longest
+    # pull_costs' tokens (each worker's prefill less the blocks a pull brings), summed without the list
+    pulled_holder = prefills[holder] - (best - counted[holder]) * block_size
+    others_tokens = sum(prefills) - block_size * (best * len(workers) - sum(counted)) - pulled_holder
+    return not holder_busy(prefills[holder], others_tokens, len(workers) - 1, ratio)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from kvmesh.common.wire.worker_key import WorkerKey
-from kvmesh.router.prefix_pull import Pull, pull_costs
+from kvmesh.router.prefix_pull import Pull, no_pull_to_price, pull_costs
 
 A, B, C = WorkerKey(1, 0), WorkerKey(2, 0), WorkerKey(3, 0)
 WORKERS = [A, B, C]
@@ -132,3 +132,48 @@ def test_the_quick_test_in_tokens_never_turns_away_a_holder_the_cost_calls_satur
         assert (priced is not None) == saturated
         fired += saturated
     assert fired > 50  # the case is exercised
+
+
+def test_the_test_from_sums_says_no_pull_only_where_pull_costs_prices_none():
+    # every candidate can pull, the index's answer sparse and possibly naming a worker that is no candidate
+    rng = random.Random(5)
+    outcomes = {True: 0, False: 0}
+    fleet = [WorkerKey(i, 0) for i in range(6)]
+    for _ in range(3000):
+        workers = rng.sample(fleet, rng.randint(1, 6))
+        cached = {w: rng.randint(1, 10) for w in fleet if rng.random() < 0.5}
+        held = [cached.get(w, 0) for w in workers]
+        counted = [own + (rng.randint(0, 3) if rng.random() < 0.2 else 0) for own in held]
+        prefills = [rng.randrange(0, 20_000) + PROMPT - own * BLOCK for own in counted]
+        ratio = rng.choice([0.0, rng.uniform(1, 6)])
+        said = no_pull_to_price(workers, cached, counted, prefills, BLOCK, ratio, set(fleet))
+        costs = [float(p) for p in prefills]
+        priced = pull_costs(
+            workers,
+            held,
+            counted,
+            costs,
+            prefills,
+            lambda p: [float(x) for x in p],
+            BLOCK,
+            ratio,
+            0.0,
+            [True] * len(workers),
+        )
+        if said:
+            assert priced is None
+        outcomes[said] += 1
+    assert outcomes[True] > 1000 and outcomes[False] > 300  # both answers are exercised
+
+
+def test_the_test_from_sums_leaves_to_pull_costs_what_it_cannot_tell():
+    prefills = [5000, PROMPT, PROMPT]  # A holds 8 blocks of the prompt behind a long queue
+    # a candidate that cannot pull, or the candidates given as a list: the per-worker lists are needed
+    assert not no_pull_to_price(WORKERS, {A: 8}, [8, 0, 0], prefills, BLOCK, 1.5, {A, B})
+    assert not no_pull_to_price(WORKERS, {A: 8}, [8, 0, 0], prefills, BLOCK, 1.5, [A, B, C])
+    # the longest prefix held by a worker that is no candidate: the candidates' longest is another
+    outsider = WorkerKey(9, 0)
+    assert not no_pull_to_price(WORKERS, {outsider: 9, A: 8}, [8, 0, 0], prefills, BLOCK, 1.5, {A, B, C, outsider})
+    # and a saturated holder is left to be priced
+    assert not no_pull_to_price(WORKERS, {A: 8}, [8, 0, 0], prefills, BLOCK, 1.5, {A, B, C})
+    assert no_pull_to_price(WORKERS, {A: 8}, [8, 0, 0], [PROMPT - 8 * BLOCK, PROMPT, PROMPT], BLOCK, 1.5, {A, B, C})

@@ -121,6 +121,19 @@ class TestActiveSequences:
         loads = active.potential_loads([(1, 0), (2, 0)], [1, 2, 3], 48, {(1, 0): 2})
         assert [(p.prefill_tokens, p.decode_blocks) for p in loads] == [(32 + 16, 3), (48, 3)]
 
+    def test_prefixes_in_flight_count_as_held_only_when_asked(self):
+        active = ActiveSequences(BLOCK)
+        active.add("a", (1, 0), [1, 2], prompt_tokens=32, overlap_blocks=0)  # 32 tokens queued on (1, 0)
+        given = {(2, 0): 1}
+        plain = active.potential_columns([(1, 0), (2, 0)], [1, 2, 3], 48, given)
+        assert plain.held == [0, 1] and plain.overlaps is given
+        assert plain.prefills == [32 + 48, 48 - 16]
+        merged = active.potential_columns([(1, 0), (2, 0)], [1, 2, 3], 48, given, in_flight=True)
+        # (1, 0) computes blocks 1 and 2 for "a" ahead of this request: only block 3 is left to it
+        assert merged.held == [2, 1] and merged.overlaps == {(1, 0): 2, (2, 0): 1}
+        assert merged.prefills == [32 + 16, 48 - 16] and merged.decodes == plain.decodes == [3, 3]
+        assert given == {(2, 0): 1}  # the caller's mapping is left as it was
+
     def test_removing_a_worker_drops_its_requests(self):
         active = ActiveSequences(BLOCK)
         active.add("a", (1, 0), [1], 16, 0)
