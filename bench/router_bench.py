@@ -1,7 +1,9 @@
 """Router figures: routing decision time in process, and requests/s one router replica sustains.
 
 Decision time: RoutingPolicy.choose (predicted-TTFT cost) over 8, 64 and 256 workers, each with 32
-requests in flight, for a 2,048-token prompt (128 blocks of 16) whose prefix some workers cache.
+requests in flight, for a 2,048-token prompt (128 blocks of 16) whose prefix some workers cache:
+plain ``kv`` (the cost of the request in hand alone) and then, back to back, ``kv`` with the router's
+default options (or those given), with the ratio of the two medians.
 
 Throughput: one router process in front of 4 mock workers at a high speed-up plus an indexer (all
 separate processes); a closed loop of concurrent gRPC clients sends short requests for a fixed time.
@@ -34,6 +36,7 @@ from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.nats_server import EmbeddedNatsServer
 from kvmesh.common.runtime.process import connect_nats
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
+from kvmesh.router.config import RouterConfig
 from kvmesh.router.policy import RoutingPolicy
 from kvmesh.router.scheduler import make_cost_model
 
@@ -216,20 +219,31 @@ def main() -> None:
         "--levels", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="--saturation: concurrencies, rising"
     )
     parser.add_argument("--decision-samples", type=int, default=2000, help="decisions timed at each fleet size")
+    defaults = RouterConfig()
     parser.add_argument(
         "--kv-duplicate-penalty",
         type=float,
-        default=0.0,
-        help="decision time: the policy's duplicate penalty (with it, also the in-flight prefixes it reads)",
+        default=defaults.kv_duplicate_penalty,
+        help="decision time: the policy's duplicate penalty (with it, also the in-flight prefixes it reads; "
+        "default: the router's)",
     )
     parser.add_argument(
-        "--kv-write-spread", type=float, default=0.0, help="decision time: the policy's write spread (decision 59)"
+        "--kv-write-spread",
+        type=float,
+        default=defaults.kv_write_spread,
+        help="decision time: the policy's write spread (decision 59; default: the router's)",
     )
     parser.add_argument(
-        "--kv-stall-slack", type=float, default=0.0, help="decision time: the policy's stall slack (decision 63)"
+        "--kv-stall-slack",
+        type=float,
+        default=defaults.kv_stall_slack,
+        help="decision time: the policy's stall slack (decision 63; default: the router's)",
     )
     parser.add_argument(
-        "--kv-pull-ratio", type=float, default=0.0, help="decision time: the policy's pull ratio (decision 70)"
+        "--kv-pull-ratio",
+        type=float,
+        default=defaults.kv_pull_ratio,
+        help="decision time: the policy's pull ratio (decision 70; default: the router's)",
     )
     parser.add_argument(
         "--mostly-new",
@@ -262,17 +276,16 @@ def main() -> None:
                     flush=True,
                 )
         return
+    options = args.kv_duplicate_penalty, args.kv_write_spread, args.mostly_new, args.kv_stall_slack, args.kv_pull_ratio
     for workers in (8, 64, 256):
-        p50, p99 = decision_time(
-            workers,
-            args.decision_samples,
-            args.kv_duplicate_penalty,
-            args.kv_write_spread,
-            args.mostly_new,
-            args.kv_stall_slack,
-            args.kv_pull_ratio,
+        # plain kv first, then the policy with the options, back to back: this machine's speed drifts by
+        # tens of per cent a minute, so the ratio of the two is the figure to compare across runs
+        plain, _ = decision_time(workers, args.decision_samples)
+        p50, p99 = decision_time(workers, args.decision_samples, *options)
+        print(
+            f"routing decision, {workers:>3} workers: p50 {p50:7.1f} µs, p99 {p99:7.1f} µs "
+            f"({p50 / plain:.2f}x plain kv's p50, {plain:.1f} µs)"
         )
-        print(f"routing decision, {workers:>3} workers: p50 {p50:7.1f} µs, p99 {p99:7.1f} µs")
     r = asyncio.run(throughput(args.seconds, args.concurrency))
     print(
         f"one router replica, 4 mock workers (speed-up 1000), {args.concurrency} concurrent clients: "
