@@ -20,6 +20,7 @@ from kvmesh.common.proto.kvmesh.v1 import common_pb2
 from kvmesh.common.rpc.grpc_errors import NO_WORKER
 from kvmesh.common.rpc.status_error import StatusError
 from kvmesh.common.runtime.discovery import InstanceRecord
+from kvmesh.common.wire.disagg import MOVES_BLOCKS_KEY
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes, token_bytes
 from kvmesh.common.wire.worker_key import WorkerKey, keys_of
 from kvmesh.router.eligibility import FailedWorkers, prefill_workers, whole_request_workers
@@ -73,13 +74,35 @@ class RouteInput:
         )
 
 
+@dataclass(frozen=True)
+class CandidateTables:
+    """What a decision derives from its list of candidate records, built once per list and shared,
+    read-only, by the decisions over the same list: each record by id, every data-parallel rank's
+    key, and the first ranks of the workers whose engines move cached blocks (between these a prefix
+    may be pulled; a worker's moves serve its first rank).
+
+    Why shared: at 256 workers building these per request cost about as much as the routing policy's
+    whole choice. ``records`` holds the records, so that the ids that find these tables stay theirs."""
+
+    records: tuple[InstanceRecord, ...]
+    by_id: dict[int, InstanceRecord]
+    keys: tuple[WorkerKey, ...]
+    pullable: frozenset[WorkerKey]
+
+    @classmethod
+    def of(cls, records: Sequence[InstanceRecord]) -> CandidateTables:
+        keys = tuple(key for r in records for key in keys_of(r.instance_id, r.extra))
+        movers = frozenset(keys_of(r.instance_id, r.extra)[0] for r in records if r.extra.get(MOVES_BLOCKS_KEY))
+        return cls(tuple(records), {r.instance_id: r for r in records}, keys, movers)
+
+
 @dataclass
 class Prepared:
     """A request's candidates and block hashes, computed once per routing decision."""
 
     request: RouteInput
     candidates: list[InstanceRecord]
-    by_id: dict[int, InstanceRecord]
+    tables: CandidateTables
     local_hashes: list[int]
     block_hashes: list[int]
 
@@ -91,10 +114,15 @@ class Prepared:
     def prompt_tokens(self) -> int:
         return len(self.request.token_ids)
 
-    @cached_property
-    def keys(self) -> list[WorkerKey]:
+    @property
+    def by_id(self) -> dict[int, InstanceRecord]:
+        """Each candidate by its instance id (shared: read only)."""
+        return self.tables.by_id
+
+    @property
+    def keys(self) -> tuple[WorkerKey, ...]:
         """Every data-parallel rank of every candidate."""
-        return [key for r in self.candidates for key in keys_of(r.instance_id, r.extra)]
+        return self.tables.keys
 
     @cached_property
     def tokens(self) -> bytes:
@@ -113,6 +141,8 @@ class Candidates:
         self.failed = failed
         self.checks = checks
         self.clock = clock
+        self._last = CandidateTables.of([])
+        self._ids: tuple[int, ...] = ()
 
     def whole_request(self, request: RouteInput) -> Prepared:
         registered = self.workers.instances()
@@ -135,7 +165,14 @@ class Candidates:
         else:
             local = local_block_hashes(request.token_ids, candidates[0].block_size, lora)
             block_hashes = sequence_hashes(local)
-        return Prepared(request, candidates, {r.instance_id: r for r in candidates}, local, block_hashes)
+        return Prepared(request, candidates, self._tables(candidates), local, block_hashes)
+
+    def _tables(self, candidates: list[InstanceRecord]) -> CandidateTables:
+        """The last decision's tables where its candidates are the same records, in the same order."""
+        ids = tuple(map(id, candidates))
+        if ids != self._ids:
+            self._last, self._ids = CandidateTables.of(candidates), ids
+        return self._last
 
     def prefill_pool(self, prepared: Prepared) -> list[InstanceRecord]:
         """The prefill-role workers that may prefill ``prepared`` for one of its decode candidates

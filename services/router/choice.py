@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvmesh.common.core.timing import TimingModel
 from kvmesh.common.runtime.discovery import InstanceRecord
-from kvmesh.common.wire.disagg import MOVES_BLOCKS_KEY, PrefixPull
+from kvmesh.common.wire.disagg import PrefixPull
 from kvmesh.common.wire.lora import must_load
 from kvmesh.common.wire.worker_key import WorkerKey, keys_of
 from kvmesh.router.cache_view import CacheView
@@ -182,7 +182,7 @@ class Chooser:
             parked=parked,
             # a named session's context is its own: pulled, the session moves with it, where an
             # anonymous shared prefix would be copied for good (decision 71)
-            pullable=pullable(prepared.candidates) if policy.pull_ratio and request.session else (),
+            pullable=prepared.tables.pullable if policy.pull_ratio and request.session else (),
             cached=view.cached,
         )
         worker_id, rank = decision.worker
@@ -273,9 +273,3 @@ class Chooser:
                 policy.forget(key)
                 if isinstance(policy.cost_model, PerWorkerTtftCost):
                     policy.cost_model.forget(key)
-
-
-def pullable(records: Sequence[InstanceRecord]) -> set[WorkerKey]:
-    """The first ranks of the workers whose engines move cached blocks: between these a prefix may be
-    pulled (a worker's moves serve its first rank)."""
-    return {WorkerKey(r.instance_id, 0) for r in records if r.extra.get(MOVES_BLOCKS_KEY)}

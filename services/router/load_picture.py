@@ -77,16 +77,20 @@ class LoadPicture:
         """Over ``--active-decode-blocks-threshold`` or ``--active-prefill-tokens-threshold``."""
         return self.thresholds.exceeded(*self.loads.sequences(block_size).load(key))
 
-    def admitted(self, candidates: Sequence[InstanceRecord], noun: str = "workers") -> list[WorkerKey]:
-        """Every rank of ``candidates``, once some worker is under the busy thresholds;
-        :class:`AllWorkersBusy` while none is (the request waits in the router queue).
+    def admitted(
+        self, candidates: Sequence[InstanceRecord], noun: str = "workers", keys: Sequence[WorkerKey] | None = None
+    ) -> Sequence[WorkerKey]:
+        """Every rank of ``candidates`` (``keys``, where the caller has listed them), once some worker is
+        under the busy thresholds; :class:`AllWorkersBusy` while none is (the request waits in the router
+        queue).
 
         The thresholds decide *when* a request is routed, not *where*: a busy worker's load is in its
         cost already, and leaving it out sends a request away from the worker that holds its prefix
         (docs/decisions/0045). Called after the last ``await`` of a decision, so that the check, the
         choice and the :meth:`add` run without another request's decision in between: a burst meets
         the thresholds from its first request (each sees the load the ones before it added)."""
-        keys = [key for r in candidates for key in keys_of(r.instance_id, r.extra)]
+        if keys is None:
+            keys = [key for r in candidates for key in keys_of(r.instance_id, r.extra)]
         thresholds = self.thresholds
         if not candidates or (thresholds.active_decode_blocks is None and thresholds.active_prefill_tokens is None):
             return keys

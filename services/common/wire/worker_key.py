@@ -8,7 +8,8 @@ pair. A storage tier (host memory, disk, a KV pool) is not a rank: it is a field
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 from kvmesh.common.wire.kv_events import DEVICE_TIER
@@ -58,6 +59,14 @@ def ranks_of(extra: Mapping[str, Any]) -> range:
     return range(max(1, int(extra.get(DATA_PARALLEL_KEY) or 1)))
 
 
-def keys_of(worker_id: int, extra: Mapping[str, Any]) -> Iterator[WorkerKey]:
-    """Every engine instance of one worker, from its discovery record's ``extra``."""
-    return (WorkerKey(worker_id, rank) for rank in ranks_of(extra))
+def keys_of(worker_id: int, extra: Mapping[str, Any]) -> tuple[WorkerKey, ...]:
+    """Every engine instance of one worker, from its discovery record's ``extra``, in rank order."""
+    return _engine_keys(worker_id, max(1, int(extra.get(DATA_PARALLEL_KEY) or 1)))
+
+
+@lru_cache(maxsize=1 << 16)
+def _engine_keys(worker_id: int, ranks: int) -> tuple[WorkerKey, ...]:
+    """Why kept: every routing decision lists its candidates' keys, and building a key costs about a
+    microsecond (a named tuple's constructor is Python code): at 256 workers, two such lists were a
+    decision's largest cost. Bounded, since workers come and go with new ids."""
+    return tuple(WorkerKey(worker_id, rank) for rank in range(ranks))
