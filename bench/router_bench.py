@@ -3,7 +3,10 @@
 Decision time: RoutingPolicy.choose (predicted-TTFT cost) over 8, 64 and 256 workers, each with 32
 requests in flight, for a 2,048-token prompt (128 blocks of 16) whose prefix some workers cache:
 plain ``kv`` (the cost of the request in hand alone) and then, back to back, ``kv`` with the router's
-default options (or those given), with the ratio of the two medians.
+default options (or those given), with the ratio of the two medians. Then the router's whole
+decision in process with its default options, as the service makes it for one request (its candidates,
+the prompt's block hashes and the choice on an index answer in hand; no gRPC, no NATS), plain and for a
+request naming a session (whose pull is priced).
 
 Throughput: one router process in front of 4 mock workers at a high speed-up plus an indexer (all
 separate processes); a closed loop of concurrent gRPC clients sends short requests for a fixed time.
@@ -32,12 +35,17 @@ import time
 from bench.cpu_quota import PERIOD_US, CpuQuota, CpuQuotaError
 from bench.processes import cpu_seconds
 from kvmesh.client import RouterApi
+from kvmesh.common.core.index_answer import IndexAnswer
 from kvmesh.common.runtime.discovery import DiscoveryWatcher
 from kvmesh.common.runtime.nats_server import EmbeddedNatsServer
 from kvmesh.common.runtime.process import connect_nats
 from kvmesh.common.wire.hashing import local_block_hashes, sequence_hashes
+from kvmesh.common.wire.worker_key import WorkerKey
+from kvmesh.replay.fleet import REPLAY_MODEL, RoutableWorkers
+from kvmesh.router.candidates import RouteInput
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.policy import RoutingPolicy
+from kvmesh.router.routing import Router
 from kvmesh.router.scheduler import make_cost_model
 
 BLOCK = 16
@@ -92,6 +100,37 @@ def decision_time(
     for _ in range(samples):
         started = time.perf_counter_ns()
         policy.choose(keys, hashes, len(prompt), overlaps, sizes, pullable=pullable)
+        timings.append((time.perf_counter_ns() - started) / 1000)
+    return percentile(timings, 50), percentile(timings, 99)
+
+
+def pipeline_time(workers: int, samples: int = 2000, session: bool = False) -> tuple[float, float]:
+    """p50 and p99, in µs, of the router's whole decision for one request, as the router service makes
+    it with its default options and without gRPC or NATS: the candidates and the prompt's block hashes
+    (``Router.prepare``) and the choice (``Router.decide``, not committed, so each sample meets the same
+    load) on an index answer in hand. ``session``: the request names a session (the pull is priced,
+    every worker able to pull). The fleet and loads are :func:`decision_time`'s."""
+    rng = random.Random(workers)
+    fleet = RoutableWorkers(BLOCK, 16384, 8192)
+    for w in range(workers):
+        fleet.join(w, "aggregated")
+    router = Router(RouterConfig(), fleet, None, router_id="bench", clock=lambda: 100.0, rng=rng)
+    for record in fleet.instances():
+        for r in range(32):
+            hashes = [rng.getrandbits(64) for _ in range(rng.randrange(20, 200))]
+            router.track_add(f"{record.instance_id}-{r}", record, hashes, len(hashes) * BLOCK + 5, 0, 10)
+    prompt = list(range(2048))
+    hashes = sequence_hashes(local_block_hashes(prompt, BLOCK))
+    answer = IndexAnswer(
+        {WorkerKey(w, 0): rng.randrange(0, 128) for w in range(0, workers, 3)},
+        {WorkerKey(w, 0): rng.randrange(100, 10_000) for w in range(workers)},
+    )
+    assert answer.matched and len(hashes) == 128
+    request = RouteInput(REPLAY_MODEL, prompt, session="bench" if session else "")
+    timings = []
+    for _ in range(samples):
+        started = time.perf_counter_ns()
+        router.decide(router.prepare(request), answer, commit=False)
         timings.append((time.perf_counter_ns() - started) / 1000)
     return percentile(timings, 50), percentile(timings, 99)
 
@@ -285,6 +324,14 @@ def main() -> None:
         print(
             f"routing decision, {workers:>3} workers: p50 {p50:7.1f} µs, p99 {p99:7.1f} µs "
             f"({p50 / plain:.2f}x plain kv's p50, {plain:.1f} µs)"
+        )
+    for workers in (8, 64, 256):
+        p50, p99 = pipeline_time(workers, args.decision_samples)
+        session_p50, session_p99 = pipeline_time(workers, args.decision_samples, session=True)
+        print(
+            f"whole decision (candidates, block hashes, choice; the router's defaults), {workers:>3} workers: "
+            f"p50 {p50:7.1f} µs, p99 {p99:7.1f} µs; a session's turn: p50 {session_p50:7.1f} µs, "
+            f"p99 {session_p99:7.1f} µs"
         )
     r = asyncio.run(throughput(args.seconds, args.concurrency))
     print(
