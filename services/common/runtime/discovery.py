@@ -273,8 +273,11 @@ class DiscoveryWatcher:
         expires_at = written_at + record.lease_ttl
         if expires_at <= time.time():
             return  # a stale record of an instance that died before we started watching
-        is_new = record.instance_id not in self._records
-        self._records[record.instance_id] = record
+        known = self._records.get(record.instance_id)
+        is_new = known is None
+        if known != record:  # a lease refresh rewrites the same record: the one held stays, so that
+            # what a reader derived from it and keyed on it stays good (the router's candidate tables)
+            self._records[record.instance_id] = record
         self._expires_at[record.instance_id] = expires_at
         if is_new:
             log.info("instance joined", key=record.key, address=record.address)
