@@ -73,7 +73,7 @@ class FailedWorkers:
 
     def avoiding(self, now: float) -> set[int]:
         """The workers :meth:`avoided` at ``now``: one pass over the few marked, where asking each
-        candidate in turn cost a routing decision at 256 workers about 30 µs."""
+        candidate in turn cost a routing decision at 256 workers about 40 µs."""
         return {worker_id for worker_id, until in self._until.items() if until > now}
 
     def forget(self, worker_id: int) -> None:
