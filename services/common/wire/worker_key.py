@@ -61,7 +61,7 @@ def ranks_of(extra: Mapping[str, Any]) -> range:
 
 def keys_of(worker_id: int, extra: Mapping[str, Any]) -> tuple[WorkerKey, ...]:
     """Every engine instance of one worker, from its discovery record's ``extra``, in rank order."""
-    return _engine_keys(worker_id, max(1, int(extra.get(DATA_PARALLEL_KEY) or 1)))
+    return _engine_keys(worker_id, len(ranks_of(extra)))
 
 
 @lru_cache(maxsize=1 << 16)
