@@ -50,7 +50,7 @@ from kvmesh.replay.mooncake_trace import PromptBuilder, TraceRequest
 from kvmesh.replay.queue_door import QueueDoor
 from kvmesh.replay.replies import ReplyCache
 from kvmesh.replay.virtual_index import VirtualIndex
-from kvmesh.router.candidates import Prepared, RouteInput
+from kvmesh.router.candidates import CandidateTables, Prepared, RouteInput
 from kvmesh.router.prefill_job import LocalPrefill
 from kvmesh.router.request_queue import AllWorkersBusy
 from kvmesh.router.routing import Router
@@ -247,7 +247,7 @@ class ReplaySimulator(ElasticFleet):
     def _all_busy(self) -> bool:
         """Every worker the router may send a whole request to is over a busy threshold."""
         try:
-            self.router.picture.admitted(self.workers.of_role("aggregated", "decode"))
+            self.router.picture.admitted(CandidateTables.of(self.workers.of_role("aggregated", "decode")))
         except AllWorkersBusy:
             return True
         return False

@@ -18,7 +18,7 @@ from kvmesh.common.runtime.discovery import InstanceRecord
 from kvmesh.common.wire.worker_key import WorkerKey, keys_of
 from kvmesh.router.active_sequences import ActiveSequences
 from kvmesh.router.cache_view import CacheView
-from kvmesh.router.candidates import Prepared
+from kvmesh.router.candidates import CandidateTables, Prepared
 from kvmesh.router.config import RoutingOptions
 from kvmesh.router.eligibility import BusyThresholds, not_busy
 from kvmesh.router.load_tracker import LoadTracker
@@ -77,25 +77,21 @@ class LoadPicture:
         """Over ``--active-decode-blocks-threshold`` or ``--active-prefill-tokens-threshold``."""
         return self.thresholds.exceeded(*self.loads.sequences(block_size).load(key))
 
-    def admitted(
-        self, candidates: Sequence[InstanceRecord], noun: str = "workers", keys: Sequence[WorkerKey] | None = None
-    ) -> Sequence[WorkerKey]:
-        """Every rank of ``candidates`` (``keys``, where the caller has listed them), once some worker is
-        under the busy thresholds; :class:`AllWorkersBusy` while none is (the request waits in the router
-        queue).
+    def admitted(self, tables: CandidateTables, noun: str = "workers") -> Sequence[WorkerKey]:
+        """Every rank of the candidates (``tables.keys``), once some worker is under the busy
+        thresholds; :class:`AllWorkersBusy` while none is (the request waits in the router queue).
 
         The thresholds decide *when* a request is routed, not *where*: a busy worker's load is in its
         cost already, and leaving it out sends a request away from the worker that holds its prefix
         (docs/decisions/0045). Called after the last ``await`` of a decision, so that the check, the
         choice and the :meth:`add` run without another request's decision in between: a burst meets
         the thresholds from its first request (each sees the load the ones before it added)."""
-        if keys is None:
-            keys = [key for r in candidates for key in keys_of(r.instance_id, r.extra)]
+        keys, candidates = tables.keys, tables.records
         thresholds = self.thresholds
         if not candidates or (thresholds.active_decode_blocks is None and thresholds.active_prefill_tokens is None):
             return keys
         active = self.loads.sequences(candidates[0].block_size)
-        by_id = {r.instance_id: r for r in candidates}
+        by_id = tables.by_id
 
         def least_loaded_rank(worker_id: int) -> tuple[int, int]:
             # a worker is busy only when every one of its data-parallel ranks is

@@ -144,7 +144,7 @@ class Router:
         leaving a trace in approximate mode; ``exact``: the answer is exact (the replay's oracle)."""
         view = self.view(prepared, answer, exact=exact)
         try:
-            keys = self.picture.admitted(prepared.candidates, keys=prepared.keys)
+            keys = self.picture.admitted(prepared.tables)
         except AllWorkersBusy as busy:
             busy.uncached_tokens = view.uncached_tokens(prepared)
             raise
@@ -168,7 +168,7 @@ class Router:
         """Where a request prefills while prefill workers (``pool``) may take it."""
         view = self.view(prepared, answer, split=True, exact=exact)
         try:
-            admitted = self.picture.admitted(prepared.candidates, "decode workers", prepared.keys)
+            admitted = self.picture.admitted(prepared.tables, "decode workers")
         except AllWorkersBusy as busy:
             busy.uncached_tokens = view.uncached_tokens(prepared)
             raise
