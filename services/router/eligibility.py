@@ -68,11 +68,8 @@ class FailedWorkers:
     def mark(self, worker_id: int, now: float) -> None:
         self._until[worker_id] = now + self.avoid_secs
 
-    def avoided(self, worker_id: int, now: float) -> bool:
-        return self._until.get(worker_id, 0.0) > now
-
     def avoiding(self, now: float) -> set[int]:
-        """The workers :meth:`avoided` at ``now``: one pass over the few marked, where asking each
+        """The workers still avoided at ``now``: one pass over the few marked, where asking about each
         candidate in turn cost a routing decision at 256 workers about 40 µs."""
         return {worker_id for worker_id, until in self._until.items() if until > now}
 

@@ -58,7 +58,7 @@ def test_a_recently_failed_worker_is_left_out_until_its_time_is_up_unless_none_o
     # alone, a failed worker is still better than no worker
     assert ids(whole_request_workers([Worker(1)], "m", failed, now=101.0).eligible) == [1]
     failed.forget(1)
-    assert not failed.avoided(1, now=101.0)
+    assert 1 not in failed.avoiding(now=101.0)
 
 
 def test_the_prefill_pool_needs_the_role_the_model_the_block_size_and_no_recent_failure():

@@ -66,12 +66,12 @@ def test_reports_do_what_the_relay_would_do_to_the_load_picture():
 
     listener.apply(RequestReport(END, "r", MIGRATED, 5, failed_worker_id=1))
     assert "r" not in router.loads
-    assert router.failed.avoided(1, router.clock())
+    assert 1 in router.failed.avoiding(router.clock())
     assert metrics.migrations_total == 1
 
     router.track_add("r:m1", worker(2, "aggregated"), [11, 12, 13], 53, 0, 0)
     listener.apply(RequestReport(END, "r:m1", "completed", 7))
-    assert "r:m1" not in router.loads and not router.failed.avoided(2, router.clock())
+    assert "r:m1" not in router.loads and 2 not in router.failed.avoiding(router.clock())
     assert metrics.outcomes.totals() == {"completed": 1}
     assert listener.applied == 3
 
@@ -83,7 +83,7 @@ def test_a_report_for_a_request_not_held_changes_no_load_but_still_counts():
     for report in (RequestReport(FIRST_TOKEN, "gone"), RequestReport(END, "gone", MIGRATED, failed_worker_id=2)):
         listener.apply(report)
     assert "kept" in router.loads and prefill_tokens(router, 1) == 16
-    assert router.failed.avoided(2, router.clock()) and metrics.migrations_total == 1
+    assert 2 in router.failed.avoiding(router.clock()) and metrics.migrations_total == 1
     assert listener.applied == 0
 
 
