@@ -178,21 +178,44 @@ def snapshotting(nats_url: str) -> IndexerConfig:
     return indexer_config(nats_url, "s", "--router-snapshot-threshold", "10", "--snapshot-check-interval", "0.2")
 
 
+async def stored_under_lock(js, lock: SnapshotLock) -> snapshots.Snapshot | None:
+    """The stored snapshot, read while holding the snapshot ``lock`` as a restoring replica reads it
+    (None while another holds the lock, or none is stored; then the lock is not kept). After a read
+    that found one the lock stays held, so no replica replaces the snapshot or purges the stream until
+    the caller releases it. Why: an unlocked read races the snapshotting replica, whose replacement
+    of the object stalls a read in progress for a load attempt's timeout (5 s, four attempts), and
+    whose purge can pass the snapshot just read."""
+    if not await lock.acquire():
+        return None
+    stored = await snapshots.load(js, NAMESPACE)
+    if stored is None:
+        await lock.release()
+    return stored
+
+
 async def test_snapshot_purge_and_a_new_replica_restores_it(nats_url: str, nc: NatsClient):
     js = nc.jetstream()
     indexers = await watcher(nc, "indexer")
     async with two_workers(nats_url, nc) as workers, running(indexer_server.serve, snapshotting(nats_url)):
         await load(workers, requests=80)
+        probe = SnapshotLock(js, NAMESPACE, "probe")
+        stored: snapshots.Snapshot | None = None
 
         async def snapshot_taken_and_purged() -> bool:
-            info = await js.stream_info(names.KV_EVENTS_STREAM)
-            stored = await snapshots.load(js, NAMESPACE)
-            return stored is not None and info.state.first_seq > 1
+            nonlocal stored
+            stored = await stored_under_lock(js, probe)
+            if stored is None:
+                return False
+            if (await js.stream_info(names.KV_EVENTS_STREAM)).state.first_seq > 1:
+                return True  # the probe still holds the lock: nothing is snapshotted or purged meanwhile
+            await probe.release()
+            return False
 
         await wait_until_async(snapshot_taken_and_purged, timeout=20, what="snapshot written and stream purged")
-        stored = await snapshots.load(js, NAMESPACE)
+        assert stored is not None
         first_seq = (await js.stream_info(names.KV_EVENTS_STREAM)).state.first_seq
         assert first_seq <= stored.stream_sequence + 1  # nothing the snapshot does not cover was purged
+        await probe.release()
         await load(workers, requests=20, seed=2)  # more events after the snapshot
 
         async with running(indexer_server.serve, indexer_config(nats_url, "fresh")):
@@ -214,9 +237,8 @@ async def test_a_replica_restores_only_while_no_other_takes_a_snapshot(nats_url:
     indexers = await watcher(nc, "indexer")
     async with two_workers(nats_url, nc) as workers, running(indexer_server.serve, snapshotting(nats_url)):
         await load(workers, requests=60)
-        await wait_until_async(lambda: snapshots.load(js, NAMESPACE), timeout=20, what="a snapshot taken")
         drill = SnapshotLock(js, NAMESPACE, "drill")  # as a replica taking a snapshot holds it
-        await wait_until_async(drill.acquire, timeout=20, what="the snapshot lock free")
+        await wait_until_async(lambda: stored_under_lock(js, drill), timeout=20, what="a snapshot taken, the lock held")
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvmesh.indexer", "--nats-url", nats_url, "--namespace", NAMESPACE,
             "--replica-id", "fresh", "--lease-ttl", "2", "--log-level", "info",
