@@ -20,6 +20,7 @@ import httpx
 import nats
 import openai
 from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.common.core.tiny_model import MODEL_DIR
@@ -27,6 +28,9 @@ from kvmesh.common.proto.kvmesh.v1 import common_pb2, indexer_pb2, indexer_pb2_g
 from kvmesh.common.runtime.config import parse_config
 from kvmesh.common.runtime.discovery import DiscoveryWatcher, InstanceRecord, registered_now
 from kvmesh.common.runtime.ports import free_port
+from kvmesh.indexer import snapshot as snapshots
+from kvmesh.indexer.snapshot import Snapshot
+from kvmesh.indexer.snapshot_lock import SnapshotLock
 
 __all__ = [
     "StreamedAnswer",
@@ -365,3 +369,18 @@ def metric_value(address: str, name: str, default: float | None = None, **labels
         return values[0]
     assert default is not None, f"{address} exposes no {name}{labels}"
     return default
+
+
+async def stored_under_lock(js: JetStreamContext, lock: SnapshotLock, namespace: str) -> Snapshot | None:
+    """``namespace``'s stored index snapshot, read while holding its snapshot ``lock`` as a restoring
+    replica reads it (None while another holds the lock, or none is stored; then the lock is not
+    kept). After a read that found one the lock stays held, so no replica replaces the snapshot or
+    purges the stream until the caller releases it. Why: an unlocked read races a snapshotting
+    replica, whose replacement of the object stalls a read in progress for a load attempt's timeout
+    (5 s, four attempts), and whose purge can pass the snapshot just read."""
+    if not await lock.acquire():
+        return None
+    stored = await snapshots.load(js, namespace)
+    if stored is None:
+        await lock.release()
+    return stored

@@ -36,7 +36,7 @@ from kvmesh.indexer.snapshot_lock import SnapshotLock
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.event_publisher import KvEventPublisher
-from tests.support import running, service_config, service_process, wait_until_async
+from tests.support import running, service_config, service_process, stored_under_lock, wait_until_async
 
 pytestmark = pytest.mark.integration
 NAMESPACE = "replicas"
@@ -178,21 +178,6 @@ def snapshotting(nats_url: str) -> IndexerConfig:
     return indexer_config(nats_url, "s", "--router-snapshot-threshold", "10", "--snapshot-check-interval", "0.2")
 
 
-async def stored_under_lock(js, lock: SnapshotLock) -> snapshots.Snapshot | None:
-    """The stored snapshot, read while holding the snapshot ``lock`` as a restoring replica reads it
-    (None while another holds the lock, or none is stored; then the lock is not kept). After a read
-    that found one the lock stays held, so no replica replaces the snapshot or purges the stream until
-    the caller releases it. Why: an unlocked read races the snapshotting replica, whose replacement
-    of the object stalls a read in progress for a load attempt's timeout (5 s, four attempts), and
-    whose purge can pass the snapshot just read."""
-    if not await lock.acquire():
-        return None
-    stored = await snapshots.load(js, NAMESPACE)
-    if stored is None:
-        await lock.release()
-    return stored
-
-
 async def test_snapshot_purge_and_a_new_replica_restores_it(nats_url: str, nc: NatsClient):
     js = nc.jetstream()
     indexers = await watcher(nc, "indexer")
@@ -203,7 +188,7 @@ async def test_snapshot_purge_and_a_new_replica_restores_it(nats_url: str, nc: N
 
         async def snapshot_taken_and_purged() -> bool:
             nonlocal stored
-            stored = await stored_under_lock(js, probe)
+            stored = await stored_under_lock(js, probe, NAMESPACE)
             if stored is None:
                 return False
             if (await js.stream_info(names.KV_EVENTS_STREAM)).state.first_seq > 1:
@@ -238,7 +223,9 @@ async def test_a_replica_restores_only_while_no_other_takes_a_snapshot(nats_url:
     async with two_workers(nats_url, nc) as workers, running(indexer_server.serve, snapshotting(nats_url)):
         await load(workers, requests=60)
         drill = SnapshotLock(js, NAMESPACE, "drill")  # as a replica taking a snapshot holds it
-        await wait_until_async(lambda: stored_under_lock(js, drill), timeout=20, what="a snapshot taken, the lock held")
+        await wait_until_async(
+            lambda: stored_under_lock(js, drill, NAMESPACE), timeout=20, what="a snapshot taken, the lock held"
+        )
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvmesh.indexer", "--nats-url", nats_url, "--namespace", NAMESPACE,
             "--replica-id", "fresh", "--lease-ttl", "2", "--log-level", "info",

@@ -27,9 +27,10 @@ from kvmesh.indexer import snapshot as snapshots
 from kvmesh.indexer.config import IndexerConfig
 from kvmesh.indexer.consumer import EventStreamConsumer
 from kvmesh.indexer.metrics import IndexerState
+from kvmesh.indexer.snapshot_lock import SnapshotLock
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.config import WorkerConfig
-from tests.support import running, service_config, wait_until_async
+from tests.support import running, service_config, stored_under_lock, wait_until_async
 
 pytestmark = pytest.mark.integration
 # small caches: the load evicts, so the stream carries removals too
@@ -99,7 +100,10 @@ async def holds_exactly(workers: DiscoveryWatcher, address: str, namespace: str)
 
 
 async def snapshotted_and_purged(nc: NatsClient, namespace: str) -> bool:
-    stored = await snapshots.load(nc.jetstream(), namespace)
+    js = nc.jetstream()
+    probe = SnapshotLock(js, namespace, "probe")
+    stored = await stored_under_lock(js, probe, namespace)
+    await probe.release()
     return stored is not None and stored.stream_sequence > 0
 
 
