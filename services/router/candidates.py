@@ -101,10 +101,14 @@ class Prepared:
     """A request's candidates and block hashes, computed once per routing decision."""
 
     request: RouteInput
-    candidates: list[InstanceRecord]
     tables: CandidateTables
     local_hashes: list[int]
     block_hashes: list[int]
+
+    @property
+    def candidates(self) -> tuple[InstanceRecord, ...]:
+        """The workers that may take the request, in the order eligibility listed them."""
+        return self.tables.records
 
     @property
     def block_size(self) -> int:
@@ -165,7 +169,7 @@ class Candidates:
         else:
             local = local_block_hashes(request.token_ids, candidates[0].block_size, lora)
             block_hashes = sequence_hashes(local)
-        return Prepared(request, candidates, self._tables(candidates), local, block_hashes)
+        return Prepared(request, self._tables(candidates), local, block_hashes)
 
     def _tables(self, candidates: list[InstanceRecord]) -> CandidateTables:
         """The last decision's tables where its candidates are the same records, in the same order."""
