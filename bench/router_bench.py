@@ -109,7 +109,8 @@ def pipeline_time(workers: int, samples: int = 2000, session: bool = False) -> t
     it with its default options and without gRPC or NATS: the candidates and the prompt's block hashes
     (``Router.prepare``) and the choice (``Router.decide``, not committed, so each sample meets the same
     load) on an index answer in hand. ``session``: the request names a session (the pull is priced,
-    every worker able to pull). The fleet and loads are :func:`decision_time`'s."""
+    every worker able to pull). The fleet, prompt and index answer are drawn as :func:`decision_time`
+    draws them; the 32 requests in flight on each worker all still prefill (none marked done)."""
     rng = random.Random(workers)
     fleet = RoutableWorkers(BLOCK, 16384, 8192)
     for w in range(workers):
