@@ -14,7 +14,8 @@ requests; see ``warm_up``). Printed per setup: the fraction of
 prompt tokens vLLM served from its prefix cache (``usage.prompt_tokens_details``), TTFT p50/p99,
 requests/s and output tokens/s, the same per serving worker (requests, cached share, TTFT p50), the
 requests the router moved off a stalled worker or one whose decodes were behind (its
-``kvmesh_router_steered_total``, decisions 63 and 67), and kv's TTFT p50 against round-robin's; the
+``kvmesh_router_steered_total``, decisions 63 and 67), and kv's TTFT p50 against round-robin's; above
+the table, the cached share any router could reach on the window (:func:`window_bounds`); the
 TTFT distributions are
 plotted together (``--output-dir``/compare_cdf.png).
 ``--repeats N`` runs every setup N times, the order rotated each time, and pools each setup's requests
@@ -63,6 +64,9 @@ import httpx
 from bench.live_load import run_load
 from kvmesh.devtools.mesh_process import MeshProcess
 from kvmesh.loadgen.run_comparison import differences
+from kvmesh.loadgen.workload import as_sent
+from kvmesh.replay.bounds import ReuseBounds, reuse_bounds
+from kvmesh.replay.mooncake_trace import read_trace
 from kvmesh.replay.report import percentile
 from kvmesh.worker.engines.vllm import tiny_llama
 from tests.support import discovered, scrape
@@ -91,6 +95,15 @@ def trace_window(path: Path, start: int, count: int, block_tokens: int, into: Pa
 # requests to few workers would meet that cost later, inside the window, than one that spreads them.
 WARM_UP_TOKENS = (64, 512, 2048, 6144)
 WARM_UP_BATCH = 4
+
+
+def window_bounds(window: Path, args: argparse.Namespace) -> ReuseBounds:
+    """What any router could keep of the window's prompt tokens as they are sent (every block kept;
+    one LRU cache of the fleet's blocks), replies cached where they were made with ``--cache-replies``:
+    a cached share read beside it says how much placement could still win."""
+    sent = as_sent(read_trace(window), args.trace_block_size)
+    capacity = args.workers * args.num_gpu_blocks
+    return reuse_bounds(sent, args.trace_block_size, args.trace_block_size, capacity, args.cache_replies)
 
 
 def warm_up(mesh: MeshProcess, model: str = "kvmesh-tiny") -> None:
@@ -360,6 +373,7 @@ def main() -> None:
         trace, too_long = trace_window(
             Path(args.trace), args.trace_start, args.trace_requests, args.trace_block_size, window
         )
+        bounds = window_bounds(trace, args)
         chosen = [mode for mode in MODES if mode == "kv" or mode in args.setups]
         setups = [*chosen, PENALISED] if args.kv_duplicate_penalty is not None else chosen
         runs = run_repeats(setups, trace, args, out_dir)
@@ -370,6 +384,10 @@ def main() -> None:
         f"{args.trace_block_size} tokens each), trace requests {args.trace_start}-"
         f"{args.trace_start + args.trace_requests - 1} at {args.arrival_speedup_ratio}x, "
         f"{args.output_tokens} output tokens at most; {too_long} requests longer than the context left out"
+    )
+    print(
+        f"what any router could keep of its prompt tokens: {bounds.infinite:.3f} with every block kept, "
+        f"{bounds.fleet_lru:.3f} with one LRU cache of the fleet's {args.workers * args.num_gpu_blocks} blocks"
     )
     if args.repeats > 1:
         print(f"{args.repeats} runs of each setup, their requests pooled; the runs' own TTFT p50s and p99s after |")

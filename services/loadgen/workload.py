@@ -5,7 +5,9 @@ k hash ids must share their first k blocks of tokens *after tokenisation*. Each 
 text block of pseudo-random words, cut with the target tokenizer to exactly ``trace_block_size``
 tokens and ending in a newline, so that no token merges across a block boundary; a prompt is the
 concatenation, cut to ``input_length`` tokens. :func:`check_shared_prefixes` tokenises every whole
-prompt and verifies it.
+prompt and verifies it. A prompt has no text past its last hash id, so a request longer than its hash
+ids' tokens is sent shorter: :func:`as_sent` is the trace as sent, for what a window lets any router
+keep (:func:`~kvmesh.replay.bounds.reuse_bounds`).
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class TracePromptBuilder:
         return text, ids
 
     def prompt(self, request: TraceRequest) -> tuple[str, list[int]]:
-        """The prompt text of a trace request and the token ids it must tokenise to."""
+        """The prompt text of a trace request and the token ids it must tokenise to: :func:`sent_length`
+        of them."""
         texts: list[str] = []
         ids: list[int] = []
         for h in request.hash_ids:
@@ -106,6 +109,19 @@ class TracePromptBuilder:
         if remainder:
             text += self.tokenizer.decode(self.block(request.hash_ids[whole_blocks])[1][:remainder])
         return text, ids
+
+
+def sent_length(request: TraceRequest, block_size: int) -> int:
+    """The tokens of ``request``'s prompt with ``block_size`` tokens a hash id: its length, or its hash
+    ids' tokens where those are fewer (the prompt is made of their text alone)."""
+    return min(request.input_length, len(request.hash_ids) * block_size)
+
+
+def as_sent(trace: Sequence[TraceRequest], block_size: int) -> list[TraceRequest]:
+    """``trace`` with each request's length as :class:`TracePromptBuilder` sends it (:func:`sent_length`).
+    Why: a live window of a trace made with 512-token blocks, sent at 32 tokens a hash id, holds prompts
+    about a sixteenth as long as the trace's lengths say, so a bound read off those lengths means nothing there."""
+    return [dataclasses.replace(request, input_length=sent_length(request, block_size)) for request in trace]
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,12 @@ from kvmesh.common.core.tiny_model import MODEL_DIR
 from kvmesh.frontend.tokenizer import ModelTokenizer
 from kvmesh.loadgen.workload import (
     TracePromptBuilder,
+    as_sent,
     check_shared_prefixes,
     synthetic_workload,
     trace_workload,
 )
+from kvmesh.replay.bounds import reuse_bounds
 from kvmesh.replay.mooncake_trace import TraceRequest
 
 
@@ -82,3 +84,20 @@ def test_the_report_counts_refusals_by_status_and_gives_each_class_its_ttft():
     }
     assert report["by_priority"]["high"]["ttft_ms"]["p50"] == pytest.approx(100)
     assert report["by_priority"]["low"]["completed"] == 1 and report["by_priority"]["low"]["requests"] == 3
+
+
+def test_a_prompt_is_cut_to_its_hash_ids_and_as_sent_says_so(tokenizer):
+    builder = TracePromptBuilder(tokenizer, trace_block_size=64)
+    longer = [*TRACE, TraceRequest(1000, 5000, 4, (1, 9))]  # 5,000 tokens named, 2 hash ids: 128 sent
+    sent = as_sent(longer, 64)
+    assert [len(builder.prompt(row)[1]) for row in longer] == [row.input_length for row in sent]
+    assert [row.input_length for row in sent] == [150, 100, 120, 128]
+    assert [row.hash_ids for row in sent] == [row.hash_ids for row in longer]
+
+
+def test_a_windows_bound_is_read_off_its_prompts_as_sent():
+    # 512-token trace blocks sent as 32 tokens each: the second prompt is 96 tokens, 64 of them the first's
+    window = [TraceRequest(0, 1024, 4, (1, 2)), TraceRequest(100, 1536, 4, (1, 2, 3))]
+    bounds = reuse_bounds(as_sent(window, 32), 32, 32, capacity_blocks=1024)
+    assert bounds.infinite == pytest.approx(64 / (64 + 96))
+    assert reuse_bounds(window, 32, 32, capacity_blocks=1024).infinite < 0.03  # the trace's lengths: 64 of 2,560
