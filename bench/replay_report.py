@@ -19,7 +19,9 @@ a few ms between them), ``--jobs 2`` replays on two processes, ``--cache-replies
 turn's reply on the worker that served it (``kvmesh replay --cache-replies``, decision 75; Dynamo's
 replay has no such rule and is left out then). Under each trace a verdict line says
 whether the default matches the best of plain kv and cache-aware in every column, as printed
-(issue 45's first item), and the last line how many traces it does so on.
+(issue 45's first item), and the last lines how many traces it does so on and, per column, its
+margin on the best rival over all the traces: the mean, a 95% interval that resamples the traces,
+and on how many it is ahead and behind (``kvmesh.replay.report.pooled_margins``).
 
     python -m bench.replay_report [--part shared|families] [--trace ../shared/data/mooncake_synthetic_trace.jsonl]
 
@@ -43,7 +45,7 @@ from typing import Any
 from kvmesh.replay.bounds import reuse_bounds
 from kvmesh.replay.config import ReplayConfig
 from kvmesh.replay.mooncake_trace import TraceRequest, read_trace
-from kvmesh.replay.report import closest_margin, shortfalls, summarise
+from kvmesh.replay.report import closest_margin, pooled_margins, shortfalls, summarise
 from kvmesh.replay.session_trace import SessionRules, generate
 from kvmesh.replay.simulator import ReplaySimulator
 
@@ -155,6 +157,7 @@ def families(
     print(header)
     print("-" * len(header))
     wins, traces = 0, 0
+    judged: list[tuple[Figures, list[Figures]]] = []  # the default's figures and its rivals', per trace
     with ProcessPoolExecutor(jobs) as pool:
         for family in FAMILIES:
             for draw in draws:
@@ -211,6 +214,7 @@ def families(
                     family_row("Dynamo 1.6.1 (its replay)", reuse, lru, p50, p99)
                 rivals = [means[name] for name in RIVALS]
                 short = shortfalls(means[DEFAULT_RUN], rivals)
+                judged.append((means[DEFAULT_RUN], rivals))
                 wins, traces = wins + (not short), traces + 1
                 verdict = "yes" if not short else f"no ({', '.join(short)})"
                 column, margin = closest_margin(means[DEFAULT_RUN], rivals)
@@ -226,6 +230,11 @@ def families(
     seeds = f" (means over replay seeds {', '.join(map(str, replay_seeds))})" if len(replay_seeds) > 1 else ""
     print(f"\nthe default wins every column on {wins} of {traces} traces{seeds}")
     results["default_wins_every_column"] = {"traces": traces, "wins": wins}
+    pooled = pooled_margins(judged)
+    print("the default's margin on the best rival per column, over these traces [95% interval resampling them]:")
+    for margin in pooled:
+        print(f"  {margin}")
+    results["pooled_margins"] = {margin.column: dataclasses.asdict(margin) for margin in pooled}
 
 
 def fmt(value: float | None, digits: int = 0) -> str:

@@ -57,7 +57,8 @@ SMOKE: dict[str, tuple[list[str], str, object]] = {
     "replay_report --cache-replies": (
         ["--smoke", "--part", "families", "--cache-replies", "--dynamo-python", "/nonexistent"],
         r"chat: \d+ requests; bounds: fleet LRU[\s\S]*kv \(default\)\s+0\.\d+"
-        r"[\s\S]*wins every column on \d+ of 5 traces",
+        r"[\s\S]*wins every column on \d+ of 5 traces[\s\S]*margin on the best rival per column"
+        r"[\s\S]*p99 [+-]\d+\.\d+% \[[+-]\d+\.\d+%, [+-]\d+\.\d+%\], ahead on \d, behind on \d",
         None,
     ),
     "peers": (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.replay.report import closest_margin, shortfalls
+from kvmesh.replay.report import closest_margin, pooled_margins, shortfalls
 
 PLAIN_KV = (0.551, 91.0, 494.0)
 CACHE_AWARE = (0.591, 102.0, 3298.0)
@@ -46,3 +46,24 @@ def test_the_closest_margin_names_the_nearest_column_at_full_precision():
 def test_the_closest_margin_needs_a_rival():
     with pytest.raises(ValueError, match="no rival"):
         closest_margin(PLAIN_KV, [])
+
+
+def test_pooled_margins_read_many_traces_per_column():
+    # agent loops of two draws: more reuse and a shorter tail on both; the median 0.5 ms ahead on one
+    # and 0.5 ms behind on the other
+    rivals = [(0.900, 80.0, 400.0), (0.800, 95.0, 30000.0)]
+    traces = [((0.905, 79.5, 300.0), rivals), ((0.903, 80.5, 320.0), rivals)]
+    reuse, p50, p99 = pooled_margins(traces, resamples=2000)
+    assert reuse.column == "reuse" and reuse.mean == pytest.approx((0.005 + 0.003) / 0.9 / 2)
+    assert (reuse.ahead, reuse.behind) == (2, 0) and reuse.low > 0  # ahead on every trace: 0 left out
+    assert p50.mean == pytest.approx(0.0) and (p50.ahead, p50.behind) == (1, 1)
+    assert p50.low < 0 < p50.high  # these traces cannot tell the medians apart
+    assert p99.mean == pytest.approx((100 + 80) / 400 / 2) and p99.low == pytest.approx(0.2)
+    assert "ahead on 2, behind on 0" in str(p99)
+
+
+def test_pooled_margins_are_the_same_each_time_and_need_a_trace():
+    traces = [((0.5, 90.0, 500.0), [(0.49 + i / 100, 89.0 + i, 480.0 + i)]) for i in range(5)]
+    assert pooled_margins(traces) == pooled_margins(traces)
+    with pytest.raises(ValueError, match="no trace"):
+        pooled_margins([])
