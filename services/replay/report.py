@@ -260,11 +260,14 @@ class PooledMargin:
 
 
 def pooled_margins(
-    traces: Sequence[tuple[Sequence[float], Sequence[Sequence[float]]]], resamples: int = 10_000, seed: int = 0
+    traces: Sequence[tuple[Sequence[float], Sequence[Sequence[float]]]],
+    resamples: int = 10_000,
+    seed: int = 0,
+    level: float = 0.95,
 ) -> list[PooledMargin]:
     """Per column, the (candidate, rivals) pairs' :func:`margins` over ``traces`` pooled
-    (:class:`PooledMargin`; a trace whose best is 0 is left out of that column); the interval resamples
-    the traces with a fixed ``seed``, so the same figures print the same interval.
+    (:class:`PooledMargin`; a trace whose best is 0 is left out of that column); the ``level`` interval
+    resamples the traces with a fixed ``seed``, so the same figures print the same interval.
 
     Why: :func:`shortfalls` judges each trace alone, and a median a few tenths of a millisecond behind
     its best rival on one trace and as far ahead on the next decides it by rounding. Over many traces
@@ -280,7 +283,7 @@ def pooled_margins(
         if not finite:
             continue
         means = sorted(sum(rng.choices(finite, k=len(finite))) / len(finite) for _ in range(resamples))
-        tail = int(resamples * 0.025)
+        tail = int(resamples * (1.0 - level) / 2)
         pooled.append(
             PooledMargin(
                 name,
@@ -289,6 +292,7 @@ def pooled_margins(
                 means[resamples - 1 - tail],
                 sum(value > 0 for value in finite),
                 sum(value < 0 for value in finite),
+                level,
             )
         )
     return pooled

@@ -65,5 +65,7 @@ def test_pooled_margins_read_many_traces_per_column():
 def test_pooled_margins_are_the_same_each_time_and_need_a_trace():
     traces = [((0.5, 90.0, 500.0), [(0.49 + i / 100, 89.0 + i, 480.0 + i)]) for i in range(5)]
     assert pooled_margins(traces) == pooled_margins(traces)
+    wide, narrow = pooled_margins(traces)[1], pooled_margins(traces, level=0.5)[1]
+    assert wide.low < narrow.low <= narrow.mean <= narrow.high < wide.high and narrow.level == 0.5
     with pytest.raises(ValueError, match="no trace"):
         pooled_margins([])
