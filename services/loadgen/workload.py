@@ -95,15 +95,16 @@ class TracePromptBuilder:
     def prompt(self, request: TraceRequest) -> tuple[str, list[int]]:
         """The prompt text of a trace request and the token ids it must tokenise to: :func:`sent_length`
         of them."""
+        length = sent_length(request, self.block_size)
         texts: list[str] = []
         ids: list[int] = []
         for h in request.hash_ids:
             text, block_ids = self.block(h)
             texts.append(text)
             ids.extend(block_ids)
-            if len(ids) >= request.input_length:
+            if len(ids) >= length:
                 break
-        ids = ids[: request.input_length]
+        ids = ids[:length]
         whole_blocks, remainder = divmod(len(ids), self.block_size)
         text = "".join(texts[:whole_blocks])
         if remainder:
