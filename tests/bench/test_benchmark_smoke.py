@@ -115,7 +115,8 @@ SMOKE: dict[str, tuple[list[str], str, object]] = {
             *("--output-tokens", "2", "--arrival-speedup-ratio", "50", "--model-shape", "small"),
         ],
         # kv and the one asked for, nothing else, on the shape asked for
-        r"of the small shape[^\n]*\n[^\n]*\nkv +\d+ [^\n]*\ncache-aware +\d+ [^\n]*\nper worker",
+        r"of the small shape[^\n]*\nwhat any router could keep of its prompt tokens: \d\.\d{3} [^\n]*\n[^\n]*\n"
+        r"kv +\d+ [^\n]*\ncache-aware +\d+ [^\n]*\nper worker",
         vllm_reason,
     ),
     "router_bench --saturation": (
