@@ -293,16 +293,21 @@ async def run_drill(mesh: HostMesh, drill: str, run: int, target: str, partition
             report.converged = True
         else:
             report.errors.append(await watch.why_not_recovered(settled))
-        report.snapshot_restore = await fresh_indexer_restores(mesh, watch, target, run)
+        restored = await fresh_indexer_restores(mesh, watch, target, run)
+        report.snapshot_restore = restored.ok()
+        if not report.snapshot_restore:  # why, per replica: a bare False told nothing when it happened
+            why = dict(restored) or "no replica answered"
+            report.errors.append(f"the fresh indexer replica did not restore and converge: {why}")
     report.requests, report.failed, report.hung = load.requests, load.failed, load.hung
     report.lost_with_frontend = load.lost_with_frontend
     report.errors += load.errors[:10]
     return report
 
 
-async def fresh_indexer_restores(mesh: HostMesh, watch: MeshWatch, host: str, run: int) -> bool:
+async def fresh_indexer_restores(mesh: HostMesh, watch: MeshWatch, host: str, run: int) -> Settled:
     """Start a new indexer replica on ``host``: it must restore from the snapshot (the stream before
-    it purged) and converge; then it is stopped and its durable consumer removed."""
+    it purged) and converge; then it is stopped and its durable consumer removed. The result says, for
+    the replica, why it has not (empty where it has; ``ok()`` where it has)."""
     replica = f"fresh-{host}-{run}"
     port = FRESH_INDEXER_PORT + run
     address = f"{mesh.hosts[host].address}:{port}"
@@ -316,8 +321,7 @@ async def fresh_indexer_restores(mesh: HostMesh, watch: MeshWatch, host: str, ru
         log=mesh.log(host, f"indexer-{replica}"),
     )
     try:
-        settled = await settle_in_fresh_process(mesh.nats_url, 60, indexers=[address], restored=True)
-        return settled.ok()
+        return await settle_in_fresh_process(mesh.nats_url, 60, indexers=[address], restored=True)
     finally:
         process.terminate()
         try:

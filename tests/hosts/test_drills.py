@@ -33,7 +33,7 @@ def test_drill(host_mesh: HostMesh, drill: str):
         assert report.requests > 100, report
         assert report.failed == 0 and report.hung == 0, report.errors
         assert report.converged, report.errors
-        assert report.snapshot_restore, report
+        assert report.snapshot_restore, report.errors
         if drill in ("kill-host", "partition"):
             assert report.discovery_drop_s is not None and report.discovery_return_s is not None, report
 
